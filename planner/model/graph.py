@@ -1,0 +1,100 @@
+"""Schemas for a loaded and traced model: the source it came from and its partition units.
+
+All per-sample figures are counted at batch size 1 with the model's sequence length, in the training
+dtype, on the meta device; the cost model scales them by the micro-batch size.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TrainDType = Literal["fp32", "bf16", "fp16"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSource(_Model):
+    """Where a model comes from: a file following the model-file contract, plus its arguments."""
+
+    path: str = Field(description="absolute path of the model file")
+    file_sha256: str = Field(description="digest of the file's bytes, so plans notice edits")
+    build_fn: str = "build_model"
+    inputs_fn: str = "example_inputs"
+    loss_fn: str | None = Field(None, description="name of loss_fn in the file, if it defines one")
+    batch_fn: str | None = Field(None, description="name of get_batch(step, micro_batch_size), if defined")
+    model_args: dict[str, Any] = Field(default_factory=dict)
+    dtype: TrainDType = "bf16"
+
+
+class TPPair(_Model):
+    """A column-parallel Linear feeding (through elementwise ops) a row-parallel Linear: one all-reduce."""
+
+    column: list[str] = Field(description="qualified names of the column-parallel Linears (q, k, v ...)")
+    row: str = Field(description="qualified name of the row-parallel Linear")
+    allreduce_bytes: int = Field(description="bytes all-reduced per sample in forward (row output)")
+
+
+class Unit(_Model):
+    """One partition unit: a contiguous piece of the model a pipeline stage takes whole."""
+
+    name: str = Field(description="e.g. 'embed', 'blocks.3', 'head'")
+    modules: list[str] = Field(description="qualified names of the modules the unit owns")
+    kind: Literal["block", "other"] = "other"
+    signature: str = Field(description="structural digest; equal signatures are identical blocks")
+    params: int
+    param_bytes: int = Field(description="bytes of the unit's parameters in the training dtype")
+    fwd_flops: float = Field(description="forward FLOPs per sample, all ops")
+    bwd_flops: float = Field(description="backward FLOPs per sample")
+    matmul_flops: float = Field(description="forward FLOPs per sample in dense matmuls / linear / conv")
+    attention_flops: float = Field(description="forward FLOPs per sample inside attention (QK^T, AV)")
+    memory_bound_bytes: float = Field(
+        description="forward bytes read+written per sample by ops that are not matmuls (norms, "
+        "elementwise, softmax, embedding lookups), costed against memory bandwidth"
+    )
+    activation_bytes: int = Field(description="bytes saved for backward per sample, no recomputation")
+    attention_core_bytes: int = Field(
+        0, description="part of activation_bytes that selective recomputation drops (s x s attention maps)"
+    )
+    input_bytes: int = Field(description="bytes per sample entering the unit (what full recompute keeps)")
+    output_bytes: int = Field(description="bytes per sample crossing to the next unit (pipeline p2p size)")
+    tp_pairs: list[TPPair] = Field(default_factory=list)
+    tp_shardable_params: int = Field(0, description="parameters that tensor parallelism shards")
+    tp_shardable_flops: float = Field(0.0, description="forward FLOPs per sample that TP divides")
+
+    @property
+    def tp_allreduce_bytes(self) -> int:
+        return sum(p.allreduce_bytes for p in self.tp_pairs)
+
+
+class ModelGraph(_Model):
+    """A traced model grouped into partition units, in execution order."""
+
+    source: ModelSource
+    model_class: str
+    trace_method: Literal["fx", "export"]
+    units: list[Unit]
+    total_params: int
+    tokens_per_sample: int | None = Field(
+        None, description="sequence length when the inputs are integer tokens, else None"
+    )
+    sample_input_shapes: list[list[int]] = Field(description="shapes of example_inputs(1)")
+    distinct_blocks: int = Field(description="number of distinct unit signatures analysed")
+    dtype_bytes: int
+
+    def unit(self, name: str) -> Unit:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(name)
+
+    @property
+    def fwd_flops_per_sample(self) -> float:
+        return sum(u.fwd_flops for u in self.units)
+
+    @property
+    def bwd_flops_per_sample(self) -> float:
+        return sum(u.bwd_flops for u in self.units)

@@ -1,0 +1,228 @@
+"""The Plan schema (plan.json): everything codegen and the report need, and nothing executable.
+
+A plan is data only: it is validated on load and never pickled or exec'd. Its schema version is
+checked so that an old plan is refused with a clear message instead of being misread.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from planner.errors import PlanError
+from planner.model.graph import ModelSource
+
+SCHEMA_VERSION = 1
+
+# zero-bubble is ZBV (torch's ScheduleZBVZeroBubble): two stages per rank placed in a V, so stage i runs
+# on rank i for i < pp and on rank 2*pp-1-i after; the other schedules place stage i on rank i % pp.
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+Recompute = Literal["none", "selective", "full"]
+Source = Literal["measured", "estimated"]
+TPStyle = Literal["colwise", "rowwise"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ParallelConfig(_Model):
+    """Degrees and batch layout. World size is dp * tp * pp; tp stays inside a node."""
+
+    dp: int = Field(ge=1)
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    virtual_stages: int = Field(1, ge=1, description="pipeline stages per pp rank (interleaving)")
+    micro_batch_size: int = Field(ge=1)
+    num_micro_batches: int = Field(ge=1, description="micro-batches per data-parallel replica")
+    global_batch_size: int = Field(ge=1)
+    schedule: Schedule = "1f1b"
+    zero_stage: int = Field(0, ge=0, le=3, description="0: DDP, 1/2: sharded optimizer/grads, 3: FSDP")
+    sequence_parallel: bool = False
+    mesh_dims: list[str] = Field(default_factory=lambda: ["pp", "dp", "tp"], description="outer to inner")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ParallelConfig:
+        if self.dp * self.micro_batch_size * self.num_micro_batches != self.global_batch_size:
+            raise ValueError(
+                f"dp ({self.dp}) x micro_batch_size ({self.micro_batch_size}) x num_micro_batches "
+                f"({self.num_micro_batches}) must equal global_batch_size ({self.global_batch_size})"
+            )
+        if self.schedule == "interleaved-1f1b" and self.virtual_stages < 2:
+            raise ValueError("interleaved-1f1b needs virtual_stages >= 2")
+        if self.schedule in ("gpipe", "1f1b") and self.virtual_stages != 1:
+            raise ValueError(f"schedule {self.schedule} takes one stage per rank (virtual_stages=1)")
+        if self.schedule == "zero-bubble" and self.virtual_stages != 2:
+            raise ValueError("zero-bubble (ZBV) places two stages per rank in a V: virtual_stages must be 2")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+
+class MemoryBreakdown(_Model):
+    """Bytes per GPU held by one stage's rank."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    comm_buffers: int
+    workspace: int = Field(description="allocator fragmentation and kernel workspace allowance")
+
+    @property
+    def total(self) -> int:
+        return (
+            self.weights + self.gradients + self.optimizer + self.activations + self.comm_buffers
+            + self.workspace
+        )
+
+
+class StagePlan(_Model):
+    """One pipeline stage: which units it owns, on which pp rank, and its predicted cost."""
+
+    index: int = Field(ge=0, description="position in the pipeline, 0 = first")
+    pp_rank: int = Field(ge=0)
+    units: list[str]
+    modules: list[str] = Field(description="qualified module names owned by the stage")
+    recompute: Recompute = "none"
+    forward_time_s: float = Field(description="per micro-batch, including TP communication")
+    backward_time_s: float = Field(description="per micro-batch, including recomputation and TP comm")
+    p2p_time_s: float = Field(0.0, description="send of activations (fwd) or gradients (bwd), each way")
+    compute_time_s: float = Field(description="forward + backward per micro-batch")
+    memory_bytes: int
+    memory: MemoryBreakdown
+    source: Source = "estimated"
+
+
+class CommBreakdown(_Model):
+    """Seconds per iteration spent in each kind of communication (exposed, i.e. not overlapped)."""
+
+    tensor_parallel_s: float = 0.0
+    pipeline_p2p_s: float = 0.0
+    data_parallel_s: float = 0.0
+    data_parallel_exposed_s: float = 0.0
+
+
+class Predicted(_Model):
+    iteration_time_s: float
+    samples_per_s: float
+    tokens_per_s: float | None = None
+    model_tflops_per_gpu: float
+    mfu: float
+    peak_memory_bytes: int
+    memory_capacity_bytes: int
+    bubble_fraction: float
+    comm: CommBreakdown = CommBreakdown()
+    source: Source = "estimated"
+
+
+class Alternative(_Model):
+    """A runner-up configuration with its predicted figures."""
+
+    parallel: ParallelConfig
+    recompute: list[Recompute]
+    predicted: Predicted
+    note: str = ""
+
+
+class Rejection(_Model):
+    """A region of the search space that was ruled out, with why and how many candidates it held."""
+
+    region: str
+    reason: str
+    count: int = 1
+
+
+class ClusterSummary(_Model):
+    name: str
+    gpu: str
+    nodes: int
+    gpus_per_node: int
+
+
+class TrainingConfig(_Model):
+    """Knobs of the generated training script (not searched)."""
+
+    seed: int = 0
+    lr: float = 1e-4
+    steps: int = 10
+    dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+
+
+class SearchStats(_Model):
+    candidates: int = 0
+    pruned_by_bound: int = 0
+    ilps_solved: int = 0
+    status: str = "optimal"
+    gap: float = 0.0
+
+
+class Plan(_Model):
+    schema_version: int = SCHEMA_VERSION
+    planner_version: str
+    inputs_digest: str = Field(description="sha256 of the model source, cluster and options")
+    model: ModelSource
+    model_class: str
+    trace_method: Literal["fx", "export"]
+    tokens_per_sample: int | None = None
+    cluster: ClusterSummary
+    parallel: ParallelConfig
+    tp_plan: dict[str, TPStyle] = Field(default_factory=dict, description="module name -> TP style")
+    stages: list[StagePlan]
+    predicted: Predicted
+    alternatives: list[Alternative] = Field(default_factory=list)
+    rejected: list[Rejection] = Field(default_factory=list)
+    training: TrainingConfig = TrainingConfig()
+    search: SearchStats = SearchStats()
+    created_at: str | None = Field(None, description="only when asked for (--timestamp)")
+
+    @model_validator(mode="after")
+    def _stages_match(self) -> Plan:
+        if len(self.stages) != self.parallel.num_stages:
+            raise ValueError(
+                f"plan has {len(self.stages)} stages but pp x virtual_stages = {self.parallel.num_stages}"
+            )
+        return self
+
+    def to_json(self) -> str:
+        """Canonical JSON: sorted keys, two-space indent, trailing newline (byte-identical for equal plans)."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=2) + "\n"
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate plan.json (or a directory holding one)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "plan.json"
+    if not p.is_file():
+        raise PlanError(f"No plan found at {p}. Pass a plan.json file or the directory `planner plan --out` wrote.")
+    try:
+        raw: Any = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PlanError(f"{p} is not valid JSON ({e}). Regenerate it with `planner plan`.") from None
+    if not isinstance(raw, dict):
+        raise PlanError(f"{p} does not hold a JSON object. Regenerate it with `planner plan`.")
+    version = raw.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise PlanError(
+            f"{p} has schema_version {version!r}, this planner reads version {SCHEMA_VERSION}. "
+            "Regenerate the plan with this planner (`planner plan ...`)."
+        )
+    try:
+        return Plan.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
+        raise PlanError(
+            f"{p} is not a valid plan: {where}: {first['msg']} ({e.error_count()} problem(s)). "
+            "Regenerate it with `planner plan` rather than editing it by hand."
+        ) from None
