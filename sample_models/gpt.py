@@ -1,0 +1,181 @@
+"""GPT-2 / GPT-3 style decoder (learned positions, pre-LayerNorm, GELU MLP) following the model-file contract.
+
+``build_model(**kwargs)`` and ``example_inputs(batch_size, **kwargs)`` receive the same keyword arguments
+(``--model-arg layers=4``): ``preset`` names a published configuration, and ``layers``, ``hidden``,
+``heads``, ``vocab``, ``seq``, ``ffn``, ``dropout`` override it; ``seed`` seeds the example tokens.
+Arguments a function does not use are ignored. Without arguments the model is small enough to train on a CPU.
+
+The layout is the one tensor parallelism expects (as in torchtitan): separate ``q``/``k``/``v`` column
+projections and an ``o`` row projection, ``fc1`` (column) -> GELU -> ``fc2`` (row), and heads reshaped
+with ``-1`` so that the same code runs when a rank holds only a shard of the heads. Every module that owns
+parameters is a leaf with PyTorch's own ``reset_parameters()``, so a model built on the meta device can be
+materialised module by module with ``to_empty(recurse=False)`` + ``reset_parameters()``.
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# name -> layers, hidden, heads, vocab, seq. GPT-2 from Radford et al. 2019 (Table 2; heads from the
+# released checkpoints), GPT-3 from Brown et al. 2020 (Table 2.1), Megatron from Narayanan et al. SC21
+# (Table 1).
+_GPT2 = {"vocab": 50257, "seq": 1024}
+# GPT-3 used 50257 tokens; Megatron pads the vocabulary to 51200 (a multiple of 1024).
+_GPT3 = {"vocab": 51200, "seq": 2048}
+PRESETS: dict[str, dict[str, int]] = {
+    "gpt2-124m": {"layers": 12, "hidden": 768, "heads": 12, **_GPT2},
+    "gpt2-350m": {"layers": 24, "hidden": 1024, "heads": 16, **_GPT2},
+    "gpt2-774m": {"layers": 36, "hidden": 1280, "heads": 20, **_GPT2},
+    "gpt2-1.5b": {"layers": 48, "hidden": 1600, "heads": 25, **_GPT2},
+    # Table 2.1 gives 24 heads of 128 for d_model 2048, which do not multiply out; 16 x 128 is consistent.
+    "gpt3-1.3b": {"layers": 24, "hidden": 2048, "heads": 16, **_GPT3},
+    "gpt3-2.7b": {"layers": 32, "hidden": 2560, "heads": 32, **_GPT3},
+    "gpt3-6.7b": {"layers": 32, "hidden": 4096, "heads": 32, **_GPT3},
+    # The paper lists d_model 5140, which 40 heads do not divide; 5120 (head dim 128) is what is trained.
+    "gpt3-13b": {"layers": 40, "hidden": 5120, "heads": 40, **_GPT3},
+    "gpt3-175b": {"layers": 96, "hidden": 12288, "heads": 96, **_GPT3},
+    "megatron-1.7b": {"layers": 24, "hidden": 2304, "heads": 24, **_GPT3},
+    "megatron-3.6b": {"layers": 30, "hidden": 3072, "heads": 32, **_GPT3},
+    "megatron-7.5b": {"layers": 36, "hidden": 4096, "heads": 32, **_GPT3},
+    "megatron-18b": {"layers": 40, "hidden": 6144, "heads": 48, **_GPT3},
+    "megatron-39b": {"layers": 48, "hidden": 8192, "heads": 64, **_GPT3},
+    "megatron-76b": {"layers": 60, "hidden": 10240, "heads": 80, **_GPT3},
+    "megatron-145b": {"layers": 80, "hidden": 12288, "heads": 96, **_GPT3},
+    "megatron-310b": {"layers": 96, "hidden": 16384, "heads": 128, **_GPT3},
+    "megatron-530b": {"layers": 105, "hidden": 20480, "heads": 128, **_GPT3},
+    "megatron-1t": {"layers": 128, "hidden": 25600, "heads": 160, **_GPT3},
+}
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """The default is a small model that trains in seconds on a CPU; ``ffn`` 0 means 4 * hidden."""
+
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    vocab: int = 1024
+    seq: int = 64
+    ffn: int = 0
+    dropout: float = 0.0  # 0 keeps training deterministic, so loss curves can be compared run to run
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+
+_FIELDS = {"layers": int, "hidden": int, "heads": int, "vocab": int, "seq": int, "ffn": int, "dropout": float}
+
+
+def resolve_config(preset: str | None = None, **kwargs) -> GPTConfig:
+    """The preset's values (or the small default), overridden by any explicit field; other kwargs ignored."""
+    cfg = GPTConfig()
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"Unknown GPT preset {preset!r}; known presets: {', '.join(PRESETS)}.")
+        cfg = replace(cfg, **PRESETS[preset])
+    cfg = replace(cfg, **{k: cast(kwargs[k]) for k, cast in _FIELDS.items() if kwargs.get(k) is not None})
+    for name in ("layers", "hidden", "heads", "vocab", "seq"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"GPT {name} must be at least 1, got {getattr(cfg, name)}.")
+    if cfg.hidden % cfg.heads:
+        raise ValueError(
+            f"GPT hidden ({cfg.hidden}) must be divisible by heads ({cfg.heads}); change either."
+        )
+    return cfg
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with separate q/k/v projections (column) and an o projection (row)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.q = nn.Linear(cfg.hidden, cfg.hidden)
+        self.k = nn.Linear(cfg.hidden, cfg.hidden)
+        self.v = nn.Linear(cfg.hidden, cfg.hidden)
+        self.o = nn.Linear(cfg.hidden, cfg.hidden)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (b, s, heads * head_dim) -> (b, heads, s, head_dim); -1 so that a shard of the heads works too.
+        q = self.q(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        k = self.k(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        v = self.v(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.drop(self.o(y.transpose(1, 2).flatten(2)))
+
+
+class MLP(nn.Module):
+    """fc1 (column) -> GELU -> fc2 (row)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden, cfg.ffn_dim)
+        self.act = nn.GELU(approximate="tanh")  # GPT-2's GELU
+        self.fc2 = nn.Linear(cfg.ffn_dim, cfg.hidden)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.act(self.fc1(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(cfg.hidden)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.LayerNorm(cfg.hidden)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Token + learned position embedding, ``blocks``, final LayerNorm and an untied ``head`` to logits."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.seq = cfg.seq
+        self.tok_emb = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos_emb = nn.Embedding(cfg.seq, cfg.hidden)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.layers)])
+        self.norm = nn.LayerNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # The sequence length comes from the model, not tokens.shape, so symbolic tracing needs no shapes.
+        pos = torch.arange(self.seq, device=tokens.device)
+        x = self.drop(self.tok_emb(tokens) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def build_model(**kwargs) -> GPT:
+    return GPT(resolve_config(**kwargs))
+
+
+def example_inputs(batch_size: int, seed: int = 0, **kwargs) -> tuple[torch.Tensor]:
+    """One micro-batch of random tokens, (batch_size, seq) int64 on the CPU, the same for the same seed."""
+    cfg = resolve_config(**kwargs)
+    gen = torch.Generator().manual_seed(int(seed))
+    return (torch.randint(cfg.vocab, (int(batch_size), cfg.seq), generator=gen, device="cpu"),)
+
+
+def loss_fn(output: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy: logits at position t predict token t + 1 (mean over all positions)."""
+    logits = output[:, :-1].flatten(0, 1).float()
+    return F.cross_entropy(logits, tokens[:, 1:].flatten())
