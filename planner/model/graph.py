@@ -55,6 +55,9 @@ class Unit(_Model):
         description="forward bytes read+written per sample by ops that are not matmuls (norms, "
         "elementwise, softmax, embedding lookups), costed against memory bandwidth"
     )
+    bwd_matmul_flops: float = Field(0.0, description="backward FLOPs per sample in dense matmuls")
+    bwd_attention_flops: float = Field(0.0, description="backward FLOPs per sample inside attention")
+    bwd_memory_bound_bytes: float = Field(0.0, description="backward bytes of non-matmul ops per sample")
     activation_bytes: int = Field(description="bytes saved for backward per sample, no recomputation")
     attention_core_bytes: int = Field(
         0, description="part of activation_bytes that selective recomputation drops (s x s attention maps)"
@@ -64,6 +67,13 @@ class Unit(_Model):
     tp_pairs: list[TPPair] = Field(default_factory=list)
     tp_shardable_params: int = Field(0, description="parameters that tensor parallelism shards")
     tp_shardable_flops: float = Field(0.0, description="forward FLOPs per sample that TP divides")
+    tp_styles: dict[str, Literal["colwise", "rowwise"]] = Field(
+        default_factory=dict, description="module name -> tensor-parallel style for this unit"
+    )
+    gemm_dim: int = Field(
+        0, description="FLOP-weighted smallest dimension of the unit's Linears (for GEMM efficiency)"
+    )
+    uses_flash_attention: bool = Field(False, description="attention through scaled_dot_product_attention")
 
     @property
     def tp_allreduce_bytes(self) -> int:

@@ -1,0 +1,64 @@
+"""Tracing a meta-device model into a torch.fx graph: symbolic tracing first, torch.export as the fallback.
+
+Symbolic tracing keeps the module calls (good for partitioning by module name) but cannot follow
+Python control flow on shapes or values; torch.export (non-strict) specialises shapes on the example
+inputs and follows what symbolic tracing cannot. Either way the result is a GraphModule whose nodes carry
+``nn_module_stack`` metadata, which is what grouping into units relies on.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner.errors import TraceError
+from planner.model.load import _user_frame
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Traced:
+    gm: object  # torch.fx.GraphModule
+    method: str  # "fx" | "export"
+    fx_error: str | None = None
+
+
+def _shape_check(gm, inputs) -> None:
+    """Run the traced graph on meta inputs: a symbolic trace can succeed yet bake in a wrong shape path."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    ShapeProp(gm).propagate(*inputs)
+
+
+def trace_model(model, inputs: tuple, model_path: str) -> Traced:
+    """Trace ``model`` called on ``inputs`` (meta tensors). Raises TraceError naming the offending line."""
+    import torch
+    import torch.fx
+
+    fx_error: str | None = None
+    try:
+        gm = torch.fx.symbolic_trace(model)
+        _shape_check(gm, inputs)
+        return Traced(gm=gm, method="fx")
+    except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
+        where = _user_frame(e, Path(model_path))
+        fx_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" + (f" at {where}" if where else "")
+        log.info("symbolic tracing failed (%s); falling back to torch.export", fx_error)
+    try:
+        ep = torch.export.export(model, tuple(inputs), strict=False)
+        gm = ep.module()
+        _shape_check(gm, inputs)
+        return Traced(gm=gm, method="export", fx_error=fx_error)
+    except Exception as e:  # noqa: BLE001
+        where = _user_frame(e, Path(model_path))
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise TraceError(
+            "Neither torch.fx symbolic tracing nor torch.export could follow the model"
+            + (f": the failing line is {where}" if where else "")
+            + f" ({type(e).__name__}: {first[:300]}). Typical causes are Python branches on tensor values "
+            "(`if x.sum() > 0:`) or calls the tracer cannot see through. Replace data-dependent control flow "
+            "with tensor ops (torch.where) or move it out of forward()."
+            + (f" Symbolic tracing had failed with {fx_error}." if fx_error else "")
+        ) from e
