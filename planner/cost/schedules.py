@@ -40,8 +40,8 @@ def schedule_violation(schedule: str, p: int, m: int, v: int) -> str | None:
         rounds = max(1, m // p)
         if m % rounds:
             return (
-                f"interleaved-1f1b needs m to be a multiple of the number of rounds max(1, m // p) = {rounds} "
-                f"(torch ScheduleInterleaved1F1B), got m = {m}, p = {p}; use a multiple of p"
+                f"interleaved-1f1b needs m to be a multiple of the number of rounds max(1, m // p) = "
+                f"{rounds} (torch ScheduleInterleaved1F1B), got m = {m}, p = {p}; use a multiple of p"
             )
     if schedule == "zero-bubble" and v != 2:
         return f"zero-bubble (ZBV) places exactly two stages per rank in a V: v must be 2, got {v}"
@@ -55,30 +55,29 @@ def stage_rank(schedule: str, p: int, v: int, stage: int) -> int:
     rank s for s < p and on rank 2p-1-s after (torch generate_stage_to_rank_mapping, style "loop"/"v").
     """
     _check_name(schedule)
-    if not 0 <= stage < p * v:
-        raise ValueError(f"stage {stage} out of range for p = {p}, v = {v} ({p * v} stages)")
+    _check_stage(p, v, stage)
     if schedule == "zero-bubble":
         return stage if stage < p else 2 * p - 1 - stage
     return stage % p
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Pipeline bubble as idle time over ideal time (Narayanan et al., SC21, sec. 2.2).
+    """Pipeline bubble as idle time over ideal time, (T - m t) / (m t) (Narayanan et al., SC21, sec. 2.2).
 
-    GPipe and 1F1B: (p-1)/m; interleaved 1F1B: (p-1)/(v*m) (sec. 2.2.2). Zero-bubble (ZBV, Qi et al.
-    2024, sec. 6) reaches 0 under its stated assumption: m >= 2p and forward, input-gradient and
-    weight-gradient passes of equal length (t_F = t_B = t_W) with free communication; otherwise this
-    returns the simulated value of that uniform case (see `iteration_time_uniform`). Note the ratio is
-    idle/ideal, not idle/total: the idle share of the iteration is b / (1 + b).
+    GPipe and 1F1B: (p-1)/m (sec. 2.2.1). Interleaved 1F1B: (p-1)/(v*m) for m >= p (sec. 2.2.2); torch
+    also runs m < p, where it is (v(p-m) + m - 1)/(v*m). Zero-bubble (ZBV, Qi et al. 2024, sec. 6)
+    assumes forward, input-gradient and weight-gradient passes of equal length and m >= 2p; torch's order
+    then idles only the unavoidable start-up of p-1 stage forwards: (p-1)/(6m), about 0 (exact from
+    m >= 3p/2; below that, the simulated value of the same case). All with free communication. This is
+    idle/ideal, as in the paper; the simulator's `bubble_fraction` is idle/total, b / (1 + b) of this.
     """
-    violation = schedule_violation(schedule, p, m, v)
-    if violation:
-        raise ValueError(violation)
     if schedule in ("gpipe", "1f1b"):
+        _raise_if_refused(schedule, p, m, v)
         return (p - 1) / m
-    if schedule == "interleaved-1f1b":
-        return iteration_time_uniform(schedule, p, m, v, 1.0, 2.0) / (3.0 * m) - 1.0
-    return iteration_time_uniform(schedule, p, m, v, 1.0, 2.0, 1.0) / (3.0 * m) - 1.0
+    # The others follow from their iteration time; per-stage F : B : W = 1 : 1 : 1 as ZBV assumes.
+    t_f, t_b = float(v), 2.0 * v
+    t_w = t_f if schedule == "zero-bubble" else 0.0
+    return iteration_time_uniform(schedule, p, m, v, t_f, t_b, t_w) / (m * (t_f + t_b)) - 1.0
 
 
 def iteration_time_uniform(
@@ -87,58 +86,114 @@ def iteration_time_uniform(
     """Iteration time of one pipeline for uniform stages and free communication.
 
     t_f, t_b: forward and full backward time of one micro-batch on one rank, summed over the rank's v
-    stages (so each stage takes t_f/v and t_b/v); t_w: the weight-gradient part of t_b, which only
-    zero-bubble runs as a separate pass (its input-gradient pass takes t_b - t_w).
+    stages (each stage takes t_f/v and t_b/v). t_w: the weight-gradient part of t_b; only zero-bubble
+    runs it as its own pass (its input-gradient pass then takes t_b - t_w), the others ignore it.
 
-    GPipe and 1F1B: (m + p - 1)(t_f + t_b) (Narayanan et al., SC21, sec. 2.2.1; exact for uneven t_f,
-    t_b too). Interleaved 1F1B: (m + (p-1)/v)(t_f + t_b) (sec. 2.2.2) when m is a multiple of p; torch's
-    flexible variant with m < p or m not a multiple of p pays more, given here exactly for its order.
-    Zero-bubble: the closed form of torch's ZBV order (Qi et al. 2024, sec. 6), see `_zbv_uniform`.
+    GPipe and 1F1B: (m + p - 1)(t_f + t_b) (Narayanan et al., SC21, sec. 2.2.1). Interleaved 1F1B:
+    (m + (p-1)/v)(t_f + t_b) for m >= p (sec. 2.2.2, also for m not a multiple of p in torch's flexible
+    order); for m < p torch's order takes (p + (m-1)/v)(t_f + t_b). Zero-bubble under its paper's
+    assumption (Qi et al. 2024, sec. 6: per-stage F, B, W of equal length, here t_f = t_b - t_w = t_w)
+    and m >= 3p/2: m(t_f + t_b) + (p-1) t_f/2, which is optimal since the last rank cannot start before
+    p-1 stage forwards have run. Outside that assumption torch's ZBV order has no simple closed form and
+    this returns the simulated uniform case. All derived from torch's orders and checked by the tests.
     """
-    violation = schedule_violation(schedule, p, m, v)
-    if violation:
-        raise ValueError(violation)
+    _raise_if_refused(schedule, p, m, v)
     if min(t_f, t_b, t_w) < 0 or t_w > t_b:
-        raise ValueError(f"need 0 <= t_w <= t_b and t_f >= 0, got t_f={t_f}, t_b={t_b}, t_w={t_w}")
+        raise ValueError(f"need t_f >= 0 and 0 <= t_w <= t_b, got t_f={t_f}, t_b={t_b}, t_w={t_w}")
     if schedule in ("gpipe", "1f1b"):
         return (m + p - 1) * (t_f + t_b)
     if schedule == "interleaved-1f1b":
-        return _interleaved_uniform(p, m, v, t_f / v, t_b / v)
-    return _zbv_uniform(p, m, t_f / 2, (t_b - t_w) / 2, t_w / 2)
+        return (max(m, p) + (min(m, p) - 1) / v) * (t_f + t_b)
+    if t_f == t_b - t_w == t_w and m >= 3 * p // 2:
+        return m * (t_f + t_b) + (p - 1) * t_f / 2
+    # Imported here: the simulator depends on this module for placement and the schedule rules.
+    from planner.cost.simulate import simulate
 
-
-def _interleaved_uniform(p: int, m: int, v: int, f: float, b: float) -> float:
-    """Interleaved 1F1B with per-stage times f, b (torch ScheduleInterleaved1F1B order).
-
-    With k = m // max(1, m // p) micro-batches per round, the first micro-batch leaves the last stage
-    after p*v forwards; from then on every rank alternates. Derived from the order and checked against
-    the simulator; for k = p it is Narayanan's (m*v + p - 1)(f + b).
-    """
-    rounds = max(1, m // p)
-    k = m // rounds
-    if k == p:
-        return (m * v + p - 1) * (f + b)
-    raise NotImplementedError
-
-
-def _zbv_uniform(p: int, m: int, f: float, b: float, w: float) -> float:
-    raise NotImplementedError
+    n = 2 * p
+    return simulate(schedule, p, m, 2, [t_f / 2] * n, [t_b / 2] * n, [t_w / 2] * n).iteration_time
 
 
 def in_flight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> int:
-    """Peak number of micro-batches whose activations `stage` holds at once (forward done, backward not).
+    """Peak number of micro-batches whose activations `stage` holds at once (forward run, backward not).
 
-    GPipe: m (all forwards run before the first backward, Huang et al. 2019). 1F1B: min(p - s, m)
-    (Narayanan et al., SC21, sec. 2.2.1: the warm-up of stage s). Interleaved and zero-bubble: counted
-    from torch's warm-up (see the per-schedule helpers); for the rank's total use `rank_in_flight_chunks`.
+    The memory model multiplies it by the stage's activation bytes per micro-batch. GPipe: m (every
+    forward before the first backward, Huang et al. 2019). 1F1B: min(p - s, m), the warm-up of stage s
+    (Narayanan et al., SC21, sec. 2.2.1). Zero-bubble: min(2p - s, m), the same along the V (the
+    activations count as held until the weight-gradient pass W has read them). Interleaved 1F1B: counted
+    from torch's warm-up, (v-1)k + 2(p-1-r) forwards on rank r with k micro-batches per round, see
+    `_interleaved_stage_peak`. Equal to the simulator's `peak_in_flight` (checked by the tests).
     """
-    violation = schedule_violation(schedule, p, m, v)
-    if violation:
-        raise ValueError(violation)
-    if not 0 <= stage < p * v:
-        raise ValueError(f"stage {stage} out of range for p = {p}, v = {v} ({p * v} stages)")
+    _raise_if_refused(schedule, p, m, v)
+    _check_stage(p, v, stage)
     if schedule == "gpipe":
         return m
     if schedule == "1f1b":
         return min(p - stage, m)
-    raise NotImplementedError
+    if schedule == "zero-bubble":
+        return min(2 * p - stage, m)
+    return _interleaved_stage_peak(p, m, v, stage)
+
+
+def rank_in_flight_microbatches(schedule: str, p: int, m: int, v: int, rank: int) -> int:
+    """Peak number of (stage, micro-batch) activation sets held at once by all of `rank`'s stages.
+
+    With v stages per rank each holding 1/v of the rank's layers, the rank's activation memory at peak
+    is this count times one stage's activations per micro-batch. Interleaved: the warm-up plus the first
+    steady-state forward, min((v-1)k + 2(p-1-r) + 1, m*v) (torch _get_warmup_ops; Narayanan et al.
+    sec. 2.2.2). Zero-bubble: min(2p, m + r + 1, 2m), so 2p half-rank stage activations once m >= 2p - 1,
+    the p full-rank ones rank 0 of 1F1B holds, on every rank (derived from torch's ZBV order).
+    """
+    _raise_if_refused(schedule, p, m, v)
+    if not 0 <= rank < p:
+        raise ValueError(f"rank {rank} out of range for p = {p}")
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(p - rank, m)
+    if schedule == "zero-bubble":
+        return min(2 * p, m + rank + 1, 2 * m)
+    return min(_interleaved_warmup(p, m, v, rank) + 1, m * v)
+
+
+def _interleaved_warmup(p: int, m: int, v: int, rank: int) -> int:
+    # torch _get_warmup_ops: (v-1) rounds of k micro-batches for the last rank, two more per hop back.
+    k = m // max(1, m // p)
+    return min((v - 1) * k + 2 * (p - 1 - rank), m * v)
+
+
+def _windows_count(n: int, k: int, v: int, j: int) -> int:
+    """How many t in [0, n) fall in window j, windows of length k cycling over v slots."""
+    if n <= 0:
+        return 0
+    full, rest = divmod(n, k * v)
+    return full * k + min(max(rest - j * k, 0), k)
+
+
+def _interleaved_stage_peak(p: int, m: int, v: int, stage: int) -> int:
+    """Peak activations of one interleaved stage, from torch's step pattern.
+
+    Rank r runs step i as: forward on local chunk (i // k) % v, then (once i >= warm-up w) backward on
+    chunk v-1 - ((i - w) // k) % v, with k micro-batches per round. Chunk c's count of forwards minus
+    finished backwards only grows inside its forward windows, so its peak is at the end of one of them.
+    """
+    rounds = max(1, m // p)
+    k = m // rounds
+    chunk, rank = divmod(stage, p)
+    warm = _interleaved_warmup(p, m, v, rank)
+    peak = 0
+    for q in range(rounds):
+        last_fwd = (q * v + chunk + 1) * k - 1  # step of this window's last forward on the chunk
+        backwards = _windows_count(last_fwd - warm, k, v, v - 1 - chunk)
+        peak = max(peak, (q + 1) * k - backwards)
+    return peak
+
+
+def _check_stage(p: int, v: int, stage: int) -> None:
+    if not 0 <= stage < p * v:
+        raise ValueError(f"stage {stage} out of range for p = {p}, v = {v} ({p * v} stages)")
+
+
+def _raise_if_refused(schedule: str, p: int, m: int, v: int) -> None:
+    violation = schedule_violation(schedule, p, m, v)
+    if violation:
+        raise ValueError(violation)

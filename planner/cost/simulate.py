@@ -58,7 +58,7 @@ class SimResult:
     v: int
     iteration_time: float
     busy: list[float]  # per rank: seconds spent computing
-    bubble_fraction: float  # 1 - mean(busy) / iteration_time
+    bubble_fraction: float  # idle share of the iteration, 1 - mean(busy) / iteration_time
     peak_in_flight: list[int]  # per stage: most micro-batches with forward done and backward not finished
     rank_peak_in_flight: list[int]  # per rank: the same, summed over the rank's stages at one instant
     stage_ranks: list[int]  # per stage: the rank that runs it
@@ -67,10 +67,18 @@ class SimResult:
     # because the search simulates many candidates and draws few.
     log: list[list[tuple[int, int, int, float, float]]] = field(repr=False, compare=False)
 
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle over ideal time, iteration_time / mean(busy) - 1: Narayanan et al.'s (p-1)/m quantity."""
+        work = sum(self.busy) / self.p
+        return self.iteration_time / work - 1.0 if work > 0 else 0.0
+
     @cached_property
     def events(self) -> list[Event]:
         """Every compute action, rank by rank, each rank's in execution order."""
-        return [Event(r, s, j, KIND_NAMES[k], a, b) for r, log in enumerate(self.log) for k, s, j, a, b in log]
+        return [
+            Event(r, s, j, KIND_NAMES[k], a, b) for r, log in enumerate(self.log) for k, s, j, a, b in log
+        ]
 
     @cached_property
     def transfers(self) -> list[Transfer]:
@@ -88,6 +96,7 @@ def _gpipe_order(p: int, m: int, rank: int) -> list[Action]:
 
 def _1f1b_order(p: int, m: int, rank: int) -> list[Action]:
     # Schedule1F1B._step_microbatches: min(m, p - rank) warm-up forwards, then 1B1F, then the remaining B.
+    # (Its _get_pipeline_order is only a drawing aid and starts the last rank at micro-batch 1.)
     warmup = min(m, p - rank)
     ops: list[Action] = [(F, rank, j) for j in range(warmup)]
     fwd, bwd = warmup, 0
@@ -224,8 +233,9 @@ def simulate(
 
     stage_fwd[s], stage_bwd[s]: forward and full backward time of one micro-batch on stage s (p*v
     entries). stage_bwd_weight[s]: the weight-gradient part of stage_bwd[s]; only zero-bubble runs it as
-    its own W pass (then B takes the rest); None means half of the backward, the matmul split that the
-    zero-bubble paper assumes (Qi et al. 2024, sec. 2: B and W each cost one forward matmul).
+    its own W pass (then B takes the rest; other schedules run one fused backward, event kind "B"); None
+    means half of the backward, the matmul split the zero-bubble paper assumes (Qi et al. 2024, sec. 2:
+    input and weight gradients of a matmul each cost one forward matmul).
     p2p[s]: time to send stage s's output to stage s+1, and its gradient back; paid only between ranks.
     """
     violation = schedule_violation(schedule, p, m, v)
@@ -234,16 +244,18 @@ def simulate(
     n = p * v
     fwd = _per_stage("stage_fwd", stage_fwd, n)
     bwd = _per_stage("stage_bwd", stage_bwd, n)
-    if schedule == "zero-bubble":
-        wgt = [x / 2 for x in bwd] if stage_bwd_weight is None else _per_stage(
-            "stage_bwd_weight", stage_bwd_weight, n
-        )
-        if any(w > b for w, b in zip(wgt, bwd)):
-            raise ValueError("stage_bwd_weight[s] is the weight-gradient part of stage_bwd[s]: it cannot exceed it")
-        bin_ = [b - w for b, w in zip(bwd, wgt)]
+    if stage_bwd_weight is None:
+        wgt = [x / 2 for x in bwd]
     else:
-        wgt = [0.0] * n
-        bin_ = bwd
+        wgt = _per_stage("stage_bwd_weight", stage_bwd_weight, n)
+        if any(w > b for w, b in zip(wgt, bwd, strict=True)):
+            raise ValueError(
+                "stage_bwd_weight[s] is the weight-gradient part of stage_bwd[s]: it cannot exceed it"
+            )
+    if schedule == "zero-bubble":
+        bin_ = [b - w for b, w in zip(bwd, wgt, strict=True)]
+    else:  # one fused backward pass; no W actions are scheduled
+        bin_, wgt = bwd, [0.0] * n
     link = _p2p_list(p2p, n)
     ranks = [stage_rank(schedule, p, v, s) for s in range(n)]
     # Delay on the edge into stage s from s-1 (forward) and into stage s from s+1 (backward).
@@ -313,7 +325,9 @@ def simulate(
     stuck = [r for r in range(p) if ptr[r] < len(orders[r])]
     if stuck:
         r = stuck[0]
-        raise RuntimeError(f"{schedule} order deadlocks at rank {r}, action {orders[r][ptr[r]]} (p={p}, m={m}, v={v})")
+        raise RuntimeError(
+            f"{schedule} order deadlocks at rank {r}, action {orders[r][ptr[r]]} (p={p}, m={m}, v={v})"
+        )
 
     iteration = max(free) if p else 0.0
     peak, rank_peak = _in_flight(orders, n, split=schedule == "zero-bubble")
