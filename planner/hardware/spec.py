@@ -60,6 +60,7 @@ class GPUSpec(_Strict):
     kind: Literal["gpu"] = "gpu"
     name: str
     display_name: str
+    aliases: list[str] = Field(default_factory=list, description="other names that resolve to this spec")
     vendor: str
     peak_tflops: dict[DType, PositiveFloat] = Field(description="dense peak TFLOP/s per dtype")
     memory_gib: PositiveFloat
@@ -102,6 +103,7 @@ class ClusterPreset(_Strict):
     kind: Literal["cluster"] = "cluster"
     name: str
     display_name: str
+    aliases: list[str] = Field(default_factory=list, description="other names that resolve to this preset")
     gpu: str = Field(description="name or path of a GPU spec")
     topology: TopologySpec
     sources: dict[str, str]
