@@ -116,7 +116,8 @@ class Predicted(_Model):
     iteration_time_s: float
     samples_per_s: float
     tokens_per_s: float | None = None
-    model_tflops_per_gpu: float
+    model_tflops_per_gpu: float = Field(description="model FLOPs (no recomputation) per second per GPU")
+    hardware_tflops_per_gpu: float = Field(description="FLOPs executed per second per GPU, recomputation included")
     mfu: float
     peak_memory_bytes: int
     memory_capacity_bytes: int

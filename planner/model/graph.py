@@ -70,6 +70,9 @@ class Unit(_Model):
     tp_styles: dict[str, Literal["colwise", "rowwise"]] = Field(
         default_factory=dict, description="module name -> tensor-parallel style for this unit"
     )
+    tp_granularity: int = Field(
+        0, description="gcd of the head counts and column widths that TP splits; tp must divide it"
+    )
     gemm_dim: int = Field(
         0, description="FLOP-weighted smallest dimension of the unit's Linears (for GEMM efficiency)"
     )

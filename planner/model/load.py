@@ -11,10 +11,11 @@ import importlib.util
 import inspect
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from planner.errors import ModelLoadError
 from planner.model.graph import ModelSource
@@ -177,7 +178,6 @@ def example_batch(loaded: LoadedModel, batch_size: int) -> tuple:
 
 def meta_inputs(loaded: LoadedModel, batch_size: int = 1) -> tuple:
     """example_inputs on the meta device; floating inputs cast to the training dtype."""
-    import torch
 
     dt = torch_dtype(loaded.source.dtype)
     return tuple(

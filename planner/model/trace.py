@@ -23,25 +23,60 @@ class Traced:
     gm: object  # torch.fx.GraphModule
     method: str  # "fx" | "export"
     fx_error: str | None = None
+    checked: object = None
 
 
-def _shape_check(gm, inputs) -> None:
+def symbolic_trace(model):
+    """torch.fx.symbolic_trace with a tensor-name cache.
+
+    The stock tracer looks up every tensor attribute it meets (a rotary table read in each block) by
+    walking all of the model's buffers, which is quadratic in depth: minutes for an 80-layer model.
+    """
+    import torch
+    import torch.fx
+
+    class _Tracer(torch.fx.Tracer):
+        def trace(self, root, concrete_args=None):
+            self._names = {}
+            for n, b in root.named_buffers():
+                self._names.setdefault(id(b), n)
+            for n, p in root.named_parameters():
+                self._names.setdefault(id(p), n)
+            return super().trace(root, concrete_args)
+
+        def create_arg(self, a):
+            if isinstance(a, torch.Tensor):
+                name = self._names.get(id(a))
+                if name is not None:
+                    return self.create_node("get_attr", name, (), {})
+            return super().create_arg(a)
+
+    tracer = _Tracer()
+    graph = tracer.trace(model)
+    return torch.fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+
+
+def _shape_check(gm, inputs) -> object:
     """Run the traced graph on meta inputs: a symbolic trace can succeed yet bake in a wrong shape path."""
     from torch.fx.passes.shape_prop import ShapeProp
 
-    ShapeProp(gm).propagate(*inputs)
+    return ShapeProp(gm).propagate(*inputs)
 
 
-def trace_model(model, inputs: tuple, model_path: str) -> Traced:
-    """Trace ``model`` called on ``inputs`` (meta tensors). Raises TraceError naming the offending line."""
+def trace_model(model, inputs: tuple, model_path: str, check=None) -> Traced:
+    """Trace ``model`` called on ``inputs`` (meta tensors). Raises TraceError naming the offending line.
+
+    ``check(gm)`` runs the traced graph on the meta inputs (by default all of it; the unit analysis
+    passes a cheaper check that runs each distinct block once) and its result is kept in ``Traced.checked``.
+    """
+    check = check or (lambda gm: _shape_check(gm, inputs))
     import torch
     import torch.fx
 
     fx_error: str | None = None
     try:
-        gm = torch.fx.symbolic_trace(model)
-        _shape_check(gm, inputs)
-        return Traced(gm=gm, method="fx")
+        gm = symbolic_trace(model)
+        return Traced(gm=gm, method="fx", checked=check(gm))
     except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
         where = _user_frame(e, Path(model_path))
         fx_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" + (f" at {where}" if where else "")
@@ -49,8 +84,7 @@ def trace_model(model, inputs: tuple, model_path: str) -> Traced:
     try:
         ep = torch.export.export(model, tuple(inputs), strict=False)
         gm = ep.module()
-        _shape_check(gm, inputs)
-        return Traced(gm=gm, method="export", fx_error=fx_error)
+        return Traced(gm=gm, method="export", fx_error=fx_error, checked=check(gm))
     except Exception as e:  # noqa: BLE001
         where = _user_frame(e, Path(model_path))
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""

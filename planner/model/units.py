@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
+from math import gcd
 
 from planner.errors import TraceError
 from planner.model.graph import ModelGraph, TPPair, Unit
@@ -350,39 +351,55 @@ def _nbytes_of_meta(m) -> int:
     return 0
 
 
-def _linear_module(node, gm) -> str | None:
-    """Qualified name of the nn.Linear a node applies, for fx call_module and export aten.linear nodes."""
-    import torch
-    import torch.nn as nn
+@dataclass
+class _Names:
+    """Original qualified names of modules and parameters, by object (split_module renames them)."""
 
+    modules: dict[int, str]
+    params: dict[int, str]
+
+    @classmethod
+    def of(cls, model) -> _Names:
+        return cls(
+            {id(m): n for n, m in model.named_modules()}, {id(p): n for n, p in model.named_parameters()}
+        )
+
+
+def _applied_module(node, gm, names: _Names, kind, aten_ops, weight_arg: int) -> str | None:
+    """Qualified name of the module of type `kind` a node applies (fx call_module, or an aten op on its
+    weight for graphs from torch.export)."""
     if node.op == "call_module":
         try:
             mod = gm.get_submodule(node.target)
         except AttributeError:
             return None
-        return node.target if isinstance(mod, nn.Linear) else None
-    if node.op == "call_function" and node.target in (torch.ops.aten.linear.default, torch.nn.functional.linear):
-        w = node.args[1] if len(node.args) > 1 else None
-        if getattr(w, "op", None) == "get_attr" and str(w.target).endswith(".weight"):
-            return str(w.target)[: -len(".weight")]
+        return names.modules.get(id(mod)) if isinstance(mod, kind) else None
+    if node.op == "call_function" and node.target in aten_ops and len(node.args) > weight_arg:
+        w = node.args[weight_arg]
+        if getattr(w, "op", None) == "get_attr":
+            try:
+                obj = gm.get_parameter(str(w.target))
+            except AttributeError:
+                return None
+            full = names.params.get(id(obj), "")
+            if full.endswith(".weight"):
+                return full[: -len(".weight")]
     return None
 
 
-def _embedding_module(node, gm) -> str | None:
+def _linear_module(node, gm, names: _Names) -> str | None:
+    """Qualified name of the nn.Linear a node applies."""
     import torch
     import torch.nn as nn
 
-    if node.op == "call_module":
-        try:
-            mod = gm.get_submodule(node.target)
-        except AttributeError:
-            return None
-        return node.target if isinstance(mod, nn.Embedding) else None
-    if node.op == "call_function" and node.target is torch.ops.aten.embedding.default:
-        w = node.args[0]
-        if getattr(w, "op", None) == "get_attr" and str(w.target).endswith(".weight"):
-            return str(w.target)[: -len(".weight")]
-    return None
+    return _applied_module(node, gm, names, nn.Linear, (torch.ops.aten.linear.default, torch.nn.functional.linear), 1)
+
+
+def _embedding_module(node, gm, names: _Names) -> str | None:
+    import torch
+    import torch.nn as nn
+
+    return _applied_module(node, gm, names, nn.Embedding, (torch.ops.aten.embedding.default,), 0)
 
 
 def _is_tensor_node(node) -> bool:
@@ -390,6 +407,15 @@ def _is_tensor_node(node) -> bool:
 
     m = _val_meta(node)
     return isinstance(m, torch.Tensor) or (hasattr(m, "shape") and hasattr(m, "dtype"))
+
+
+def _splits_heads(node) -> bool:
+    """A reshape that adds a dimension: the sharded width becomes (heads, head_dim)."""
+    tgt = getattr(node.target, "__name__", str(node.target))
+    if not any(k in tgt for k in ("view", "reshape", "unflatten")):
+        return False
+    out, src = _val_meta(node), _val_meta(node.args[0]) if node.args and hasattr(node.args[0], "meta") else None
+    return out is not None and src is not None and len(out.shape) > len(src.shape)
 
 
 def _is_mixing(node) -> bool:
@@ -402,43 +428,46 @@ def _is_mixing(node) -> bool:
     return any(base == m or base.startswith(m + "_") for m in _MIXING)
 
 
-def detect_tp_pairs(gm, node_unit: dict, unit_index: int) -> tuple[list[tuple[list[str], str, object]], list[str]]:
-    """Column/row Linear pairs inside a unit: a Linear feeding, through elementwise, view and attention
-    ops only, exactly one other Linear; plus the unit's embeddings (vocab-parallel, rowwise).
-
-    Returns ([(column names, row name, row node)], embedding names).
+def detect_tp_pairs(sub, names: _Names, constants: frozenset = frozenset()) -> tuple[list[tuple[list[str], str, object]], list[str]]:
+    """Column/row Linear pairs inside one unit's graph: a Linear feeding, through elementwise, view and
+    attention ops only, exactly one other Linear, which in turn takes its input from those columns only;
+    plus the unit's embeddings (vocab-parallel, rowwise). ``sub`` is the unit's split GraphModule after
+    shape propagation. Returns ([(column names, row name, row node)], embedding names).
     """
     import torch.nn as nn
 
-    nodes = [n for n, u in node_unit.items() if u == unit_index and n.op not in ("get_attr",)]
-    linears = {n: name for n in nodes if (name := _linear_module(n, gm))}
-    embeddings = [name for n in nodes if (name := _embedding_module(n, gm))]
+    nodes = [n for n in sub.graph.nodes if n.op not in ("get_attr", "placeholder", "output")]
+    linears = {n: name for n in nodes if (name := _linear_module(n, sub, names))}
+    embeddings = [name for n in nodes if (name := _embedding_module(n, sub, names))]
     terminal: dict = {}
     for a in linears:
         ends: set = set()
         ok = True
         seen = set()
-        stack = list(a.users)
+        # (node, heads_split): once a view splits the sharded width into (heads, head_dim), ops along
+        # the last dimension (rotary cat, per-head norms) no longer touch the sharded dimension.
+        stack = [(u, False) for u in a.users]
         while stack and ok:
-            n = stack.pop()
-            if n in seen:
+            n, split = stack.pop()
+            if (n, split) in seen:
                 continue
-            seen.add(n)
+            seen.add((n, split))
             if n in linears:
                 ends.add(n)
                 continue
-            if n.op == "output" or node_unit.get(n) != unit_index:
+            if n.op == "output":
                 ok = False
                 break
             if n.op == "call_module":
-                mod = gm.get_submodule(n.target)
+                mod = sub.get_submodule(n.target)
                 if not isinstance(mod, (nn.GELU, nn.ReLU, nn.SiLU, nn.Dropout, nn.Tanh, nn.Sigmoid, nn.Identity)):
                     ok = False
                     break
-            elif _is_mixing(n):
+            elif not split and _is_mixing(n):
                 ok = False
                 break
-            stack.extend(n.users)
+            split = split or _splits_heads(n)
+            stack.extend((u, split) for u in n.users)
         if ok and len(ends) == 1:
             terminal[a] = next(iter(ends))
     pairs = []
@@ -448,10 +477,11 @@ def detect_tp_pairs(gm, node_unit: dict, unit_index: int) -> tuple[list[tuple[li
     for r, cols in by_row.items():
         if r in terminal:  # a row Linear must not itself feed another Linear through the same path
             continue
-        # Every Linear whose output reaches the row's input must be a column of this pair.
+        # Every tensor reaching the row's input must come from the columns (or constants such as rotary
+        # tables), not also straight from the unit's input (the residual stream).
         col_set = set(cols)
         ok = True
-        stack = [x for x in r.all_input_nodes]
+        stack = list(r.all_input_nodes)
         seen = set()
         while stack:
             n = stack.pop()
@@ -462,13 +492,14 @@ def detect_tp_pairs(gm, node_unit: dict, unit_index: int) -> tuple[list[tuple[li
                 if n not in col_set:
                     ok = False
                 continue
-            if n.op in ("placeholder", "get_attr") or not _is_tensor_node(n):
-                continue  # constants and shape arithmetic (x.shape[0]) carry no sharded values
-            if node_unit.get(n) != unit_index:
+            if n.op == "get_attr" or not _is_tensor_node(n):
+                continue  # parameters, buffers and shape arithmetic (x.shape[0]) carry no sharded values
+            if n.op == "placeholder":
+                if n.name in constants:
+                    continue  # a buffer or constant read by the unit, not an activation
                 ok = False
                 break
             stack.extend(n.all_input_nodes)
-        # the row's input must come from the columns only (not also straight from the residual stream)
         if ok:
             pairs.append((sorted(linears[c] for c in cols), linears[r], r))
     pairs.sort(key=lambda p: p[1])
@@ -482,6 +513,66 @@ class _UnitInfo:
     signature: str = ""
 
 
+def _structure_key(model, group: list[str], blocks: set[str]) -> str:
+    """Structural identity of a unit: equal for repeated identical blocks, unique otherwise."""
+    if all(r in blocks for r in group):
+        return "|".join(f"{type(model.get_submodule(r)).__name__}:{model.get_submodule(r)!r}" for r in group)
+    return "|".join(group)
+
+
+def _meta_like(x):
+    """A fresh meta tensor of x's shape and dtype (pytrees mapped), to stand in for a repeated output."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t, x)
+
+
+def run_units_once(parts, inputs: tuple, keys: dict[int, str]):
+    """Run the split model on meta, executing each distinct (unit structure, input shapes) only once.
+
+    Returns (model output, inputs captured per unit index, the unit index -> signature map). Identical
+    blocks with identical input shapes have identical output shapes, so repeated ones are skipped.
+    """
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    env: dict = {}
+    captured: dict[int, tuple] = {}
+    sigs: dict[int, str] = {}
+    cache: dict[str, object] = {}
+    it = iter(inputs)
+    out = None
+    with torch.no_grad():
+        for node in parts.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(it)
+            elif node.op == "call_module":
+                idx = int(node.target.split("_")[1])
+                args = tuple(env[a] if isinstance(a, torch.fx.Node) else a for a in node.args)
+                flat, _ = tree_flatten(args)
+                shapes = tuple(
+                    (tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t) for t in flat
+                )
+                sig = hashlib.sha256(repr((keys[idx], shapes)).encode()).hexdigest()[:16]
+                sigs[idx] = sig
+                captured[idx] = args
+                if sig not in cache:
+                    cache[sig] = getattr(parts, node.target)(*args)
+                env[node] = _meta_like(cache[sig])
+            elif node.op == "call_function":
+                args = tuple(env[a] if isinstance(a, torch.fx.Node) else a for a in node.args)
+                env[node] = node.target(*args)
+            elif node.op == "get_attr":
+                obj = parts
+                for atom in str(node.target).split("."):
+                    obj = getattr(obj, atom)
+                env[node] = obj
+            elif node.op == "output":
+                out = torch.fx.graph.map_arg(node.args[0], lambda n: env[n])
+    return out, captured, sigs
+
+
 def analyse_model(loaded: LoadedModel) -> ModelGraph:
     """Build on meta, trace, group into units and analyse each distinct unit once."""
     import torch
@@ -490,27 +581,18 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
     model = build_meta_model(loaded)
     inputs = meta_inputs(loaded, 1)
     n_in = model_input_count(model, len(inputs))
-    traced = trace_model(model, inputs[:n_in], loaded.source.path)
-    gm = traced.gm
     container = find_block_container(model)
     roots, blocks = unit_roots(model, container)
-    groups, node_unit = _group_units(gm, roots, blocks)
 
-    parts = split_module(gm, model, lambda n: node_unit[n], keep_original_order=True)
-    # Record each unit submodule's inputs while running the split model once on meta.
-    captured: dict[int, tuple] = {}
-    handles = []
-    for name, sub in parts.named_children():
-        idx = int(name.split("_")[1])
+    def split_and_run(gm):
+        groups, node_unit = _group_units(gm, roots, blocks)
+        parts = split_module(gm, model, lambda n: node_unit[n], keep_original_order=True)
+        keys = {i: _structure_key(model, g, blocks) for i, g in enumerate(groups)}
+        out, captured, sigs = run_units_once(parts, inputs[:n_in], keys)
+        return groups, node_unit, parts, out, captured, sigs
 
-        def hook(_m, args, _idx=idx):
-            captured[_idx] = args
-
-        handles.append(sub.register_forward_pre_hook(hook))
-    with torch.no_grad():
-        out = parts(*inputs[:n_in])
-    for h in handles:
-        h.remove()
+    traced = trace_model(model, inputs[:n_in], loaded.source.path, check=split_and_run)
+    groups, node_unit, parts, out, captured, unit_sig = traced.checked
 
     dtype_bytes = DTYPE_BYTES[loaded.source.dtype]
     tokens = None
@@ -535,7 +617,6 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                 last_use[arg] = max(last_use.get(arg, -1), int(node.target.split("_")[1]))
             elif node.op == "output":
                 last_use[arg] = len(groups)
-    # sizes from the captured inputs of each consumer
     for node in parts.graph.nodes:
         if node.op == "call_module" and node.target.startswith("submod_"):
             idx = int(node.target.split("_")[1])
@@ -544,8 +625,14 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                     sizes[arg] = _tensor_bytes(val)
 
     params_by_name = dict(model.named_parameters())
+    names = _Names.of(model)
+    root_attrs: dict[int, list[str]] = {}
+    for n, u in node_unit.items():
+        if n.op == "get_attr" and str(n.target) in params_by_name:
+            root_attrs.setdefault(u, []).append(str(n.target))
     units: list[Unit] = []
     analysed: dict[str, _Counts] = {}
+    tp_info: dict[str, tuple[list[str], _TPInfo]] = {}
     seq = tokens
     for i, group in enumerate(groups):
         sub = getattr(parts, f"submod_{i}", None)
@@ -553,21 +640,16 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
         for r in group:
             for pn, p in model.get_submodule(r).named_parameters(prefix=r):
                 unit_params[pn] = p
-        for n, u in node_unit.items():  # root-level parameters fetched by get_attr
-            if u == i and n.op == "get_attr" and str(n.target) in params_by_name:
-                unit_params.setdefault(str(n.target), params_by_name[str(n.target)])
+        for name in root_attrs.get(i, ()):  # root-level parameters fetched by get_attr
+            unit_params.setdefault(name, params_by_name[name])
         args = captured.get(i, ())
-        shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else repr(a) for a in args)
-        structure = "|".join(
-            f"{type(model.get_submodule(r)).__name__}:{model.get_submodule(r)!r}" for r in group
-        ) if all(r in blocks for r in group) else "|".join(group)
-        pshapes = tuple(tuple(p.shape) for p in unit_params.values())
-        sig = hashlib.sha256(repr((structure, pshapes, shapes)).encode()).hexdigest()[:16]
+        sig = unit_sig[i]
         if sig not in analysed:
             if sub is None:
                 analysed[sig] = _Counts()
             else:
                 analysed[sig] = analyse_callable(sub, args, list(unit_params.values()), seq)
+                tp_info[sig] = (group, _tp_info(sub, args, model, names, _constant_inputs(parts, i)))
         c = analysed[sig]
         n_params = sum(p.numel() for p in unit_params.values())
         act = sum(c.saved.values())
@@ -575,27 +657,17 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
         in_bytes = sum(_tensor_bytes(a) for a in args if isinstance(a, torch.Tensor))
         out_bytes = sum(sizes.get(v, 0) for v, p in produced.items() if p <= i < last_use.get(v, -1))
 
-        pairs, embeddings = detect_tp_pairs(gm, node_unit, i)
-        tp_pairs = []
-        styles: dict[str, str] = {}
-        shard_params = 0
-        shard_flops = 0.0
-        for cols, row, row_node in pairs:
-            allreduce = _nbytes_of_meta(_val_meta(row_node))
-            tp_pairs.append(TPPair(column=cols, row=row, allreduce_bytes=allreduce))
-            for name in [*cols, row]:
-                styles[name] = "colwise" if name in cols else "rowwise"
-                lin = model.get_submodule(name)
-                shard_params += lin.weight.numel() + (lin.bias.numel() if lin.bias is not None and name in cols else 0)
-                # 2 * in * out FLOPs per token
-                shard_flops += 2.0 * lin.in_features * lin.out_features * (seq or 1)
-        for name in embeddings:
-            emb = model.get_submodule(name)
-            styles[name] = "rowwise"
-            shard_params += emb.weight.numel()
-        gemm_dim = _gemm_dim(model, group)
+        first_group, info = tp_info.get(sig, (group, _TPInfo()))
+        rename = _renamer(first_group, group)
+        tp_pairs = [
+            TPPair(column=[rename(c) for c in p.column], row=rename(p.row), allreduce_bytes=p.allreduce_bytes)
+            for p in info.pairs
+        ]
+        styles = {rename(k): v for k, v in info.styles.items()}
         if tp_pairs:
-            shard_flops += c.fwd_attention  # attention heads are split with the q/k/v columns
+            shard_flops = info.shard_flops + c.fwd_attention  # heads split with the q/k/v columns
+        else:
+            shard_flops = 0.0
         units.append(
             Unit(
                 name=_unit_name(group),
@@ -617,11 +689,12 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                 input_bytes=in_bytes,
                 output_bytes=out_bytes if i < len(groups) - 1 else sum(_tensor_bytes(t) for t in _flatten_tensors(out)),
                 tp_pairs=tp_pairs,
-                tp_shardable_params=shard_params,
+                tp_shardable_params=info.shard_params,
                 tp_shardable_flops=min(shard_flops, c.fwd_flops),
                 tp_styles=styles,
                 uses_flash_attention=c.flash,
-                gemm_dim=gemm_dim,
+                gemm_dim=info.gemm_dim,
+                tp_granularity=info.granularity,
             )
         )
     return ModelGraph(
@@ -637,17 +710,100 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
     )
 
 
-def _gemm_dim(model, group: list[str]) -> int:
+def _split_groups(sub, model, name: str, names: _Names) -> int:
+    """How many pieces a column Linear's output can be split into: its head count when a view splits
+    the output into (..., heads, head_dim), else its width."""
+    out = model.get_submodule(name).out_features
+    for node in sub.graph.nodes:
+        if _linear_module(node, sub, names) != name:
+            continue
+        for user in node.users:
+            tgt = getattr(user.target, "__name__", str(user.target))
+            if any(k in tgt for k in ("view", "reshape", "unflatten")) and user.args:
+                last = user.args[-1]
+                if isinstance(last, (tuple, list)) and last:
+                    last = last[-1]
+                if isinstance(last, int) and last > 1 and out % last == 0:
+                    return out // last
+    return out
+
+
+@dataclass
+class _TPInfo:
+    """Tensor-parallel facts of one distinct unit, with module names of its first instance."""
+
+    pairs: list[TPPair] = field(default_factory=list)
+    styles: dict[str, str] = field(default_factory=dict)
+    shard_params: int = 0
+    shard_flops: float = 0.0  # linear FLOPs per sample that TP divides (attention added by the caller)
+    granularity: int = 0
+    gemm_dim: int = 0
+
+
+def _tp_info(sub, args: tuple, model, names: _Names, constants: frozenset) -> _TPInfo:
+    """Shape-propagate one unit's graph on meta and find its column/row pairs and embeddings."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    ShapeProp(sub).propagate(*args)
+    pairs, embeddings = detect_tp_pairs(sub, names, constants)
+    info = _TPInfo(gemm_dim=_gemm_dim_of(sub))
+    for cols, row, row_node in pairs:
+        info.pairs.append(TPPair(column=cols, row=row, allreduce_bytes=_nbytes_of_meta(_val_meta(row_node))))
+        for name in [*cols, row]:
+            info.styles[name] = "colwise" if name in cols else "rowwise"
+            lin = model.get_submodule(name)
+            bias = lin.bias.numel() if lin.bias is not None and name in cols else 0
+            info.shard_params += lin.weight.numel() + bias
+            tokens = _nbytes_of_meta(_val_meta(row_node)) // max(1, lin.out_features * _elem(row_node))
+            info.shard_flops += 2.0 * lin.in_features * lin.out_features * max(1, tokens)
+        for col in cols:
+            info.granularity = gcd(info.granularity, _split_groups(sub, model, col, names))
+    for name in embeddings:
+        info.styles[name] = "rowwise"
+        info.shard_params += model.get_submodule(name).weight.numel()
+    return info
+
+
+def _constant_inputs(parts, index: int) -> frozenset:
+    """Names of unit `index`'s inputs that are buffers or constants of the model (get_attr upstream)."""
+    sub = getattr(parts, f"submod_{index}")
+    call = next(n for n in parts.graph.nodes if n.op == "call_module" and n.target == f"submod_{index}")
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    return frozenset(
+        ph.name for ph, arg in zip(placeholders, call.args) if getattr(arg, "op", None) == "get_attr"
+    )
+
+
+def _elem(node) -> int:
+    import torch
+
+    m = _val_meta(node)
+    return torch.empty((), dtype=m.dtype).element_size() if m is not None else 1
+
+
+def _renamer(first: list[str], group: list[str]):
+    """Map module names of a unit's first instance to another instance (blocks.0.x -> blocks.7.x)."""
+    pairs = sorted(zip(first, group), key=lambda p: -len(p[0]))
+
+    def rename(name: str) -> str:
+        for a, b in pairs:
+            if name == a or name.startswith(a + "."):
+                return b + name[len(a):]
+        return name
+
+    return rename
+
+
+def _gemm_dim_of(sub) -> int:
     """FLOP-weighted mean of min(in, out) over the unit's Linears: how large its GEMMs are."""
     import torch.nn as nn
 
     total = weight = 0.0
-    for r in group:
-        for m in model.get_submodule(r).modules():
-            if isinstance(m, nn.Linear):
-                w = float(m.in_features * m.out_features)
-                total += w * min(m.in_features, m.out_features)
-                weight += w
+    for m in sub.modules():
+        if isinstance(m, nn.Linear):
+            w = float(m.in_features * m.out_features)
+            total += w * min(m.in_features, m.out_features)
+            weight += w
     return int(total / weight) if weight else 0
 
 

@@ -1,0 +1,73 @@
+"""Per-GPU memory formulas: model states by ZeRO stage and activations by recomputation.
+
+Sources:
+- Model states: mixed-precision Adam keeps 2 bytes of bf16 weights, 4 of fp32 gradients, 4 of fp32 master
+  weights and 8 of Adam moments per parameter: 18 bytes (Megatron-LM, theoretical_memory_usage.py;
+  Rajbhandari et al. 2020, ZeRO, Sec. 3.1 counts 16 with half-precision gradients). ZeRO-1 shards the
+  optimizer states (12 bytes) across data parallelism, ZeRO-2 also the gradients, ZeRO-3 also the weights.
+  In fp32 training there is no master copy: 4 + 4 + 8 = 16 bytes.
+- Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
+  per layer s*b*h*(34 + 5*a*s/h) bytes, of which 24*s*b*h (the tensors inside the tensor-parallel
+  regions) divide by t with tensor parallelism and all 34 with sequence parallelism; selective
+  recomputation drops the 5*a*s/h attention-map term; full recomputation keeps only the layer input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Fraction of a transformer block's activations that tensor parallelism shards without sequence
+# parallelism: 24 of the 34 s*b*h terms (Korthikanti et al. 2022, Eq. 2).
+TP_SHARDED_ACTIVATION_FRACTION = 24.0 / 34.0
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter held by one GPU for each kind of model state."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+
+def model_state_bytes_per_param(dtype: str, zero_stage: int, dp: int) -> StateBytes:
+    """Bytes per (tensor-parallel-local) parameter on one GPU under ZeRO stage `zero_stage` (Rajbhandari 2020)."""
+    if dtype == "fp32":
+        weights, grads, optim = 4.0, 4.0, 8.0
+    else:
+        weights, grads, optim = 2.0, 4.0, 12.0  # bf16 weights, fp32 grads, fp32 master + 2 moments
+    if zero_stage >= 1:
+        optim /= dp
+    if zero_stage >= 2:
+        grads /= dp
+    if zero_stage >= 3:
+        weights /= dp
+    return StateBytes(weights, grads, optim)
+
+
+def activation_bytes(
+    saved_per_sample: float,
+    attention_core_per_sample: float,
+    input_per_sample: float,
+    micro_batch_size: int,
+    recompute: str,
+    tp: int,
+    tp_sharded: bool,
+    sequence_parallel: bool,
+) -> float:
+    """Activation bytes one micro-batch leaves on a GPU for one unit (Korthikanti et al. 2022)."""
+    if recompute == "full":
+        kept = input_per_sample / (tp if sequence_parallel else 1)
+        return kept * micro_batch_size
+    saved = saved_per_sample - (attention_core_per_sample if recompute == "selective" else 0.0)
+    if tp > 1:
+        if sequence_parallel:
+            saved /= tp
+        elif tp_sharded:
+            frac = TP_SHARDED_ACTIVATION_FRACTION
+            saved = saved * (1 - frac) + saved * frac / tp
+    return saved * micro_batch_size

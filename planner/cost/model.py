@@ -1,0 +1,424 @@
+"""The analytic cost model: per-unit time and memory for a configuration, and a whole plan's figures.
+
+Compute is a roofline per op class: dense matmuls against peak FLOP/s times a GEMM efficiency that grows
+with the GEMM's size, attention against peak times an attention efficiency, and every other op (norms,
+elementwise, softmax, embedding gathers) by its bytes against memory bandwidth. Communication uses the ring
+formulas of `collectives`, memory the formulas of `memory`, pipelines the schedules of `schedules` and,
+for the final figures, the discrete-event simulator. Every time carries its source: `measured` when a
+profile of the target GPU supplied it, else `estimated`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.cost import collectives as coll
+from planner.cost.memory import activation_bytes, model_state_bytes_per_param
+from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches, stage_rank
+from planner.hardware.spec import ClusterSpec
+from planner.model.graph import ModelGraph, Unit
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the outer search space (everything but the stage partition and recomputation)."""
+
+    dp: int
+    tp: int
+    pp: int
+    v: int
+    mbs: int
+    m: int
+    schedule: str
+    zero: int
+    sp: bool
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.v
+
+    def label(self) -> str:
+        sp = "+sp" if self.sp else ""
+        return (
+            f"dp{self.dp} tp{self.tp}{sp} pp{self.pp}" + (f"x{self.v}" if self.v > 1 else "")
+            + f" mbs{self.mbs} m{self.m} {self.schedule} zero{self.zero}"
+        )
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """Switches of the cost model that are not searched."""
+
+    overlap_dp_comm: bool = True
+    workspace_bytes: float = 1.0 * GiB  # CUDA context, cuBLAS/NCCL workspaces, allocator slack
+    fragmentation: float = 0.05  # allocator fragmentation, as a fraction of the rest
+    ddp_bucket_bytes: float = 25 * 2**20  # torch DDP default bucket; two in flight
+
+
+@dataclass(frozen=True)
+class UnitTimes:
+    """Measured or estimated times of one unit per micro-batch on one GPU at a TP degree."""
+
+    fwd: float
+    bwd: float
+    source: str = "estimated"
+
+
+@dataclass
+class Profile:
+    """Measured unit times by (unit signature, micro-batch size, tp); empty means all estimated."""
+
+    device: str = ""
+    times: dict[tuple[str, int, int], UnitTimes] = field(default_factory=dict)
+    # achieved / roofline-estimated time on the local device, to scale estimates for other GPUs
+    efficiency_scale: float = 1.0
+
+
+@dataclass
+class UnitCost:
+    """A unit's per-micro-batch costs under one candidate, for each recomputation mode."""
+
+    fwd: float  # compute + TP communication
+    bwd: dict[str, float]  # backward incl. recomputation and TP communication, per mode
+    act: dict[str, float]  # activation bytes kept per micro-batch, per mode
+    params_local: float  # parameters on one GPU (after TP)
+    tp_comm_fwd: float
+    tp_comm_bwd: float
+    largest_param_bytes: float
+    source: str
+
+
+def gemm_efficiency(cluster: ClusterSpec, dim: float) -> float:
+    """Fraction of peak a GEMM reaches: matmul * d / (d + d_half), d its smallest dimension."""
+    e = cluster.gpu.efficiency
+    if dim <= 0:
+        return e.matmul
+    return e.matmul * dim / (dim + e.gemm_half_dim)
+
+
+def roofline_times(unit: Unit, mbs: int, tp: int, sp: bool, cluster: ClusterSpec, dtype: str) -> tuple[float, float, float]:
+    """(forward, backward, attention-core forward) seconds of one micro-batch, compute only."""
+    gpu = cluster.gpu
+    e = gpu.efficiency
+    peak = gpu.peak_flops(dtype)
+    bw = gpu.memory_bandwidth * e.memory
+    sharded = bool(unit.tp_pairs) and tp > 1
+    mm_shard = 0.0
+    if sharded and unit.matmul_flops > 0:
+        mm_shard = min(1.0, max(0.0, (unit.tp_shardable_flops - unit.attention_flops) / unit.matmul_flops))
+    mm_scale = (1 - mm_shard) + mm_shard / tp if sharded else 1.0
+    attn_scale = 1.0 / tp if sharded else 1.0
+    # Elementwise work inside TP regions shards; with sequence parallelism the rest does too.
+    mem_scale = 1.0 / tp if (sp and tp > 1) else ((1 - mm_shard) + mm_shard / tp if sharded else 1.0)
+    dim = unit.gemm_dim / tp if sharded else unit.gemm_dim
+    mm_rate = peak * gemm_efficiency(cluster, dim)
+    at_rate = peak * e.attention
+    fwd = (
+        unit.matmul_flops * mm_scale / mm_rate
+        + unit.attention_flops * attn_scale / at_rate
+        + unit.memory_bound_bytes * mem_scale / bw
+    )
+    bwd = (
+        unit.bwd_matmul_flops * mm_scale / mm_rate
+        + unit.bwd_attention_flops * attn_scale / at_rate
+        + unit.bwd_memory_bound_bytes * mem_scale / bw
+    )
+    core = unit.attention_flops * attn_scale / at_rate
+    return fwd * mbs, bwd * mbs, core * mbs
+
+
+def tp_comm_times(unit: Unit, mbs: int, tp: int, sp: bool, cluster: ClusterSpec) -> tuple[float, float]:
+    """Tensor-parallel communication per micro-batch (Shoeybi et al. 2019, Megatron-LM, Fig. 3).
+
+    Each column/row pair all-reduces its output in forward and its input gradient in backward; with
+    sequence parallelism each all-reduce becomes a reduce-scatter plus an all-gather of the same total
+    volume (Korthikanti et al. 2022). A vocab-parallel embedding all-reduces its output in forward.
+    TP groups sit inside a node.
+    """
+    if tp <= 1:
+        return 0.0, 0.0
+    topo = cluster.topology
+    bw = topo.intra_node_bandwidth * cluster.gpu.efficiency.network
+    lat = topo.intra_node_latency
+    fwd = bwd = 0.0
+    for pair in unit.tp_pairs:
+        nbytes = pair.allreduce_bytes * mbs
+        if sp:
+            t = coll.reduce_scatter_time(nbytes, tp, bw, lat) + coll.allgather_time(nbytes, tp, bw, lat)
+        else:
+            t = coll.allreduce_time(nbytes, tp, bw, lat)
+        fwd += t
+        bwd += t
+    n_emb = sum(1 for s in unit.tp_styles.values() if s == "rowwise") - len(unit.tp_pairs)
+    if n_emb > 0:
+        fwd += n_emb * coll.allreduce_time(unit.output_bytes * mbs, tp, bw, lat)
+    return fwd, bwd
+
+
+def unit_cost(
+    unit: Unit, cand: Candidate, cluster: ClusterSpec, dtype: str, profile: Profile | None = None
+) -> UnitCost:
+    """Per-micro-batch time and memory of one unit under a candidate, for every recomputation mode."""
+    fwd_c, bwd_c, core_c = roofline_times(unit, cand.mbs, cand.tp, cand.sp, cluster, dtype)
+    source = "estimated"
+    if profile is not None:
+        hit = profile.times.get((unit.signature, cand.mbs, cand.tp))
+        if hit is not None:
+            fwd_c, bwd_c, source = hit.fwd, hit.bwd, hit.source
+            core_c = fwd_c * (unit.attention_flops / unit.fwd_flops if unit.fwd_flops else 0.0)
+        elif profile.efficiency_scale != 1.0:
+            fwd_c *= profile.efficiency_scale
+            bwd_c *= profile.efficiency_scale
+            core_c *= profile.efficiency_scale
+    tf, tb = tp_comm_times(unit, cand.mbs, cand.tp, cand.sp, cluster)
+    fwd = fwd_c + tf
+    bwd = {
+        "none": bwd_c + tb,
+        # selective: re-run the attention core (Korthikanti et al. 2022, sec. 4.1)
+        "selective": bwd_c + tb + (core_c if unit.attention_core_bytes > 0 else 0.0),
+        # full: re-run the whole forward, its TP communication included
+        "full": bwd_c + tb + fwd,
+    }
+    tp_sharded = bool(unit.tp_pairs) or bool(unit.tp_styles)
+    act = {
+        mode: activation_bytes(
+            unit.activation_bytes, unit.attention_core_bytes, unit.input_bytes, cand.mbs, mode, cand.tp,
+            tp_sharded, cand.sp,
+        )
+        for mode in RECOMPUTE_MODES
+    }
+    shard = unit.tp_shardable_params if cand.tp > 1 else 0
+    params_local = (unit.params - shard) + shard / cand.tp
+    return UnitCost(
+        fwd=fwd, bwd=bwd, act=act, params_local=params_local, tp_comm_fwd=tf, tp_comm_bwd=tb,
+        largest_param_bytes=unit.param_bytes / (cand.tp if shard else 1), source=source,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- layout
+
+
+def crosses_nodes(cand: Candidate, cluster: ClusterSpec) -> tuple[bool, bool]:
+    """(dp groups cross nodes, consecutive pp ranks sit on different nodes) for mesh (pp, dp, tp)."""
+    g = cluster.gpus_per_node
+    return cand.dp * cand.tp > g, cand.dp * cand.tp >= g
+
+
+def p2p_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
+    topo = cluster.topology
+    eff = cluster.gpu.efficiency.network
+    _, pp_inter = crosses_nodes(cand, cluster)
+    if pp_inter:
+        return topo.inter_node_bandwidth * eff, topo.inter_node_latency
+    return topo.intra_node_bandwidth * eff, topo.intra_node_latency
+
+
+def dp_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
+    topo = cluster.topology
+    eff = cluster.gpu.efficiency.network
+    dp_inter, _ = crosses_nodes(cand, cluster)
+    if dp_inter:
+        return topo.inter_node_bandwidth * eff, topo.inter_node_latency
+    return topo.intra_node_bandwidth * eff, topo.intra_node_latency
+
+
+def p2p_time(boundary_bytes: float, cand: Candidate, cluster: ClusterSpec) -> float:
+    """One activation (or gradient) send between consecutive stages, per micro-batch.
+
+    With sequence parallelism the boundary tensor is already split across the TP group, so each rank
+    sends 1/t of it (Narayanan et al. 2021, scatter/gather optimisation).
+    """
+    bw, lat = p2p_link(cand, cluster)
+    nbytes = boundary_bytes * cand.mbs / (cand.tp if cand.sp else 1)
+    return coll.p2p_time(nbytes, bw, lat)
+
+
+def dp_comm_time(params_local: float, cand: Candidate, cluster: ClusterSpec, dtype: str) -> tuple[float, float]:
+    """(per-iteration gradient sync, per-micro-batch ZeRO-3 weight gathers) of one stage's rank.
+
+    ZeRO-0 all-reduces fp32 gradients once per iteration; ZeRO-1/2 reduce-scatter them and all-gather
+    the updated weights (same volume); ZeRO-3 (FSDP) also all-gathers the weights for forward and again
+    for backward of every micro-batch (Rajbhandari et al. 2020, sec. 7).
+    """
+    if cand.dp <= 1:
+        return 0.0, 0.0
+    bw, lat = dp_link(cand, cluster)
+    grad_b = 4.0 * params_local
+    w_b = (4.0 if dtype == "fp32" else 2.0) * params_local
+    if cand.zero == 0:
+        return coll.allreduce_time(grad_b, cand.dp, bw, lat), 0.0
+    sync = coll.reduce_scatter_time(grad_b, cand.dp, bw, lat)
+    if cand.zero in (1, 2):
+        return sync + coll.allgather_time(w_b, cand.dp, bw, lat), 0.0
+    return sync, 2.0 * coll.allgather_time(w_b, cand.dp, bw, lat)
+
+
+def optimizer_time(params_local: float, cand: Candidate, cluster: ClusterSpec, dtype: str) -> float:
+    """Adam step: a memory-bound pass over master weights, gradients and moments (~30 bytes/param)."""
+    per_param = 16.0 * 2 if dtype == "fp32" else 30.0
+    n = params_local / (cand.dp if cand.zero >= 1 else 1)
+    return n * per_param / (cluster.gpu.memory_bandwidth * cluster.gpu.efficiency.memory)
+
+
+# ------------------------------------------------------------------------------------- stage figures
+
+
+@dataclass
+class StageCost:
+    index: int
+    rank: int
+    units: list[int]
+    recompute: str
+    fwd: float
+    bwd: float
+    p2p: float
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    comm_buffers: float
+    workspace: float
+    params_local: float
+    dp_sync: float
+    zero3_gather: float
+    tp_comm: float
+    source: str
+
+    @property
+    def compute(self) -> float:
+        return self.fwd + self.bwd
+
+    @property
+    def memory(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.comm_buffers + self.workspace
+
+
+def stage_costs(
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    cand: Candidate,
+    partition: list[list[int]],
+    recompute: list[str],
+    costs: list[UnitCost],
+    options: CostOptions,
+) -> list[StageCost]:
+    """Per-stage time and memory of a partition (memory per rank when a rank holds several stages)."""
+    dtype = graph.source.dtype
+    state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
+    out: list[StageCost] = []
+    for s, (units, mode) in enumerate(zip(partition, recompute)):
+        rank = stage_rank(cand.schedule, cand.pp, cand.v, s)
+        uc = [costs[u] for u in units]
+        params = sum(c.params_local for c in uc)
+        fwd = sum(c.fwd for c in uc)
+        bwd = sum(c.bwd[mode] for c in uc)
+        boundary = graph.units[units[-1]].output_bytes if s < len(partition) - 1 else 0
+        p2p = p2p_time(boundary, cand, cluster) if s < len(partition) - 1 else 0.0
+        inflight = in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, s)
+        act = inflight * sum(c.act[mode] for c in uc)
+        sync, gather = dp_comm_time(params, cand, cluster, dtype)
+        buffers = 2.0 * boundary * cand.mbs * 2  # send + receive buffers, activation and gradient
+        if cand.dp > 1 and cand.zero == 0:
+            buffers += 2 * options.ddp_bucket_bytes
+        if cand.zero == 3:
+            # two unsharded units in flight (FSDP prefetch); the largest unit of the model bounds it
+            buffers += 2 * max(c.largest_param_bytes for c in costs)
+        out.append(
+            StageCost(
+                index=s, rank=rank, units=list(units), recompute=mode, fwd=fwd, bwd=bwd, p2p=p2p,
+                weights=params * state.weights, gradients=params * state.gradients,
+                optimizer=params * state.optimizer, activations=act, comm_buffers=buffers, workspace=0.0,
+                params_local=params, dp_sync=sync, zero3_gather=gather,
+                tp_comm=sum(c.tp_comm_fwd + c.tp_comm_bwd for c in uc),
+                source="measured" if uc and all(c.source == "measured" for c in uc) else "estimated",
+            )
+        )
+    return out
+
+
+def rank_memory(stages: list[StageCost], cand: Candidate, options: CostOptions) -> dict[int, float]:
+    """Peak bytes per pipeline rank: its stages' states and activations plus workspace and fragmentation.
+
+    For interleaved and zero-bubble schedules the activations of a rank's stages are counted from the
+    rank's own peak in-flight count (`rank_in_flight_microbatches`), which is lower than the sum of
+    each stage's own peak because the stages do not peak together (bounded with the largest stage).
+    """
+    per_rank: dict[int, float] = {}
+    for r in range(cand.pp):
+        mine = [s for s in stages if s.rank == r]
+        states = sum(s.weights + s.gradients + s.optimizer + s.comm_buffers for s in mine)
+        if cand.v > 1:
+            per_mb = max(s.activations / max(1, in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, s.index)) for s in mine)
+            acts = per_mb * rank_in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, r)
+        else:
+            acts = sum(s.activations for s in mine)
+        per_rank[r] = (states + acts) * (1 + options.fragmentation) + options.workspace_bytes
+    return per_rank
+
+
+# ------------------------------------------------------------------------------------ iteration time
+
+
+def pipeline_time_linear(
+    cand: Candidate, stage_fwd: list[float], stage_total: list[float], stage_p2p: list[float]
+) -> float:
+    """The search's linear iteration-time model of the pipeline (the ILP minimises exactly this).
+
+    GPipe/1F1B with uneven stages: sum_s t_s + (m-1) max_s t_s (the fill-drain bound used by Alpa and
+    Tarnawski et al. 2020), which equals (m + p - 1) t for uniform stages (Narayanan et al., SC21).
+    Interleaved 1F1B: m max_r T_r + (p-1) max_s t_s, equal to (m + (p-1)/v) T for uniform stages.
+    Zero-bubble (ZBV): m max_r T_r + (p-1) max_s f_s, equal to the ZBV closed form m T + (p-1) t_f/2 for
+    uniform stages with equal F, B, W. Plus one forward and one backward p2p per stage boundary (fill
+    and drain). The reported figure comes from the discrete-event simulator instead.
+    """
+    comm = 2.0 * sum(stage_p2p)
+    if cand.schedule in ("gpipe", "1f1b"):
+        return sum(stage_total) + (cand.m - 1) * max(stage_total) + comm
+    rank_total = [0.0] * cand.pp
+    for s, t in enumerate(stage_total):
+        rank_total[stage_rank(cand.schedule, cand.pp, cand.v, s)] += t
+    if cand.schedule == "interleaved-1f1b":
+        return cand.m * max(rank_total) + (cand.pp - 1) * max(stage_total) + comm
+    return cand.m * max(rank_total) + (cand.pp - 1) * max(stage_fwd) + comm
+
+
+@dataclass
+class IterationCost:
+    pipeline: float
+    dp_exposed: float
+    optimizer: float
+    zero3_exposed: float
+    total: float
+    bubble_fraction: float
+
+
+def rank_tail(stages: list[StageCost], cand: Candidate, options: CostOptions, cluster: ClusterSpec, dtype: str) -> float:
+    """max over ranks of (exposed data-parallel sync + optimizer step), paid after the pipeline drains.
+
+    Gradient sync overlaps with the last micro-batch's backward of the rank's first stage (the last
+    work it runs) when overlap is on (DDP bucketing / FSDP reduce-scatter during backward).
+    """
+    worst = 0.0
+    for r in range(cand.pp):
+        mine = [s for s in stages if s.rank == r]
+        sync = sum(s.dp_sync for s in mine)
+        window = min(mine, key=lambda s: s.index).bwd if options.overlap_dp_comm else 0.0
+        exposed = max(0.0, sync - window)
+        opt = optimizer_time(sum(s.params_local for s in mine), cand, cluster, dtype)
+        worst = max(worst, exposed + opt)
+    return worst
+
+
+def stage_time_with_gathers(s: StageCost) -> float:
+    """A stage's per-micro-batch time when ZeRO-3 gathers must finish: max(compute, gathers)."""
+    return max(s.compute, s.zero3_gather)
+
+
+def iteration_linear(stages: list[StageCost], cand: Candidate, options: CostOptions, cluster: ClusterSpec, dtype: str) -> float:
+    """The full linear objective: pipeline (with ZeRO-3 gathers) plus the data-parallel/optimizer tail."""
+    totals = [stage_time_with_gathers(s) for s in stages]
+    pipe = pipeline_time_linear(cand, [s.fwd for s in stages], totals, [s.p2p for s in stages[:-1]])
+    return pipe + rank_tail(stages, cand, options, cluster, dtype)

@@ -1,0 +1,247 @@
+"""The planner's data flow in one place: model file -> ModelGraph -> search -> Plan (DESIGN.md).
+
+Each step is a plain function of typed inputs; this module only wires them and turns the search's
+result into the Plan schema, with simulated iteration times for the winner and the runners-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner import __version__
+from planner.cost.model import CostOptions, Profile, rank_tail
+from planner.cost.simulate import SimResult, simulate
+from planner.errors import ConfigError
+from planner.hardware.spec import ClusterSpec
+from planner.model.graph import ModelGraph
+from planner.plan import (
+    Alternative,
+    ClusterSummary,
+    CommBreakdown,
+    MemoryBreakdown,
+    ParallelConfig,
+    Plan,
+    Predicted,
+    Rejection,
+    SearchStats,
+    StagePlan,
+    TrainingConfig,
+)
+from planner.search.search import Evaluated, SearchResult, search
+from planner.search.space import Pins
+
+
+class PlanRequest(BaseModel):
+    """Everything `planner plan` is asked: the model, the cluster, the batch and the pins."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str
+    model_args: dict[str, Any] = Field(default_factory=dict)
+    build_fn: str = "build_model"
+    inputs_fn: str = "example_inputs"
+    loss_fn: str | None = None
+    dtype: str = "bf16"
+    gpu: str
+    nodes: int = 1
+    gpus_per_node: int | None = None
+    global_batch_size: int
+    pins: dict[str, Any] = Field(default_factory=dict)
+    top_k: int = 5
+    time_limit: float | None = None
+    overlap_dp_comm: bool = True
+    seed: int = 0
+    lr: float = 1e-4
+    steps: int = 10
+
+
+def inputs_digest(graph: ModelGraph, cluster: ClusterSpec, request: PlanRequest) -> str:
+    blob = json.dumps(
+        {
+            "model": graph.source.model_dump(mode="json", exclude={"path"}),
+            "cluster": cluster.model_dump(mode="json"),
+            "request": request.model_dump(mode="json", exclude={"model_path"}),
+            "planner": __version__,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def simulate_evaluated(ev: Evaluated) -> SimResult:
+    c = ev.cand
+    fwd = [s.fwd for s in ev.stages]
+    bwd = [max(s.compute, s.zero3_gather) - s.fwd for s in ev.stages]
+    p2p = [s.p2p for s in ev.stages[:-1]] + [0.0]
+    return simulate(c.schedule, c.pp, c.m, c.v, fwd, bwd, None, p2p)
+
+
+def predicted_for(
+    ev: Evaluated, graph: ModelGraph, cluster: ClusterSpec, options: CostOptions, global_batch: int
+) -> tuple[Predicted, SimResult]:
+    """Predicted figures of an evaluated candidate: simulated pipeline time plus the DP/optimizer tail."""
+    sim = simulate_evaluated(ev)
+    tail = rank_tail(ev.stages, ev.cand, options, cluster, graph.source.dtype)
+    iteration = sim.iteration_time + tail
+    world = cluster.world_size
+    flops = (graph.fwd_flops_per_sample + graph.bwd_flops_per_sample) * global_batch
+    per_gpu = flops / iteration / world
+    peak = cluster.gpu.peak_flops(graph.source.dtype)
+    samples = global_batch / iteration
+    tp_comm = sum(s.tp_comm for s in ev.stages) * ev.cand.m / max(1, ev.cand.pp)
+    dp_total = max((sum(s.dp_sync for s in ev.stages if s.rank == r) for r in range(ev.cand.pp)), default=0.0)
+    predicted = Predicted(
+        iteration_time_s=iteration,
+        samples_per_s=samples,
+        tokens_per_s=samples * graph.tokens_per_sample if graph.tokens_per_sample else None,
+        model_tflops_per_gpu=per_gpu / 1e12,
+        hardware_tflops_per_gpu=_hardware_flops(ev, graph, global_batch) / iteration / world / 1e12,
+        mfu=per_gpu / peak,
+        peak_memory_bytes=int(max(ev.rank_memory.values())),
+        memory_capacity_bytes=cluster.gpu.memory_bytes,
+        bubble_fraction=sim.bubble_fraction,
+        comm=CommBreakdown(
+            tensor_parallel_s=tp_comm,
+            pipeline_p2p_s=2 * sum(s.p2p for s in ev.stages) * (1 if ev.cand.pp > 1 else 0),
+            data_parallel_s=dp_total,
+            data_parallel_exposed_s=max(0.0, tail - _opt_only(ev, cluster, graph)),
+        ),
+        source="measured" if all(s.source == "measured" for s in ev.stages) else "estimated",
+    )
+    return predicted, sim
+
+
+def _opt_only(ev: Evaluated, cluster: ClusterSpec, graph: ModelGraph) -> float:
+    from planner.cost.model import optimizer_time
+
+    return max(
+        optimizer_time(sum(s.params_local for s in ev.stages if s.rank == r), ev.cand, cluster, graph.source.dtype)
+        for r in range(ev.cand.pp)
+    )
+
+
+def _hardware_flops(ev: Evaluated, graph: ModelGraph, global_batch: int) -> float:
+    """FLOPs the GPUs execute per iteration, recomputation included (what Megatron-LM reports)."""
+    extra = 0.0
+    for s in ev.stages:
+        for u in s.units:
+            unit = graph.units[u]
+            if s.recompute == "full":
+                extra += unit.fwd_flops
+            elif s.recompute == "selective" and unit.attention_core_bytes > 0:
+                extra += unit.attention_flops
+    return (graph.fwd_flops_per_sample + graph.bwd_flops_per_sample + extra) * global_batch
+
+
+def _parallel(ev: Evaluated, global_batch: int) -> ParallelConfig:
+    c = ev.cand
+    return ParallelConfig(
+        dp=c.dp, tp=c.tp, pp=c.pp, virtual_stages=c.v, micro_batch_size=c.mbs, num_micro_batches=c.m,
+        global_batch_size=global_batch, schedule=c.schedule, zero_stage=c.zero, sequence_parallel=c.sp,
+    )
+
+
+def build_plan(
+    graph: ModelGraph, cluster: ClusterSpec, request: PlanRequest, result: SearchResult, options: CostOptions
+) -> Plan:
+    best = result.best
+    predicted, _ = predicted_for(best, graph, cluster, options, request.global_batch_size)
+    stages = []
+    for s in best.stages:
+        units = [graph.units[u] for u in s.units]
+        mem = MemoryBreakdown(
+            weights=int(s.weights), gradients=int(s.gradients), optimizer=int(s.optimizer),
+            activations=int(s.activations), comm_buffers=int(s.comm_buffers),
+            workspace=int(options.workspace_bytes + options.fragmentation * (s.memory - s.workspace)),
+        )
+        stages.append(
+            StagePlan(
+                index=s.index, pp_rank=s.rank, units=[u.name for u in units],
+                modules=[m for u in units for m in u.modules], recompute=s.recompute, forward_time_s=s.fwd,
+                backward_time_s=s.bwd, p2p_time_s=s.p2p, compute_time_s=s.compute, memory_bytes=mem.total,
+                memory=mem, source=s.source,  # type: ignore[arg-type]
+            )
+        )
+    tp_plan: dict[str, str] = {}
+    if best.cand.tp > 1:
+        for u in graph.units:
+            tp_plan.update(u.tp_styles)
+    alternatives = []
+    for ev in result.ranked[1:]:
+        pred, _ = predicted_for(ev, graph, cluster, options, request.global_batch_size)
+        slower = pred.iteration_time_s / predicted.iteration_time_s - 1
+        alternatives.append(
+            Alternative(
+                parallel=_parallel(ev, request.global_batch_size), recompute=ev.recompute, predicted=pred,
+                note=f"{slower * 100:+.1f}% iteration time vs the chosen plan",
+            )
+        )
+    rejected = [
+        Rejection(region=region, reason=why, count=n) for (region, why), n in sorted(result.rejected.items())
+    ]
+    src = graph.source
+    return Plan(
+        planner_version=__version__,
+        inputs_digest=inputs_digest(graph, cluster, request),
+        model=src,
+        model_class=graph.model_class,
+        trace_method=graph.trace_method,
+        tokens_per_sample=graph.tokens_per_sample,
+        cluster=ClusterSummary(
+            name=cluster.name, gpu=cluster.gpu.name, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node
+        ),
+        parallel=_parallel(best, request.global_batch_size),
+        tp_plan=dict(sorted(tp_plan.items())),  # type: ignore[arg-type]
+        stages=stages,
+        predicted=predicted,
+        alternatives=alternatives,
+        rejected=rejected,
+        training=TrainingConfig(
+            seed=request.seed, lr=request.lr, steps=request.steps,
+            dtype="fp32" if cluster.gpu.name == "cpu" else src.dtype,  # type: ignore[arg-type]
+        ),
+        search=SearchStats(
+            candidates=result.candidates, pruned_by_bound=result.pruned_by_bound, ilps_solved=result.ilps_solved,
+            status=result.status,
+        ),
+    )
+
+
+def pins_from(request: PlanRequest) -> Pins:
+    try:
+        return Pins(**request.pins)
+    except TypeError as e:
+        raise ConfigError(f"Unknown pin: {e}.") from None
+
+
+def analyse(request: PlanRequest) -> ModelGraph:
+    from planner.model.load import load_model_file
+    from planner.model.units import analyse_model
+
+    loaded = load_model_file(
+        request.model_path, request.model_args, request.build_fn, request.inputs_fn, request.loss_fn, request.dtype
+    )
+    return analyse_model(loaded)
+
+
+def plan_model(
+    request: PlanRequest, graph: ModelGraph | None = None, profile: Profile | None = None, progress=None
+) -> tuple[Plan, ModelGraph, SearchResult]:
+    """Plan a model file for a cluster: trace and analyse (unless given), search, build the Plan."""
+    from planner.hardware.load import load_cluster
+
+    if request.global_batch_size < 1:
+        raise ConfigError(f"--global-batch-size must be at least 1, got {request.global_batch_size}.")
+    cluster = load_cluster(request.gpu, request.nodes, request.gpus_per_node)
+    if graph is None:
+        graph = analyse(request)
+    options = CostOptions(overlap_dp_comm=request.overlap_dp_comm)
+    result = search(
+        graph, cluster, request.global_batch_size, pins_from(request), options, profile, request.top_k,
+        request.time_limit, progress,
+    )
+    return build_plan(graph, cluster, request, result, options), graph, result

@@ -1,0 +1,299 @@
+"""The stage-partition ILP (PuLP + CBC) for one candidate of outer degrees.
+
+Variables choose, together, the contiguous partition of units into the candidate's p*v stages and each
+stage's activation recomputation, under per-rank memory capacity (which depends on the stage's place in
+the schedule through its in-flight micro-batches), minimising `planner.cost.model.iteration_linear`:
+the schedule's fill-drain iteration time plus the exposed data-parallel sync and optimizer step.
+
+Two encodings of the same model:
+- count form, when the units are [prefix?] + a run of identical blocks + [suffix?] (transformers): the
+  prefix is always in stage 0 and the suffix in the last stage, so the partition is exactly the number of
+  blocks per stage and recomputation mode: O(stages) integer variables however many layers there are;
+- assignment form, for any other unit sequence: binary unit-to-stage variables with prefix-sum
+  contiguity constraints.
+Maxima in the objective are linearised with epigraph variables (exact, since they are minimised).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import pulp
+
+from planner.cost import collectives as coll
+from planner.cost.memory import model_state_bytes_per_param
+from planner.cost.model import (
+    Candidate,
+    CostOptions,
+    UnitCost,
+    dp_link,
+    p2p_link,
+)
+from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches, stage_rank
+from planner.hardware.spec import ClusterSpec
+from planner.model.graph import ModelGraph
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ILPResult:
+    status: str  # "optimal" | "infeasible" | "time_limit" | "not_solved"
+    objective: float | None
+    partition: list[list[int]] | None
+    recompute: list[str] | None
+    gap: float = 0.0
+    form: str = ""
+
+
+def block_run(graph: ModelGraph) -> tuple[int, int, int] | None:
+    """(start, end, has_prefix...) of the single run of identical units, when units are pre? run post?."""
+    sigs = [u.signature for u in graph.units]
+    n = len(sigs)
+    best = None
+    i = 0
+    while i < n:
+        j = i
+        while j + 1 < n and sigs[j + 1] == sigs[i]:
+            j += 1
+        if best is None or (j - i) > (best[1] - best[0]):
+            best = (i, j)
+        i = j + 1
+    if best is None:
+        return None
+    start, end = best
+    if start > 1 or end < n - 2 or end - start + 1 < 2:
+        return None
+    return start, end, n
+
+
+def _lin(terms) -> pulp.LpAffineExpression:
+    return pulp.lpSum(terms)
+
+
+def solve_partition(
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    cand: Candidate,
+    costs: list[UnitCost],
+    modes: tuple[str, ...],
+    options: CostOptions,
+    time_limit: float | None = None,
+    force_form: str | None = None,
+) -> ILPResult:
+    """Solve the partition + recomputation ILP of one candidate exactly (or to the time limit)."""
+    U = len(graph.units)
+    S = cand.stages
+    if S > U:
+        return ILPResult("infeasible", None, None, None)
+    run = block_run(graph)
+    form = force_form or ("count" if run is not None else "assign")
+    if form == "count" and run is None:
+        form = "assign"
+
+    prob = pulp.LpProblem("partition", pulp.LpMinimize)
+    dtype = graph.source.dtype
+    state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
+    cap = cluster.gpu.memory_bytes
+    frag = 1 + options.fragmentation
+
+    # Per stage s: linear expressions of the stage's quantities.
+    fwd = [None] * S
+    tot = [None] * S
+    params = [None] * S
+    act = [None] * S  # activation bytes per micro-batch
+    boundary = [None] * S  # bytes of the stage's outgoing boundary tensor (per sample)
+    mode_vars: dict[tuple[int, str], pulp.LpVariable] = {}
+    for s in range(S):
+        for r in modes:
+            mode_vars[s, r] = pulp.LpVariable(f"y_{s}_{r}", cat="Binary")
+        prob += pulp.lpSum(mode_vars[s, r] for r in modes) == 1
+
+    if form == "count":
+        start, end, n = run
+        L = end - start + 1
+        blk = costs[start]
+        pre = list(range(0, start))
+        post = list(range(end + 1, n))
+        cnt = {
+            (s, r): pulp.LpVariable(f"n_{s}_{r}", lowBound=0, upBound=L, cat="Integer") for s in range(S) for r in modes
+        }
+        for s in range(S):
+            for r in modes:
+                prob += cnt[s, r] <= L * mode_vars[s, r]
+        prob += pulp.lpSum(cnt.values()) == L
+        for s in range(S):
+            holds = []
+            if s == 0:
+                holds += pre
+            if s == S - 1:
+                holds += post
+            blocks = pulp.lpSum(cnt[s, r] for r in modes)
+            if not holds:
+                prob += blocks >= 1
+            fixed = [costs[u] for u in holds]
+            fwd[s] = blocks * blk.fwd + sum(c.fwd for c in fixed)
+            tot[s] = _lin(
+                [cnt[s, r] * (blk.fwd + blk.bwd[r]) for r in modes]
+                + [mode_vars[s, r] * (c.fwd + c.bwd[r]) for r in modes for c in fixed]
+            )
+            params[s] = blocks * blk.params_local + sum(c.params_local for c in fixed)
+            act[s] = _lin([cnt[s, r] * blk.act[r] for r in modes] + [mode_vars[s, r] * c.act[r] for r in modes for c in fixed])
+            if s < S - 1:
+                b = pulp.LpVariable(f"bnd_{s}", lowBound=0)
+                out_blk = graph.units[start].output_bytes
+                if s == 0 and pre:
+                    has = pulp.LpVariable("has_blocks_0", cat="Binary")
+                    prob += has <= blocks
+                    prob += blocks <= L * has
+                    prob += b >= out_blk * has
+                    prob += b >= graph.units[pre[-1]].output_bytes * (1 - has)
+                else:
+                    prob += b >= out_blk
+                boundary[s] = b
+    else:
+        z = {(u, s): pulp.LpVariable(f"z_{u}_{s}", cat="Binary") for u in range(U) for s in range(S)}
+        w = {
+            (u, s, r): pulp.LpVariable(f"w_{u}_{s}_{r}", cat="Binary") for u in range(U) for s in range(S) for r in modes
+        }
+        for u in range(U):
+            prob += pulp.lpSum(z[u, s] for s in range(S)) == 1
+            for s in range(S):
+                prob += pulp.lpSum(w[u, s, r] for r in modes) == z[u, s]
+                for r in modes:
+                    prob += w[u, s, r] <= mode_vars[s, r]
+        # contiguity in order: prefix sums over stages never increase from one unit to the next
+        for u in range(U - 1):
+            for s in range(S - 1):
+                prob += pulp.lpSum(z[u + 1, k] for k in range(s + 1)) <= pulp.lpSum(z[u, k] for k in range(s + 1))
+        for s in range(S):
+            prob += pulp.lpSum(z[u, s] for u in range(U)) >= 1
+        prob += z[0, 0] == 1
+        for s in range(S):
+            fwd[s] = _lin([z[u, s] * costs[u].fwd for u in range(U)])
+            tot[s] = _lin([w[u, s, r] * (costs[u].fwd + costs[u].bwd[r]) for u in range(U) for r in modes])
+            params[s] = _lin([z[u, s] * costs[u].params_local for u in range(U)])
+            act[s] = _lin([w[u, s, r] * costs[u].act[r] for u in range(U) for r in modes])
+            if s < S - 1:
+                b = pulp.LpVariable(f"bnd_{s}", lowBound=0)
+                for u in range(U):
+                    nxt = z[u + 1, s] if u + 1 < U else 0
+                    prob += b >= graph.units[u].output_bytes * (z[u, s] - nxt)
+                boundary[s] = b
+
+    # Communication terms (linear in bytes; latency constants as in planner.cost.collectives).
+    p2p_bw, p2p_lat = p2p_link(cand, cluster)
+    dp_bw, dp_lat = dp_link(cand, cluster)
+    p2p_scale = cand.mbs / (cand.tp if cand.sp else 1) / p2p_bw
+    p2p = [p2p_lat + boundary[s] * p2p_scale for s in range(S - 1)]
+    n_dp = cand.dp
+    w_bytes = 4.0 if dtype == "fp32" else 2.0
+    sync = [0] * S
+    gather = [0] * S
+    if n_dp > 1:
+        ring = (n_dp - 1) / n_dp / dp_bw
+        if cand.zero == 0:
+            sync = [2 * ring * 4.0 * params[s] + 2 * (n_dp - 1) * dp_lat for s in range(S)]
+        elif cand.zero in (1, 2):
+            sync = [ring * (4.0 + w_bytes) * params[s] + 2 * (n_dp - 1) * dp_lat for s in range(S)]
+        else:
+            sync = [ring * 4.0 * params[s] + (n_dp - 1) * dp_lat for s in range(S)]
+            gather = [2 * (ring * w_bytes * params[s] + (n_dp - 1) * dp_lat) for s in range(S)]
+
+    T = [pulp.LpVariable(f"T_{s}", lowBound=0) for s in range(S)]
+    for s in range(S):
+        prob += T[s] >= tot[s]
+        if cand.zero == 3 and n_dp > 1:
+            prob += T[s] >= gather[s]
+    Z = pulp.LpVariable("Tmax", lowBound=0)
+    for s in range(S):
+        prob += Z >= T[s]
+    ranks = [stage_rank(cand.schedule, cand.pp, cand.v, s) for s in range(S)]
+    if cand.schedule in ("gpipe", "1f1b"):
+        pipe = pulp.lpSum(T) + (cand.m - 1) * Z
+    else:
+        Y = pulp.LpVariable("Trank", lowBound=0)
+        for r in range(cand.pp):
+            prob += Y >= pulp.lpSum(T[s] for s in range(S) if ranks[s] == r)
+        if cand.schedule == "interleaved-1f1b":
+            pipe = cand.m * Y + (cand.pp - 1) * Z
+        else:
+            F = pulp.LpVariable("Fmax", lowBound=0)
+            for s in range(S):
+                prob += F >= fwd[s]
+            pipe = cand.m * Y + (cand.pp - 1) * F
+    pipe = pipe + 2 * pulp.lpSum(p2p)
+
+    # Tail: exposed DP sync overlapped with the rank's last backward, plus the optimizer step.
+    opt_per_param = (32.0 if dtype == "fp32" else 30.0) / (cand.dp if cand.zero >= 1 else 1)
+    opt_rate = opt_per_param / (cluster.gpu.memory_bandwidth * cluster.gpu.efficiency.memory)
+    tail = pulp.LpVariable("tail", lowBound=0)
+    for r in range(cand.pp):
+        mine = [s for s in range(S) if ranks[s] == r]
+        first = min(mine)
+        exposed = pulp.LpVariable(f"exposed_{r}", lowBound=0)
+        window = (tot[first] - fwd[first]) if options.overlap_dp_comm else 0
+        prob += exposed >= pulp.lpSum(sync[s] for s in mine) - window
+        prob += tail >= exposed + opt_rate * pulp.lpSum(params[s] for s in mine)
+    prob += pipe + tail
+
+    # Memory per rank.
+    per_param = state.weights + state.gradients + state.optimizer
+    bucket = 2 * options.ddp_bucket_bytes if (cand.dp > 1 and cand.zero == 0) else 0.0
+    z3buf = 2 * max(c.largest_param_bytes for c in costs) if cand.zero == 3 else 0.0
+    for r in range(cand.pp):
+        mine = [s for s in range(S) if ranks[s] == r]
+        states = pulp.lpSum(per_param * params[s] + bucket + z3buf for s in mine) + pulp.lpSum(
+            4.0 * cand.mbs * boundary[s] for s in mine if s < S - 1
+        )
+        if cand.v == 1:
+            s = mine[0]
+            acts = in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, s) * act[s]
+            prob += (states + acts) * frag + options.workspace_bytes <= cap
+        else:
+            A = pulp.LpVariable(f"act_{r}", lowBound=0)
+            for s in mine:
+                prob += A >= act[s]
+            k = rank_in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, r)
+            prob += (states + k * A) * frag + options.workspace_bytes <= cap
+
+    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1)
+    prob.solve(solver)
+    status = pulp.LpStatus[prob.status]
+    sol_status = getattr(prob, "sol_status", None)
+    if status == "Infeasible":
+        return ILPResult("infeasible", None, None, None, form=form)
+    if status != "Optimal":
+        return ILPResult("not_solved", None, None, None, form=form)
+    if sol_status == pulp.LpSolutionIntegerFeasible:
+        res_status = "time_limit"
+    else:
+        res_status = "optimal"
+
+    recompute = [next(r for r in modes if (mode_vars[s, r].value() or 0) > 0.5) for s in range(S)]
+    if form == "count":
+        start, end, n = run
+        partition: list[list[int]] = []
+        nxt = start
+        for s in range(S):
+            k = int(round(sum(cnt[s, r].value() or 0 for r in modes)))
+            units = (list(range(0, start)) if s == 0 else []) + list(range(nxt, nxt + k))
+            nxt += k
+            if s == S - 1:
+                units += list(range(end + 1, n))
+            partition.append(units)
+    else:
+        partition = [[u for u in range(U) if (z[u, s].value() or 0) > 0.5] for s in range(S)]
+    obj = pulp.value(prob.objective)
+    return ILPResult(res_status, float(obj), partition, recompute, form=form)
+
+
+def stage_bytes_bound(costs: list[UnitCost], dtype: str, cand: Candidate) -> float:
+    """A lower bound on the largest rank's model-state bytes: the average over pipeline ranks."""
+    state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
+    total = sum(c.params_local for c in costs) * (state.weights + state.gradients + state.optimizer)
+    return total / cand.pp
+
+
+__all__ = ["ILPResult", "block_run", "solve_partition", "stage_bytes_bound", "coll"]

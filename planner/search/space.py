@@ -1,0 +1,142 @@
+"""The outer search space: degrees, micro-batching, schedule, ZeRO stage, sequence parallelism.
+
+Every candidate that breaks a hard rule is rejected with a reason (tp exceeds a node, batch not
+divisible, more stages than units, a schedule torch refuses); the rest are ranked by a valid lower bound
+on their iteration time so that the ILP runs only on candidates that could still win.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from math import gcd
+
+from planner.cost.model import Candidate
+from planner.cost.schedules import schedule_violation
+from planner.errors import ConfigError
+from planner.hardware.spec import ClusterSpec
+from planner.model.graph import ModelGraph
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+MAX_VIRTUAL_STAGES = 8
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Dimensions the user fixed on the command line (None = search it)."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    virtual_stages: int | None = None
+    micro_batch_size: int | None = None
+    schedule: str | None = None
+    zero_stage: int | None = None
+    sequence_parallel: bool | None = None
+    recompute: str | None = None
+
+
+@dataclass
+class Space:
+    candidates: list[Candidate]
+    rejected: Counter = field(default_factory=Counter)  # (region, reason) -> count
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_limit(graph: ModelGraph) -> int:
+    """Largest tensor-parallel degree every sharded unit supports (gcd of their shardable sizes)."""
+    g = 0
+    for u in graph.units:
+        for name in u.tp_styles:
+            g = gcd(g, u.tp_granularity) if u.tp_granularity else g
+            break
+    return g or 1
+
+
+def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, pins: Pins) -> Space:
+    """All candidates consistent with the cluster, the batch and the pins; rejections counted by reason."""
+    world = cluster.world_size
+    gpn = cluster.gpus_per_node
+    n_units = len(graph.units)
+    space = Space(candidates=[])
+    rej = space.rejected
+    if pins.schedule is not None and pins.schedule not in SCHEDULE_NAMES:
+        raise ConfigError(f"Unknown schedule {pins.schedule!r}; use one of {', '.join(SCHEDULE_NAMES)}.")
+    for name, val in (("tp", pins.tp), ("pp", pins.pp), ("dp", pins.dp)):
+        if val is not None and (val < 1 or world % val):
+            raise ConfigError(
+                f"--{name} {val} does not divide the {world} GPUs ({cluster.nodes} nodes x {gpn}). "
+                f"Pick a divisor of {world}: {', '.join(map(str, divisors(world)[:12]))}..."
+            )
+    pinned = [v for v in (pins.tp, pins.pp, pins.dp) if v is not None]
+    prod = 1
+    for v in pinned:
+        prod *= v
+    if len(pinned) == 3 and prod != world:
+        raise ConfigError(
+            f"--dp {pins.dp} x --tp {pins.tp} x --pp {pins.pp} = {prod}, but the cluster has {world} GPUs. "
+            "Make the product equal the GPU count or leave one degree free."
+        )
+    max_tp = tp_limit(graph)
+    has_tp = any(u.tp_pairs for u in graph.units)
+    for tp in divisors(world):
+        if pins.tp is not None and tp != pins.tp:
+            continue
+        if tp > gpn:
+            rej[(f"tp={tp}", f"tensor parallelism must stay inside a node ({gpn} GPUs per node)")] += 1
+            continue
+        if tp > 1 and not has_tp:
+            rej[(f"tp={tp}", "the model has no Linear pairs that tensor parallelism can shard")] += 1
+            continue
+        if tp > 1 and max_tp % tp:
+            rej[(f"tp={tp}", f"the model's heads/hidden sizes split only into divisors of {max_tp}")] += 1
+            continue
+        for pp in divisors(world // tp):
+            if pins.pp is not None and pp != pins.pp:
+                continue
+            dp = world // (tp * pp)
+            if pins.dp is not None and dp != pins.dp:
+                continue
+            if pp > n_units:
+                rej[(f"pp={pp}", f"more pipeline stages than the model's {n_units} units")] += 1
+                continue
+            if global_batch % dp:
+                rej[(f"dp={dp}", f"global batch {global_batch} is not divisible by dp={dp}")] += 1
+                continue
+            per_replica = global_batch // dp
+            for mbs in divisors(per_replica):
+                if pins.micro_batch_size is not None and mbs != pins.micro_batch_size:
+                    continue
+                m = per_replica // mbs
+                for schedule in SCHEDULE_NAMES:
+                    if pins.schedule is not None and schedule != pins.schedule:
+                        continue
+                    if pp == 1 and schedule != "1f1b":
+                        continue  # one stage: plain gradient accumulation, schedule is moot
+                    if schedule in ("gpipe", "1f1b"):
+                        vs = [1]
+                    elif schedule == "zero-bubble":
+                        vs = [2]
+                    else:
+                        vs = [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if pp * v <= n_units]
+                    for v in vs:
+                        if pins.virtual_stages is not None and v != pins.virtual_stages:
+                            continue
+                        if pp * v > n_units:
+                            rej[(f"pp={pp} v={v}", f"more stages than the model's {n_units} units")] += 1
+                            continue
+                        why = schedule_violation(schedule, pp, m, v)
+                        if why:
+                            rej[(f"{schedule} pp={pp} m={m}", why)] += 1
+                            continue
+                        for zero in range(4) if dp > 1 else [0]:
+                            if pins.zero_stage is not None and zero != pins.zero_stage:
+                                continue
+                            for sp in (False, True) if tp > 1 else (False,):
+                                if pins.sequence_parallel is not None and sp != pins.sequence_parallel:
+                                    continue
+                                space.candidates.append(Candidate(dp, tp, pp, v, mbs, m, schedule, zero, sp))
+    return space
