@@ -1,0 +1,9 @@
+"""Shared pytest setup."""
+
+import sys
+from pathlib import Path
+
+# The repository root, so that plain `pytest` imports `planner` as `python -m pytest` does.
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
