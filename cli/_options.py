@@ -1,0 +1,278 @@
+"""Option types shared by the commands, defined once as `Annotated` aliases, and the helpers they share.
+
+Nothing here imports torch or the planner's heavy modules: `planner --help` must stay fast. Commands import
+the library inside their function bodies.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from planner.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from planner.pipeline import PlanRequest
+
+DEBUG_ENV = "PLANNER_DEBUG"
+
+# Help panels, so that `planner plan --help` groups its many options.
+_MODEL = "Model"
+_CLUSTER = "Cluster and batch"
+_PINS = "Pins (fix a dimension instead of searching it)"
+_SEARCH = "Search"
+_TRAINING = "Generated training script"
+_OUTPUT = "Output"
+
+
+class Schedule(str, Enum):
+    gpipe = "gpipe"
+    one_f_one_b = "1f1b"
+    interleaved = "interleaved-1f1b"
+    zero_bubble = "zero-bubble"
+
+
+class Recompute(str, Enum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class DType(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+PlanPathArg = Annotated[
+    Path,
+    typer.Argument(help="plan.json, or the folder `planner plan --out` wrote.", metavar="PLAN", show_default=False),
+]
+
+# --- model ------------------------------------------------------------------------------------------------
+
+ModelFileArg = Annotated[
+    Path,
+    typer.Argument(
+        help="Python file defining build_model(**kwargs) and example_inputs(batch_size, **kwargs).",
+        metavar="MODEL_FILE", show_default=False,
+    ),
+]
+ModelArgOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--model-arg", "-a", metavar="KEY=VALUE", rich_help_panel=_MODEL,
+        help="Keyword argument for build_model and example_inputs; VALUE is read as a Python literal "
+        "(4, 1e-3, 'x', [1, 2]) or else kept as a string. Repeatable.",
+    ),
+]
+BuildFnOpt = Annotated[str, typer.Option(help="Name of the model factory in the file.", rich_help_panel=_MODEL)]
+InputsFnOpt = Annotated[
+    str, typer.Option(help="Name of the example-inputs function in the file.", rich_help_panel=_MODEL)
+]
+LossFnOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Name of a loss function in the file (default: loss_fn if defined, else next-token cross-entropy "
+        "for token inputs, else the mean of the output).", rich_help_panel=_MODEL,
+    ),
+]
+DTypeOpt = Annotated[DType, typer.Option(help="Training dtype (mixed precision).", rich_help_panel=_MODEL)]
+
+# --- cluster and batch ------------------------------------------------------------------------------------
+
+GpuOpt = Annotated[
+    str,
+    typer.Option(
+        help="GPU or cluster spec: a name or alias from `planner hardware list`, or the path of a YAML file.",
+        show_default=False, rich_help_panel=_CLUSTER,
+    ),
+]
+NodesOpt = Annotated[int, typer.Option(min=1, help="Number of nodes.", rich_help_panel=_CLUSTER)]
+GpusPerNodeOpt = Annotated[
+    int | None,
+    typer.Option(min=1, help="GPUs per node (default: the spec's node).", rich_help_panel=_CLUSTER),
+]
+GlobalBatchOpt = Annotated[
+    int,
+    typer.Option(min=1, help="Samples per optimizer step, over all replicas.", show_default=False,
+                 rich_help_panel=_CLUSTER),
+]
+
+# --- pins -------------------------------------------------------------------------------------------------
+
+DpOpt = Annotated[int | None, typer.Option("--dp", min=1, help="Data-parallel degree.", rich_help_panel=_PINS)]
+TpOpt = Annotated[
+    int | None, typer.Option("--tp", min=1, help="Tensor-parallel degree (inside a node).", rich_help_panel=_PINS)
+]
+PpOpt = Annotated[int | None, typer.Option("--pp", min=1, help="Pipeline-parallel degree.", rich_help_panel=_PINS)]
+VirtualStagesOpt = Annotated[
+    int | None,
+    typer.Option(min=1, help="Pipeline stages per pp rank (2+ for interleaved-1f1b, 2 for zero-bubble).",
+                 rich_help_panel=_PINS),
+]
+MicroBatchOpt = Annotated[
+    int | None, typer.Option(min=1, help="Samples per micro-batch.", rich_help_panel=_PINS)
+]
+ScheduleOpt = Annotated[
+    Schedule | None, typer.Option(help="Pipeline schedule.", rich_help_panel=_PINS)
+]
+ZeroStageOpt = Annotated[
+    int | None,
+    typer.Option(min=0, max=3, help="0 DDP, 1 sharded optimizer, 2 + sharded grads, 3 FSDP.", rich_help_panel=_PINS),
+]
+RecomputeOpt = Annotated[
+    Recompute | None, typer.Option(help="Activation recomputation for every stage.", rich_help_panel=_PINS)
+]
+SequenceParallelOpt = Annotated[
+    bool | None,
+    typer.Option("--sequence-parallel/--no-sequence-parallel", help="Shard norms and dropout over the sequence "
+                 "with tensor parallelism (default: searched).", show_default=False, rich_help_panel=_PINS),
+]
+
+# --- search -----------------------------------------------------------------------------------------------
+
+TopKOpt = Annotated[int, typer.Option(min=0, help="Runners-up to keep and report.", rich_help_panel=_SEARCH)]
+TimeLimitOpt = Annotated[
+    float | None,
+    typer.Option(min=0.0, help="Seconds each ILP may take (default: no limit).", rich_help_panel=_SEARCH),
+]
+NoOverlapOpt = Annotated[
+    bool,
+    typer.Option("--no-overlap", help="Assume data-parallel gradient sync does not overlap the backward pass.",
+                 rich_help_panel=_SEARCH),
+]
+
+# --- the generated training script ------------------------------------------------------------------------
+
+SeedOpt = Annotated[int, typer.Option(help="Random seed of the generated script.", rich_help_panel=_TRAINING)]
+LrOpt = Annotated[float, typer.Option(help="Learning rate of the generated script.", rich_help_panel=_TRAINING)]
+StepsOpt = Annotated[
+    int, typer.Option(min=1, help="Training steps of the generated script.", rich_help_panel=_TRAINING)
+]
+
+# --- output -----------------------------------------------------------------------------------------------
+
+OutOpt = Annotated[
+    Path, typer.Option("--out", "-o", help="Folder for plan.json, timeline.svg and the scripts.",
+                       rich_help_panel=_OUTPUT),
+]
+ForceOpt = Annotated[
+    bool, typer.Option("--force", "-f", help="Overwrite files that hold something else.", rich_help_panel=_OUTPUT)
+]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print JSON to stdout instead of the tables.", rich_help_panel=_OUTPUT)
+]
+QuietOpt = Annotated[
+    bool, typer.Option("--quiet", "-q", help="Print nothing but errors.", rich_help_panel=_OUTPUT)
+]
+TimestampOpt = Annotated[
+    bool,
+    typer.Option("--timestamp", rich_help_panel=_OUTPUT,
+                 help="Record the creation time (UTC) in plan.json; the file then differs from run to run."),
+]
+
+
+# --- shared helpers ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Settings:
+    """The global options (`planner --debug --quiet CMD`), kept on the click context for the commands."""
+
+    debug: bool = False
+    quiet: bool = False
+
+
+def settings(ctx: typer.Context | None) -> Settings:
+    """The global options of this invocation (defaults, with $PLANNER_DEBUG, outside one)."""
+    found = ctx.find_object(Settings) if ctx is not None else None
+    return found if found is not None else Settings(debug=bool(os.environ.get(DEBUG_ENV)))
+
+
+def is_quiet(ctx: typer.Context, local: bool = False) -> bool:
+    """--quiet given to the command or to `planner` itself."""
+    return local or settings(ctx).quiet
+
+
+def stdout_console() -> Console:
+    """A console on the current stdout (created per call: test runners swap sys.stdout).
+
+    Off a terminal, rich draws no colour or animation; it then lays tables out at 120 columns (or $COLUMNS)
+    rather than 80 so that piped reports stay readable.
+    """
+    from rich.console import Console
+
+    console = Console(highlight=False, soft_wrap=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(highlight=False, soft_wrap=False, width=120)
+    return console
+
+
+def stderr_console() -> Console:
+    """Progress and status go to stderr, so that `--json` output on stdout stays clean."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+def examples_epilog(examples: list[str]) -> str:
+    """The examples block at the end of a command's --help; click's \\b keeps its lines from being rewrapped."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in examples)
+
+
+def parse_model_args(items: list[str] | None) -> dict[str, Any]:
+    """['layers=4', "name='x'", 'tag=abc'] -> {'layers': 4, 'name': 'x', 'tag': 'abc'}.
+
+    Values are Python literals when they parse as one (ast.literal_eval, which runs no code), else strings.
+    """
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise ConfigError(
+                f"--model-arg {item!r} is not KEY=VALUE with KEY a Python identifier. Write it like "
+                "--model-arg layers=4 or --model-arg preset=gpt3-175b."
+            )
+        try:
+            out[key] = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            out[key] = raw
+    return out
+
+
+def plan_request(
+    model_file: Path, model_arg: list[str] | None, *, gpu: str, nodes: int, gpus_per_node: int | None,
+    global_batch_size: int, dp: int | None, tp: int | None, pp: int | None, virtual_stages: int | None,
+    micro_batch_size: int | None, schedule: Schedule | None, zero_stage: int | None, recompute: Recompute | None,
+    sequence_parallel: bool | None, dtype: DType, build_fn: str, inputs_fn: str, loss_fn: str | None, top_k: int,
+    time_limit: float | None, no_overlap: bool, seed: int, lr: float, steps: int,
+) -> PlanRequest:
+    """The library's PlanRequest from the options `plan` and `dry-run` share; unset pins are searched."""
+    from planner.pipeline import PlanRequest
+
+    pins: dict[str, Any] = {
+        "dp": dp, "tp": tp, "pp": pp, "virtual_stages": virtual_stages, "micro_batch_size": micro_batch_size,
+        "schedule": schedule.value if schedule else None, "zero_stage": zero_stage,
+        "sequence_parallel": sequence_parallel, "recompute": recompute.value if recompute else None,
+    }
+    return PlanRequest(
+        model_path=str(model_file), model_args=parse_model_args(model_arg), build_fn=build_fn, inputs_fn=inputs_fn,
+        loss_fn=loss_fn, dtype=dtype.value, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node,
+        global_batch_size=global_batch_size, pins={k: v for k, v in pins.items() if v is not None}, top_k=top_k,
+        time_limit=time_limit, overlap_dp_comm=not no_overlap, seed=seed, lr=lr, steps=steps,
+    )

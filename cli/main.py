@@ -1,0 +1,121 @@
+"""The `planner` command: one typer app, one module per command, one place that turns errors into messages.
+
+Usage:
+    planner --help
+    planner plan sample_models/gpt.py --gpu cpu --gpus-per-node 4 --global-batch-size 8
+    planner report plan_out
+    planner --debug plan ...        # full tracebacks
+
+Exit codes: 0 success; 2 a mistake in the input (a PlannerError: model file, spec, options, plan file) or
+in the command line (click's usage errors); 1 an internal error (a bug: rerun with --debug and report it).
+Importing this module imports neither torch nor the planner's solver: `planner --help` starts at once.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperGroup
+
+from cli._options import Settings, examples_epilog, settings
+from cli.dry_run import DRY_RUN_EXAMPLES, dry_run
+from cli.emit import EMIT_EXAMPLES, emit
+from cli.hardware import hardware_app
+from cli.plan import PLAN_EXAMPLES, plan
+from cli.profile import PROFILE_EXAMPLES, profile
+from cli.report import REPORT_EXAMPLES, report
+from cli.validate import VALIDATE_EXAMPLES, validate
+from planner import __version__
+from planner.errors import PlannerError
+
+USER_ERROR = 2
+INTERNAL_ERROR = 1
+
+
+class _PlannerGroup(TyperGroup):
+    """Runs a command and maps what escapes it to a message and an exit code (see `exit_code_for`).
+
+    Doing it here rather than around `app()` means the mapping also holds under typer's CliRunner.
+    """
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, typer.TyperException):
+            raise  # typer's (click's) own: --help, usage errors (exit 2), Ctrl-C
+        except Exception as e:  # noqa: BLE001 - the one place every error is turned into a message
+            raise typer.Exit(report_error(e, settings(ctx).debug)) from e
+
+
+def report_error(error: BaseException, debug: bool) -> int:
+    """Print one paragraph about `error` on stderr (the traceback first with --debug); return the exit code."""
+    if debug:
+        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    if isinstance(error, PlannerError):
+        typer.echo(f"Error: {error}", err=True)
+        return USER_ERROR
+    typer.echo(
+        f"Internal error: {type(error).__name__}: {error}. This is a bug in planner, not in your input"
+        + ("." if debug else "; rerun with --debug for the traceback and include it when reporting the bug."),
+        err=True,
+    )
+    return INTERNAL_ERROR
+
+
+app = typer.Typer(
+    name="planner",
+    cls=_PlannerGroup,
+    help="Auto-parallelization planner for PyTorch training: trace a model, search data/tensor/pipeline "
+    "parallelism and ZeRO with an ILP, and emit torchrun scripts.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,  # click's plain help: paragraphs rewrapped to the terminal, no boxes
+    pretty_exceptions_enable=False,  # tracebacks only with --debug, printed by report_error
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"planner {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global(
+    ctx: typer.Context,
+    version: Annotated[
+        bool, typer.Option("--version", "-V", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", envvar="PLANNER_DEBUG", help="Show tracebacks and debug logging.")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+) -> None:
+    """Plan the parallel layout of a PyTorch training job and generate the scripts that run it."""
+    ctx.obj = Settings(debug=debug, quiet=quiet)
+    if debug:
+        import logging
+
+        logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s: %(message)s")
+
+
+app.command(epilog=examples_epilog(PLAN_EXAMPLES))(plan)
+app.command("dry-run", epilog=examples_epilog(DRY_RUN_EXAMPLES))(dry_run)
+app.command(epilog=examples_epilog(REPORT_EXAMPLES))(report)
+app.command(epilog=examples_epilog(EMIT_EXAMPLES))(emit)
+app.command(epilog=examples_epilog(VALIDATE_EXAMPLES))(validate)
+app.command(epilog=examples_epilog(PROFILE_EXAMPLES))(profile)
+app.add_typer(hardware_app, name="hardware")
+
+
+def main() -> None:
+    """Console-script entry point (`planner = "cli.main:main"`)."""
+    app(prog_name="planner")
+
+
+if __name__ == "__main__":
+    main()

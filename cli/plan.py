@@ -1,0 +1,182 @@
+"""Plan a model for a cluster: search the parallel layout, write plan.json, a timeline and the scripts.
+
+Usage:
+    planner plan --help
+
+    # The default tiny GPT on 4 local CPU processes
+    planner plan sample_models/gpt.py --gpu cpu --gpus-per-node 4 --global-batch-size 8
+
+    # GPT-3 175B on 16 DGX H100 nodes, pipeline schedule fixed
+    planner plan sample_models/gpt.py -a preset=gpt3-175b --gpu dgx-h100 --nodes 16 \
+        --global-batch-size 1536 --schedule interleaved-1f1b --out gpt3_plan
+
+    # Machine-readable output (the files are still written)
+    planner plan sample_models/llama.py -a preset=llama3-8b --gpu h100 --nodes 2 --global-batch-size 256 --json
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+from cli._options import (
+    BuildFnOpt,
+    DpOpt,
+    DType,
+    DTypeOpt,
+    ForceOpt,
+    GlobalBatchOpt,
+    GpuOpt,
+    GpusPerNodeOpt,
+    InputsFnOpt,
+    JsonOpt,
+    LossFnOpt,
+    LrOpt,
+    MicroBatchOpt,
+    ModelArgOpt,
+    ModelFileArg,
+    NodesOpt,
+    NoOverlapOpt,
+    OutOpt,
+    PpOpt,
+    QuietOpt,
+    RecomputeOpt,
+    ScheduleOpt,
+    SeedOpt,
+    SequenceParallelOpt,
+    StepsOpt,
+    TimeLimitOpt,
+    TimestampOpt,
+    TopKOpt,
+    TpOpt,
+    VirtualStagesOpt,
+    ZeroStageOpt,
+    is_quiet,
+    plan_request,
+    stderr_console,
+    stdout_console,
+)
+from cli.emit import PLAN_FILE, write_outputs
+
+if TYPE_CHECKING:
+    from planner.model.graph import ModelGraph
+    from planner.pipeline import PlanRequest
+    from planner.plan import Plan
+    from planner.search.search import SearchResult
+
+PLAN_EXAMPLES = [
+    "planner plan sample_models/gpt.py --gpu cpu --gpus-per-node 4 --global-batch-size 8",
+    "planner plan sample_models/gpt.py -a preset=gpt3-175b --gpu dgx-h100 --nodes 16 --global-batch-size 1536",
+    "planner plan sample_models/gpt.py --gpu a100-sxm4-80gb --nodes 2 --global-batch-size 64 --tp 4 --pp 2",
+]
+
+TIMELINE_FILE = "timeline.svg"
+
+
+def plan(
+    ctx: typer.Context,
+    model_file: ModelFileArg,
+    gpu: GpuOpt,
+    global_batch_size: GlobalBatchOpt,
+    model_arg: ModelArgOpt = None,
+    nodes: NodesOpt = 1,
+    gpus_per_node: GpusPerNodeOpt = None,
+    tp: TpOpt = None,
+    pp: PpOpt = None,
+    dp: DpOpt = None,
+    virtual_stages: VirtualStagesOpt = None,
+    micro_batch_size: MicroBatchOpt = None,
+    schedule: ScheduleOpt = None,
+    zero_stage: ZeroStageOpt = None,
+    recompute: RecomputeOpt = None,
+    sequence_parallel: SequenceParallelOpt = None,
+    dtype: DTypeOpt = DType.bf16,
+    build_fn: BuildFnOpt = "build_model",
+    inputs_fn: InputsFnOpt = "example_inputs",
+    loss_fn: LossFnOpt = None,
+    top_k: TopKOpt = 5,
+    time_limit: TimeLimitOpt = None,
+    no_overlap: NoOverlapOpt = False,
+    seed: SeedOpt = 0,
+    lr: LrOpt = 1e-4,
+    steps: StepsOpt = 10,
+    out: OutOpt = Path("plan_out"),
+    force: ForceOpt = False,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    timestamp: TimestampOpt = False,
+) -> None:
+    """Search the best parallel layout and write it out: plan.json, timeline.svg, train.py and launchers.
+
+    Everything is rendered before the first file is written, each file atomically; the same inputs give
+    byte-identical files (unless --timestamp). A different plan.json already in --out is kept unless
+    --force. With --json the plan document goes to stdout instead of the report; the files are still
+    written.
+    """
+    request = plan_request(
+        model_file, model_arg, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node,
+        global_batch_size=global_batch_size, dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages,
+        micro_batch_size=micro_batch_size, schedule=schedule, zero_stage=zero_stage, recompute=recompute,
+        sequence_parallel=sequence_parallel, dtype=dtype, build_fn=build_fn, inputs_fn=inputs_fn, loss_fn=loss_fn,
+        top_k=top_k, time_limit=time_limit, no_overlap=no_overlap, seed=seed, lr=lr, steps=steps,
+    )
+    quiet = is_quiet(ctx, quiet)
+    result_plan, graph, result = run_search(request, show_progress=not quiet)
+    if timestamp:
+        from datetime import datetime, timezone
+
+        created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        result_plan = result_plan.model_copy(update={"created_at": created})
+    files = render_outputs(result_plan, result)
+    write_outputs(out, files, force)
+    if json:
+        sys.stdout.write(files[PLAN_FILE][0])
+    elif not quiet:
+        from planner.report.tables import plan_report
+
+        stdout_console().print(plan_report(result_plan, graph.total_params, out / TIMELINE_FILE))
+        stdout_console().print(f"Wrote {out / PLAN_FILE}, {TIMELINE_FILE} and the scripts; run {out / 'launch.sh'}.")
+
+
+def run_search(request: PlanRequest, show_progress: bool) -> tuple[Plan, ModelGraph, SearchResult]:
+    """plan_model with a spinner and a progress bar on stderr when it is a terminal (nothing otherwise)."""
+    from planner.hardware.load import load_cluster
+    from planner.pipeline import analyse, plan_model
+
+    # A wrong --gpu is reported at once, before the (slower) tracing of the model.
+    load_cluster(request.gpu, request.nodes, request.gpus_per_node)
+    console = stderr_console()
+    if not show_progress or not console.is_terminal:
+        return plan_model(request, analyse(request))
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(f"Tracing {Path(request.model_path).name}", total=None)
+        graph = analyse(request)
+        progress.update(task, description="Solving stage partitions (ILP per candidate)")
+
+        def advance(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        return plan_model(request, graph, progress=advance)
+
+
+def render_outputs(plan: Plan, result: SearchResult) -> dict[str, tuple[str, bool]]:
+    """Every file `planner plan` writes, rendered in memory: {name: (text, executable)}."""
+    from planner.codegen.render import render
+    from planner.pipeline import simulate_evaluated
+    from planner.report.tables import degrees, stage_labels
+    from planner.report.timeline import timeline_svg
+
+    c = plan.cluster
+    title = f"{plan.model_class} on {c.nodes} x {c.gpus_per_node} {c.gpu}: {degrees(plan.parallel)}"
+    files = dict(render(plan, PLAN_FILE))
+    files[TIMELINE_FILE] = (timeline_svg(simulate_evaluated(result.best), title, stage_labels(plan)), False)
+    files[PLAN_FILE] = (plan.to_json(), False)
+    return files

@@ -1,0 +1,44 @@
+"""The dry-run cost report of a saved plan.
+
+Usage:
+    planner report --help
+
+    # The report of the plan in a folder written by `planner plan --out`
+    planner report plan_out
+
+    # The validated plan document, canonical JSON
+    planner report plan_out/plan.json --json
+"""
+
+from __future__ import annotations
+
+import sys
+
+from cli._options import JsonOpt, PlanPathArg, stdout_console
+
+REPORT_EXAMPLES = [
+    "planner report plan_out",
+    "planner report plan_out/plan.json --json",
+]
+
+
+def report(
+    plan_path: PlanPathArg,
+    json: JsonOpt = False,
+) -> None:
+    """Print the cost report of a saved plan: layout, per-stage time and memory, communication, runners-up.
+
+    The plan is validated first (schema version included); a malformed or outdated plan is refused with
+    a message saying how to regenerate it. --json prints the validated plan in canonical form.
+    """
+    from planner.plan import load_plan
+
+    plan = load_plan(plan_path)
+    if json:
+        sys.stdout.write(plan.to_json())
+        return
+    from planner.report.tables import plan_report
+
+    folder = plan_path if plan_path.is_dir() else plan_path.parent
+    timeline = folder / "timeline.svg"
+    stdout_console().print(plan_report(plan, timeline=timeline if timeline.is_file() else None))
