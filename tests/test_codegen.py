@@ -202,6 +202,7 @@ CUTS = {
     "mlp_zbv": lambda: make_plan("mlp", pp=2, virtual_stages=2, schedule="zero-bubble"),
     "tiny_pp3": lambda: make_plan("tiny", pp=3),
     "tiny_export": lambda: make_plan("tiny", pp=2, model_args={**TINY["tiny"], "check_length": True}),
+    "tiny_tied": lambda: make_plan("tiny", model_args={**TINY["tiny"], "tie": True}),
 }
 
 
@@ -220,6 +221,8 @@ def test_pieces_compute_the_models_forward(name, tmp_path):
     model = train.build_model(user, everything_on_meta=False)
     train.materialise(model, {n for n, _ in model.named_modules()}, cpu)
     assert not any(p.is_meta for p in model.parameters())
+    if name == "tiny_tied":
+        assert model.head.weight is model.tok_emb.weight
     values_in = (example[0],)
     for i in range(len(plan.stages)):
         mine = [p for p in pieces if p.stage == i]
@@ -252,3 +255,41 @@ def test_initial_weights_do_not_depend_on_what_a_rank_holds(tmp_path):
     for n, p in held.items():
         torch.testing.assert_close(p, full[n], rtol=0, atol=0)
     torch.testing.assert_close(full["blocks.0.scale.gain"], torch.ones(64))  # default init of a 1-d weight
+
+
+def test_weights_used_by_two_stages_are_refused(tmp_path):
+    train = _import_train(make_plan("tiny", pp=2, model_args={**TINY["tiny"], "tie": True}), tmp_path, "tied")
+    user = train.load_model_file(train.MODEL_FILE)
+    example = train.make_batch(user, 0, 0)
+    gm, values, _ = train.trace(train.build_model(user, everything_on_meta=True), example[0].to("meta"))
+    with pytest.raises(SystemExit, match=r"tok_emb.weight is used by stages \[0, 1\] \(tied"):
+        train.cut_into_pieces(gm, values)
+
+
+def test_batches_come_from_get_batch_when_the_plan_names_it(tmp_path):
+    model_file = tmp_path / "data_model.py"
+    model_file.write_text(
+        "import torch\n"
+        "from torch import nn\n\n\n"
+        "def build_model(**kwargs):\n"
+        "    return nn.Linear(4, 1)\n\n\n"
+        "def example_inputs(batch_size, **kwargs):\n"
+        "    return (torch.zeros(batch_size, 4),)\n\n\n"
+        "def get_batch(step, micro_batch_size, micro_batch=-1, width=0, **kwargs):\n"
+        "    return (torch.full((micro_batch_size, 4), float(step * 100 + micro_batch + width)),)\n"
+    )
+    plan = make_plan("mlp", dp=2, num_micro_batches=3)
+    model = plan.model.model_copy(update={"path": str(model_file), "batch_fn": "get_batch", "loss_fn": None})
+    plan = plan.model_copy(update={"model": model})
+    train = _import_train(plan, tmp_path / "out", "batch")
+    user = train.load_model_file(train.MODEL_FILE)
+    (x,) = train.make_batch(user, 3, 5)
+    assert x.shape == (2, 4) and x[0, 0].item() == 300 + 5 + TINY["mlp"]["width"]  # model args passed too
+
+
+def test_synthetic_batches_depend_on_step_and_micro_batch_only(tmp_path):
+    train = _import_train(make_plan("gpt", dp=2), tmp_path, "synthetic")
+    user = train.load_model_file(train.MODEL_FILE)
+    a, b, c = train.make_batch(user, 1, 2)[0], train.make_batch(user, 1, 2)[0], train.make_batch(user, 1, 3)[0]
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert a.shape == (2, TINY["gpt"]["seq"]) and a.dtype == torch.int64

@@ -30,7 +30,13 @@ _HEAD = {
     "gpt": ["tok_emb", "pos_emb", "drop"], "llama": ["tok_emb"], "mlp": ["proj_in"], "tiny": ["tok_emb", "pos_emb"],
 }
 _TAIL = {"gpt": ["norm", "head"], "llama": ["norm", "head"], "mlp": ["norm", "head"], "tiny": ["ln_f", "head"]}
-# Tensor-parallel styles inside block N.
+# Tensor-parallel styles outside the blocks (vocabulary-parallel embeddings and head) and inside block N.
+_TP_OUTSIDE = {
+    "gpt": {"tok_emb": "rowwise", "pos_emb": "rowwise", "head": "colwise_gather"},
+    "llama": {"tok_emb": "rowwise", "head": "colwise_gather"},
+    "mlp": {},
+    "tiny": {"tok_emb": "rowwise", "head": "colwise_gather"},
+}
 _TP = {
     "gpt": {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
             "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
@@ -98,6 +104,7 @@ def make_plan(
         )
     tp_plan = {}
     if tp > 1:
+        tp_plan.update(_TP_OUTSIDE[model])
         for i in range(args.get("layers", 4)):
             tp_plan.update({f"blocks.{i}.{name}": style for name, style in _TP[model].items()})
     return Plan(

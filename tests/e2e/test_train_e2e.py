@@ -39,6 +39,14 @@ CASES = {
     "gpt_pp2_zero_bubble_zbv": (
         lambda: make_plan("gpt", pp=2, virtual_stages=2, schedule="zero-bubble", num_micro_batches=4), 2
     ),
+    # ZBV with FSDP (ZeRO-3 then keeps weights gathered) and selective recompute (run as full recompute).
+    "gpt_pp2_zbv_tp2_zero3_selective": (
+        lambda: make_plan(
+            "gpt", pp=2, tp=2, virtual_stages=2, schedule="zero-bubble", num_micro_batches=4, zero_stage=3,
+            recompute="selective",
+        ),
+        4,
+    ),
     # Beyond the required layouts: sequence parallelism (leaf LayerNorms; custom RMSNorm with FSDP),
     # activation recomputation, the torch.export fallback, and inputs that are not tokens.
     "gpt_tp2_sp_selective": (lambda: make_plan("gpt", tp=2, sequence_parallel=True, recompute="selective"), 2),

@@ -3,7 +3,8 @@
 Mirrors the layout of the sample models (an nn.ModuleList `blocks`, separate q/k/v/o projections, an MLP
 with fc1/fc2, head counts written as -1 in views) but differs where the generated script must cope: no
 loss_fn (the default next-token loss applies), a root-level nn.Parameter used functionally (pos_emb), a
-module without reset_parameters() (LayerScale), and optionally a branch that torch.fx cannot trace.
+module without reset_parameters() (LayerScale), and optionally a branch that torch.fx cannot trace and
+tied embeddings.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int, check_length: bool) -> None:
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int, check_length: bool, tie: bool):
         super().__init__()
         self.check_length = check_length
         self.tok_emb = nn.Embedding(vocab, dim)
@@ -75,6 +76,8 @@ class TinyGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
+        if tie:  # GPT-2's tied input and output embeddings
+            self.head.weight = self.tok_emb.weight
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -91,10 +94,11 @@ class TinyGPT(nn.Module):
 
 def build_model(
     vocab: int = 256, dim: int = 64, heads: int = 4, layers: int = 4, seq: int = 32, check_length: bool = False,
-    **_: object,
+    tie: bool = False, **_: object,
 ) -> TinyGPT:
-    """check_length=True adds a Python branch on the input's shape, which sends tracing to torch.export."""
-    return TinyGPT(vocab, dim, heads, layers, seq, check_length)
+    """check_length=True adds a Python branch on the input's shape, which sends tracing to torch.export;
+    tie=True shares the embedding with the output head."""
+    return TinyGPT(vocab, dim, heads, layers, seq, check_length, tie)
 
 
 def example_inputs(batch_size: int, vocab: int = 256, seq: int = 32, seed: int = 0, **_: object):
