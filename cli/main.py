@@ -98,9 +98,20 @@ def _global(
     """Plan the parallel layout of a PyTorch training job and generate the scripts that run it."""
     ctx.obj = Settings(debug=debug, quiet=quiet)
     if debug:
-        import logging
+        _debug_logging()
 
-        logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s: %(message)s")
+
+def _debug_logging() -> None:
+    """planner's own debug log on stderr (torch's loggers keep their levels: they would drown it)."""
+    import logging
+
+    logger = logging.getLogger("planner")
+    logger.setLevel(logging.DEBUG)
+    if not any(getattr(h, "_planner_cli", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler._planner_cli = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
 
 
 app.command(epilog=examples_epilog(PLAN_EXAMPLES))(plan)
