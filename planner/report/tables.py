@@ -41,7 +41,9 @@ def ms(seconds: float) -> str:
 
 
 def duration(seconds: float) -> str:
-    """'812.4 ms' below ten seconds, '12.35 s' above."""
+    """'0.312 ms' below 10 ms, '812.4 ms' below ten seconds, '12.35 s' above."""
+    if seconds < 0.01:
+        return f"{seconds * 1e3:.3f} ms"
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.2f} s"
 
 
@@ -239,14 +241,17 @@ def top_rejections(rejected: Iterable[Rejection], limit: int = REJECTED_SHOWN) -
 def rejected_table(plan: Plan, limit: int = REJECTED_SHOWN) -> Table:
     """Regions of the search space ruled out, and why (the `limit` largest)."""
     shown = top_rejections(plan.rejected, limit)
-    hidden = len(plan.rejected) - len(shown)
-    caption = f"{hidden} smaller group(s) not shown; see rejected in plan.json" if hidden > 0 else None
-    t = _table("Rejected regions", caption=caption, caption_justify="left")
+    t = _table("Rejected regions")
     t.add_column("region", no_wrap=True)
     t.add_column("reason", overflow="fold")
     t.add_column("count", justify="right")
     for r in shown:
         t.add_row(r.region, r.reason, str(r.count))
+    hidden = len(plan.rejected) - len(shown)
+    if hidden > 0:
+        rest = sum(r.count for r in plan.rejected) - sum(r.count for r in shown)
+        t.add_row(f"({hidden} more)", "smaller groups; every one is listed under rejected in plan.json", str(rest),
+                  style="dim")
     return t
 
 
@@ -288,7 +293,7 @@ def validation_table(
     measured (the CUDA allocator's peak, or on CPU the process's peak RSS, runtime included).
     """
     pred: Predicted = plan.predicted
-    measured = sum(step_times) / len(step_times)
+    measured = sum(step_times) / len(step_times) if step_times else 0.0
     t = _table(f"Predicted vs measured over {len(step_times)} step(s) after warm-up")
     t.add_column("figure")
     t.add_column("predicted", justify="right")
@@ -296,11 +301,12 @@ def validation_table(
     t.add_column("measured / predicted", justify="right")
 
     def ratio(a: float, b: float) -> str:
-        return f"{a / b:.2f}x" if b > 0 else "n/a"
+        return f"{a / b:.3g}x" if b > 0 else "n/a"
 
     t.add_row("iteration time (mean)", duration(pred.iteration_time_s), duration(measured),
               ratio(measured, pred.iteration_time_s))
-    t.add_row("iteration time (min / max)", "", f"{duration(min(step_times))} / {duration(max(step_times))}", "")
+    if step_times:
+        t.add_row("iteration time (min / max)", "", f"{duration(min(step_times))} / {duration(max(step_times))}", "")
     measured_rate = plan.parallel.global_batch_size / measured if measured > 0 else 0.0
     t.add_row("samples/s", rate(pred.samples_per_s), rate(measured_rate), ratio(measured_rate, pred.samples_per_s))
     if ranks:
