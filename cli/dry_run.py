@@ -107,4 +107,5 @@ def dry_run(
     elif not quiet:
         from planner.report.tables import plan_report
 
-        stdout_console().print(plan_report(result_plan, graph.total_params))
+        console = stdout_console()
+        console.print(plan_report(result_plan, graph.total_params, width=console.width))

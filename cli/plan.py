@@ -137,8 +137,9 @@ def plan(
     elif not quiet:
         from planner.report.tables import plan_report
 
-        stdout_console().print(plan_report(result_plan, graph.total_params, out / TIMELINE_FILE))
-        stdout_console().print(f"Wrote {out / PLAN_FILE}, {TIMELINE_FILE} and the scripts; run {out / 'launch.sh'}.")
+        console = stdout_console()
+        console.print(plan_report(result_plan, graph.total_params, out / TIMELINE_FILE, width=console.width))
+        console.print(f"Wrote {out / PLAN_FILE}, {TIMELINE_FILE} and the scripts; run {out / 'launch.sh'}.")
 
 
 def run_search(request: PlanRequest, show_progress: bool) -> tuple[Plan, ModelGraph, SearchResult]:

@@ -41,4 +41,5 @@ def report(
 
     folder = plan_path if plan_path.is_dir() else plan_path.parent
     timeline = folder / "timeline.svg"
-    stdout_console().print(plan_report(plan, timeline=timeline if timeline.is_file() else None))
+    console = stdout_console()
+    console.print(plan_report(plan, timeline=timeline if timeline.is_file() else None, width=console.width))

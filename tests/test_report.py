@@ -179,7 +179,7 @@ def test_report_tables():
     assert "5.0%" in next(line for line in lines if "exposed" in line)
     # Runners-up: the chosen plan first, then each with its difference.
     assert "+10.0%" in text and "+50.0%" in text
-    assert "dp 1 / tp 4 / pp 2 / v 1" in text and "none, full" not in text  # recompute modes are sorted
+    assert "1/4/2/1" in text and "none, full" not in text  # recompute modes are sorted
     # Rejected regions: the ten largest, and a note about the rest.
     assert "tp=11" in text and "tp=2 " in text and "tp=1 " not in text and "tp=0 " not in text
     rest = next(line for line in text.splitlines() if "(2 more)" in line)
@@ -198,9 +198,13 @@ def test_report_is_deterministic_and_survives_degenerate_figures():
 
 
 def test_narrow_terminals_keep_every_column():
-    text = render(plan_report(make_plan()), width=120)
+    text = render(plan_report(make_plan(), width=120), width=120)
     header = next(line for line in text.splitlines() if "recompute" in line and "weights" in line)
     assert header.split()[-1] == "source"
+    # At 80 columns the memory breakdown moves to a table of its own and no cell is cut short.
+    text = render(plan_report(make_plan(), width=80), width=80)
+    assert "Memory per stage" in text and "\u2026" not in text
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
 
 
 # --- validate and hardware --------------------------------------------------------------------------------

@@ -168,23 +168,38 @@ def summary_panel(plan: Plan, params: int | None = None, timeline: str | Path | 
     return Panel(grid, title="Plan", title_align="left", box=box.ROUNDED, expand=False)
 
 
-def stages_table(plan: Plan) -> Table:
-    """Per pipeline stage: where it runs, what it owns, its per-micro-batch times and memory (GiB)."""
-    t = _table("Pipeline stages (times per micro-batch in ms, memory per GPU in GiB)")
-    for name in ("stage", "pp", "units", "recompute", "fwd", "bwd", "p2p",
-                 "weights", "grads", "optim", "activ", "buf+ws", "total", "source"):
+def stages_table(plan: Plan, memory: bool = True) -> Table:
+    """Per pipeline stage: where it runs, what it owns, its per-micro-batch times and (if `memory`) its
+    memory breakdown in GiB."""
+    title = "Pipeline stages (times per micro-batch in ms" + (", memory per GPU in GiB)" if memory else ")")
+    t = _table(title)
+    names = ["stage", "pp", "units", "recompute", "fwd", "bwd", "p2p"]
+    names += ["weights", "grads", "optim", "activ", "buf+ws", "total"] if memory else ["GiB"]
+    for name in [*names, "source"]:
         if name == "units":  # the one column that wraps; the numbers stay on one line
             t.add_column(name, overflow="fold", min_width=16, ratio=1)
         else:
             t.add_column(name, justify="left" if name in ("recompute", "source") else "right", no_wrap=True)
     for s in sorted(plan.stages, key=lambda s: s.index):
         m = s.memory
-        t.add_row(
-            str(s.index), str(s.pp_rank), compress_units(s.units), s.recompute,
-            ms(s.forward_time_s), ms(s.backward_time_s), ms(s.p2p_time_s),
-            gib(m.weights), gib(m.gradients), gib(m.optimizer), gib(m.activations),
-            gib(m.comm_buffers + m.workspace), gib(m.total), s.source,
-        )
+        cells = [str(s.index), str(s.pp_rank), compress_units(s.units), s.recompute,
+                 ms(s.forward_time_s), ms(s.backward_time_s), ms(s.p2p_time_s)]
+        if memory:
+            cells += [gib(m.weights), gib(m.gradients), gib(m.optimizer), gib(m.activations),
+                      gib(m.comm_buffers + m.workspace)]
+        t.add_row(*cells, gib(m.total), s.source)
+    return t
+
+
+def memory_table(plan: Plan) -> Table:
+    """Per pipeline stage memory breakdown in GiB (the stages table's right half, for narrow terminals)."""
+    t = _table("Memory per stage (GiB per GPU)")
+    for name in ("stage", "pp", "weights", "grads", "optim", "activ", "buf+ws", "total"):
+        t.add_column(name, justify="right", no_wrap=True)
+    for s in sorted(plan.stages, key=lambda s: s.index):
+        m = s.memory
+        t.add_row(str(s.index), str(s.pp_rank), gib(m.weights), gib(m.gradients), gib(m.optimizer),
+                  gib(m.activations), gib(m.comm_buffers + m.workspace), gib(m.total))
     return t
 
 
@@ -209,24 +224,29 @@ def comm_table(plan: Plan) -> Table:
 
 
 def alternatives_table(plan: Plan) -> Table:
-    """The runners-up, in rank order, against the chosen plan."""
+    """The runners-up, in rank order, against the chosen plan (marked *)."""
     best = plan.predicted.iteration_time_s
-    t = _table("Runners-up")
-    for name in ("#", "degrees", "schedule", "zero", "sp", "mbs x m", "recompute", "iteration", "vs chosen",
-                 "peak GiB"):
-        t.add_column(name, justify="left" if name in ("degrees", "schedule", "recompute") else "right")
+    t = _table("Runners-up (diff: iteration time vs the chosen plan; GiB: peak memory per GPU)")
+    for name in ("#", "dp/tp/pp/v", "schedule", "zero", "sp", "mbs x m", "recompute", "iteration", "diff", "GiB"):
+        if name == "recompute":  # a list of modes: the one column that wraps
+            t.add_column(name, min_width=9, ratio=1)
+        else:
+            t.add_column(name, justify="left" if name in ("dp/tp/pp/v", "schedule") else "right", no_wrap=True)
+
+    def layout(p: Any) -> str:
+        return f"{p.dp}/{p.tp}/{p.pp}/{p.virtual_stages}"
+
+    p = plan.parallel
     t.add_row(
-        "*", degrees(plan.parallel), plan.parallel.schedule, str(plan.parallel.zero_stage),
-        "yes" if plan.parallel.sequence_parallel else "no",
-        f"{plan.parallel.micro_batch_size} x {plan.parallel.num_micro_batches}",
-        ", ".join(sorted({s.recompute for s in plan.stages})), duration(best), "-",
-        gib(plan.predicted.peak_memory_bytes), style="bold",
+        "*", layout(p), p.schedule, str(p.zero_stage), "yes" if p.sequence_parallel else "no",
+        f"{p.micro_batch_size} x {p.num_micro_batches}", ", ".join(sorted({s.recompute for s in plan.stages})),
+        duration(best), "-", gib(plan.predicted.peak_memory_bytes), style="bold",
     )
     for i, alt in enumerate(plan.alternatives, start=1):
         p = alt.parallel
         diff = alt.predicted.iteration_time_s / best - 1 if best > 0 else 0.0
         t.add_row(
-            str(i), degrees(p), p.schedule, str(p.zero_stage), "yes" if p.sequence_parallel else "no",
+            str(i), layout(p), p.schedule, str(p.zero_stage), "yes" if p.sequence_parallel else "no",
             f"{p.micro_batch_size} x {p.num_micro_batches}", ", ".join(sorted(set(alt.recompute))),
             duration(alt.predicted.iteration_time_s), f"{diff * 100:+.1f}%", gib(alt.predicted.peak_memory_bytes),
         )
@@ -267,9 +287,20 @@ def search_table(plan: Plan) -> Table:
     return t
 
 
-def plan_report(plan: Plan, params: int | None = None, timeline: str | Path | None = None) -> Group:
-    """The whole dry-run cost report of a plan, top to bottom."""
-    parts: list[RenderableType] = [summary_panel(plan, params, timeline), stages_table(plan), comm_table(plan)]
+# Below this many columns the per-stage memory breakdown gets a table of its own.
+WIDE = 120
+
+
+def plan_report(
+    plan: Plan, params: int | None = None, timeline: str | Path | None = None, width: int | None = None
+) -> Group:
+    """The whole dry-run cost report of a plan, top to bottom; `width`: the console's, if known."""
+    parts: list[RenderableType] = [summary_panel(plan, params, timeline)]
+    if width is not None and width < WIDE:
+        parts += [stages_table(plan, memory=False), memory_table(plan)]
+    else:
+        parts.append(stages_table(plan))
+    parts.append(comm_table(plan))
     if plan.alternatives:
         parts.append(alternatives_table(plan))
     if plan.rejected:
