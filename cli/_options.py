@@ -148,7 +148,8 @@ SequenceParallelOpt = Annotated[
 TopKOpt = Annotated[int, typer.Option(min=0, help="Runners-up to keep and report.", rich_help_panel=_SEARCH)]
 TimeLimitOpt = Annotated[
     float | None,
-    typer.Option(min=0.0, help="Seconds each ILP may take (default: no limit).", rich_help_panel=_SEARCH),
+    typer.Option(min=0.0, help="Seconds each stage-partition ILP may take; 0 for no limit (default: the "
+                 "planner's own limit).", rich_help_panel=_SEARCH),
 ]
 NoOverlapOpt = Annotated[
     bool,
@@ -270,9 +271,11 @@ def plan_request(
         "schedule": schedule.value if schedule else None, "zero_stage": zero_stage,
         "sequence_parallel": sequence_parallel, "recompute": recompute.value if recompute else None,
     }
+    # An unset --time-limit leaves PlanRequest's default; 0 asks for none.
+    limit: dict[str, Any] = {} if time_limit is None else {"time_limit": time_limit or None}
     return PlanRequest(
         model_path=str(model_file), model_args=parse_model_args(model_arg), build_fn=build_fn, inputs_fn=inputs_fn,
         loss_fn=loss_fn, dtype=dtype.value, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node,
         global_batch_size=global_batch_size, pins={k: v for k, v in pins.items() if v is not None}, top_k=top_k,
-        time_limit=time_limit, overlap_dp_comm=not no_overlap, seed=seed, lr=lr, steps=steps,
+        overlap_dp_comm=not no_overlap, seed=seed, lr=lr, steps=steps, **limit,
     )

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from cli._options import parse_model_args
+from cli._options import DType, Recompute, Schedule, parse_model_args, plan_request
 from cli.main import app
 from cli.validate import read_metrics
 from planner.errors import ConfigError
@@ -221,6 +221,34 @@ def test_parse_model_args():
     for bad in ("novalue", "=3", "1x=2", "a b=1"):
         with pytest.raises(ConfigError, match="KEY=VALUE"):
             parse_model_args([bad])
+
+
+def _request(**changes):
+    options = dict(
+        gpu="cpu", nodes=1, gpus_per_node=4, global_batch_size=8, dp=None, tp=None, pp=None, virtual_stages=None,
+        micro_batch_size=None, schedule=None, zero_stage=None, recompute=None, sequence_parallel=None,
+        dtype=DType.bf16, build_fn="build_model", inputs_fn="example_inputs", loss_fn=None, top_k=5,
+        time_limit=None, no_overlap=False, seed=0, lr=1e-4, steps=10,
+    )
+    options.update(changes)
+    return plan_request(TINY, ["layers=2"], **options)
+
+
+def test_plan_request_maps_options_to_pins_and_defaults():
+    from planner.pipeline import PlanRequest
+
+    request = _request()
+    assert request.pins == {} and request.model_args == {"layers": 2} and request.overlap_dp_comm
+    assert request.time_limit == PlanRequest.model_fields["time_limit"].default  # unset: the library's default
+    assert _request(time_limit=0.0).time_limit is None  # 0: no limit
+    assert _request(time_limit=3.5).time_limit == 3.5
+    pinned = _request(dp=2, tp=1, pp=2, virtual_stages=2, micro_batch_size=1, schedule=Schedule.interleaved,
+                      zero_stage=0, recompute=Recompute.selective, sequence_parallel=False, no_overlap=True)
+    assert pinned.pins == {
+        "dp": 2, "tp": 1, "pp": 2, "virtual_stages": 2, "micro_batch_size": 1, "schedule": "interleaved-1f1b",
+        "zero_stage": 0, "recompute": "selective", "sequence_parallel": False,
+    }
+    assert not pinned.overlap_dp_comm
 
 
 # --- the errors users make --------------------------------------------------------------------------------
