@@ -93,7 +93,11 @@ def _global(
     debug: Annotated[
         bool, typer.Option("--debug", envvar="PLANNER_DEBUG", help="Show tracebacks and debug logging.")
     ] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+    quiet: Annotated[
+        bool,
+        typer.Option("--quiet", "-q", help="Like each command's --quiet: no report, progress or notes from plan, "
+                     "dry-run, emit, validate and profile (errors and --json output still print)."),
+    ] = False,
 ) -> None:
     """Plan the parallel layout of a PyTorch training job and generate the scripts that run it."""
     ctx.obj = Settings(debug=debug, quiet=quiet)
