@@ -3,6 +3,7 @@ code 2 (never a traceback), byte-identical outputs, overwrite protection, and a 
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import subprocess
@@ -135,7 +136,9 @@ def test_plan_is_byte_identical_across_runs(tmp_path, planned):
     again = tmp_path / "again"
     ok(invoke("plan", TINY, *CLUSTER, "--out", again, "--quiet"))
     for name in OUTPUTS:
-        assert (again / name).read_bytes() == (planned / name).read_bytes(), name
+        first, second = (planned / name).read_text(), (again / name).read_text()
+        diff = "".join(difflib.unified_diff(first.splitlines(True), second.splitlines(True), n=1))
+        assert first == second, f"{name} differs between two runs:\n{diff[:3000]}"
 
 
 def test_plan_overwrites_an_identical_plan_but_not_a_different_one(tmp_path):
