@@ -52,7 +52,7 @@ class PlanRequest(BaseModel):
     global_batch_size: int
     pins: dict[str, Any] = Field(default_factory=dict)
     top_k: int = 5
-    time_limit: float | None = None
+    time_limit: float | None = Field(2.0, description="seconds per ILP; None: solve each to optimality")
     overlap_dp_comm: bool = True
     seed: int = 0
     lr: float = 1e-4

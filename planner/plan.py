@@ -22,7 +22,8 @@ SCHEMA_VERSION = 1
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
 Recompute = Literal["none", "selective", "full"]
 Source = Literal["measured", "estimated"]
-TPStyle = Literal["colwise", "rowwise"]
+# colwise_gather: a column-parallel Linear whose output is all-gathered (the vocab-parallel LM head).
+TPStyle = Literal["colwise", "rowwise", "colwise_gather"]
 
 
 class _Model(BaseModel):

@@ -105,7 +105,7 @@ def roofline_times(unit: Unit, mbs: int, tp: int, sp: bool, cluster: ClusterSpec
     e = gpu.efficiency
     peak = gpu.peak_flops(dtype)
     bw = gpu.memory_bandwidth * e.memory
-    sharded = bool(unit.tp_pairs) and tp > 1
+    sharded = bool(unit.tp_pairs or unit.tp_gather_bytes) and tp > 1
     mm_shard = 0.0
     if sharded and unit.matmul_flops > 0:
         mm_shard = min(1.0, max(0.0, (unit.tp_shardable_flops - unit.attention_flops) / unit.matmul_flops))
@@ -113,7 +113,7 @@ def roofline_times(unit: Unit, mbs: int, tp: int, sp: bool, cluster: ClusterSpec
     attn_scale = 1.0 / tp if sharded else 1.0
     # Elementwise work inside TP regions shards; with sequence parallelism the rest does too.
     mem_scale = 1.0 / tp if (sp and tp > 1) else ((1 - mm_shard) + mm_shard / tp if sharded else 1.0)
-    dim = unit.gemm_dim / tp if sharded else unit.gemm_dim
+    dim = min(unit.gemm_dim, max(1, unit.gemm_dim // tp)) if sharded else unit.gemm_dim
     mm_rate = peak * gemm_efficiency(cluster, dim)
     at_rate = peak * e.attention
     fwd = (
@@ -155,6 +155,8 @@ def tp_comm_times(unit: Unit, mbs: int, tp: int, sp: bool, cluster: ClusterSpec)
     n_emb = sum(1 for s in unit.tp_styles.values() if s == "rowwise") - len(unit.tp_pairs)
     if n_emb > 0:
         fwd += n_emb * coll.allreduce_time(unit.output_bytes * mbs, tp, bw, lat)
+    if unit.tp_gather_bytes:  # vocab-parallel head: gather the logits (its backward is a local slice)
+        fwd += coll.allgather_time(unit.tp_gather_bytes * mbs, tp, bw, lat)
     return fwd, bwd
 
 
@@ -239,9 +241,10 @@ def p2p_time(boundary_bytes: float, cand: Candidate, cluster: ClusterSpec) -> fl
 def dp_comm_time(params_local: float, cand: Candidate, cluster: ClusterSpec, dtype: str) -> tuple[float, float]:
     """(per-iteration gradient sync, per-micro-batch ZeRO-3 weight gathers) of one stage's rank.
 
-    ZeRO-0 all-reduces fp32 gradients once per iteration; ZeRO-1/2 reduce-scatter them and all-gather
-    the updated weights (same volume); ZeRO-3 (FSDP) also all-gathers the weights for forward and again
-    for backward of every micro-batch (Rajbhandari et al. 2020, sec. 7).
+    ZeRO-0 all-reduces fp32 gradients once per iteration; ZeRO-1 reduce-scatters them and all-gathers
+    the updated weights (same volume); ZeRO-2 keeps only a gradient shard, so with m micro-batches it
+    reduce-scatters after each of them; ZeRO-3 (FSDP) also all-gathers the weights for forward and
+    again for backward of every micro-batch (Rajbhandari et al. 2020, sec. 7).
     """
     if cand.dp <= 1:
         return 0.0, 0.0
@@ -251,8 +254,10 @@ def dp_comm_time(params_local: float, cand: Candidate, cluster: ClusterSpec, dty
     if cand.zero == 0:
         return coll.allreduce_time(grad_b, cand.dp, bw, lat), 0.0
     sync = coll.reduce_scatter_time(grad_b, cand.dp, bw, lat)
-    if cand.zero in (1, 2):
+    if cand.zero == 1:
         return sync + coll.allgather_time(w_b, cand.dp, bw, lat), 0.0
+    if cand.zero == 2:
+        return cand.m * sync + coll.allgather_time(w_b, cand.dp, bw, lat), 0.0
     return sync, 2.0 * coll.allgather_time(w_b, cand.dp, bw, lat)
 
 
@@ -406,6 +411,8 @@ def rank_tail(stages: list[StageCost], cand: Candidate, options: CostOptions, cl
         mine = [s for s in stages if s.rank == r]
         sync = sum(s.dp_sync for s in mine)
         window = min(mine, key=lambda s: s.index).bwd if options.overlap_dp_comm else 0.0
+        if cand.zero == 2:
+            window *= cand.m  # each micro-batch's reduce-scatter hides behind its own backward
         exposed = max(0.0, sync - window)
         opt = optimizer_time(sum(s.params_local for s in mine), cand, cluster, dtype)
         worst = max(worst, exposed + opt)

@@ -36,6 +36,9 @@ def symbolic_trace(model):
     import torch.fx
 
     class _Tracer(torch.fx.Tracer):
+        # Buffer reads (a rotary table sliced in forward) become get_attr nodes, not baked constants.
+        proxy_buffer_attributes = True
+
         def trace(self, root, concrete_args=None):
             self._names = {}
             for n, b in root.named_buffers():

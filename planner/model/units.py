@@ -664,10 +664,10 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
             for p in info.pairs
         ]
         styles = {rename(k): v for k, v in info.styles.items()}
-        if tp_pairs:
-            shard_flops = info.shard_flops + c.fwd_attention  # heads split with the q/k/v columns
-        else:
-            shard_flops = 0.0
+        shard_flops = info.shard_flops + (c.fwd_attention if tp_pairs else 0.0)  # heads split with q/k/v
+        if i < len(groups) - 1 and info.gather_bytes:
+            styles = {k: v for k, v in styles.items() if v != "colwise_gather"}  # only the model's output
+            shard_flops -= info.shard_flops
         units.append(
             Unit(
                 name=_unit_name(group),
@@ -689,7 +689,8 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                 input_bytes=in_bytes,
                 output_bytes=out_bytes if i < len(groups) - 1 else sum(_tensor_bytes(t) for t in _flatten_tensors(out)),
                 tp_pairs=tp_pairs,
-                tp_shardable_params=info.shard_params,
+                tp_shardable_params=info.shard_params if styles else 0,
+                tp_gather_bytes=info.gather_bytes if i == len(groups) - 1 else 0,
                 tp_shardable_flops=min(shard_flops, c.fwd_flops),
                 tp_styles=styles,
                 uses_flash_attention=c.flash,
@@ -738,6 +739,7 @@ class _TPInfo:
     shard_flops: float = 0.0  # linear FLOPs per sample that TP divides (attention added by the caller)
     granularity: int = 0
     gemm_dim: int = 0
+    gather_bytes: int = 0
 
 
 def _tp_info(sub, args: tuple, model, names: _Names, constants: frozenset) -> _TPInfo:
@@ -748,20 +750,44 @@ def _tp_info(sub, args: tuple, model, names: _Names, constants: frozenset) -> _T
     pairs, embeddings = detect_tp_pairs(sub, names, constants)
     info = _TPInfo(gemm_dim=_gemm_dim_of(sub))
     for cols, row, row_node in pairs:
-        info.pairs.append(TPPair(column=cols, row=row, allreduce_bytes=_nbytes_of_meta(_val_meta(row_node))))
+        out_bytes = _nbytes_of_meta(_val_meta(row_node))
+        info.pairs.append(TPPair(column=cols, row=row, allreduce_bytes=out_bytes))
+        tokens = max(1, out_bytes // max(1, model.get_submodule(row).out_features * _elem(row_node)))
         for name in [*cols, row]:
             info.styles[name] = "colwise" if name in cols else "rowwise"
             lin = model.get_submodule(name)
             bias = lin.bias.numel() if lin.bias is not None and name in cols else 0
             info.shard_params += lin.weight.numel() + bias
-            tokens = _nbytes_of_meta(_val_meta(row_node)) // max(1, lin.out_features * _elem(row_node))
-            info.shard_flops += 2.0 * lin.in_features * lin.out_features * max(1, tokens)
+            info.shard_flops += 2.0 * lin.in_features * lin.out_features * tokens
         for col in cols:
             info.granularity = gcd(info.granularity, _split_groups(sub, model, col, names))
+    for name, node in _output_linears(sub, names):
+        # A Linear whose output leaves the model unmixed (the LM head): vocab-parallel, output gathered.
+        lin = model.get_submodule(name)
+        info.styles[name] = "colwise_gather"
+        info.gather_bytes += _nbytes_of_meta(_val_meta(node))
+        info.shard_params += lin.weight.numel() + (lin.bias.numel() if lin.bias is not None else 0)
+        out_bytes = _nbytes_of_meta(_val_meta(node))
+        tokens = max(1, out_bytes // max(1, lin.out_features * _elem(node)))
+        info.shard_flops += 2.0 * lin.in_features * lin.out_features * tokens
     for name in embeddings:
         info.styles[name] = "rowwise"
         info.shard_params += model.get_submodule(name).weight.numel()
     return info
+
+
+def _output_linears(sub, names: _Names) -> list:
+    """Linears whose output reaches the unit's output through shape-preserving ops only, when the unit
+    is the model's last (its output is the model output)."""
+    out = []
+    for node in sub.graph.nodes:
+        name = _linear_module(node, sub, names)
+        if not name:
+            continue
+        users = list(node.users)
+        if users and all(u.op == "output" for u in users):
+            out.append((name, node))
+    return out
 
 
 def _constant_inputs(parts, index: int) -> frozenset:

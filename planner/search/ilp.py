@@ -81,6 +81,7 @@ def solve_partition(
     options: CostOptions,
     time_limit: float | None = None,
     force_form: str | None = None,
+    max_nodes: int | None = None,
 ) -> ILPResult:
     """Solve the partition + recomputation ILP of one candidate exactly (or to the time limit)."""
     U = len(graph.units)
@@ -109,6 +110,11 @@ def solve_partition(
         for r in modes:
             mode_vars[s, r] = pulp.LpVariable(f"y_{s}_{r}", cat="Binary")
         prob += pulp.lpSum(mode_vars[s, r] for r in modes) == 1
+        if cand.v > 1 and s > 0:
+            # Several stages per rank: one recomputation mode for all of them (the per-stage choice
+            # multiplies equivalent optima that CBC cannot prune on interleaved and V schedules).
+            for r in modes:
+                prob += mode_vars[s, r] == mode_vars[0, r]
 
     if form == "count":
         start, end, n = run
@@ -195,8 +201,12 @@ def solve_partition(
         ring = (n_dp - 1) / n_dp / dp_bw
         if cand.zero == 0:
             sync = [2 * ring * 4.0 * params[s] + 2 * (n_dp - 1) * dp_lat for s in range(S)]
-        elif cand.zero in (1, 2):
+        elif cand.zero == 1:
             sync = [ring * (4.0 + w_bytes) * params[s] + 2 * (n_dp - 1) * dp_lat for s in range(S)]
+        elif cand.zero == 2:
+            sync = [
+                ring * (4.0 * cand.m + w_bytes) * params[s] + (cand.m + 1) * (n_dp - 1) * dp_lat for s in range(S)
+            ]
         else:
             sync = [ring * 4.0 * params[s] + (n_dp - 1) * dp_lat for s in range(S)]
             gather = [2 * (ring * w_bytes * params[s] + (n_dp - 1) * dp_lat) for s in range(S)]
@@ -209,13 +219,24 @@ def solve_partition(
     Z = pulp.LpVariable("Tmax", lowBound=0)
     for s in range(S):
         prob += Z >= T[s]
+    # Aggregate cuts (implied, but they tighten the LP relaxation): the max is at least the mean.
+    prob += S * Z >= pulp.lpSum(T)
     ranks = [stage_rank(cand.schedule, cand.pp, cand.v, s) for s in range(S)]
+    if form == "count" and cand.v > 1:
+        # Symmetry breaking: two block-only stages on one rank, neither the rank's first (whose backward
+        # hides the gradient sync), can swap contents without changing any term, so order their sizes.
+        for r in range(cand.pp):
+            mine = [s for s in range(S) if ranks[s] == r]
+            free = [s for s in mine if s not in (0, S - 1, min(mine))]
+            for a, b in zip(free, free[1:]):
+                prob += pulp.lpSum(cnt[a, m] for m in modes) >= pulp.lpSum(cnt[b, m] for m in modes)
     if cand.schedule in ("gpipe", "1f1b"):
         pipe = pulp.lpSum(T) + (cand.m - 1) * Z
     else:
         Y = pulp.LpVariable("Trank", lowBound=0)
         for r in range(cand.pp):
             prob += Y >= pulp.lpSum(T[s] for s in range(S) if ranks[s] == r)
+        prob += cand.pp * Y >= pulp.lpSum(T)
         if cand.schedule == "interleaved-1f1b":
             pipe = cand.m * Y + (cand.pp - 1) * Z
         else:
@@ -233,7 +254,7 @@ def solve_partition(
         mine = [s for s in range(S) if ranks[s] == r]
         first = min(mine)
         exposed = pulp.LpVariable(f"exposed_{r}", lowBound=0)
-        window = (tot[first] - fwd[first]) if options.overlap_dp_comm else 0
+        window = (tot[first] - fwd[first]) * (cand.m if cand.zero == 2 else 1) if options.overlap_dp_comm else 0
         prob += exposed >= pulp.lpSum(sync[s] for s in mine) - window
         prob += tail >= exposed + opt_rate * pulp.lpSum(params[s] for s in mine)
     prob += pipe + tail
@@ -258,7 +279,19 @@ def solve_partition(
             k = rank_in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, r)
             prob += (states + k * A) * frag + options.workspace_bytes <= cap
 
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1)
+    warm = False
+    if form == "count":
+        start_sol = _balanced_start(graph, cluster, cand, costs, modes, options, run)
+        if start_sol is not None:
+            counts, mode = start_sol
+            for s in range(S):
+                for r in modes:
+                    mode_vars[s, r].setInitialValue(1 if r == mode else 0)
+                    cnt[s, r].setInitialValue(counts[s] if r == mode else 0)
+            warm = True
+    # Single-threaded with a node limit: the same inputs always give the same solution (a wall-clock
+    # limit would make the result depend on the machine's load).
+    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, warmStart=warm, maxNodes=max_nodes)
     prob.solve(solver)
     status = pulp.LpStatus[prob.status]
     sol_status = getattr(prob, "sol_status", None)
@@ -267,7 +300,7 @@ def solve_partition(
     if status != "Optimal":
         return ILPResult("not_solved", None, None, None, form=form)
     if sol_status == pulp.LpSolutionIntegerFeasible:
-        res_status = "time_limit"
+        res_status = "time_limit" if time_limit is not None else "node_limit"
     else:
         res_status = "optimal"
 
@@ -287,6 +320,51 @@ def solve_partition(
         partition = [[u for u in range(U) if (z[u, s].value() or 0) > 0.5] for s in range(S)]
     obj = pulp.value(prob.objective)
     return ILPResult(res_status, float(obj), partition, recompute, form=form)
+
+
+def _balanced_start(graph, cluster, cand, costs, modes, options, run):
+    """A feasible incumbent for CBC: blocks spread so stage times are even, one mode for every stage.
+
+    Tries each recomputation mode (cheapest first) and returns (blocks per stage, mode) of the first
+    whose partition fits memory, or None. Only a starting point: the ILP still proves optimality.
+    """
+    from planner.search.search import evaluate
+
+    start, end, n = run
+    L, S = end - start + 1, cand.stages
+    pre, post = list(range(0, start)), list(range(end + 1, n))
+    for mode in modes:
+        blk = costs[start].fwd + costs[start].bwd[mode]
+        extra = [0.0] * S
+        extra[0] += sum(costs[u].fwd + costs[u].bwd[mode] for u in pre)
+        extra[-1] += sum(costs[u].fwd + costs[u].bwd[mode] for u in post)
+        target = (L * blk + sum(extra)) / S
+        counts = [max(0, round((target - e) / blk)) if blk > 0 else L // S for e in extra]
+        for s in range(S):
+            if not ((s == 0 and pre) or (s == S - 1 and post)):
+                counts[s] = max(1, counts[s])
+        # fix the total, taking from / giving to the stages furthest from the target
+        while sum(counts) != L:
+            times = [extra[s] + counts[s] * blk for s in range(S)]
+            if sum(counts) > L:
+                order = sorted(range(S), key=lambda s: -times[s])
+                s = next((s for s in order if counts[s] > (0 if (s == 0 and pre) or (s == S - 1 and post) else 1)), None)
+                if s is None:
+                    break
+                counts[s] -= 1
+            else:
+                counts[min(range(S), key=lambda s: times[s])] += 1
+        if sum(counts) != L:
+            continue
+        part, nxt = [], start
+        for s in range(S):
+            units = (pre if s == 0 else []) + list(range(nxt, nxt + counts[s])) + (post if s == S - 1 else [])
+            nxt += counts[s]
+            part.append(units)
+        ev = evaluate(graph, cluster, cand, part, [mode] * S, costs, options)
+        if max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes:
+            return counts, mode
+    return None
 
 
 def stage_bytes_bound(costs: list[UnitCost], dtype: str, cand: Candidate) -> float:

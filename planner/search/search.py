@@ -22,6 +22,8 @@ from planner.cost.model import (
     StageCost,
     UnitCost,
     iteration_linear,
+    dp_comm_time,
+    dp_link,
     optimizer_time,
     rank_memory,
     stage_costs,
@@ -59,6 +61,7 @@ class SearchResult:
     ilps_solved: int
     seconds: float
     status: str = "optimal"
+    gap: float = 0.0  # worst relative gap to the candidate's lower bound of an ILP stopped early
 
 
 @dataclass
@@ -97,19 +100,39 @@ def evaluate(
     return Evaluated(cand, partition, recompute, stages, obj, rank_memory(stages, cand, options))
 
 
-def lower_bounds(costs: list[UnitCost], cand: Candidate, cluster: ClusterSpec, dtype: str, options: CostOptions) -> _Bounds:
-    """Valid lower bounds on the iteration time and on the busiest rank's memory of any partition."""
+def lower_bounds(
+    costs: list[UnitCost], cand: Candidate, cluster: ClusterSpec, dtype: str, options: CostOptions
+) -> _Bounds:
+    """Valid lower bounds on the iteration time and on the busiest rank's memory of any partition.
+
+    Time: stage times sum to at least the whole model's work W (cheapest recomputation) and, under
+    ZeRO-3, to at least the sum of the weight gathers G; the largest is at least the mean. The tail is
+    at least the mean over ranks of exposed gradient sync (sync minus one stage's backward per rank) plus
+    the optimizer step. Memory: the busiest rank holds at least the mean of all ranks' bytes.
+    """
     work = sum(c.fwd + min(c.bwd.values()) for c in costs)
     fwd = sum(c.fwd for c in costs)
     S, p, m = cand.stages, cand.pp, cand.m
+    params = sum(c.params_local for c in costs)
+    sync_one, gather_one = dp_comm_time(params, cand, cluster, dtype)
+    if cand.dp > 1:
+        # dp_comm_time pays its latency once; S stages pay it S times (lower bound: once per rank)
+        _, lat = dp_link(cand, cluster)
+        per_stage_lat = {0: 2, 1: 2, 2: cand.m + 1, 3: 1}[cand.zero] * (cand.dp - 1) * lat
+        sync = sync_one + (p - 1) * per_stage_lat
+    else:
+        sync = 0.0
+    work = max(work, gather_one)
     if cand.schedule in ("gpipe", "1f1b"):
         pipe = work + (m - 1) * work / S
     elif cand.schedule == "interleaved-1f1b":
         pipe = m * work / p + (p - 1) * work / S
     else:
         pipe = m * work / p + (p - 1) * fwd / S
-    params = sum(c.params_local for c in costs)
-    tail = optimizer_time(params / p, cand, cluster, dtype)
+    windows = sum(max(c.bwd.values()) for c in costs) if options.overlap_dp_comm else 0.0
+    if cand.zero == 2:
+        windows *= m
+    tail = (max(0.0, sync - windows) + p * optimizer_time(params / p, cand, cluster, dtype)) / p
     state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
     states = params * (state.weights + state.gradients + state.optimizer)
     min_inflight = min(in_flight_microbatches(cand.schedule, p, m, cand.v, s) for s in range(S))
@@ -128,6 +151,7 @@ def search(
     top_k: int = 5,
     time_limit: float | None = None,
     progress=None,
+    max_nodes: int | None = 2000,
 ) -> SearchResult:
     """Find the best configuration (and the next top_k) under the cost model."""
     t0 = time.perf_counter()
@@ -143,7 +167,7 @@ def search(
     table = CostTable(graph, cluster, profile)
     dtype = graph.source.dtype
     cap = cluster.gpu.memory_bytes
-    modes = (pins.recompute,) if pins.recompute else RECOMPUTE_MODES
+    modes = (pins.recompute,) if pins.recompute else search_modes(graph)
     bounded: list[tuple[float, int, Candidate, list[UnitCost]]] = []
     smallest_need: tuple[float, Candidate] | None = None
     for i, cand in enumerate(space.candidates):
@@ -160,6 +184,7 @@ def search(
     bounded.sort(key=lambda x: (x[0], x[1]))
 
     ranked: list[Evaluated] = []
+    gaps: list[float] = []
     solved = 0
     pruned = 0
     status = "optimal"
@@ -169,13 +194,15 @@ def search(
             break
         if progress is not None:
             progress(j, len(bounded))
-        res = solve_partition(graph, cluster, cand, costs, modes, options, time_limit=time_limit)
+        cand_modes = tuple(m for m in modes if not (cand.schedule == "zero-bubble" and m == "selective")) or modes
+        res = solve_partition(graph, cluster, cand, costs, cand_modes, options, time_limit=time_limit, max_nodes=max_nodes)
         solved += 1
         if res.status == "infeasible" or res.partition is None:
             rejected[(_region(cand), "out of memory: no stage partition fits every rank")] += 1
             continue
-        if res.status == "time_limit":
-            status = "time_limit"
+        if res.status in ("time_limit", "node_limit"):
+            status = res.status
+            gaps.append((res.objective - bound) / res.objective if res.objective else 0.0)
         ev = evaluate(graph, cluster, cand, res.partition, res.recompute, costs, options)
         ev.status = res.status
         ranked.append(ev)
@@ -185,8 +212,16 @@ def search(
         raise InfeasibleError(_nothing_fits(graph, cluster, smallest_need, space.candidates))
     return SearchResult(
         best=ranked[0], ranked=ranked, rejected=rejected, candidates=len(space.candidates), pruned_by_bound=pruned,
-        ilps_solved=solved, seconds=time.perf_counter() - t0, status=status,
+        ilps_solved=solved, seconds=time.perf_counter() - t0, status=status, gap=max(gaps, default=0.0),
     )
+
+
+def search_modes(graph: ModelGraph) -> tuple[str, ...]:
+    """Recomputation modes worth searching: selective equals none when no unit keeps attention maps
+    (flash attention), and identical alternatives would only multiply the ILP's equivalent optima."""
+    if any(u.attention_core_bytes > 0 for u in graph.units):
+        return RECOMPUTE_MODES
+    return ("none", "full")
 
 
 def _only(c: UnitCost, mode: str) -> UnitCost:

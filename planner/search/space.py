@@ -50,9 +50,8 @@ def tp_limit(graph: ModelGraph) -> int:
     """Largest tensor-parallel degree every sharded unit supports (gcd of their shardable sizes)."""
     g = 0
     for u in graph.units:
-        for name in u.tp_styles:
-            g = gcd(g, u.tp_granularity) if u.tp_granularity else g
-            break
+        if u.tp_granularity:
+            g = gcd(g, u.tp_granularity)
     return g or 1
 
 
@@ -81,6 +80,7 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
             "Make the product equal the GPU count or leave one degree free."
         )
     max_tp = tp_limit(graph)
+    blocks = sum(1 for u in graph.units if u.kind == "block")
     has_tp = any(u.tp_pairs for u in graph.units)
     for tp in divisors(world):
         if pins.tp is not None and tp != pins.tp:
@@ -132,11 +132,27 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                         if why:
                             rej[(f"{schedule} pp={pp} m={m}", why)] += 1
                             continue
+                        if schedule in ("interleaved-1f1b", "zero-bubble") and blocks and blocks % (pp * v):
+                            rej[(f"{schedule} pp={pp} v={v}", f"the {blocks} repeated blocks do not split evenly "
+                                 "into pp x v model chunks (Megatron-LM's interleaving rule)")] += 1
+                            continue
                         for zero in range(4) if dp > 1 else [0]:
                             if pins.zero_stage is not None and zero != pins.zero_stage:
                                 continue
+                            if pins.zero_stage is None and zero == 0 and dp > 1:
+                                rej[(f"dp={dp} zero=0", "dominated by ZeRO-1: same compute, less memory, "
+                                     "reduce-scatter + all-gather move less than an fp32 all-reduce")] += 1
+                                continue
+                            if schedule == "zero-bubble" and zero == 3:
+                                rej[("zero-bubble zero=3", "torch's split backward (ZBV) computes weight gradients "
+                                     "after FSDP's post-backward: ZeRO-3 cannot reshard; use ZeRO-1/2")] += 1
+                                continue
                             for sp in (False, True) if tp > 1 else (False,):
                                 if pins.sequence_parallel is not None and sp != pins.sequence_parallel:
+                                    continue
+                                if pins.sequence_parallel is None and tp > 1 and not sp:
+                                    rej[(f"tp={tp} without sp", "dominated by sequence parallelism: same "
+                                         "communication volume, activations and norms split by tp")] += 1
                                     continue
                                 space.candidates.append(Candidate(dp, tp, pp, v, mbs, m, schedule, zero, sp))
     return space

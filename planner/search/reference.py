@@ -1,0 +1,111 @@
+"""Exact reference solvers for the stage-partition problem, used to check the ILP (tests and benches).
+
+- `brute_force_partition`: every contiguous partition and every per-stage recomputation, evaluated with
+  the cost model itself (`planner.search.search.evaluate`) and its memory check; exact for any schedule.
+- `dp_partition`: a dynamic program for one stage per rank (GPipe/1F1B). The objective
+  sum_s T_s + (m-1) max_s T_s + 2 sum p2p + max_r tail_r has two maxima; enumerating the bottleneck B
+  and the tail Q over the finitely many values a stage can take turns it into a shortest-path DP over
+  (units placed, stages used) with stage times <= B and tails <= Q, the classic exact approach for
+  bottleneck-plus-sum objectives.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from planner.cost.model import Candidate, CostOptions, UnitCost, optimizer_time, stage_costs
+from planner.hardware.spec import ClusterSpec
+from planner.model.graph import ModelGraph
+
+
+def _partitions(n_units: int, n_stages: int):
+    for cuts in itertools.combinations(range(1, n_units), n_stages - 1):
+        bounds = (0, *cuts, n_units)
+        yield [list(range(bounds[i], bounds[i + 1])) for i in range(n_stages)]
+
+
+def brute_force_partition(
+    graph: ModelGraph, cluster: ClusterSpec, cand: Candidate, costs: list[UnitCost], modes: tuple[str, ...],
+    options: CostOptions,
+):
+    """(objective, partition, recompute) minimising the cost model over every partition; None if none fits."""
+    from planner.search.search import evaluate
+
+    cap = cluster.gpu.memory_bytes
+    best = None
+    for part in _partitions(len(graph.units), cand.stages):
+        for rec in itertools.product(modes, repeat=cand.stages):
+            ev = evaluate(graph, cluster, cand, part, list(rec), costs, options)
+            if max(ev.rank_memory.values()) > cap:
+                continue
+            if best is None or ev.objective < best[0] - 1e-12:
+                best = (ev.objective, part, list(rec))
+    return best
+
+
+def dp_partition(
+    graph: ModelGraph, cluster: ClusterSpec, cand: Candidate, costs: list[UnitCost], modes: tuple[str, ...],
+    options: CostOptions,
+):
+    """Exact optimum for GPipe/1F1B (one stage per rank) by bottleneck/tail enumeration plus DP."""
+    if cand.v != 1 or cand.schedule not in ("gpipe", "1f1b"):
+        raise ValueError("dp_partition handles one stage per rank (gpipe, 1f1b)")
+    U, S = len(graph.units), cand.stages
+    cap = cluster.gpu.memory_bytes
+    values_b: set[float] = set()
+    values_q: set[float] = set()
+    table = {}
+    for s in range(S):
+        for i in range(U):
+            for j in range(i + 1, U + 1):
+                for mode in modes:
+                    t, p2p, tail, mem = _stage(graph, cluster, cand, costs, options, i, j, s, mode)
+                    table[i, j, s, mode] = (t, p2p, tail, mem <= cap)
+                    if mem <= cap:
+                        values_b.add(t)
+                        values_q.add(tail)
+    best = None
+    for B in sorted(values_b):
+        for Q in sorted(values_q):
+            # f[s][j]: min sum of (T + 2 p2p) placing units 0..j-1 in stages 0..s-1
+            INF = float("inf")
+            f = [[(INF, None)] * (U + 1) for _ in range(S + 1)]
+            f[0][0] = (0.0, None)
+            for s in range(S):
+                for i in range(U):
+                    if f[s][i][0] == INF:
+                        continue
+                    for j in range(i + 1, U + 1):
+                        for mode in modes:
+                            t, p2p, tail, ok = table[i, j, s, mode]
+                            if not ok or t > B or tail > Q:
+                                continue
+                            val = f[s][i][0] + t + p2p
+                            if val < f[s + 1][j][0]:
+                                f[s + 1][j] = (val, (i, mode))
+            if f[S][U][0] == INF:
+                continue
+            obj = f[S][U][0] + (cand.m - 1) * B + Q
+            if best is None or obj < best[0] - 1e-12:
+                part, rec, j = [], [], U
+                for s in range(S, 0, -1):
+                    i, mode = f[s][j][1]
+                    part.append(list(range(i, j)))
+                    rec.append(mode)
+                    j = i
+                best = (obj, part[::-1], rec[::-1])
+    return best
+
+
+def _stage(graph, cluster, cand, costs, options, i, j, s, mode):
+    """Units i..j-1 as stage s: (time with ZeRO-3 gathers, doubled p2p, tail, rank memory), as the cost
+    model counts them. The other stages of the placeholder partition do not affect stage s's figures."""
+    part = [[0] for _ in range(cand.stages)]
+    part[s] = list(range(i, j))
+    sc = stage_costs(graph, cluster, cand, part, [mode] * cand.stages, costs, options)[s]
+    p2p = 0.0 if s == cand.stages - 1 else 2.0 * sc.p2p
+    window = sc.bwd * (cand.m if cand.zero == 2 else 1) if options.overlap_dp_comm else 0.0
+    tail = max(0.0, sc.dp_sync - window) + optimizer_time(sc.params_local, cand, cluster, graph.source.dtype)
+    states = sc.weights + sc.gradients + sc.optimizer + sc.comm_buffers
+    mem = (states + sc.activations) * (1 + options.fragmentation) + options.workspace_bytes
+    return max(sc.compute, sc.zero3_gather), p2p, tail, mem

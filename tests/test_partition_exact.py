@@ -1,0 +1,118 @@
+"""The ILP's partition is optimal: equal to a dynamic program and to brute force on random instances."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from planner.cost.model import Candidate, CostOptions
+from planner.hardware.load import load_cluster
+from planner.model.graph import ModelGraph, ModelSource, TPPair, Unit
+from planner.search.ilp import block_run, solve_partition
+from planner.search.reference import brute_force_partition, dp_partition
+from planner.search.search import CostTable, evaluate
+
+GiB = 2**30
+
+
+def make_unit(name: str, sig: str, params: int, flops: float, act: int, out: int, core: int = 0) -> Unit:
+    return Unit(
+        name=name, modules=[name], kind="block", signature=sig, params=params, param_bytes=2 * params,
+        fwd_flops=flops, bwd_flops=2 * flops, matmul_flops=0.9 * flops, attention_flops=0.1 * flops,
+        memory_bound_bytes=flops / 100, bwd_matmul_flops=1.8 * flops, bwd_attention_flops=0.2 * flops,
+        bwd_memory_bound_bytes=flops / 50, activation_bytes=act, attention_core_bytes=core, input_bytes=out,
+        output_bytes=out, tp_pairs=[TPPair(column=[f"{name}.a"], row=f"{name}.b", allreduce_bytes=out)],
+        tp_shardable_params=params // 2, tp_shardable_flops=0.5 * flops, tp_granularity=8, gemm_dim=1024,
+    )
+
+
+def make_graph(units: list[Unit]) -> ModelGraph:
+    return ModelGraph(
+        source=ModelSource(path="/x.py", file_sha256="0" * 64), model_class="Synthetic", trace_method="fx",
+        units=units, total_params=sum(u.params for u in units), tokens_per_sample=128,
+        sample_input_shapes=[[1, 128]], distinct_blocks=len({u.signature for u in units}), dtype_bytes=2,
+    )
+
+
+unit_st = st.tuples(
+    st.integers(10_000_000, 2_000_000_000),  # params
+    st.floats(1e11, 5e13),  # fwd flops per sample
+    st.integers(10_000_000, 3_000_000_000),  # activation bytes per sample
+    st.integers(1_000_000, 200_000_000),  # boundary bytes per sample
+    st.integers(0, 1_000_000_000),  # attention-map bytes
+)
+
+
+def cluster_with(memory_gib: float, nodes: int = 2):
+    cl = load_cluster("a100-sxm4-80gb", nodes)
+    return cl.model_copy(update={"gpu": cl.gpu.model_copy(update={"memory_gib": memory_gib})})
+
+
+def _check(graph, cluster, cand, modes, with_dp: bool):
+    options = CostOptions()
+    costs = CostTable(graph, cluster, None).units(cand)
+    ilp = solve_partition(graph, cluster, cand, costs, modes, options)
+    ref = dp_partition(graph, cluster, cand, costs, modes, options) if with_dp else None
+    brute = brute_force_partition(graph, cluster, cand, costs, modes, options)
+    if brute is None:
+        assert ilp.status == "infeasible"
+        assert ref is None
+        return
+    assert ilp.status == "optimal", ilp
+    ev = evaluate(graph, cluster, cand, ilp.partition, ilp.recompute, costs, options)
+    assert max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes * (1 + 1e-9)
+    # the ILP's own objective and the cost model's evaluation of its partition agree
+    assert ev.objective == pytest.approx(ilp.objective, rel=1e-6)
+    assert ev.objective == pytest.approx(brute[0], rel=1e-9)
+    if ref is not None:
+        assert ref[0] == pytest.approx(brute[0], rel=1e-9)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    units=st.lists(unit_st, min_size=3, max_size=6),
+    stages=st.integers(2, 3),
+    schedule=st.sampled_from(["gpipe", "1f1b"]),
+    extra_m=st.integers(0, 6),
+    dp=st.sampled_from([1, 2, 4]),
+    zero=st.integers(0, 3),
+    memory=st.floats(8, 120),
+)
+def test_ilp_equals_dp_and_brute_force_one_stage_per_rank(units, stages, schedule, extra_m, dp, zero, memory):
+    us = [make_unit(f"u{i}", f"s{i}", *spec) for i, spec in enumerate(units)]
+    if stages > len(us):
+        stages = len(us)
+    graph = make_graph(us)
+    cand = Candidate(dp, 1, stages, 1, 1, stages + extra_m, schedule, zero if dp > 1 else 0, False)
+    _check(graph, cluster_with(memory), cand, ("none", "selective", "full"), with_dp=True)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    units=st.lists(unit_st, min_size=4, max_size=6),
+    schedule=st.sampled_from(["interleaved-1f1b", "zero-bubble"]),
+    m_rounds=st.integers(1, 3),
+    memory=st.floats(8, 120),
+)
+def test_ilp_equals_brute_force_two_stages_per_rank(units, schedule, m_rounds, memory):
+    us = [make_unit(f"u{i}", f"s{i}", *spec) for i, spec in enumerate(units)]
+    graph = make_graph(us)
+    cand = Candidate(1, 1, 2, 2, 1, 2 * m_rounds, schedule, 0, False)
+    _check(graph, cluster_with(memory), cand, ("none", "full"), with_dp=False)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pre=unit_st, block=unit_st, post=unit_st, n_blocks=st.integers(2, 6), stages=st.integers(2, 4),
+    schedule=st.sampled_from(["gpipe", "1f1b"]), memory=st.floats(8, 120), tp=st.sampled_from([1, 2]),
+)
+def test_count_form_equals_brute_force_on_transformer_shape(pre, block, post, n_blocks, stages, schedule, memory, tp):
+    """Identical blocks between an embedding and a head: the count encoding is exact."""
+    us = [make_unit("embed", "pre", *pre)]
+    us += [make_unit(f"blocks.{i}", "blk", *block) for i in range(n_blocks)]
+    us += [make_unit("head", "post", *post)]
+    graph = make_graph(us)
+    assert block_run(graph) is not None
+    cand = Candidate(2, tp, stages, 1, 1, stages + 2, schedule, 1, tp > 1)
+    _check(graph, cluster_with(memory), cand, ("none", "full"), with_dp=True)
