@@ -52,7 +52,8 @@ class PlanRequest(BaseModel):
     global_batch_size: int
     pins: dict[str, Any] = Field(default_factory=dict)
     top_k: int = 5
-    time_limit: float | None = Field(2.0, description="seconds per ILP; None: solve each to optimality")
+    time_limit: float | None = Field(None, description="seconds per ILP (wall clock: results then depend on load)")
+    max_nodes: int | None = Field(500, description="branch-and-bound nodes per ILP (deterministic); None: no limit")
     overlap_dp_comm: bool = True
     seed: int = 0
     lr: float = 1e-4
@@ -140,8 +141,16 @@ def _hardware_flops(ev: Evaluated, graph: ModelGraph, global_batch: int) -> floa
 def _parallel(ev: Evaluated, global_batch: int) -> ParallelConfig:
     c = ev.cand
     return ParallelConfig(
-        dp=c.dp, tp=c.tp, pp=c.pp, virtual_stages=c.v, micro_batch_size=c.mbs, num_micro_batches=c.m,
-        global_batch_size=global_batch, schedule=c.schedule, zero_stage=c.zero, sequence_parallel=c.sp,
+        dp=c.dp,
+        tp=c.tp,
+        pp=c.pp,
+        virtual_stages=c.v,
+        micro_batch_size=c.mbs,
+        num_micro_batches=c.m,
+        global_batch_size=global_batch,
+        schedule=c.schedule,
+        zero_stage=c.zero,
+        sequence_parallel=c.sp,
     )
 
 
@@ -154,16 +163,27 @@ def build_plan(
     for s in best.stages:
         units = [graph.units[u] for u in s.units]
         mem = MemoryBreakdown(
-            weights=int(s.weights), gradients=int(s.gradients), optimizer=int(s.optimizer),
-            activations=int(s.activations), comm_buffers=int(s.comm_buffers),
+            weights=int(s.weights),
+            gradients=int(s.gradients),
+            optimizer=int(s.optimizer),
+            activations=int(s.activations),
+            comm_buffers=int(s.comm_buffers),
             workspace=int(options.workspace_bytes + options.fragmentation * (s.memory - s.workspace)),
         )
         stages.append(
             StagePlan(
-                index=s.index, pp_rank=s.rank, units=[u.name for u in units],
-                modules=[m for u in units for m in u.modules], recompute=s.recompute, forward_time_s=s.fwd,
-                backward_time_s=s.bwd, p2p_time_s=s.p2p, compute_time_s=s.compute, memory_bytes=mem.total,
-                memory=mem, source=s.source,  # type: ignore[arg-type]
+                index=s.index,
+                pp_rank=s.rank,
+                units=[u.name for u in units],
+                modules=[m for u in units for m in u.modules],
+                recompute=s.recompute,
+                forward_time_s=s.fwd,
+                backward_time_s=s.bwd,
+                p2p_time_s=s.p2p,
+                compute_time_s=s.compute,
+                memory_bytes=mem.total,
+                memory=mem,
+                source=s.source,  # type: ignore[arg-type]
             )
         )
     tp_plan: dict[str, str] = {}
@@ -176,19 +196,20 @@ def build_plan(
         slower = pred.iteration_time_s / predicted.iteration_time_s - 1
         alternatives.append(
             Alternative(
-                parallel=_parallel(ev, request.global_batch_size), recompute=ev.recompute, predicted=pred,
+                parallel=_parallel(ev, request.global_batch_size),
+                recompute=ev.recompute,
+                predicted=pred,
                 note=f"{slower * 100:+.1f}% iteration time vs the chosen plan",
             )
         )
-    rejected = [
-        Rejection(region=region, reason=why, count=n) for (region, why), n in sorted(result.rejected.items())
-    ]
+    rejected = [Rejection(region=region, reason=why, count=n) for (region, why), n in sorted(result.rejected.items())]
     src = graph.source
     return Plan(
         planner_version=__version__,
         inputs_digest=inputs_digest(graph, cluster, request),
         model=src,
         model_class=graph.model_class,
+        total_params=graph.total_params,
         trace_method=graph.trace_method,
         tokens_per_sample=graph.tokens_per_sample,
         cluster=ClusterSummary(
@@ -201,12 +222,17 @@ def build_plan(
         alternatives=alternatives,
         rejected=rejected,
         training=TrainingConfig(
-            seed=request.seed, lr=request.lr, steps=request.steps,
+            seed=request.seed,
+            lr=request.lr,
+            steps=request.steps,
             dtype="fp32" if cluster.gpu.name == "cpu" else src.dtype,  # type: ignore[arg-type]
         ),
         search=SearchStats(
-            candidates=result.candidates, pruned_by_bound=result.pruned_by_bound, ilps_solved=result.ilps_solved,
+            candidates=result.candidates,
+            pruned_by_bound=result.pruned_by_bound,
+            ilps_solved=result.ilps_solved,
             status=result.status,
+            gap=result.gap,
         ),
     )
 
@@ -241,7 +267,15 @@ def plan_model(
         graph = analyse(request)
     options = CostOptions(overlap_dp_comm=request.overlap_dp_comm)
     result = search(
-        graph, cluster, request.global_batch_size, pins_from(request), options, profile, request.top_k,
-        request.time_limit, progress,
+        graph,
+        cluster,
+        request.global_batch_size,
+        pins_from(request),
+        options,
+        profile,
+        request.top_k,
+        request.time_limit,
+        progress,
+        request.max_nodes,
     )
     return build_plan(graph, cluster, request, result, options), graph, result

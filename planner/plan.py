@@ -81,10 +81,7 @@ class MemoryBreakdown(_Model):
 
     @property
     def total(self) -> int:
-        return (
-            self.weights + self.gradients + self.optimizer + self.activations + self.comm_buffers
-            + self.workspace
-        )
+        return self.weights + self.gradients + self.optimizer + self.activations + self.comm_buffers + self.workspace
 
 
 class StagePlan(_Model):
@@ -174,6 +171,7 @@ class Plan(_Model):
     inputs_digest: str = Field(description="sha256 of the model source, cluster and options")
     model: ModelSource
     model_class: str
+    total_params: int = Field(0, description="parameters of the whole model")
     trace_method: Literal["fx", "export"]
     tokens_per_sample: int | None = None
     cluster: ClusterSummary
@@ -190,9 +188,7 @@ class Plan(_Model):
     @model_validator(mode="after")
     def _stages_match(self) -> Plan:
         if len(self.stages) != self.parallel.num_stages:
-            raise ValueError(
-                f"plan has {len(self.stages)} stages but pp x virtual_stages = {self.parallel.num_stages}"
-            )
+            raise ValueError(f"plan has {len(self.stages)} stages but pp x virtual_stages = {self.parallel.num_stages}")
         return self
 
     def to_json(self) -> str:
@@ -209,7 +205,7 @@ def load_plan(path: str | Path) -> Plan:
         raise PlanError(f"No plan found at {p}. Pass a plan.json file or the directory `planner plan --out` wrote.")
     try:
         raw: Any = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise PlanError(f"{p} is not valid JSON ({e}). Regenerate it with `planner plan`.") from None
     if not isinstance(raw, dict):
         raise PlanError(f"{p} does not hold a JSON object. Regenerate it with `planner plan`.")
@@ -221,6 +217,8 @@ def load_plan(path: str | Path) -> Plan:
         )
     try:
         return Plan.model_validate(raw)
+    except RecursionError:
+        raise PlanError(f"{p} is nested too deeply to be a plan. Regenerate it with `planner plan`.") from None
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(x) for x in first["loc"]) or "(top level)"

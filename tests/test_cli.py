@@ -35,7 +35,8 @@ runner = CliRunner()
 
 
 def invoke(*args: str | Path, env: dict[str, str] | None = None):
-    return runner.invoke(app, [str(a) for a in args], env=env)
+    # A wide layout whatever the caller's terminal: assertions look for whole names and paths.
+    return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "220", **(env or {})})
 
 
 def ok(result) -> None:

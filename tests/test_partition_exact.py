@@ -18,20 +18,43 @@ GiB = 2**30
 
 def make_unit(name: str, sig: str, params: int, flops: float, act: int, out: int, core: int = 0) -> Unit:
     return Unit(
-        name=name, modules=[name], kind="block", signature=sig, params=params, param_bytes=2 * params,
-        fwd_flops=flops, bwd_flops=2 * flops, matmul_flops=0.9 * flops, attention_flops=0.1 * flops,
-        memory_bound_bytes=flops / 100, bwd_matmul_flops=1.8 * flops, bwd_attention_flops=0.2 * flops,
-        bwd_memory_bound_bytes=flops / 50, activation_bytes=act, attention_core_bytes=core, input_bytes=out,
-        output_bytes=out, tp_pairs=[TPPair(column=[f"{name}.a"], row=f"{name}.b", allreduce_bytes=out)],
-        tp_shardable_params=params // 2, tp_shardable_flops=0.5 * flops, tp_granularity=8, gemm_dim=1024,
+        name=name,
+        modules=[name],
+        kind="block",
+        signature=sig,
+        params=params,
+        param_bytes=2 * params,
+        fwd_flops=flops,
+        bwd_flops=2 * flops,
+        matmul_flops=0.9 * flops,
+        attention_flops=0.1 * flops,
+        memory_bound_bytes=flops / 100,
+        bwd_matmul_flops=1.8 * flops,
+        bwd_attention_flops=0.2 * flops,
+        bwd_memory_bound_bytes=flops / 50,
+        activation_bytes=act,
+        attention_core_bytes=core,
+        input_bytes=out,
+        output_bytes=out,
+        tp_pairs=[TPPair(column=[f"{name}.a"], row=f"{name}.b", allreduce_bytes=out)],
+        tp_shardable_params=params // 2,
+        tp_shardable_flops=0.5 * flops,
+        tp_granularity=8,
+        gemm_dim=1024,
     )
 
 
 def make_graph(units: list[Unit]) -> ModelGraph:
     return ModelGraph(
-        source=ModelSource(path="/x.py", file_sha256="0" * 64), model_class="Synthetic", trace_method="fx",
-        units=units, total_params=sum(u.params for u in units), tokens_per_sample=128,
-        sample_input_shapes=[[1, 128]], distinct_blocks=len({u.signature for u in units}), dtype_bytes=2,
+        source=ModelSource(path="/x.py", file_sha256="0" * 64),
+        model_class="Synthetic",
+        trace_method="fx",
+        units=units,
+        total_params=sum(u.params for u in units),
+        tokens_per_sample=128,
+        sample_input_shapes=[[1, 128]],
+        distinct_blocks=len({u.signature for u in units}),
+        dtype_bytes=2,
     )
 
 
@@ -104,8 +127,14 @@ def test_ilp_equals_brute_force_two_stages_per_rank(units, schedule, m_rounds, m
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    pre=unit_st, block=unit_st, post=unit_st, n_blocks=st.integers(2, 6), stages=st.integers(2, 4),
-    schedule=st.sampled_from(["gpipe", "1f1b"]), memory=st.floats(8, 120), tp=st.sampled_from([1, 2]),
+    pre=unit_st,
+    block=unit_st,
+    post=unit_st,
+    n_blocks=st.integers(2, 6),
+    stages=st.integers(2, 4),
+    schedule=st.sampled_from(["gpipe", "1f1b"]),
+    memory=st.floats(8, 120),
+    tp=st.sampled_from([1, 2]),
 )
 def test_count_form_equals_brute_force_on_transformer_shape(pre, block, post, n_blocks, stages, schedule, memory, tp):
     """Identical blocks between an embedding and a head: the count encoding is exact."""

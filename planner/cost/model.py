@@ -43,7 +43,8 @@ class Candidate:
     def label(self) -> str:
         sp = "+sp" if self.sp else ""
         return (
-            f"dp{self.dp} tp{self.tp}{sp} pp{self.pp}" + (f"x{self.v}" if self.v > 1 else "")
+            f"dp{self.dp} tp{self.tp}{sp} pp{self.pp}"
+            + (f"x{self.v}" if self.v > 1 else "")
             + f" mbs{self.mbs} m{self.m} {self.schedule} zero{self.zero}"
         )
 
@@ -99,7 +100,9 @@ def gemm_efficiency(cluster: ClusterSpec, dim: float) -> float:
     return e.matmul * dim / (dim + e.gemm_half_dim)
 
 
-def roofline_times(unit: Unit, mbs: int, tp: int, sp: bool, cluster: ClusterSpec, dtype: str) -> tuple[float, float, float]:
+def roofline_times(
+    unit: Unit, mbs: int, tp: int, sp: bool, cluster: ClusterSpec, dtype: str
+) -> tuple[float, float, float]:
     """(forward, backward, attention-core forward) seconds of one micro-batch, compute only."""
     gpu = cluster.gpu
     e = gpu.efficiency
@@ -187,16 +190,28 @@ def unit_cost(
     tp_sharded = bool(unit.tp_pairs) or bool(unit.tp_styles)
     act = {
         mode: activation_bytes(
-            unit.activation_bytes, unit.attention_core_bytes, unit.input_bytes, cand.mbs, mode, cand.tp,
-            tp_sharded, cand.sp,
+            unit.activation_bytes,
+            unit.attention_core_bytes,
+            unit.input_bytes,
+            cand.mbs,
+            mode,
+            cand.tp,
+            tp_sharded,
+            cand.sp,
         )
         for mode in RECOMPUTE_MODES
     }
     shard = unit.tp_shardable_params if cand.tp > 1 else 0
     params_local = (unit.params - shard) + shard / cand.tp
     return UnitCost(
-        fwd=fwd, bwd=bwd, act=act, params_local=params_local, tp_comm_fwd=tf, tp_comm_bwd=tb,
-        largest_param_bytes=unit.param_bytes / (cand.tp if shard else 1), source=source,
+        fwd=fwd,
+        bwd=bwd,
+        act=act,
+        params_local=params_local,
+        tp_comm_fwd=tf,
+        tp_comm_bwd=tb,
+        largest_param_bytes=unit.param_bytes / (cand.tp if shard else 1),
+        source=source,
     )
 
 
@@ -333,10 +348,22 @@ def stage_costs(
             buffers += 2 * max(c.largest_param_bytes for c in costs)
         out.append(
             StageCost(
-                index=s, rank=rank, units=list(units), recompute=mode, fwd=fwd, bwd=bwd, p2p=p2p,
-                weights=params * state.weights, gradients=params * state.gradients,
-                optimizer=params * state.optimizer, activations=act, comm_buffers=buffers, workspace=0.0,
-                params_local=params, dp_sync=sync, zero3_gather=gather,
+                index=s,
+                rank=rank,
+                units=list(units),
+                recompute=mode,
+                fwd=fwd,
+                bwd=bwd,
+                p2p=p2p,
+                weights=params * state.weights,
+                gradients=params * state.gradients,
+                optimizer=params * state.optimizer,
+                activations=act,
+                comm_buffers=buffers,
+                workspace=0.0,
+                params_local=params,
+                dp_sync=sync,
+                zero3_gather=gather,
                 tp_comm=sum(c.tp_comm_fwd + c.tp_comm_bwd for c in uc),
                 source="measured" if uc and all(c.source == "measured" for c in uc) else "estimated",
             )
@@ -356,7 +383,10 @@ def rank_memory(stages: list[StageCost], cand: Candidate, options: CostOptions) 
         mine = [s for s in stages if s.rank == r]
         states = sum(s.weights + s.gradients + s.optimizer + s.comm_buffers for s in mine)
         if cand.v > 1:
-            per_mb = max(s.activations / max(1, in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, s.index)) for s in mine)
+            per_mb = max(
+                s.activations / max(1, in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, s.index))
+                for s in mine
+            )
             acts = per_mb * rank_in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, r)
         else:
             acts = sum(s.activations for s in mine)
@@ -400,7 +430,9 @@ class IterationCost:
     bubble_fraction: float
 
 
-def rank_tail(stages: list[StageCost], cand: Candidate, options: CostOptions, cluster: ClusterSpec, dtype: str) -> float:
+def rank_tail(
+    stages: list[StageCost], cand: Candidate, options: CostOptions, cluster: ClusterSpec, dtype: str
+) -> float:
     """max over ranks of (exposed data-parallel sync + optimizer step), paid after the pipeline drains.
 
     Gradient sync overlaps with the last micro-batch's backward of the rank's first stage (the last
@@ -424,7 +456,9 @@ def stage_time_with_gathers(s: StageCost) -> float:
     return max(s.compute, s.zero3_gather)
 
 
-def iteration_linear(stages: list[StageCost], cand: Candidate, options: CostOptions, cluster: ClusterSpec, dtype: str) -> float:
+def iteration_linear(
+    stages: list[StageCost], cand: Candidate, options: CostOptions, cluster: ClusterSpec, dtype: str
+) -> float:
     """The full linear objective: pipeline (with ZeRO-3 gathers) plus the data-parallel/optimizer tail."""
     totals = [stage_time_with_gathers(s) for s in stages]
     pipe = pipeline_time_linear(cand, [s.fwd for s in stages], totals, [s.p2p for s in stages[:-1]])

@@ -25,8 +25,10 @@ class Efficiencies(_Strict):
     memory: float = Field(0.80, gt=0, le=1, description="memory-bound ops, fraction of peak bandwidth")
     network: float = Field(0.85, gt=0, le=1, description="collectives, fraction of link bandwidth")
     gemm_half_dim: float = Field(
-        256.0, ge=0, description="GEMM size (smallest dimension, after TP sharding) at which a GEMM reaches "
-        "half of `matmul`: efficiency = matmul * d / (d + gemm_half_dim)"
+        256.0,
+        ge=0,
+        description="GEMM size (smallest dimension, after TP sharding) at which a GEMM reaches "
+        "half of `matmul`: efficiency = matmul * d / (d + gemm_half_dim)",
     )
 
 

@@ -74,9 +74,7 @@ class Unit(_Model):
     tp_granularity: int = Field(
         0, description="gcd of the head counts and column widths that TP splits; tp must divide it"
     )
-    gemm_dim: int = Field(
-        0, description="FLOP-weighted smallest dimension of the unit's Linears (for GEMM efficiency)"
-    )
+    gemm_dim: int = Field(0, description="FLOP-weighted smallest dimension of the unit's Linears (for GEMM efficiency)")
     uses_flash_attention: bool = Field(False, description="attention through scaled_dot_product_attention")
 
     @property

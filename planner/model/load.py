@@ -140,7 +140,8 @@ def _call_user(fn: Callable[..., Any], what: str, path: str, *args: Any, **kwarg
     except Exception as e:  # noqa: BLE001
         where = _user_frame(e, Path(path))
         raise ModelLoadError(
-            f"{what} raised {type(e).__name__}: {e}" + (f" (at {where})" if where else "")
+            f"{what} raised {type(e).__name__}: {e}"
+            + (f" (at {where})" if where else "")
             + ". Fix the model file or the --model-arg values."
         ) from e
 
@@ -163,7 +164,10 @@ def example_batch(loaded: LoadedModel, batch_size: int) -> tuple:
     import torch
 
     out = _call_user(
-        loaded.example_inputs, f"{loaded.source.inputs_fn}({batch_size})", loaded.source.path, batch_size,
+        loaded.example_inputs,
+        f"{loaded.source.inputs_fn}({batch_size})",
+        loaded.source.path,
+        batch_size,
         **loaded.source.model_args,
     )
     if isinstance(out, torch.Tensor):

@@ -8,6 +8,8 @@ inputs and follows what symbolic tracing cannot. Either way the result is a Grap
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +87,26 @@ def trace_model(model, inputs: tuple, model_path: str, check=None) -> Traced:
         fx_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" + (f" at {where}" if where else "")
         log.info("symbolic tracing failed (%s); falling back to torch.export", fx_error)
     try:
-        ep = torch.export.export(model, tuple(inputs), strict=False)
+        # torch.export logs partial graphs and symbolic-shape warnings when it fails; our error says it all.
+        quiet = [
+            logging.getLogger(n)
+            for n in (
+                "torch._dynamo",
+                "torch.fx.experimental.symbolic_shapes",
+                "torch._export",
+                "torch.export",
+                "torch._subclasses",
+            )
+        ]
+        levels = [lg.level for lg in quiet]
+        for lg in quiet:
+            lg.setLevel(logging.ERROR)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                ep = torch.export.export(model, tuple(inputs), strict=False)
+        finally:
+            for lg, level in zip(quiet, levels):
+                lg.setLevel(level)
         gm = ep.module()
         return Traced(gm=gm, method="export", fx_error=fx_error, checked=check(gm))
     except Exception as e:  # noqa: BLE001

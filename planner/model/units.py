@@ -23,22 +23,71 @@ log = logging.getLogger(__name__)
 
 # aten ops that only re-describe memory: they move no bytes.
 _VIEW_OPS = {
-    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "slice", "select", "unsqueeze",
-    "squeeze", "detach", "alias", "as_strided", "split", "split_with_sizes", "chunk", "unbind", "narrow",
-    "_reshape_alias", "lift_fresh", "empty", "empty_like", "ones_like", "zeros_like", "new_empty", "clone_meta",
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "transpose",
+    "t",
+    "permute",
+    "expand",
+    "slice",
+    "select",
+    "unsqueeze",
+    "squeeze",
+    "detach",
+    "alias",
+    "as_strided",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "unbind",
+    "narrow",
+    "_reshape_alias",
+    "lift_fresh",
+    "empty",
+    "empty_like",
+    "ones_like",
+    "zeros_like",
+    "new_empty",
+    "clone_meta",
 }
 _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "convolution_backward", "_scaled_mm"}
 _ATTENTION_OPS = {
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_efficient_attention_backward",
-    "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
-    "_flash_attention_forward", "_efficient_attention_forward", "_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+    "_flash_attention_backward",
     "_efficient_attention_backward",
 }
 # Ops that mix values along the hidden dimension: a column-sharded tensor must not reach them.
 _MIXING = (
-    "layer_norm", "rms_norm", "group_norm", "batch_norm", "norm", "mean", "sum", "var", "std", "amax", "amin",
-    "max", "min", "argmax", "logsumexp", "cat", "split", "chunk", "unbind", "cumsum", "sort", "topk",
+    "layer_norm",
+    "rms_norm",
+    "group_norm",
+    "batch_norm",
+    "norm",
+    "mean",
+    "sum",
+    "var",
+    "std",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "argmax",
+    "logsumexp",
+    "cat",
+    "split",
+    "chunk",
+    "unbind",
+    "cumsum",
+    "sort",
+    "topk",
 )
 
 
@@ -167,8 +216,7 @@ def analyse_callable(fn, inputs: tuple, params: list, seq_len: int | None) -> _C
     counts = _Counts()
     param_keys = {_storage_key(p) for p in params}
     ins = tuple(
-        t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-        for t in inputs
+        t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs
     )
     sizes: dict[int, int] = {}
 
@@ -360,9 +408,7 @@ class _Names:
 
     @classmethod
     def of(cls, model) -> _Names:
-        return cls(
-            {id(m): n for n, m in model.named_modules()}, {id(p): n for n, p in model.named_parameters()}
-        )
+        return cls({id(m): n for n, m in model.named_modules()}, {id(p): n for n, p in model.named_parameters()})
 
 
 def _applied_module(node, gm, names: _Names, kind, aten_ops, weight_arg: int) -> str | None:
@@ -428,7 +474,9 @@ def _is_mixing(node) -> bool:
     return any(base == m or base.startswith(m + "_") for m in _MIXING)
 
 
-def detect_tp_pairs(sub, names: _Names, constants: frozenset = frozenset()) -> tuple[list[tuple[list[str], str, object]], list[str]]:
+def detect_tp_pairs(
+    sub, names: _Names, constants: frozenset = frozenset()
+) -> tuple[list[tuple[list[str], str, object]], list[str]]:
     """Column/row Linear pairs inside one unit's graph: a Linear feeding, through elementwise, view and
     attention ops only, exactly one other Linear, which in turn takes its input from those columns only;
     plus the unit's embeddings (vocab-parallel, rowwise). ``sub`` is the unit's split GraphModule after
@@ -525,7 +573,9 @@ def _meta_like(x):
     import torch
     from torch.utils._pytree import tree_map
 
-    return tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t, x)
+    return tree_map(
+        lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t, x
+    )
 
 
 def run_units_once(parts, inputs: tuple, keys: dict[int, str]):
@@ -551,9 +601,7 @@ def run_units_once(parts, inputs: tuple, keys: dict[int, str]):
                 idx = int(node.target.split("_")[1])
                 args = tuple(env[a] if isinstance(a, torch.fx.Node) else a for a in node.args)
                 flat, _ = tree_flatten(args)
-                shapes = tuple(
-                    (tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t) for t in flat
-                )
+                shapes = tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t) for t in flat)
                 sig = hashlib.sha256(repr((keys[idx], shapes)).encode()).hexdigest()[:16]
                 sigs[idx] = sig
                 captured[idx] = args
@@ -795,9 +843,7 @@ def _constant_inputs(parts, index: int) -> frozenset:
     sub = getattr(parts, f"submod_{index}")
     call = next(n for n in parts.graph.nodes if n.op == "call_module" and n.target == f"submod_{index}")
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    return frozenset(
-        ph.name for ph, arg in zip(placeholders, call.args) if getattr(arg, "op", None) == "get_attr"
-    )
+    return frozenset(ph.name for ph, arg in zip(placeholders, call.args) if getattr(arg, "op", None) == "get_attr")
 
 
 def _elem(node) -> int:
@@ -814,7 +860,7 @@ def _renamer(first: list[str], group: list[str]):
     def rename(name: str) -> str:
         for a, b in pairs:
             if name == a or name.startswith(a + "."):
-                return b + name[len(a):]
+                return b + name[len(a) :]
         return name
 
     return rename

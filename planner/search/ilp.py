@@ -35,6 +35,7 @@ from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
 
 log = logging.getLogger(__name__)
+OBJ_SCALE = 1e6
 
 
 @dataclass
@@ -88,6 +89,8 @@ def solve_partition(
     S = cand.stages
     if S > U:
         return ILPResult("infeasible", None, None, None)
+    if S == 1:
+        return _single_stage(graph, cluster, cand, costs, modes, options)
     run = block_run(graph)
     form = force_form or ("count" if run is not None else "assign")
     if form == "count" and run is None:
@@ -145,7 +148,9 @@ def solve_partition(
                 + [mode_vars[s, r] * (c.fwd + c.bwd[r]) for r in modes for c in fixed]
             )
             params[s] = blocks * blk.params_local + sum(c.params_local for c in fixed)
-            act[s] = _lin([cnt[s, r] * blk.act[r] for r in modes] + [mode_vars[s, r] * c.act[r] for r in modes for c in fixed])
+            act[s] = _lin(
+                [cnt[s, r] * blk.act[r] for r in modes] + [mode_vars[s, r] * c.act[r] for r in modes for c in fixed]
+            )
             if s < S - 1:
                 b = pulp.LpVariable(f"bnd_{s}", lowBound=0)
                 out_blk = graph.units[start].output_bytes
@@ -161,7 +166,10 @@ def solve_partition(
     else:
         z = {(u, s): pulp.LpVariable(f"z_{u}_{s}", cat="Binary") for u in range(U) for s in range(S)}
         w = {
-            (u, s, r): pulp.LpVariable(f"w_{u}_{s}_{r}", cat="Binary") for u in range(U) for s in range(S) for r in modes
+            (u, s, r): pulp.LpVariable(f"w_{u}_{s}_{r}", cat="Binary")
+            for u in range(U)
+            for s in range(S)
+            for r in modes
         }
         for u in range(U):
             prob += pulp.lpSum(z[u, s] for s in range(S)) == 1
@@ -204,9 +212,7 @@ def solve_partition(
         elif cand.zero == 1:
             sync = [ring * (4.0 + w_bytes) * params[s] + 2 * (n_dp - 1) * dp_lat for s in range(S)]
         elif cand.zero == 2:
-            sync = [
-                ring * (4.0 * cand.m + w_bytes) * params[s] + (cand.m + 1) * (n_dp - 1) * dp_lat for s in range(S)
-            ]
+            sync = [ring * (4.0 * cand.m + w_bytes) * params[s] + (cand.m + 1) * (n_dp - 1) * dp_lat for s in range(S)]
         else:
             sync = [ring * 4.0 * params[s] + (n_dp - 1) * dp_lat for s in range(S)]
             gather = [2 * (ring * w_bytes * params[s] + (n_dp - 1) * dp_lat) for s in range(S)]
@@ -257,7 +263,9 @@ def solve_partition(
         window = (tot[first] - fwd[first]) * (cand.m if cand.zero == 2 else 1) if options.overlap_dp_comm else 0
         prob += exposed >= pulp.lpSum(sync[s] for s in mine) - window
         prob += tail >= exposed + opt_rate * pulp.lpSum(params[s] for s in mine)
-    prob += pipe + tail
+    # In microseconds: CBC's absolute tolerances (1e-7 .. 1e-10) would otherwise be coarse next to
+    # iteration times of a few milliseconds, and near-ties could come out in the wrong order.
+    prob += OBJ_SCALE * (pipe + tail)
 
     # Memory per rank.
     per_param = state.weights + state.gradients + state.optimizer
@@ -291,7 +299,9 @@ def solve_partition(
             warm = True
     # Single-threaded with a node limit: the same inputs always give the same solution (a wall-clock
     # limit would make the result depend on the machine's load).
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, warmStart=warm, maxNodes=max_nodes)
+    solver = pulp.PULP_CBC_CMD(
+        msg=False, timeLimit=time_limit, threads=1, warmStart=warm, maxNodes=max_nodes, gapRel=0.0, gapAbs=0.0
+    )
     prob.solve(solver)
     status = pulp.LpStatus[prob.status]
     sol_status = getattr(prob, "sol_status", None)
@@ -318,8 +328,23 @@ def solve_partition(
             partition.append(units)
     else:
         partition = [[u for u in range(U) if (z[u, s].value() or 0) > 0.5] for s in range(S)]
-    obj = pulp.value(prob.objective)
+    obj = pulp.value(prob.objective) / OBJ_SCALE
     return ILPResult(res_status, float(obj), partition, recompute, form=form)
+
+
+def _single_stage(graph, cluster, cand, costs, modes, options) -> ILPResult:
+    """One stage: the partition is forced, so only the recomputation mode is chosen, by evaluation."""
+    from planner.search.search import evaluate
+
+    best = None
+    part = [list(range(len(graph.units)))]
+    for mode in modes:
+        ev = evaluate(graph, cluster, cand, part, [mode], costs, options)
+        if max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes and (best is None or ev.objective < best[0]):
+            best = (ev.objective, mode)
+    if best is None:
+        return ILPResult("infeasible", None, None, None, form="single")
+    return ILPResult("optimal", best[0], part, [best[1]], form="single")
 
 
 def _balanced_start(graph, cluster, cand, costs, modes, options, run):
@@ -348,7 +373,9 @@ def _balanced_start(graph, cluster, cand, costs, modes, options, run):
             times = [extra[s] + counts[s] * blk for s in range(S)]
             if sum(counts) > L:
                 order = sorted(range(S), key=lambda s: -times[s])
-                s = next((s for s in order if counts[s] > (0 if (s == 0 and pre) or (s == S - 1 and post) else 1)), None)
+                s = next(
+                    (s for s in order if counts[s] > (0 if (s == 0 and pre) or (s == S - 1 and post) else 1)), None
+                )
                 if s is None:
                     break
                 counts[s] -= 1

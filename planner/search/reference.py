@@ -25,7 +25,11 @@ def _partitions(n_units: int, n_stages: int):
 
 
 def brute_force_partition(
-    graph: ModelGraph, cluster: ClusterSpec, cand: Candidate, costs: list[UnitCost], modes: tuple[str, ...],
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    cand: Candidate,
+    costs: list[UnitCost],
+    modes: tuple[str, ...],
     options: CostOptions,
 ):
     """(objective, partition, recompute) minimising the cost model over every partition; None if none fits."""
@@ -33,8 +37,13 @@ def brute_force_partition(
 
     cap = cluster.gpu.memory_bytes
     best = None
+    # With several stages per rank the search uses one recomputation mode for all stages (see ilp.py).
+    if cand.v > 1:
+        choices = [(mode,) * cand.stages for mode in modes]
+    else:
+        choices = list(itertools.product(modes, repeat=cand.stages))
     for part in _partitions(len(graph.units), cand.stages):
-        for rec in itertools.product(modes, repeat=cand.stages):
+        for rec in choices:
             ev = evaluate(graph, cluster, cand, part, list(rec), costs, options)
             if max(ev.rank_memory.values()) > cap:
                 continue
@@ -44,7 +53,11 @@ def brute_force_partition(
 
 
 def dp_partition(
-    graph: ModelGraph, cluster: ClusterSpec, cand: Candidate, costs: list[UnitCost], modes: tuple[str, ...],
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    cand: Candidate,
+    costs: list[UnitCost],
+    modes: tuple[str, ...],
     options: CostOptions,
 ):
     """Exact optimum for GPipe/1F1B (one stage per rank) by bottleneck/tail enumeration plus DP."""

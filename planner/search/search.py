@@ -21,9 +21,9 @@ from planner.cost.model import (
     Profile,
     StageCost,
     UnitCost,
-    iteration_linear,
     dp_comm_time,
     dp_link,
+    iteration_linear,
     optimizer_time,
     rank_memory,
     stage_costs,
@@ -91,8 +91,13 @@ class CostTable:
 
 
 def evaluate(
-    graph: ModelGraph, cluster: ClusterSpec, cand: Candidate, partition: list[list[int]], recompute: list[str],
-    costs: list[UnitCost], options: CostOptions,
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    cand: Candidate,
+    partition: list[list[int]],
+    recompute: list[str],
+    costs: list[UnitCost],
+    options: CostOptions,
 ) -> Evaluated:
     """The cost model's figures for a fixed partition (what the ILP optimises, recomputed directly)."""
     stages = stage_costs(graph, cluster, cand, partition, recompute, costs, options)
@@ -151,7 +156,7 @@ def search(
     top_k: int = 5,
     time_limit: float | None = None,
     progress=None,
-    max_nodes: int | None = 2000,
+    max_nodes: int | None = 500,
 ) -> SearchResult:
     """Find the best configuration (and the next top_k) under the cost model."""
     t0 = time.perf_counter()
@@ -195,7 +200,9 @@ def search(
         if progress is not None:
             progress(j, len(bounded))
         cand_modes = tuple(m for m in modes if not (cand.schedule == "zero-bubble" and m == "selective")) or modes
-        res = solve_partition(graph, cluster, cand, costs, cand_modes, options, time_limit=time_limit, max_nodes=max_nodes)
+        res = solve_partition(
+            graph, cluster, cand, costs, cand_modes, options, time_limit=time_limit, max_nodes=max_nodes
+        )
         solved += 1
         if res.status == "infeasible" or res.partition is None:
             rejected[(_region(cand), "out of memory: no stage partition fits every rank")] += 1
@@ -211,8 +218,15 @@ def search(
     if not ranked:
         raise InfeasibleError(_nothing_fits(graph, cluster, smallest_need, space.candidates))
     return SearchResult(
-        best=ranked[0], ranked=ranked, rejected=rejected, candidates=len(space.candidates), pruned_by_bound=pruned,
-        ilps_solved=solved, seconds=time.perf_counter() - t0, status=status, gap=max(gaps, default=0.0),
+        best=ranked[0],
+        ranked=ranked,
+        rejected=rejected,
+        candidates=len(space.candidates),
+        pruned_by_bound=pruned,
+        ilps_solved=solved,
+        seconds=time.perf_counter() - t0,
+        status=status,
+        gap=max(gaps, default=0.0),
     )
 
 
@@ -226,8 +240,13 @@ def search_modes(graph: ModelGraph) -> tuple[str, ...]:
 
 def _only(c: UnitCost, mode: str) -> UnitCost:
     return UnitCost(
-        fwd=c.fwd, bwd={mode: c.bwd[mode]}, act={mode: c.act[mode]}, params_local=c.params_local,
-        tp_comm_fwd=c.tp_comm_fwd, tp_comm_bwd=c.tp_comm_bwd, largest_param_bytes=c.largest_param_bytes,
+        fwd=c.fwd,
+        bwd={mode: c.bwd[mode]},
+        act={mode: c.act[mode]},
+        params_local=c.params_local,
+        tp_comm_fwd=c.tp_comm_fwd,
+        tp_comm_bwd=c.tp_comm_bwd,
+        largest_param_bytes=c.largest_param_bytes,
         source=c.source,
     )
 
@@ -240,7 +259,9 @@ def _region(c: Candidate) -> str:
     return f"dp={c.dp} tp={c.tp} pp={c.pp}"
 
 
-def _nothing_fits(graph: ModelGraph, cluster: ClusterSpec, need: tuple[float, Candidate] | None, cands: list[Candidate]) -> str:
+def _nothing_fits(
+    graph: ModelGraph, cluster: ClusterSpec, need: tuple[float, Candidate] | None, cands: list[Candidate]
+) -> str:
     cap = cluster.gpu.memory_bytes
     msg = f"The model does not fit on {cluster.world_size} x {cluster.gpu.display_name} in any configuration."
     if need is not None:

@@ -116,6 +116,15 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                         continue
                     if pp == 1 and schedule != "1f1b":
                         continue  # one stage: plain gradient accumulation, schedule is moot
+                    if schedule == "gpipe" and pins.schedule is None and m >= pp:
+                        rej[
+                            (
+                                f"gpipe pp={pp}",
+                                "dominated by 1F1B: the same iteration time, and each stage "
+                                "holds at most p - s micro-batches of activations instead of all m",
+                            )
+                        ] += 1
+                        continue
                     if schedule in ("gpipe", "1f1b"):
                         vs = [1]
                     elif schedule == "zero-bubble":
@@ -133,26 +142,46 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                             rej[(f"{schedule} pp={pp} m={m}", why)] += 1
                             continue
                         if schedule in ("interleaved-1f1b", "zero-bubble") and blocks and blocks % (pp * v):
-                            rej[(f"{schedule} pp={pp} v={v}", f"the {blocks} repeated blocks do not split evenly "
-                                 "into pp x v model chunks (Megatron-LM's interleaving rule)")] += 1
+                            rej[
+                                (
+                                    f"{schedule} pp={pp} v={v}",
+                                    f"the {blocks} repeated blocks do not split evenly "
+                                    "into pp x v model chunks (Megatron-LM's interleaving rule)",
+                                )
+                            ] += 1
                             continue
                         for zero in range(4) if dp > 1 else [0]:
                             if pins.zero_stage is not None and zero != pins.zero_stage:
                                 continue
                             if pins.zero_stage is None and zero == 0 and dp > 1:
-                                rej[(f"dp={dp} zero=0", "dominated by ZeRO-1: same compute, less memory, "
-                                     "reduce-scatter + all-gather move less than an fp32 all-reduce")] += 1
+                                rej[
+                                    (
+                                        f"dp={dp} zero=0",
+                                        "dominated by ZeRO-1: same compute, less memory, "
+                                        "reduce-scatter + all-gather move less than an fp32 all-reduce",
+                                    )
+                                ] += 1
                                 continue
                             if schedule == "zero-bubble" and zero == 3:
-                                rej[("zero-bubble zero=3", "torch's split backward (ZBV) computes weight gradients "
-                                     "after FSDP's post-backward: ZeRO-3 cannot reshard; use ZeRO-1/2")] += 1
+                                rej[
+                                    (
+                                        "zero-bubble zero=3",
+                                        "torch's split backward (ZBV) computes weight gradients "
+                                        "after FSDP's post-backward: ZeRO-3 cannot reshard; use ZeRO-1/2",
+                                    )
+                                ] += 1
                                 continue
                             for sp in (False, True) if tp > 1 else (False,):
                                 if pins.sequence_parallel is not None and sp != pins.sequence_parallel:
                                     continue
                                 if pins.sequence_parallel is None and tp > 1 and not sp:
-                                    rej[(f"tp={tp} without sp", "dominated by sequence parallelism: same "
-                                         "communication volume, activations and norms split by tp")] += 1
+                                    rej[
+                                        (
+                                            f"tp={tp} without sp",
+                                            "dominated by sequence parallelism: same "
+                                            "communication volume, activations and norms split by tp",
+                                        )
+                                    ] += 1
                                     continue
                                 space.candidates.append(Candidate(dp, tp, pp, v, mbs, m, schedule, zero, sp))
     return space

@@ -1,0 +1,395 @@
+"""Cost-model accuracy against Megatron-LM: SC21 Table 1 throughput and Megatron's own memory formula.
+
+Usage:
+    python bench/accuracy.py                       # all ten rows, exit 1 if any misses the tolerance
+    python bench/accuracy.py --rows 1.7B,145B      # a subset
+    python bench/accuracy.py --set matmul=0.8      # try other A100 efficiencies (no YAML edit)
+
+Throughput: for every GPT row of Narayanan et al., SC21, "Efficient Large-Scale Language Model Training
+on GPU Clusters Using Megatron-LM", Table 1 (weak scaling on DGX A100 80GB), the planner plans the
+sample GPT with the paper's degrees pinned (t, p, GPUs, batch size, and the micro-batch size, virtual
+stages and data-parallel implementation of the paper's artifact, examples/sc21/run_table_1.sh: full
+("uniform") activation recomputation everywhere, no sequence parallelism, no distributed optimizer). The
+published "achieved teraFLOP/s per GPU" counts the FLOPs executed, recomputation included (their
+formula 96 B s l h^2 (1 + s/6h + V/16lh)), so it is compared with `hardware_tflops_per_gpu`.
+
+Memory: Megatron-LM's megatron/training/theoretical_memory_usage.py models one setting, sequence
+parallelism with selective recomputation, on the first pipeline stage (the busiest). For the same
+degrees, micro-batch size and schedule in that setting, this compares its weight+optimizer and activation
+bytes with the cost model's model states and activations of pipeline rank 0 (no workspace, fragmentation
+or communication buffers, which the formula leaves out). The cost model is evaluated on Megatron's own
+stage partition (embedding + l/(p v) layers per stage, head on the last) rather than searched, because
+with selective recomputation several rows need more than 80 GB (the reason the paper recomputed fully)
+and the search would refuse them.
+
+One set of A100 efficiencies (hardware_specs/a100-sxm4-80gb.yaml) serves every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from planner.cost.model import Candidate, CostOptions, rank_memory, unit_cost
+from planner.hardware.load import load_cluster
+from planner.hardware.spec import ClusterSpec, Efficiencies
+from planner.model.graph import ModelGraph
+from planner.pipeline import PlanRequest, analyse, build_plan, pins_from, predicted_for
+from planner.plan import Plan, Predicted
+from planner.search.search import SearchResult, evaluate, search
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "sample_models" / "gpt.py")
+CLUSTER = "dgx-a100"
+GPUS_PER_NODE = 8
+SEQ = 2048
+VOCAB = 51200  # Megatron pads GPT-2's 50257 tokens to a multiple of 1024
+TOLERANCE = 0.10
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of SC21 Table 1 with the artifact's run settings (examples/sc21/run_table_1.sh)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    t: int
+    p: int
+    gpus: int
+    batch: int
+    published: float  # achieved teraFLOP/s per GPU, Table 1
+    mbs: int  # MBS in run_table_1.sh
+    layers_per_virtual_stage: int | None  # --num-layers-per-virtual-pipeline-stage; None: plain 1F1B
+    ddp: str  # "torch" (overlaps the gradient all-reduce with backward) or "local" (after backward)
+
+    @property
+    def preset(self) -> str:
+        return "megatron-" + self.name.lower()
+
+    @property
+    def v(self) -> int:
+        if self.layers_per_virtual_stage is None:
+            return 1
+        return self.layers // (self.p * self.layers_per_virtual_stage)
+
+    @property
+    def schedule(self) -> str:
+        return "interleaved-1f1b" if self.v > 1 else "1f1b"
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.t * self.p)
+
+    @property
+    def m(self) -> int:
+        return self.batch // (self.dp * self.mbs)
+
+
+# Narayanan et al., SC21, Table 1 (t, p, GPUs, batch, achieved teraFLOP/s per GPU) and run_table_1.sh
+# (MBS, layers per virtual stage, DDP implementation). Every run used --activations-checkpoint-method uniform.
+ROWS = [
+    Row("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 16, None, "torch"),
+    Row("3.6B", 30, 3072, 32, 2, 1, 64, 512, 138, 16, None, "torch"),
+    Row("7.5B", 36, 4096, 32, 4, 1, 128, 512, 142, 16, None, "torch"),
+    Row("18B", 40, 6144, 48, 8, 1, 256, 1024, 135, 8, None, "torch"),
+    Row("39B", 48, 8192, 64, 8, 2, 512, 1536, 138, 4, None, "local"),
+    Row("76B", 60, 10240, 80, 8, 4, 1024, 1792, 140, 2, 5, "local"),
+    Row("145B", 80, 12288, 96, 8, 8, 1536, 2304, 148, 2, 5, "local"),
+    Row("310B", 96, 16384, 128, 8, 16, 1920, 2160, 155, 1, 3, "local"),
+    Row("530B", 105, 20480, 128, 8, 35, 2520, 2520, 163, 1, 1, "local"),
+    Row("1T", 128, 25600, 160, 8, 64, 3072, 3072, 163, 1, None, "local"),
+]
+
+
+# ------------------------------------------------------------------ Megatron-LM's formulas, for reference
+
+
+def megatron_flops_per_iteration(row: Row) -> float:
+    """FLOPs Megatron counts per iteration with full recomputation (Narayanan et al. SC21, eq. 3)."""
+    b, s, l, h, v = row.batch, SEQ, row.layers, row.hidden, VOCAB
+    return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def megatron_parameters(row: Row) -> tuple[float, float]:
+    """(transformer-layer parameters, embedding parameters) as theoretical_memory_usage.py counts them."""
+    h, l, ffn = row.hidden, row.layers, 4 * row.hidden
+    # 2 l h^2 (1 + ffn/h + query groups/heads + 2/h + 1/(l h)): attention, MLP, layer norms, final norm
+    layers = 2 * l * h * h * (1 + ffn / h + 1 + 2 / h + 1 / (l * h))
+    return layers, h * VOCAB
+
+
+def megatron_weight_and_optimizer_bytes(row: Row, untied: bool = True) -> float:
+    """compute_weight_and_optimizer_memory: the most loaded shard (first stage) at 18 bytes per parameter.
+
+    The sample GPT does not tie its output layer to the embedding, so with p = 1 the first stage also
+    holds the head (the formula's `untie_embeddings_and_output_weights`).
+    """
+    layers, emb = megatron_parameters(row)
+    shard = (layers / row.p + emb) / row.t
+    if untied and row.p == 1:
+        shard += emb / row.t
+    return 18 * shard  # no distributed optimizer
+
+
+def megatron_activation_bytes(row: Row) -> float:
+    """compute_activation_memory: first pipeline stage, sequence parallelism + selective recomputation.
+
+    Korthikanti et al. 2022, Table 2: s b h (18 + 4 ffn/h) = 34 s b h per layer, times all l layers
+    (p micro-batches in flight on l/p layers), the interleaving penalty 1 + (p-1)/(p v), the embedding's
+    input and dropout mask, the output layer with p = 1, all divided by t.
+    """
+    s, b, h, l, p = SEQ, row.mbs, row.hidden, row.layers, row.p
+    act = s * b * h * (18 + 4 * (4 * h) / h) * l
+    act += 8 * s * b * p  # input token ids
+    act += s * b * h * p  # embedding dropout mask
+    if row.v > 1:
+        act *= 1 + (p - 1) / (p * row.v)
+    elif p > 1:
+        act *= min(1.0, row.m / p)
+    if p == 1:
+        act += s * b * h * 4 * (1 + VOCAB / h)  # inputs to the output layer and the cross-entropy
+    return act / row.t
+
+
+# ------------------------------------------------------------------------------------------ predictions
+
+
+def request_for(row: Row) -> PlanRequest:
+    """The paper's configuration as a plan request with every searched dimension pinned."""
+    pins = {
+        "tp": row.t, "pp": row.p, "micro_batch_size": row.mbs, "schedule": row.schedule,
+        "recompute": "full", "sequence_parallel": False, "zero_stage": 0,
+    }
+    if row.v > 1:
+        pins["virtual_stages"] = row.v
+    return PlanRequest(
+        model_path=MODEL, model_args={"preset": row.preset}, gpu=CLUSTER, nodes=row.gpus // GPUS_PER_NODE,
+        global_batch_size=row.batch, pins=pins, time_limit=None, top_k=0,
+        # Megatron's "local" DDP all-reduces the gradients after the last backward; torch DDP overlaps.
+        overlap_dp_comm=row.ddp == "torch",
+    )
+
+
+def cluster_for(row: Row, efficiency: dict[str, float]) -> ClusterSpec:
+    cluster = load_cluster(CLUSTER, row.gpus // GPUS_PER_NODE)
+    if not efficiency:
+        return cluster
+    eff = Efficiencies(**{**cluster.gpu.efficiency.model_dump(), **efficiency})
+    return cluster.model_copy(update={"gpu": cluster.gpu.model_copy(update={"efficiency": eff})})
+
+
+def plan_row(row: Row, graph: ModelGraph, cluster: ClusterSpec) -> tuple[Plan, SearchResult]:
+    """What `plan_model` does, on a given cluster (so that --set can change its efficiencies)."""
+    request = request_for(row)
+    options = CostOptions(overlap_dp_comm=request.overlap_dp_comm)
+    result = search(
+        graph, cluster, request.global_batch_size, pins_from(request), options, None, request.top_k,
+        request.time_limit,
+    )
+    return build_plan(graph, cluster, request, result, options), result
+
+
+def megatron_partition(graph: ModelGraph, row: Row) -> list[list[int]]:
+    """Megatron's layout: l/(p v) layers per stage, the embedding on the first, the head on the last."""
+    blocks = [i for i, u in enumerate(graph.units) if u.kind == "block"]
+    per = len(blocks) // (row.p * row.v)
+    parts = [blocks[k * per:(k + 1) * per] for k in range(row.p * row.v)]
+    parts[0] = list(range(blocks[0])) + parts[0]
+    parts[-1] = parts[-1] + list(range(blocks[-1] + 1, len(graph.units)))
+    return parts
+
+
+def candidate(row: Row, sp: bool) -> Candidate:
+    return Candidate(
+        dp=row.dp, tp=row.t, pp=row.p, v=row.v, mbs=row.mbs, m=row.m, schedule=row.schedule, zero=0, sp=sp,
+    )
+
+
+def predicted_megatron_layout(row: Row, graph: ModelGraph, cluster: ClusterSpec) -> Predicted:
+    """The cost model's figures for the paper's configuration on Megatron's stage partition (no search).
+
+    Set beside the plan's own figures, it separates the cost model's error from the partitioner's choice.
+    """
+    cand = candidate(row, sp=False)
+    costs = [unit_cost(u, cand, cluster, graph.source.dtype) for u in graph.units]
+    partition = megatron_partition(graph, row)
+    options = CostOptions(overlap_dp_comm=row.ddp == "torch")
+    ev = evaluate(graph, cluster, cand, partition, ["full"] * len(partition), costs, options)
+    return predicted_for(ev, graph, cluster, options, row.batch)[0]
+
+
+def memory_rank0(row: Row, graph: ModelGraph, cluster: ClusterSpec) -> tuple[float, float]:
+    """(model-state bytes, activation bytes) of pipeline rank 0 with sequence parallelism + selective."""
+    cand = candidate(row, sp=row.t > 1)
+    costs = [unit_cost(u, cand, cluster, graph.source.dtype) for u in graph.units]
+    partition = megatron_partition(graph, row)
+    ev = evaluate(graph, cluster, cand, partition, ["selective"] * len(partition), costs, CostOptions())
+    bare = [replace(s, comm_buffers=0.0) for s in ev.stages]
+    total = rank_memory(bare, cand, CostOptions(workspace_bytes=0.0, fragmentation=0.0))[0]
+    states = sum(s.weights + s.gradients + s.optimizer for s in bare if s.rank == 0)
+    return states, total - states
+
+
+@dataclass
+class Result:
+    row: Row
+    plan: Plan
+    result: SearchResult
+    graph: ModelGraph
+    states: float
+    acts: float
+
+    @property
+    def tflops(self) -> float:
+        return self.plan.predicted.hardware_tflops_per_gpu
+
+    @property
+    def tflops_error(self) -> float:
+        return self.tflops / self.row.published - 1
+
+    @property
+    def memory(self) -> float:
+        return self.states + self.acts
+
+    @property
+    def megatron_memory(self) -> float:
+        return megatron_weight_and_optimizer_bytes(self.row) + megatron_activation_bytes(self.row)
+
+    @property
+    def memory_error(self) -> float:
+        return self.memory / self.megatron_memory - 1
+
+    @property
+    def ok(self) -> bool:
+        return abs(self.tflops_error) <= TOLERANCE and abs(self.memory_error) <= TOLERANCE
+
+
+def run_row(row: Row, efficiency: dict[str, float], graphs: dict[str, ModelGraph]) -> Result:
+    if row.preset not in graphs:
+        graphs[row.preset] = analyse(request_for(row))
+    graph = graphs[row.preset]
+    cluster = cluster_for(row, efficiency)
+    plan, result = plan_row(row, graph, cluster)
+    states, acts = memory_rank0(row, graph, cluster)
+    return Result(row, plan, result, graph, states, acts)
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def print_table(results: list[Result]) -> None:
+    print(
+        "Throughput: predicted hardware TFLOP/s per GPU (FLOPs executed, full recomputation included) vs\n"
+        "SC21 Table 1 'achieved teraFLOP/s per GPU' (also counts recomputation). Memory: pipeline rank 0's\n"
+        "model states + activations with sequence parallelism and selective recomputation vs Megatron-LM's\n"
+        "theoretical_memory_usage.py (weight+optimizer + activation, first stage); same t, p, mbs, schedule.\n"
+    )
+    head = (
+        f"{'row':>5} {'params':>7} {'t':>2} {'p':>3} {'dp':>3} {'GPUs':>5} {'batch':>5} {'mbs':>3} {'v':>2} "
+        f"{'pred TF/s':>9} {'publ.':>5} {'err %':>6} {'pred GiB':>8} {'Megatron GiB':>12} {'err %':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        row = r.row
+        params = sum(u.params for u in r.graph.units) / 1e9
+        print(
+            f"{row.name:>5} {params:>6.1f}B {row.t:>2} {row.p:>3} {row.dp:>3} {row.gpus:>5} {row.batch:>5} "
+            f"{row.mbs:>3} {row.v:>2} {r.tflops:>9.1f} {row.published:>5.0f} {100 * r.tflops_error:>+6.1f} "
+            f"{r.memory / GiB:>8.1f} {r.megatron_memory / GiB:>12.1f} {100 * r.memory_error:>+6.1f}"
+            + ("" if r.ok else "  <- misses 10%")
+        )
+
+
+def print_breakdown(results: list[Result]) -> None:
+    """Where each predicted iteration goes, per micro-batch and per iteration, and the FLOP count check."""
+    print(
+        "\nBreakdown of the predicted iteration (throughput plan). Per micro-batch on the slowest stage:\n"
+        "compute = forward + backward incl. recomputation and TP communication; TP = its TP communication;\n"
+        "p2p = one send. Per iteration: pipeline (simulated), bubble (idle share), DP exposed, optimizer.\n"
+        "FLOPs ratio = the planner's executed FLOPs / Megatron's 96 B s l h^2 (1 + s/6h + V/16lh).\n"
+    )
+    head = (
+        f"{'row':>5} {'compute ms':>10} {'TP ms':>6} {'p2p ms':>6} {'m':>4} {'iter s':>7} {'bubble':>6} "
+        f"{'DP exp s':>8} {'optim s':>7} {'FLOPs ratio':>11} {'plan peak GiB':>13} {'states GiB':>10} "
+        f"{'Megatron':>8} {'acts GiB':>8} {'Megatron':>8}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        row, plan, best = r.row, r.plan, r.result.best
+        slow = max(best.stages, key=lambda s: s.compute)
+        pred = plan.predicted
+        hw_flops = pred.hardware_tflops_per_gpu * 1e12 * pred.iteration_time_s * row.gpus
+        opt = max(0.0, pred.iteration_time_s * 0 + _optimizer_s(r))
+        print(
+            f"{row.name:>5} {1e3 * slow.compute:>10.1f} {1e3 * slow.tp_comm:>6.1f} {1e3 * slow.p2p:>6.2f} "
+            f"{row.m:>4} {pred.iteration_time_s:>7.2f} {pred.bubble_fraction:>6.3f} "
+            f"{pred.comm.data_parallel_exposed_s:>8.3f} {opt:>7.3f} "
+            f"{hw_flops / megatron_flops_per_iteration(row):>11.3f} {pred.peak_memory_bytes / GiB:>13.1f} "
+            f"{r.states / GiB:>10.1f} {megatron_weight_and_optimizer_bytes(row) / GiB:>8.1f} "
+            f"{r.acts / GiB:>8.1f} {megatron_activation_bytes(row) / GiB:>8.1f}"
+        )
+
+
+def _optimizer_s(r: Result) -> float:
+    from planner.cost.model import optimizer_time
+
+    best = r.result.best
+    cluster = cluster_for(r.row, {})
+    return max(
+        optimizer_time(sum(s.params_local for s in best.stages if s.rank == k), best.cand, cluster, "bf16")
+        for k in range(best.cand.pp)
+    )
+
+
+def parse_efficiency(text: str | None) -> dict[str, float]:
+    if not text:
+        return {}
+    out = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() not in Efficiencies.model_fields:
+            raise SystemExit(f"--set: unknown efficiency {key!r}; known: {', '.join(Efficiencies.model_fields)}")
+        out[key.strip()] = float(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", help="comma-separated row names (default: all), e.g. 1.7B,145B,1T")
+    ap.add_argument("--set", dest="efficiency", help="override A100 efficiencies, e.g. matmul=0.8,gemm_half_dim=128")
+    args = ap.parse_args(argv)
+    rows = ROWS
+    if args.rows:
+        wanted = {n.strip().upper() for n in args.rows.split(",")}
+        rows = [r for r in ROWS if r.name.upper() in wanted]
+        if not rows:
+            raise SystemExit(f"--rows: none of {args.rows!r}; rows are {', '.join(r.name for r in ROWS)}")
+    efficiency = parse_efficiency(args.efficiency)
+    t0 = time.perf_counter()
+    graphs: dict[str, ModelGraph] = {}
+    results = [run_row(row, efficiency, graphs) for row in rows]
+    eff = cluster_for(ROWS[0], efficiency).gpu.efficiency
+    print(f"A100 efficiencies: {', '.join(f'{k}={v:g}' for k, v in eff.model_dump().items())}\n")
+    print_table(results)
+    print_breakdown(results)
+    worst_t = max(abs(r.tflops_error) for r in results)
+    worst_m = max(abs(r.memory_error) for r in results)
+    rms = math.sqrt(sum(r.tflops_error**2 for r in results) / len(results))
+    print(
+        f"\nworst throughput error {100 * worst_t:.1f}% (rms {100 * rms:.1f}%), worst memory error "
+        f"{100 * worst_m:.1f}%, tolerance {100 * TOLERANCE:.0f}%; {time.perf_counter() - t0:.0f} s"
+    )
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
