@@ -45,6 +45,7 @@ class PlanRequest(BaseModel):
     build_fn: str = "build_model"
     inputs_fn: str = "example_inputs"
     loss_fn: str | None = None
+    batch_fn: str | None = Field(None, description="data function in the model file (default get_batch)")
     dtype: str = "bf16"
     gpu: str
     nodes: int = 1
@@ -249,7 +250,8 @@ def analyse(request: PlanRequest) -> ModelGraph:
     from planner.model.units import analyse_model
 
     loaded = load_model_file(
-        request.model_path, request.model_args, request.build_fn, request.inputs_fn, request.loss_fn, request.dtype
+        request.model_path, request.model_args, request.build_fn, request.inputs_fn, request.loss_fn, request.dtype,
+        request.batch_fn,
     )
     return analyse_model(loaded)
 

@@ -60,6 +60,7 @@ def load_model_file(
     inputs_fn: str = "example_inputs",
     loss_fn: str | None = None,
     dtype: str = "bf16",
+    batch_fn: str | None = None,
 ) -> LoadedModel:
     """Import a model file and check it defines the contract's functions."""
     p = Path(path).expanduser()
@@ -115,14 +116,14 @@ def load_model_file(
     build = _get(build_fn, True)
     inputs = _get(inputs_fn, True)
     loss = _get(loss_fn, True) if loss_fn else _get("loss_fn", False)
-    batch = getattr(module, "get_batch", None)
+    batch = _get(batch_fn, True) if batch_fn else getattr(module, "get_batch", None)
     source = ModelSource(
         path=str(p),
         file_sha256=digest,
         build_fn=build_fn,
         inputs_fn=inputs_fn,
         loss_fn=(loss_fn or ("loss_fn" if loss is not None else None)),
-        batch_fn="get_batch" if callable(batch) else None,
+        batch_fn=(batch_fn or "get_batch") if callable(batch) else None,
         model_args=dict(sorted((model_args or {}).items())),
         dtype=dtype,  # type: ignore[arg-type]
     )

@@ -405,6 +405,7 @@ class _Names:
 
     modules: dict[int, str]
     params: dict[int, str]
+    inputs: dict = field(default_factory=dict)  # placeholder node -> the tensor a unit graph received
 
     @classmethod
     def of(cls, model) -> _Names:
@@ -422,11 +423,14 @@ def _applied_module(node, gm, names: _Names, kind, aten_ops, weight_arg: int) ->
         return names.modules.get(id(mod)) if isinstance(mod, kind) else None
     if node.op == "call_function" and node.target in aten_ops and len(node.args) > weight_arg:
         w = node.args[weight_arg]
-        if getattr(w, "op", None) == "get_attr":
-            try:
-                obj = gm.get_parameter(str(w.target))
-            except AttributeError:
-                return None
+        op = getattr(w, "op", None)
+        if op in ("get_attr", "placeholder"):
+            if op == "placeholder":  # a weight split_module passed in from the parent graph
+                obj = names.inputs.get(w)
+            else:
+                obj = gm
+                for atom in str(w.target).split("."):
+                    obj = getattr(obj, atom, None)
             full = names.params.get(id(obj), "")
             if full.endswith(".weight"):
                 return full[: -len(".weight")]
@@ -795,6 +799,8 @@ def _tp_info(sub, args: tuple, model, names: _Names, constants: frozenset) -> _T
     from torch.fx.passes.shape_prop import ShapeProp
 
     ShapeProp(sub).propagate(*args)
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    names = _Names(names.modules, names.params, dict(zip(placeholders, args)))
     pairs, embeddings = detect_tp_pairs(sub, names, constants)
     info = _TPInfo(gemm_dim=_gemm_dim_of(sub))
     for cols, row, row_node in pairs:

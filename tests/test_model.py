@@ -1,0 +1,115 @@
+"""Loading, tracing (fx and the torch.export fallback) and grouping into analysed units."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from planner.errors import ModelLoadError, TraceError
+from planner.model.load import load_model_file
+from planner.model.units import analyse_model
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+SHAPE_BRANCH = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        if h.shape[1] % 2 == 0:  # symbolic tracing cannot branch on a traced shape; export specialises it
+            h = h * 2
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def build_model(**kwargs):
+    return Net()
+
+
+def example_inputs(batch_size, **kwargs):
+    return (torch.randn(batch_size, 4, 8),)
+
+
+def get_data(step, micro_batch_size, **kwargs):
+    return example_inputs(micro_batch_size)
+'''
+
+VALUE_BRANCH = SHAPE_BRANCH.replace("if h.shape[1] % 2 == 0:", "if h.sum() > 0:")
+
+
+def test_tiny_gpt_units_tp_and_repeated_blocks(tmp_path):
+    graph = analyse_model(load_model_file(FIXTURES / "tiny_gpt.py", {"layers": 3}))
+    assert graph.trace_method == "fx"
+    assert [u.name for u in graph.units] == ["tok_emb+pos_emb", "blocks.0", "blocks.1", "blocks.2", "norm+head"]
+    assert [u.kind for u in graph.units] == ["other", "block", "block", "block", "other"]
+    blocks = graph.units[1:4]
+    assert len({u.signature for u in blocks}) == 1
+    assert graph.distinct_blocks == 3  # embedding, one block, head: each analysed once
+    b = blocks[1]
+    assert b.tp_styles == {
+        "blocks.1.attn.q": "colwise", "blocks.1.attn.k": "colwise", "blocks.1.attn.v": "colwise",
+        "blocks.1.attn.o": "rowwise", "blocks.1.fc1": "colwise", "blocks.1.fc2": "rowwise",
+    }
+    assert b.tp_granularity == 4  # four heads
+    # hidden 32, seq 16, 4 Linears of 32x32 and two of 32x128: forward matmul FLOPs 2*tokens*params
+    assert b.matmul_flops == pytest.approx(2 * 16 * (4 * 32 * 32 + 2 * 32 * 128))
+    assert b.bwd_matmul_flops == pytest.approx(2 * b.matmul_flops)
+    assert b.attention_flops == pytest.approx(4 * 4 * 16 * 16 * 8)  # 4 b h s^2 d
+    assert b.output_bytes == 16 * 32 * 2  # bf16 residual stream per sample
+    assert b.activation_bytes > 10 * b.output_bytes
+    assert graph.units[-1].tp_styles == {"head": "colwise_gather"}
+    assert graph.total_params == sum(u.params for u in graph.units)
+
+
+def test_export_fallback_plans_what_symbolic_tracing_cannot(tmp_path):
+    f = tmp_path / "branchy.py"
+    f.write_text(SHAPE_BRANCH)
+    graph = analyse_model(load_model_file(f))
+    assert graph.trace_method == "export"
+    assert [u.name for u in graph.units] == ["inp", "blocks.0", "blocks.1", "blocks.2", "out"]
+    assert graph.units[1].tp_styles == {"blocks.0.fc1": "colwise", "blocks.0.fc2": "rowwise"}
+    assert graph.units[1].fwd_flops == pytest.approx(2 * 4 * (16 * 32 + 32 * 16))
+
+
+def test_untraceable_model_names_the_line(tmp_path):
+    f = tmp_path / "untraceable.py"
+    f.write_text(VALUE_BRANCH)
+    with pytest.raises(TraceError, match=r"untraceable.py, line 25: if h.sum\(\) > 0:"):
+        analyse_model(load_model_file(f))
+
+
+def test_contract_errors(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model_file(tmp_path / "missing.py")
+    f = tmp_path / "nobuild.py"
+    f.write_text("def example_inputs(b):\n    return ()\n")
+    with pytest.raises(ModelLoadError, match="does not define build_model"):
+        load_model_file(f)
+    g = tmp_path / "branchy.py"
+    g.write_text(SHAPE_BRANCH)
+    assert load_model_file(g, batch_fn="get_data").source.batch_fn == "get_data"
+    with pytest.raises(ModelLoadError, match="does not define nope"):
+        load_model_file(g, batch_fn="nope")
+    with pytest.raises(ModelLoadError, match="rejected its arguments"):
+        analyse_model(load_model_file(FIXTURES / "tiny_gpt.py", {"hidden": "wide"}))
