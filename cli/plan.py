@@ -24,6 +24,7 @@ import typer
 
 from cli._options import (
     BuildFnOpt,
+    DataOpt,
     DpOpt,
     DType,
     DTypeOpt,
@@ -33,7 +34,6 @@ from cli._options import (
     GpusPerNodeOpt,
     InputsFnOpt,
     JsonOpt,
-    DataOpt,
     LossFnOpt,
     LrOpt,
     MicroBatchOpt,
@@ -122,7 +122,8 @@ def plan(
         model_file, model_arg, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node,
         global_batch_size=global_batch_size, dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages,
         micro_batch_size=micro_batch_size, schedule=schedule, zero_stage=zero_stage, recompute=recompute,
-        sequence_parallel=sequence_parallel, dtype=dtype, build_fn=build_fn, inputs_fn=inputs_fn, loss_fn=loss_fn, data=data,
+        sequence_parallel=sequence_parallel, dtype=dtype, build_fn=build_fn, inputs_fn=inputs_fn, loss_fn=loss_fn,
+        data=data,
         top_k=top_k, time_limit=time_limit, no_overlap=no_overlap, seed=seed, lr=lr, steps=steps,
     )
     quiet = is_quiet(ctx, quiet)
