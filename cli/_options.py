@@ -99,6 +99,14 @@ DataOpt = Annotated[
         "synthetic batches from the example-inputs function).", rich_help_panel=_MODEL,
     ),
 ]
+MeasureOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--measure/--no-measure",
+        help="Time each distinct unit on this machine and use the measured times (default: only when the "
+        "local CUDA GPU is the target GPU).", rich_help_panel=_MODEL,
+    ),
+]
 DTypeOpt = Annotated[DType, typer.Option(help="Training dtype (mixed precision).", rich_help_panel=_MODEL)]
 
 # --- cluster and batch ------------------------------------------------------------------------------------
@@ -271,6 +279,7 @@ def plan_request(
     micro_batch_size: int | None, schedule: Schedule | None, zero_stage: int | None, recompute: Recompute | None,
     sequence_parallel: bool | None, dtype: DType, build_fn: str, inputs_fn: str, loss_fn: str | None, top_k: int,
     time_limit: float | None, no_overlap: bool, seed: int, lr: float, steps: int, data: str | None = None,
+    measure: bool | None = None,
 ) -> PlanRequest:
     """The library's PlanRequest from the options `plan` and `dry-run` share; unset pins are searched."""
     from planner.pipeline import PlanRequest
@@ -284,7 +293,8 @@ def plan_request(
     limit: dict[str, Any] = {} if time_limit is None else {"time_limit": time_limit or None}
     return PlanRequest(
         model_path=str(model_file), model_args=parse_model_args(model_arg), build_fn=build_fn, inputs_fn=inputs_fn,
-        loss_fn=loss_fn, batch_fn=data, dtype=dtype.value, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node,
+        loss_fn=loss_fn, batch_fn=data, measure=measure, dtype=dtype.value, gpu=gpu, nodes=nodes,
+        gpus_per_node=gpus_per_node,
         global_batch_size=global_batch_size, pins={k: v for k, v in pins.items() if v is not None}, top_k=top_k,
         overlap_dp_comm=not no_overlap, seed=seed, lr=lr, steps=steps, **limit,
     )

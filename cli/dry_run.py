@@ -30,6 +30,7 @@ from cli._options import (
     JsonOpt,
     LossFnOpt,
     LrOpt,
+    MeasureOpt,
     MicroBatchOpt,
     ModelArgOpt,
     ModelFileArg,
@@ -81,6 +82,7 @@ def dry_run(
     inputs_fn: InputsFnOpt = "example_inputs",
     loss_fn: LossFnOpt = None,
     data: DataOpt = None,
+    measure: MeasureOpt = None,
     top_k: TopKOpt = 5,
     time_limit: TimeLimitOpt = None,
     no_overlap: NoOverlapOpt = False,
@@ -100,7 +102,7 @@ def dry_run(
         global_batch_size=global_batch_size, dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages,
         micro_batch_size=micro_batch_size, schedule=schedule, zero_stage=zero_stage, recompute=recompute,
         sequence_parallel=sequence_parallel, dtype=dtype, build_fn=build_fn, inputs_fn=inputs_fn, loss_fn=loss_fn,
-        data=data,
+        data=data, measure=measure,
         top_k=top_k, time_limit=time_limit, no_overlap=no_overlap, seed=seed, lr=lr, steps=steps,
     )
     quiet = is_quiet(ctx, quiet)

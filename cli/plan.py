@@ -36,6 +36,7 @@ from cli._options import (
     JsonOpt,
     LossFnOpt,
     LrOpt,
+    MeasureOpt,
     MicroBatchOpt,
     ModelArgOpt,
     ModelFileArg,
@@ -99,6 +100,7 @@ def plan(
     inputs_fn: InputsFnOpt = "example_inputs",
     loss_fn: LossFnOpt = None,
     data: DataOpt = None,
+    measure: MeasureOpt = None,
     top_k: TopKOpt = 5,
     time_limit: TimeLimitOpt = None,
     no_overlap: NoOverlapOpt = False,
@@ -123,7 +125,7 @@ def plan(
         global_batch_size=global_batch_size, dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages,
         micro_batch_size=micro_batch_size, schedule=schedule, zero_stage=zero_stage, recompute=recompute,
         sequence_parallel=sequence_parallel, dtype=dtype, build_fn=build_fn, inputs_fn=inputs_fn, loss_fn=loss_fn,
-        data=data,
+        data=data, measure=measure,
         top_k=top_k, time_limit=time_limit, no_overlap=no_overlap, seed=seed, lr=lr, steps=steps,
     )
     quiet = is_quiet(ctx, quiet)

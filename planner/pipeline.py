@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from planner import __version__
 from planner.cost.model import CostOptions, Profile, rank_tail
 from planner.cost.simulate import SimResult, simulate
-from planner.errors import ConfigError
+from planner.errors import ConfigError, PlannerError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
 from planner.plan import (
@@ -56,6 +56,9 @@ class PlanRequest(BaseModel):
     time_limit: float | None = Field(None, description="seconds per ILP (wall clock: results then depend on load)")
     max_nodes: int | None = Field(500, description="branch-and-bound nodes per ILP (deterministic); None: no limit")
     overlap_dp_comm: bool = True
+    measure: bool | None = Field(
+        None, description="profile units on the local device; None: when it is a CUDA GPU matching the target"
+    )
     seed: int = 0
     lr: float = 1e-4
     steps: int = 10
@@ -256,6 +259,40 @@ def analyse(request: PlanRequest) -> ModelGraph:
     return analyse_model(loaded)
 
 
+def _should_measure(request: PlanRequest, cluster: ClusterSpec) -> bool:
+    """Measure when asked, or by default when the local CUDA GPU is the target GPU."""
+    if request.measure is not None:
+        return request.measure
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    from planner.cost.profile import local_device_name
+    from planner.hardware.load import load_cluster
+
+    try:
+        local = load_cluster(local_device_name("cuda").replace("NVIDIA ", ""), 1)
+    except PlannerError:
+        return False
+    return local.gpu.name == cluster.gpu.name
+
+
+def measure_locally(request: PlanRequest, graph: ModelGraph, cluster: ClusterSpec) -> Profile:
+    """Profile each distinct unit on this machine for the micro-batch sizes the search may pick (<= 8)."""
+    import torch
+
+    from planner.cost.profile import profile_model, to_cost_profile
+    from planner.model.load import load_model_file
+
+    loaded = load_model_file(
+        request.model_path, request.model_args, request.build_fn, request.inputs_fn, request.loss_fn, request.dtype,
+        request.batch_fn,
+    )
+    sizes = [b for b in range(1, 9) if request.global_batch_size % b == 0]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return to_cost_profile(profile_model(loaded, sizes, device), graph, cluster)
+
+
 def plan_model(
     request: PlanRequest, graph: ModelGraph | None = None, profile: Profile | None = None, progress=None
 ) -> tuple[Plan, ModelGraph, SearchResult]:
@@ -268,6 +305,8 @@ def plan_model(
     if graph is None:
         graph = analyse(request)
     options = CostOptions(overlap_dp_comm=request.overlap_dp_comm)
+    if profile is None and _should_measure(request, cluster):
+        profile = measure_locally(request, graph, cluster)
     result = search(
         graph,
         cluster,

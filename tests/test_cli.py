@@ -645,3 +645,17 @@ def test_profile_times_each_distinct_unit(tmp_path):
 def test_profile_errors(tmp_path):
     user_error(invoke("profile", tmp_path / "nope.py"), "does not exist")
     user_error(invoke("profile", TINY, "-a", "oops"), "KEY=VALUE")
+
+
+def test_plan_measure_uses_measured_unit_times(tmp_path, monkeypatch):
+    """--measure profiles each distinct unit on this machine; the plan and its stages say `measured`."""
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "measured"
+    result = invoke(
+        "plan", ROOT / "sample_models" / "gpt.py", "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2",
+        "--global-batch-size", "4", "--measure", "--out", out, "--quiet",
+    )
+    ok(result)
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["predicted"]["source"] == "measured"
+    assert {s["source"] for s in plan["stages"]} == {"measured"}
