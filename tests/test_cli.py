@@ -659,3 +659,26 @@ def test_plan_measure_uses_measured_unit_times(tmp_path, monkeypatch):
     plan = json.loads((out / "plan.json").read_text())
     assert plan["predicted"]["source"] == "measured"
     assert {s["source"] for s in plan["stages"]} == {"measured"}
+
+
+_yaml_text = st.one_of(
+    st.text(max_size=300),
+    st.dictionaries(
+        st.sampled_from(["kind", "name", "display_name", "vendor", "peak_tflops", "memory_gib", "topology", "sources",
+                         "memory_bandwidth_gbps", "gpu", "efficiency"]),
+        st.one_of(st.none(), st.integers(-5, 10**6), st.floats(allow_nan=True), st.text(max_size=20),
+                  st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=3)),
+        max_size=8,
+    ).map(lambda d: __import__("yaml").safe_dump(d)),
+)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=_yaml_text)
+def test_fuzzed_spec_yaml_is_a_clean_user_error(tmp_path, text):
+    """Malformed spec YAML given as --gpu / hardware show: exit 2 with a message, never a traceback."""
+    path = tmp_path / "fuzz.yaml"
+    path.write_text(text)
+    result = invoke("hardware", "show", path)
+    assert result.exit_code in (0, 2), result.output
+    assert "Traceback" not in result.output
