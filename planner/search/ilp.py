@@ -36,6 +36,9 @@ from planner.model.graph import ModelGraph
 
 log = logging.getLogger(__name__)
 OBJ_SCALE = 1e6
+# Memory rows in GiB: byte-sized coefficients (1e10) next to second-sized ones (1e-3) make CBC's presolve
+# declare feasible models infeasible.
+MEM_SCALE = 1.0 / 2**30
 
 
 @dataclass
@@ -279,13 +282,13 @@ def solve_partition(
         if cand.v == 1:
             s = mine[0]
             acts = in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, s) * act[s]
-            prob += (states + acts) * frag + options.workspace_bytes <= cap
+            prob += ((states + acts) * frag + options.workspace_bytes) * MEM_SCALE <= cap * MEM_SCALE
         else:
             A = pulp.LpVariable(f"act_{r}", lowBound=0)
             for s in mine:
                 prob += A >= act[s]
             k = rank_in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, r)
-            prob += (states + k * A) * frag + options.workspace_bytes <= cap
+            prob += ((states + k * A) * frag + options.workspace_bytes) * MEM_SCALE <= cap * MEM_SCALE
 
     warm = False
     if form == "count":
