@@ -237,14 +237,6 @@ def test_activations_tensor_parallel_without_sp_selective_and_full():
     assert act("full", t) == pytest.approx(2 * S * B * H)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG planner/cost/memory.py activation_bytes: without SP it shards only 24/34 of the attention-map "
-        "term; Korthikanti et al. 2022 Eq. 2 has s*b*h*(10 + 24/t + 5as/(h t)): the maps live inside the TP "
-        "region and divide by t in full"
-    ),
-)
 def test_activations_tensor_parallel_without_sp_none_matches_paper():
     t = 8
     assert act("none", t) == pytest.approx(S * B * H * (10 + 24 / t + 5 * A * S / (H * t)))

@@ -63,11 +63,15 @@ def activation_bytes(
     if recompute == "full":
         kept = input_per_sample / (tp if sequence_parallel else 1)
         return kept * micro_batch_size
-    saved = saved_per_sample - (attention_core_per_sample if recompute == "selective" else 0.0)
+    core = 0.0 if recompute == "selective" else attention_core_per_sample
+    rest = saved_per_sample - attention_core_per_sample
     if tp > 1:
         if sequence_parallel:
-            saved /= tp
+            rest /= tp
         elif tp_sharded:
+            # Eq. 2: s*b*h*(10 + 24/t + 5*a*s/(h*t)): 24 of the 34 sbh terms split by t
             frac = TP_SHARDED_ACTIVATION_FRACTION
-            saved = saved * (1 - frac) + saved * frac / tp
-    return saved * micro_batch_size
+            rest = rest * (1 - frac) + rest * frac / tp
+        if tp_sharded or sequence_parallel:
+            core /= tp  # the attention maps live inside the TP region: split by heads
+    return (rest + core) * micro_batch_size
