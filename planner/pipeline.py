@@ -248,15 +248,25 @@ def pins_from(request: PlanRequest) -> Pins:
         raise ConfigError(f"Unknown pin: {e}.") from None
 
 
-def analyse(request: PlanRequest) -> ModelGraph:
+def load_request_model(request: PlanRequest):
+    """Import the request's model file with its function names, arguments and dtype."""
     from planner.model.load import load_model_file
-    from planner.model.units import analyse_model
 
-    loaded = load_model_file(
-        request.model_path, request.model_args, request.build_fn, request.inputs_fn, request.loss_fn, request.dtype,
+    return load_model_file(
+        request.model_path,
+        request.model_args,
+        request.build_fn,
+        request.inputs_fn,
+        request.loss_fn,
+        request.dtype,
         request.batch_fn,
     )
-    return analyse_model(loaded)
+
+
+def analyse(request: PlanRequest) -> ModelGraph:
+    from planner.model.units import analyse_model
+
+    return analyse_model(load_request_model(request))
 
 
 def _should_measure(request: PlanRequest, cluster: ClusterSpec) -> bool:
@@ -282,12 +292,7 @@ def measure_locally(request: PlanRequest, graph: ModelGraph, cluster: ClusterSpe
     import torch
 
     from planner.cost.profile import profile_model, to_cost_profile
-    from planner.model.load import load_model_file
-
-    loaded = load_model_file(
-        request.model_path, request.model_args, request.build_fn, request.inputs_fn, request.loss_fn, request.dtype,
-        request.batch_fn,
-    )
+    loaded = load_request_model(request)
     sizes = [b for b in range(1, 9) if request.global_batch_size % b == 0]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return to_cost_profile(profile_model(loaded, sizes, device), graph, cluster)
