@@ -5,6 +5,11 @@
 ``heads``, ``vocab``, ``seq``, ``ffn``, ``dropout`` override it; ``seed`` seeds the example tokens.
 Arguments a function does not use are ignored. Without arguments the model is small enough to train on a CPU.
 
+``attention`` picks the attention core: ``"sdpa"`` (the default) calls ``F.scaled_dot_product_attention``,
+which runs a fused flash kernel on a GPU; ``"math"`` spells it out as Megatron-LM did in 2021 (Narayanan
+et al. SC21): QK^T, causal mask, softmax and ``attn_dropout`` over the b x heads x s x s score tensor in
+memory, then AV. The two give the same output with ``attn_dropout`` 0.
+
 The layout is the one tensor parallelism expects (as in torchtitan): separate ``q``/``k``/``v`` column
 projections and an ``o`` row projection, ``fc1`` (column) -> GELU -> ``fc2`` (row), and heads reshaped
 with ``-1`` so that the same code runs when a rank holds only a shard of the heads. Every module that owns
@@ -60,6 +65,8 @@ class GPTConfig:
     seq: int = 64
     ffn: int = 0
     dropout: float = 0.0  # 0 keeps training deterministic, so loss curves can be compared run to run
+    attention: str = "sdpa"  # "sdpa" (fused) or "math" (unfused, the s x s scores in memory)
+    attn_dropout: float = 0.0  # dropout on the attention probabilities; "math" only (SC21 used 0.1)
 
     @property
     def head_dim(self) -> int:
@@ -70,7 +77,18 @@ class GPTConfig:
         return self.ffn or 4 * self.hidden
 
 
-_FIELDS = {"layers": int, "hidden": int, "heads": int, "vocab": int, "seq": int, "ffn": int, "dropout": float}
+_FIELDS = {
+    "layers": int,
+    "hidden": int,
+    "heads": int,
+    "vocab": int,
+    "seq": int,
+    "ffn": int,
+    "dropout": float,
+    "attention": str,
+    "attn_dropout": float,
+}
+ATTENTION = ("sdpa", "math")
 
 
 def resolve_config(preset: str | None = None, **kwargs) -> GPTConfig:
@@ -85,9 +103,13 @@ def resolve_config(preset: str | None = None, **kwargs) -> GPTConfig:
         if getattr(cfg, name) < 1:
             raise ValueError(f"GPT {name} must be at least 1, got {getattr(cfg, name)}.")
     if cfg.hidden % cfg.heads:
-        raise ValueError(
-            f"GPT hidden ({cfg.hidden}) must be divisible by heads ({cfg.heads}); change either."
-        )
+        raise ValueError(f"GPT hidden ({cfg.hidden}) must be divisible by heads ({cfg.heads}); change either.")
+    if cfg.attention not in ATTENTION:
+        raise ValueError(f"GPT attention must be one of {', '.join(ATTENTION)}, got {cfg.attention!r}.")
+    if not 0.0 <= cfg.attn_dropout < 1.0:
+        raise ValueError(f"GPT attn_dropout must be in [0, 1), got {cfg.attn_dropout}.")
+    if cfg.attn_dropout and cfg.attention != "math":
+        raise ValueError('GPT attn_dropout needs attention="math" (the fused SDPA path has no dropout here).')
     return cfg
 
 
@@ -97,6 +119,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.seq = cfg.seq
+        self.attention = cfg.attention
+        self.attn_dropout = cfg.attn_dropout
         self.q = nn.Linear(cfg.hidden, cfg.hidden)
         self.k = nn.Linear(cfg.hidden, cfg.hidden)
         self.v = nn.Linear(cfg.hidden, cfg.hidden)
@@ -108,8 +133,28 @@ class Attention(nn.Module):
         q = self.q(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         k = self.k(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         v = self.v(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.attention == "math":
+            y = self._math_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.drop(self.o(y.transpose(1, 2).flatten(2)))
+
+    def _math_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Unfused causal attention with the (b, heads, s, s) scores in memory, as Megatron-LM ran in 2021.
+
+        The scale goes on q (Megatron folds it into the QK^T GEMM as baddbmm's alpha), so that the s x s
+        tensor sees only the mask, the softmax and the dropout. The softmax keeps the input dtype: PyTorch's
+        kernel, like Megatron's fused scale-mask-softmax, reads fp16/bf16, accumulates in fp32 and writes
+        fp16/bf16. Dropout calls ``torch.native_dropout``, the fused kernel ``F.dropout`` uses on a GPU (one
+        pass, a one-byte mask), so that a meta-device analysis sees the GPU's ops. The mask is built here
+        from ``seq`` (no buffer to materialise) and traces with torch.fx.
+        """
+        scores = (q * self.head_dim**-0.5) @ k.transpose(-2, -1)
+        future = torch.ones(self.seq, self.seq, dtype=torch.bool, device=q.device).triu(1)
+        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        if self.training and self.attn_dropout > 0:
+            probs = torch.native_dropout(probs, self.attn_dropout, True)[0]
+        return probs @ v
 
 
 class MLP(nn.Module):

@@ -212,3 +212,23 @@ def test_tensor_parallel_shards_sum_to_the_full_output(module, attr, columns, ro
             total += shard(x)
     with torch.no_grad():
         torch.testing.assert_close(total, full(x), rtol=1e-4, atol=1e-5)
+
+
+def test_gpt_math_attention_matches_sdpa_on_cpu():
+    torch.manual_seed(0)
+    sdpa = gpt.build_model()
+    torch.manual_seed(0)
+    math = gpt.build_model(attention="math")
+    (tokens,) = gpt.example_inputs(2)
+    torch.testing.assert_close(math(tokens), sdpa(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_math_attention_with_dropout_traces_and_runs_on_meta():
+    from torch.fx import symbolic_trace
+
+    symbolic_trace(gpt.build_model(attention="math", attn_dropout=0.1))
+    with torch.device("meta"):
+        model = gpt.build_model(attention="math", attn_dropout=0.1)
+        model(torch.zeros(2, model.seq, dtype=torch.long)).sum().backward()
+    with pytest.raises(ValueError, match="attention"):
+        gpt.build_model(attention="flash")
