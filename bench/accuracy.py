@@ -15,12 +15,10 @@ executed, recomputation included (96 B s l h^2 (1 + s/6h + V/16lh)), so it is co
 `hardware_tflops_per_gpu`, which counts the same way.
 
 Attention. Megatron-LM ran attention unfused in 2021: QK^T, scale-mask-softmax, dropout and AV as
-separate kernels with the b x a x s x s score tensor in HBM. The sample GPT calls scaled_dot_product_attention,
-which the planner prices as a fused flash kernel at the YAML's `attention` efficiency. The cost model has
-no term for the score tensor's HBM traffic, so this bench prices it through the attention efficiency,
-derived (not fitted) per row from the bytes those kernels move and the YAML's matmul and memory
-efficiencies (`unfused_attention_efficiency`). Every other efficiency comes from the YAML, one set for
-all rows.
+separate kernels with the b x a x s x s score tensor in HBM. The sample GPT is built with
+attention="math" (and dropout 0.1, as SC21), so the planner's own analysis counts those kernels: the
+bmm FLOPs as matmul work and the score tensor's bytes as memory-bound work. One set of efficiencies
+from the YAML applies to every row; nothing is derived or tuned per row.
 
 Memory. Megatron-LM's megatron/training/theoretical_memory_usage.py models one setting: sequence
 parallelism with selective recomputation, on the first pipeline stage (the busiest). For the same
@@ -60,13 +58,9 @@ DTYPE = "bf16"  # the paper trained in fp16: same peak and bytes on the A100
 TOLERANCE = 0.10
 GiB = 2**30
 
-# HBM bytes per element of the b x a x s x s score tensor in Megatron-LM's 2021 attention (fp16 values,
-# one-byte dropout mask), per layer and micro-batch. Forward 13: QK^T writes 2; fused scale-mask-softmax
-# reads 2, writes 2; dropout reads 2, writes 2 and its mask 1; AV reads 2. Backward 19: dP = dO V^T
-# writes 2; dV = P^T dO reads 2; dropout backward reads 2 + mask 1, writes 2; softmax backward reads the
-# gradient 2 and its output 2, writes 2; dQ and dK read the score gradient 2 each.
-SCORE_BYTES_FORWARD = 13
-SCORE_BYTES_BACKWARD = 19
+# SC21 ran attention unfused with dropout 0.1 on the attention probabilities (run_table_1.sh leaves
+# Megatron's --attention-dropout default); the sample GPT's attention="math" spells out the same kernels.
+MODEL_ARGS = {"attention": "math", "attn_dropout": 0.1, "dropout": 0.1}
 
 
 @dataclass(frozen=True)
@@ -194,28 +188,6 @@ def yaml_cluster(row: Row, overrides: dict[str, float]) -> ClusterSpec:
     return with_efficiency(cluster, **overrides) if overrides else cluster
 
 
-def unfused_attention_efficiency(row: Row, cluster: ClusterSpec) -> float:
-    """Megatron-LM 2021's unfused attention as a fraction of peak, for the cost model's attention term.
-
-    Per score element and layer, with full recomputation: 16 d FLOPs (QK^T and AV, 4 d forward, twice,
-    plus 8 d backward; d the head dimension) at the matmul efficiency, and 2 x 13 + 19 bytes of HBM
-    traffic at the memory efficiency. No free parameter: the efficiencies are the YAML's.
-    """
-    gpu = cluster.gpu
-    e = gpu.efficiency
-    peak = gpu.peak_flops(DTYPE)
-    flops = 16.0 * row.head_dim
-    nbytes = 2 * SCORE_BYTES_FORWARD + SCORE_BYTES_BACKWARD
-    seconds = flops / (peak * e.matmul) + nbytes / (gpu.memory_bandwidth * e.memory)
-    return flops / peak / seconds
-
-
-def sc21_cluster(row: Row, overrides: dict[str, float]) -> ClusterSpec:
-    """The YAML's cluster with attention priced as the paper's unfused kernels."""
-    cluster = yaml_cluster(row, overrides)
-    return with_efficiency(cluster, attention=unfused_attention_efficiency(row, cluster))
-
-
 # ------------------------------------------------------------------------------------------ predictions
 
 
@@ -234,7 +206,7 @@ def request_for(row: Row) -> PlanRequest:
         pins["virtual_stages"] = row.v
     return PlanRequest(
         model_path=MODEL,
-        model_args={"preset": row.preset},
+        model_args={"preset": row.preset, **MODEL_ARGS},
         gpu=CLUSTER,
         nodes=row.gpus // GPUS_PER_NODE,
         global_batch_size=row.batch,
@@ -316,11 +288,10 @@ def memory_rank0(row: Row, graph: ModelGraph, cluster: ClusterSpec) -> tuple[flo
 class Result:
     row: Row
     graph: ModelGraph
-    cluster: ClusterSpec  # with the unfused-attention efficiency
+    cluster: ClusterSpec
     plan: Plan
     search: SearchResult
     layout: Predicted  # Megatron's partition
-    flash: Predicted  # Megatron's partition, the YAML's (fused) attention efficiency
     states: float
     acts: float
 
@@ -357,12 +328,11 @@ def run_row(row: Row, overrides: dict[str, float], graphs: dict[str, ModelGraph]
     if row.preset not in graphs:
         graphs[row.preset] = analyse(request_for(row))
     graph = graphs[row.preset]
-    cluster = sc21_cluster(row, overrides)
+    cluster = yaml_cluster(row, overrides)
     plan, result = plan_row(row, graph, cluster)
     layout = predicted_megatron_layout(row, graph, cluster)
-    flash = predicted_megatron_layout(row, graph, yaml_cluster(row, overrides))
     states, acts = memory_rank0(row, graph, cluster)
-    return Result(row, graph, cluster, plan, result, layout, flash, states, acts)
+    return Result(row, graph, cluster, plan, result, layout, states, acts)
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -400,13 +370,12 @@ def print_breakdown(results: list[Result]) -> None:
         "\nBreakdown of the plan's iteration. Per micro-batch on its slowest stage: compute = forward +\n"
         "backward with recomputation and TP communication, TP = that communication, p2p = one send. Per\n"
         "iteration: simulated pipeline + exposed DP sync + optimizer step; bubble = idle share of the\n"
-        "pipeline. attn = the unfused-attention efficiency used; flash = the layout figure with the YAML's\n"
-        "fused attention instead. FLOPs = the planner's executed FLOPs / Megatron's count. Memory split:\n"
+        "pipeline. FLOPs = the planner's executed FLOPs / Megatron's count. Memory split:\n"
         "states (weights, gradients, optimizer) and activations, ours vs Megatron's formula.\n"
     )
     head = (
         f"{'row':>5} {'compute ms':>10} {'TP ms':>6} {'p2p ms':>6} {'m':>4} {'iter s':>7} {'bubble':>6} "
-        f"{'DP s':>6} {'opt s':>6} {'attn':>5} {'flash':>6} {'FLOPs':>6} {'plan GiB':>8} "
+        f"{'DP s':>6} {'opt s':>6} {'FLOPs':>6} {'plan GiB':>8} "
         f"{'states':>6} {'Megatr.':>7} {'acts':>5} {'Megatr.':>7}"
     )
     print(head)
@@ -422,8 +391,8 @@ def print_breakdown(results: list[Result]) -> None:
         print(
             f"{row.name:>5} {1e3 * slow.compute:>10.1f} {1e3 * slow.tp_comm:>6.1f} {1e3 * slow.p2p:>6.2f} "
             f"{row.m:>4} {pred.iteration_time_s:>7.2f} {pred.bubble_fraction:>6.3f} "
-            f"{pred.comm.data_parallel_exposed_s:>6.3f} {opt:>6.3f} {r.cluster.gpu.efficiency.attention:>5.3f} "
-            f"{r.flash.hardware_tflops_per_gpu:>6.1f} {executed / megatron_flops_per_iteration(row):>6.3f} "
+            f"{pred.comm.data_parallel_exposed_s:>6.3f} {opt:>6.3f} "
+            f"{executed / megatron_flops_per_iteration(row):>6.3f} "
             f"{pred.peak_memory_bytes / GiB:>8.1f} {r.states / GiB:>6.1f} "
             f"{megatron_weight_and_optimizer_bytes(row) / GiB:>7.1f} {r.acts / GiB:>5.1f} "
             f"{megatron_activation_bytes(row) / GiB:>7.1f}"
@@ -449,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--set",
         dest="overrides",
-        help="override A100 efficiencies, e.g. matmul=0.8,gemm_half_dim=128 (attention moves only 'flash')",
+        help="override A100 efficiencies, e.g. matmul=0.8,gemm_half_dim=128 (attention: fused SDPA only)",
     )
     args = ap.parse_args(argv)
     rows = ROWS
@@ -465,8 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     eff = yaml_cluster(ROWS[0], overrides).gpu.efficiency
     print(
         f"A100 efficiencies ({'hardware_specs/a100-sxm4-80gb.yaml' + (' + --set' if overrides else '')}): "
-        f"{', '.join(f'{k}={v:g}' for k, v in eff.model_dump().items())}.\nThe attention efficiency is "
-        "replaced per row by the unfused-attention one derived from matmul and memory (column 'attn').\n"
+        f"{', '.join(f'{k}={v:g}' for k, v in eff.model_dump().items())}, the same for every row.\n"
     )
     print_table(results)
     print_breakdown(results)

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner import __version__
 from planner.cost.model import CostOptions, Profile, rank_tail
-from planner.cost.simulate import SimResult, simulate
+from planner.cost.simulate import SimResult
 from planner.errors import ConfigError, PlannerError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
@@ -31,7 +31,7 @@ from planner.plan import (
     StagePlan,
     TrainingConfig,
 )
-from planner.search.search import Evaluated, SearchResult, search
+from planner.search.search import Evaluated, SearchResult, search, simulate_evaluated
 from planner.search.space import Pins
 
 
@@ -75,14 +75,6 @@ def inputs_digest(graph: ModelGraph, cluster: ClusterSpec, request: PlanRequest)
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def simulate_evaluated(ev: Evaluated) -> SimResult:
-    c = ev.cand
-    fwd = [s.fwd for s in ev.stages]
-    bwd = [max(s.compute, s.zero3_gather) - s.fwd for s in ev.stages]
-    p2p = [s.p2p for s in ev.stages[:-1]] + [0.0]
-    return simulate(c.schedule, c.pp, c.m, c.v, fwd, bwd, None, p2p)
 
 
 def predicted_for(

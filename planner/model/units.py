@@ -717,6 +717,10 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
         ]
         styles = {rename(k): v for k, v in info.styles.items()}
         shard_flops = info.shard_flops + (c.fwd_attention if tp_pairs else 0.0)  # heads split with q/k/v
+        if tp_pairs:
+            # Matmuls between a column and its row Linear (explicit QK^T and AV after the head split) are
+            # split by heads too: everything but the unit's unpaired Linears divides by t.
+            shard_flops = max(shard_flops, c.fwd_matmul - info.unpaired_flops + c.fwd_attention)
         if i < len(groups) - 1 and info.gather_bytes:
             styles = {k: v for k, v in styles.items() if v != "colwise_gather"}  # only the model's output
             shard_flops -= info.shard_flops
@@ -792,6 +796,7 @@ class _TPInfo:
     granularity: int = 0
     gemm_dim: int = 0
     gather_bytes: int = 0
+    unpaired_flops: float = 0.0  # forward FLOPs per sample of Linears that no TP pair covers
 
 
 def _tp_info(sub, args: tuple, model, names: _Names, constants: frozenset) -> _TPInfo:
@@ -824,6 +829,13 @@ def _tp_info(sub, args: tuple, model, names: _Names, constants: frozenset) -> _T
         out_bytes = _nbytes_of_meta(_val_meta(node))
         tokens = max(1, out_bytes // max(1, lin.out_features * _elem(node)))
         info.shard_flops += 2.0 * lin.in_features * lin.out_features * tokens
+    for node in sub.graph.nodes:
+        name = _linear_module(node, sub, names)
+        if name and name not in info.styles:
+            lin = model.get_submodule(name)
+            out_b = _nbytes_of_meta(_val_meta(node))
+            tok = max(1, out_b // max(1, lin.out_features * _elem(node)))
+            info.unpaired_flops += 2.0 * lin.in_features * lin.out_features * tok
     for name in embeddings:
         info.styles[name] = "rowwise"
         info.shard_params += model.get_submodule(name).weight.numel()

@@ -49,6 +49,8 @@ class ILPResult:
     recompute: list[str] | None
     gap: float = 0.0
     form: str = ""
+    # the balanced partition used as CBC's incumbent, when there was one (partition, recompute)
+    start: tuple[list[list[int]], list[str]] | None = None
 
 
 def block_run(graph: ModelGraph) -> tuple[int, int, int] | None:
@@ -294,7 +296,7 @@ def solve_partition(
     if form == "count":
         start_sol = _balanced_start(graph, cluster, cand, costs, modes, options, run)
         if start_sol is not None:
-            counts, mode = start_sol
+            counts, mode, _ = start_sol
             for s in range(S):
                 for r in modes:
                     mode_vars[s, r].setInitialValue(1 if r == mode else 0)
@@ -332,7 +334,8 @@ def solve_partition(
     else:
         partition = [[u for u in range(U) if (z[u, s].value() or 0) > 0.5] for s in range(S)]
     obj = pulp.value(prob.objective) / OBJ_SCALE
-    return ILPResult(res_status, float(obj), partition, recompute, form=form)
+    start = (start_sol[2], [start_sol[1]] * S) if form == "count" and start_sol is not None else None
+    return ILPResult(res_status, float(obj), partition, recompute, form=form, start=start)
 
 
 def _single_stage(graph, cluster, cand, costs, modes, options) -> ILPResult:
@@ -393,7 +396,7 @@ def _balanced_start(graph, cluster, cand, costs, modes, options, run):
             part.append(units)
         ev = evaluate(graph, cluster, cand, part, [mode] * S, costs, options)
         if max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes:
-            return counts, mode
+            return counts, mode, part
     return None
 
 

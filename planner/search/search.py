@@ -211,6 +211,13 @@ def search(
             status = res.status
             gaps.append((res.objective - bound) / res.objective if res.objective else 0.0)
         ev = evaluate(graph, cluster, cand, res.partition, res.recompute, costs, options)
+        if cand.v > 1 and res.start is not None:
+            # With several stages per rank the linear objective only approximates the schedule (it cannot
+            # see how uneven stages of one rank stall each other); keep the balanced incumbent when the
+            # simulator says it is faster.
+            alt = evaluate(graph, cluster, cand, res.start[0], res.start[1], costs, options)
+            if _simulated(alt) < _simulated(ev):
+                ev = alt
         ev.status = res.status
         ranked.append(ev)
         ranked.sort(key=lambda e: (e.objective, _key(e.cand)))
@@ -228,6 +235,21 @@ def search(
         status=status,
         gap=max(gaps, default=0.0),
     )
+
+
+def simulate_evaluated(ev: Evaluated):
+    """Discrete-event simulation of an evaluated partition's pipeline (the figure the plan reports)."""
+    from planner.cost.simulate import simulate
+
+    c = ev.cand
+    fwd = [st.fwd for st in ev.stages]
+    bwd = [max(st.compute, st.zero3_gather) - st.fwd for st in ev.stages]
+    p2p = [st.p2p for st in ev.stages[:-1]] + [0.0]
+    return simulate(c.schedule, c.pp, c.m, c.v, fwd, bwd, None, p2p)
+
+
+def _simulated(ev: Evaluated) -> float:
+    return simulate_evaluated(ev).iteration_time
 
 
 def search_modes(graph: ModelGraph) -> tuple[str, ...]:
