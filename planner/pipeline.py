@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner import __version__
-from planner.cost.model import CostOptions, Profile, rank_tail
+from planner.cost.model import CostOptions, Profile, rank_tail, rank_tail_parts
 from planner.cost.simulate import SimResult
 from planner.errors import ConfigError, PlannerError
 from planner.hardware.spec import ClusterSpec
@@ -105,18 +105,17 @@ def predicted_for(
             tensor_parallel_s=tp_comm,
             pipeline_p2p_s=2 * sum(s.p2p for s in ev.stages) * (1 if ev.cand.pp > 1 else 0),
             data_parallel_s=dp_total,
-            data_parallel_exposed_s=max(0.0, tail - _opt_only(ev, cluster, graph)),
+            data_parallel_exposed_s=max(0.0, tail - _optimizer_only(ev, cluster, graph, options)),
         ),
         source="measured" if all(s.source == "measured" for s in ev.stages) else "estimated",
     )
     return predicted, sim
 
 
-def _opt_only(ev: Evaluated, cluster: ClusterSpec, graph: ModelGraph) -> float:
-    from planner.cost.model import optimizer_time
-
+def _optimizer_only(ev: Evaluated, cluster: ClusterSpec, graph: ModelGraph, options: CostOptions) -> float:
+    """The slowest rank's optimizer step (the tail without its exposed gradient sync)."""
     return max(
-        optimizer_time(sum(s.params_local for s in ev.stages if s.rank == r), ev.cand, cluster, graph.source.dtype)
+        rank_tail_parts([s for s in ev.stages if s.rank == r], ev.cand, options, cluster, graph.source.dtype)[1]
         for r in range(ev.cand.pp)
     )
 
@@ -284,6 +283,7 @@ def measure_locally(request: PlanRequest, graph: ModelGraph, cluster: ClusterSpe
     import torch
 
     from planner.cost.profile import profile_model, to_cost_profile
+
     loaded = load_request_model(request)
     sizes = [b for b in range(1, 9) if request.global_batch_size % b == 0]
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -430,25 +430,30 @@ class IterationCost:
     bubble_fraction: float
 
 
-def rank_tail(
-    stages: list[StageCost], cand: Candidate, options: CostOptions, cluster: ClusterSpec, dtype: str
-) -> float:
-    """max over ranks of (exposed data-parallel sync + optimizer step), paid after the pipeline drains.
+def rank_tail_parts(
+    mine: list[StageCost], cand: Candidate, options: CostOptions, cluster: ClusterSpec, dtype: str
+) -> tuple[float, float]:
+    """(exposed data-parallel sync, optimizer step) of one pipeline rank holding the stages `mine`.
 
     Gradient sync overlaps with the last micro-batch's backward of the rank's first stage (the last
     work it runs) when overlap is on (DDP bucketing / FSDP reduce-scatter during backward).
     """
-    worst = 0.0
-    for r in range(cand.pp):
-        mine = [s for s in stages if s.rank == r]
-        sync = sum(s.dp_sync for s in mine)
-        window = min(mine, key=lambda s: s.index).bwd if options.overlap_dp_comm else 0.0
-        if cand.zero == 2:
-            window *= cand.m  # each micro-batch's reduce-scatter hides behind its own backward
-        exposed = max(0.0, sync - window)
-        opt = optimizer_time(sum(s.params_local for s in mine), cand, cluster, dtype)
-        worst = max(worst, exposed + opt)
-    return worst
+    if not mine:
+        return 0.0, 0.0
+    sync = sum(s.dp_sync for s in mine)
+    window = min(mine, key=lambda s: s.index).bwd if options.overlap_dp_comm else 0.0
+    if cand.zero == 2:
+        window *= cand.m  # each micro-batch's reduce-scatter hides behind its own backward
+    return max(0.0, sync - window), optimizer_time(sum(s.params_local for s in mine), cand, cluster, dtype)
+
+
+def rank_tail(
+    stages: list[StageCost], cand: Candidate, options: CostOptions, cluster: ClusterSpec, dtype: str
+) -> float:
+    """max over ranks of (exposed data-parallel sync + optimizer step), paid after the pipeline drains."""
+    return max(
+        sum(rank_tail_parts([s for s in stages if s.rank == r], cand, options, cluster, dtype)) for r in range(cand.pp)
+    )
 
 
 def stage_time_with_gathers(s: StageCost) -> float:

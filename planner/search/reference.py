@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 
-from planner.cost.model import Candidate, CostOptions, UnitCost, optimizer_time, stage_costs
+from planner.cost.model import Candidate, CostOptions, UnitCost, rank_memory, rank_tail_parts, stage_costs
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
 
@@ -117,8 +117,6 @@ def _stage(graph, cluster, cand, costs, options, i, j, s, mode):
     part[s] = list(range(i, j))
     sc = stage_costs(graph, cluster, cand, part, [mode] * cand.stages, costs, options)[s]
     p2p = 0.0 if s == cand.stages - 1 else 2.0 * sc.p2p
-    window = sc.bwd * (cand.m if cand.zero == 2 else 1) if options.overlap_dp_comm else 0.0
-    tail = max(0.0, sc.dp_sync - window) + optimizer_time(sc.params_local, cand, cluster, graph.source.dtype)
-    states = sc.weights + sc.gradients + sc.optimizer + sc.comm_buffers
-    mem = (states + sc.activations) * (1 + options.fragmentation) + options.workspace_bytes
+    tail = sum(rank_tail_parts([sc], cand, options, cluster, graph.source.dtype))
+    mem = rank_memory([sc], cand, options)[sc.rank]
     return max(sc.compute, sc.zero3_gather), p2p, tail, mem
