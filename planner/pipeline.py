@@ -54,7 +54,7 @@ class PlanRequest(BaseModel):
     pins: dict[str, Any] = Field(default_factory=dict)
     top_k: int = 5
     time_limit: float | None = Field(None, description="seconds per ILP (wall clock: results then depend on load)")
-    max_nodes: int | None = Field(500, description="branch-and-bound nodes per ILP (deterministic); None: no limit")
+    max_nodes: int | None = Field(5000, description="branch-and-bound nodes per ILP (deterministic); None: no limit")
     overlap_dp_comm: bool = True
     measure: bool | None = Field(
         None, description="profile units on the local device; None: when it is a CUDA GPU matching the target"

@@ -103,3 +103,24 @@ def test_count_form_equals_brute_force_on_transformer_shape(pre, block, post, n_
     assert block_run(graph) is not None
     cand = Candidate(2, tp, stages, 1, 1, stages + 2, schedule, 1, tp > 1)
     _check(graph, cluster_with(memory), cand, ("none", "full"), with_dp=True)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pre=unit_st,
+    block=unit_st,
+    post=unit_st,
+    n_blocks=st.integers(4, 7),
+    schedule=st.sampled_from(["interleaved-1f1b", "zero-bubble"]),
+    m_rounds=st.integers(1, 3),
+    memory=st.floats(8, 120),
+    zero=st.integers(0, 3),
+)
+def test_count_form_two_stages_per_rank_equals_brute_force(pre, block, post, n_blocks, schedule, m_rounds, memory, zero):
+    """Several stages per rank in the count form, with the bound cuts on the rank and stage maxima."""
+    us = [make_unit("embed", "pre", *pre)]
+    us += [make_unit(f"blocks.{i}", "blk", *block) for i in range(n_blocks)]
+    us += [make_unit("head", "post", *post)]
+    graph = make_graph(us)
+    cand = Candidate(2, 1, 2, 2, 1, 2 * m_rounds, schedule, zero, False)
+    _check(graph, cluster_with(memory), cand, ("none", "full"), with_dp=False)

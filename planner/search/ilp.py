@@ -33,6 +33,7 @@ from planner.cost.model import (
 from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches, stage_rank
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
+from planner.search.bounds import block_bound, tail_coefficients
 
 log = logging.getLogger(__name__)
 OBJ_SCALE = 1e6
@@ -88,8 +89,15 @@ def solve_partition(
     time_limit: float | None = None,
     force_form: str | None = None,
     max_nodes: int | None = None,
+    cutoff: float | None = None,
+    cuts: bool = True,
 ) -> ILPResult:
-    """Solve the partition + recomputation ILP of one candidate exactly (or to the time limit)."""
+    """Solve the partition + recomputation ILP of one candidate exactly (or to the time limit).
+
+    `cutoff`: only solutions with an objective below it are wanted (the search passes the k-th best plan
+    so far); when none exists the status is "cutoff". `cuts`: add the valid integer bounds of
+    `planner.search.bounds.block_bound` on the maxima (count form), which close most of the LP gap.
+    """
     U = len(graph.units)
     S = cand.stages
     if S > U:
@@ -124,10 +132,16 @@ def solve_partition(
             for r in modes:
                 prob += mode_vars[s, r] == mode_vars[0, r]
 
+    bb = None
+    has_blocks = None
     if form == "count":
         start, end, n = run
         L = end - start + 1
         blk = costs[start]
+        if cuts:
+            bb = block_bound(graph, costs, cand, cluster, options, modes, run)
+            if bb is None:
+                return ILPResult("infeasible", None, None, None, form=form)
         pre = list(range(0, start))
         post = list(range(end + 1, n))
         cnt = {
@@ -160,7 +174,7 @@ def solve_partition(
                 b = pulp.LpVariable(f"bnd_{s}", lowBound=0)
                 out_blk = graph.units[start].output_bytes
                 if s == 0 and pre:
-                    has = pulp.LpVariable("has_blocks_0", cat="Binary")
+                    has = has_blocks = pulp.LpVariable("has_blocks_0", cat="Binary")
                     prob += has <= blocks
                     prob += blocks <= L * has
                     prob += b >= out_blk * has
@@ -208,19 +222,12 @@ def solve_partition(
     p2p = [p2p_lat + boundary[s] * p2p_scale for s in range(S - 1)]
     n_dp = cand.dp
     w_bytes = 4.0 if dtype == "fp32" else 2.0
-    sync = [0] * S
+    a_sync, c_sync, opt_rate = tail_coefficients(cand, cluster, dtype)
+    sync = [a_sync * params[s] + c_sync for s in range(S)] if n_dp > 1 else [0] * S
     gather = [0] * S
-    if n_dp > 1:
+    if n_dp > 1 and cand.zero == 3:
         ring = (n_dp - 1) / n_dp / dp_bw
-        if cand.zero == 0:
-            sync = [2 * ring * 4.0 * params[s] + 2 * (n_dp - 1) * dp_lat for s in range(S)]
-        elif cand.zero == 1:
-            sync = [ring * (4.0 + w_bytes) * params[s] + 2 * (n_dp - 1) * dp_lat for s in range(S)]
-        elif cand.zero == 2:
-            sync = [ring * (4.0 * cand.m + w_bytes) * params[s] + (cand.m + 1) * (n_dp - 1) * dp_lat for s in range(S)]
-        else:
-            sync = [ring * 4.0 * params[s] + (n_dp - 1) * dp_lat for s in range(S)]
-            gather = [2 * (ring * w_bytes * params[s] + (n_dp - 1) * dp_lat) for s in range(S)]
+        gather = [2 * (ring * w_bytes * params[s] + (n_dp - 1) * dp_lat) for s in range(S)]
 
     T = [pulp.LpVariable(f"T_{s}", lowBound=0) for s in range(S)]
     for s in range(S):
@@ -241,6 +248,16 @@ def solve_partition(
             free = [s for s in mine if s not in (0, S - 1, min(mine))]
             for a, b in zip(free, free[1:]):
                 prob += pulp.lpSum(cnt[a, m] for m in modes) >= pulp.lpSum(cnt[b, m] for m in modes)
+    if bb is not None:
+        # Valid cuts: the integer minima of the maxima, per recomputation mode (modes that cannot fit
+        # memory are excluded); relaxed by 1e-12 so that rounding can never cut off the optimum.
+        if cand.v == 1:
+            prob += Z >= min(bb.stage_max.values()) * (1 - 1e-12)
+        else:
+            for r in modes:
+                if r not in bb.rank_max:
+                    prob += mode_vars[0, r] == 0
+            prob += Z >= pulp.lpSum(mode_vars[0, r] * bb.stage_max[r] * (1 - 1e-12) for r in modes if r in bb.stage_max)
     if cand.schedule in ("gpipe", "1f1b"):
         pipe = pulp.lpSum(T) + (cand.m - 1) * Z
     else:
@@ -248,18 +265,20 @@ def solve_partition(
         for r in range(cand.pp):
             prob += Y >= pulp.lpSum(T[s] for s in range(S) if ranks[s] == r)
         prob += cand.pp * Y >= pulp.lpSum(T)
+        if bb is not None:
+            prob += Y >= pulp.lpSum(mode_vars[0, r] * bb.rank_max[r] * (1 - 1e-12) for r in modes if r in bb.rank_max)
         if cand.schedule == "interleaved-1f1b":
             pipe = cand.m * Y + (cand.pp - 1) * Z
         else:
             F = pulp.LpVariable("Fmax", lowBound=0)
             for s in range(S):
                 prob += F >= fwd[s]
+            if bb is not None:
+                prob += F >= pulp.lpSum(mode_vars[0, r] * bb.fwd_max[r] * (1 - 1e-12) for r in modes if r in bb.fwd_max)
             pipe = cand.m * Y + (cand.pp - 1) * F
     pipe = pipe + 2 * pulp.lpSum(p2p)
 
     # Tail: exposed DP sync overlapped with the rank's last backward, plus the optimizer step.
-    opt_per_param = (32.0 if dtype == "fp32" else 30.0) / (cand.dp if cand.zero >= 1 else 1)
-    opt_rate = opt_per_param / (cluster.gpu.memory_bandwidth * cluster.gpu.efficiency.memory)
     tail = pulp.LpVariable("tail", lowBound=0)
     for r in range(cand.pp):
         mine = [s for s in range(S) if ranks[s] == r]
@@ -268,6 +287,14 @@ def solve_partition(
         window = (tot[first] - fwd[first]) * (cand.m if cand.zero == 2 else 1) if options.overlap_dp_comm else 0
         prob += exposed >= pulp.lpSum(sync[s] for s in mine) - window
         prob += tail >= exposed + opt_rate * pulp.lpSum(params[s] for s in mine)
+    if bb is not None:
+        # Valid cut: the integer minimum of the bottleneck term plus the tail (block_bound's joint).
+        if cand.v == 1:
+            prob += (cand.m - 1) * Z + tail >= min(bb.joint.values()) * (1 - 1e-12)
+        else:
+            prob += cand.m * Y + tail >= pulp.lpSum(
+                mode_vars[0, r] * bb.joint[r] * (1 - 1e-12) for r in modes if r in bb.joint
+            )
     # In microseconds: CBC's absolute tolerances (1e-7 .. 1e-10) would otherwise be coarse next to
     # iteration times of a few milliseconds, and near-ties could come out in the wrong order.
     prob += OBJ_SCALE * (pipe + tail)
@@ -301,17 +328,28 @@ def solve_partition(
                 for r in modes:
                     mode_vars[s, r].setInitialValue(1 if r == mode else 0)
                     cnt[s, r].setInitialValue(counts[s] if r == mode else 0)
+            if has_blocks is not None:
+                # every integer variable needs its value, or CBC cannot use the start
+                has_blocks.setInitialValue(1 if counts[0] > 0 else 0)
             warm = True
     # Single-threaded with a node limit: the same inputs always give the same solution (a wall-clock
     # limit would make the result depend on the machine's load).
+    extra = [f"cutoff {cutoff * OBJ_SCALE * (1 + 1e-9):.17g}"] if cutoff is not None else []
     solver = pulp.PULP_CBC_CMD(
-        msg=False, timeLimit=time_limit, threads=1, warmStart=warm, maxNodes=max_nodes, gapRel=0.0, gapAbs=0.0
+        msg=False,
+        timeLimit=time_limit,
+        threads=1,
+        warmStart=warm,
+        maxNodes=max_nodes,
+        gapRel=0.0,
+        gapAbs=0.0,
+        options=extra,
     )
     prob.solve(solver)
     status = pulp.LpStatus[prob.status]
     sol_status = getattr(prob, "sol_status", None)
     if status == "Infeasible":
-        return ILPResult("infeasible", None, None, None, form=form)
+        return ILPResult("cutoff" if cutoff is not None else "infeasible", None, None, None, form=form)
     if status != "Optimal":
         return ILPResult("not_solved", None, None, None, form=form)
     if sol_status == pulp.LpSolutionIntegerFeasible:
@@ -354,50 +392,59 @@ def _single_stage(graph, cluster, cand, costs, modes, options) -> ILPResult:
 
 
 def _balanced_start(graph, cluster, cand, costs, modes, options, run):
-    """A feasible incumbent for CBC: blocks spread so stage times are even, one mode for every stage.
+    """A feasible incumbent for CBC: the best of a few balanced partitions, one mode for every stage.
 
-    Tries each recomputation mode (cheapest first) and returns (blocks per stage, mode) of the first
-    whose partition fits memory, or None. Only a starting point: the ILP still proves optimality.
+    For each recomputation mode, two block distributions: stage times evened out around the prefix and
+    suffix, and equal block counts (which balances ranks when one rank holds both ends, as in the V
+    schedule). Returns (blocks per stage, mode, partition) of the fitting one with the lowest objective,
+    or None. Only a starting point: the ILP still proves optimality.
     """
     from planner.search.search import evaluate
 
     start, end, n = run
     L, S = end - start + 1, cand.stages
     pre, post = list(range(0, start)), list(range(end + 1, n))
+    holds = [bool((s == 0 and pre) or (s == S - 1 and post)) for s in range(S)]
+    best = None
     for mode in modes:
         blk = costs[start].fwd + costs[start].bwd[mode]
         extra = [0.0] * S
         extra[0] += sum(costs[u].fwd + costs[u].bwd[mode] for u in pre)
         extra[-1] += sum(costs[u].fwd + costs[u].bwd[mode] for u in post)
         target = (L * blk + sum(extra)) / S
-        counts = [max(0, round((target - e) / blk)) if blk > 0 else L // S for e in extra]
-        for s in range(S):
-            if not ((s == 0 and pre) or (s == S - 1 and post)):
-                counts[s] = max(1, counts[s])
-        # fix the total, taking from / giving to the stages furthest from the target
-        while sum(counts) != L:
-            times = [extra[s] + counts[s] * blk for s in range(S)]
-            if sum(counts) > L:
-                order = sorted(range(S), key=lambda s: -times[s])
-                s = next(
-                    (s for s in order if counts[s] > (0 if (s == 0 and pre) or (s == S - 1 and post) else 1)), None
-                )
-                if s is None:
-                    break
-                counts[s] -= 1
-            else:
-                counts[min(range(S), key=lambda s: times[s])] += 1
-        if sum(counts) != L:
-            continue
-        part, nxt = [], start
-        for s in range(S):
-            units = (pre if s == 0 else []) + list(range(nxt, nxt + counts[s])) + (post if s == S - 1 else [])
-            nxt += counts[s]
-            part.append(units)
-        ev = evaluate(graph, cluster, cand, part, [mode] * S, costs, options)
-        if max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes:
-            return counts, mode, part
-    return None
+        timed = [max(0, round((target - e) / blk)) if blk > 0 else L // S for e in extra]
+        even = [L // S + (1 if s < L % S else 0) for s in range(S)]
+        for counts in (timed, even):
+            counts = _fix_total(counts, L, extra, blk, holds)
+            if counts is None:
+                continue
+            part, nxt = [], start
+            for s in range(S):
+                units = (pre if s == 0 else []) + list(range(nxt, nxt + counts[s])) + (post if s == S - 1 else [])
+                nxt += counts[s]
+                part.append(units)
+            ev = evaluate(graph, cluster, cand, part, [mode] * S, costs, options)
+            if max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes and (best is None or ev.objective < best[0]):
+                best = (ev.objective, counts, mode, part)
+    return None if best is None else best[1:]
+
+
+def _fix_total(counts, L, extra, blk, holds):
+    """Adjust block counts to sum to L (every stage without prefix/suffix keeps at least one block),
+    taking from / giving to the stages furthest from the mean time; None if impossible."""
+    S = len(counts)
+    counts = [c if holds[s] else max(1, c) for s, c in enumerate(counts)]
+    while sum(counts) != L:
+        times = [extra[s] + counts[s] * blk for s in range(S)]
+        if sum(counts) > L:
+            order = sorted(range(S), key=lambda s: -times[s])
+            s = next((s for s in order if counts[s] > (0 if holds[s] else 1)), None)
+            if s is None:
+                return None
+            counts[s] -= 1
+        else:
+            counts[min(range(S), key=lambda s: times[s])] += 1
+    return counts
 
 
 def stage_bytes_bound(costs: list[UnitCost], dtype: str, cand: Candidate) -> float:

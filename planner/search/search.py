@@ -8,12 +8,13 @@ top k and the search stops: the result is exact with respect to the cost model.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from planner.cost.memory import model_state_bytes_per_param
 from planner.cost.model import (
     RECOMPUTE_MODES,
     Candidate,
@@ -21,23 +22,23 @@ from planner.cost.model import (
     Profile,
     StageCost,
     UnitCost,
-    dp_comm_time,
-    dp_link,
     iteration_linear,
-    optimizer_time,
     rank_memory,
     stage_costs,
     unit_cost,
 )
-from planner.cost.schedules import in_flight_microbatches
 from planner.errors import InfeasibleError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
-from planner.search.ilp import solve_partition
+from planner.search.bounds import Totals, lower_bounds, simple_bound
+from planner.search.ilp import block_run, solve_partition
 from planner.search.space import Pins, enumerate_space
 
 log = logging.getLogger(__name__)
 GiB = 2**30
+ILP_WORKERS = 2  # CBC processes at once
+OOM_BOUND = "out of memory even with full recomputation and perfect balance"
+NOT_TOP_K = "not in the top k: the ILP proved no partition that fits memory beats the k-th plan"
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Evaluated:
     objective: float
     rank_memory: dict[int, float]
     status: str = "optimal"
+    sim: object = field(default=None, repr=False, compare=False)  # simulate_evaluated's result, cached
 
 
 @dataclass
@@ -62,12 +64,6 @@ class SearchResult:
     seconds: float
     status: str = "optimal"
     gap: float = 0.0  # worst relative gap to the candidate's lower bound of an ILP stopped early
-
-
-@dataclass
-class _Bounds:
-    time: float
-    memory: float
 
 
 @dataclass
@@ -105,47 +101,6 @@ def evaluate(
     return Evaluated(cand, partition, recompute, stages, obj, rank_memory(stages, cand, options))
 
 
-def lower_bounds(
-    costs: list[UnitCost], cand: Candidate, cluster: ClusterSpec, dtype: str, options: CostOptions
-) -> _Bounds:
-    """Valid lower bounds on the iteration time and on the busiest rank's memory of any partition.
-
-    Time: stage times sum to at least the whole model's work W (cheapest recomputation) and, under
-    ZeRO-3, to at least the sum of the weight gathers G; the largest is at least the mean. The tail is
-    at least the mean over ranks of exposed gradient sync (sync minus one stage's backward per rank) plus
-    the optimizer step. Memory: the busiest rank holds at least the mean of all ranks' bytes.
-    """
-    work = sum(c.fwd + min(c.bwd.values()) for c in costs)
-    fwd = sum(c.fwd for c in costs)
-    S, p, m = cand.stages, cand.pp, cand.m
-    params = sum(c.params_local for c in costs)
-    sync_one, gather_one = dp_comm_time(params, cand, cluster, dtype)
-    if cand.dp > 1:
-        # dp_comm_time pays its latency once; S stages pay it S times (lower bound: once per rank)
-        _, lat = dp_link(cand, cluster)
-        per_stage_lat = {0: 2, 1: 2, 2: cand.m + 1, 3: 1}[cand.zero] * (cand.dp - 1) * lat
-        sync = sync_one + (p - 1) * per_stage_lat
-    else:
-        sync = 0.0
-    work = max(work, gather_one)
-    if cand.schedule in ("gpipe", "1f1b"):
-        pipe = work + (m - 1) * work / S
-    elif cand.schedule == "interleaved-1f1b":
-        pipe = m * work / p + (p - 1) * work / S
-    else:
-        pipe = m * work / p + (p - 1) * fwd / S
-    windows = sum(max(c.bwd.values()) for c in costs) if options.overlap_dp_comm else 0.0
-    if cand.zero == 2:
-        windows *= m
-    tail = (max(0.0, sync - windows) + p * optimizer_time(params / p, cand, cluster, dtype)) / p
-    state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
-    states = params * (state.weights + state.gradients + state.optimizer)
-    min_inflight = min(in_flight_microbatches(cand.schedule, p, m, cand.v, s) for s in range(S))
-    acts = min_inflight * sum(min(c.act.values()) for c in costs)
-    memory = (states + acts) / p * (1 + options.fragmentation) + options.workspace_bytes
-    return _Bounds(pipe + tail, memory)
-
-
 def search(
     graph: ModelGraph,
     cluster: ClusterSpec,
@@ -156,9 +111,15 @@ def search(
     top_k: int = 5,
     time_limit: float | None = None,
     progress=None,
-    max_nodes: int | None = 500,
+    max_nodes: int | None = 5000,
+    prefer_simulated: bool = True,
 ) -> SearchResult:
-    """Find the best configuration (and the next top_k) under the cost model."""
+    """Find the best configuration (and the next top_k) under the cost model.
+
+    prefer_simulated: with several stages per rank, keep CBC's balanced incumbent instead of the ILP's
+    optimum when the simulator finds it faster (the linear objective cannot see how uneven stages of one
+    rank stall each other). Off, the result is exactly the optimum of the linear objective.
+    """
     t0 = time.perf_counter()
     space = enumerate_space(graph, cluster, global_batch, pins)
     rejected = Counter(space.rejected)
@@ -173,55 +134,117 @@ def search(
     dtype = graph.source.dtype
     cap = cluster.gpu.memory_bytes
     modes = (pins.recompute,) if pins.recompute else search_modes(graph)
-    bounded: list[tuple[float, int, Candidate, list[UnitCost]]] = []
+    run = block_run(graph)
+    # Lazy bounding: every candidate gets the cheap simple bound; the tighter block bound is computed
+    # only for candidates that reach the front of the queue, which then go back in with it.
+    heap: list[tuple[float, int, bool, Candidate, list[UnitCost], tuple[str, ...]]] = []
     smallest_need: tuple[float, Candidate] | None = None
+    totals: dict[tuple, Totals] = {}
     for i, cand in enumerate(space.candidates):
         costs = table.units(cand)
         if pins.recompute:
             costs = [_only(c, pins.recompute) for c in costs]
-        b = lower_bounds(costs, cand, cluster, dtype, options)
+        cand_modes = tuple(m for m in modes if not (cand.schedule == "zero-bubble" and m == "selective")) or modes
+        tkey = (cand.tp, cand.mbs, cand.sp, cand_modes)
+        if tkey not in totals:
+            totals[tkey] = Totals.of(costs, cand_modes)
+        b = simple_bound(totals[tkey], cand, cluster, dtype, options)
         if b.memory > cap:
-            rejected[(_region(cand), "out of memory even with full recomputation and perfect balance")] += 1
+            rejected[(_region(cand), OOM_BOUND)] += 1
             if smallest_need is None or b.memory < smallest_need[0]:
                 smallest_need = (b.memory, cand)
             continue
-        bounded.append((b.time, i, cand, costs))
-    bounded.sort(key=lambda x: (x[0], x[1]))
+        heap.append((b.time, i, False, cand, costs, cand_modes))
+    heapq.heapify(heap)
+    total = len(heap)
 
     ranked: list[Evaluated] = []
     gaps: list[float] = []
     solved = 0
     pruned = 0
     status = "optimal"
-    for j, (bound, _i, cand, costs) in enumerate(bounded):
-        if len(ranked) >= top_k + 1 and bound >= ranked[top_k].objective:
-            pruned = len(bounded) - j
-            break
-        if progress is not None:
-            progress(j, len(bounded))
-        cand_modes = tuple(m for m in modes if not (cand.schedule == "zero-bubble" and m == "selective")) or modes
-        res = solve_partition(
-            graph, cluster, cand, costs, cand_modes, options, time_limit=time_limit, max_nodes=max_nodes
+    done = 0
+
+    def solve(item, cutoff):
+        _, _, _, cand, costs, cand_modes = item
+        return solve_partition(
+            graph,
+            cluster,
+            cand,
+            costs,
+            cand_modes,
+            options,
+            time_limit=time_limit,
+            max_nodes=max_nodes,
+            cutoff=cutoff,
         )
-        solved += 1
-        if res.status == "infeasible" or res.partition is None:
-            rejected[(_region(cand), "out of memory: no stage partition fits every rank")] += 1
-            continue
-        if res.status in ("time_limit", "node_limit"):
-            status = res.status
-            gaps.append((res.objective - bound) / res.objective if res.objective else 0.0)
-        ev = evaluate(graph, cluster, cand, res.partition, res.recompute, costs, options)
-        if cand.v > 1 and res.start is not None:
-            # With several stages per rank the linear objective only approximates the schedule (it cannot
-            # see how uneven stages of one rank stall each other); keep the balanced incumbent when the
-            # simulator says it is faster.
-            alt = evaluate(graph, cluster, cand, res.start[0], res.start[1], costs, options)
-            if _simulated(alt) < _simulated(ev):
-                ev = alt
-        ev.status = res.status
-        ranked.append(ev)
-        ranked.sort(key=lambda e: (e.objective, _key(e.cand)))
-        ranked = ranked[: top_k + 1]
+
+    # CBC runs in its own process: the next ILP_WORKERS candidates in bound order are solved side by side
+    # (a fixed number, so that the counts reported do not depend on the machine). Every candidate whose
+    # optimum could enter the top k is still solved exactly, so the ranking is that of one-by-one solving.
+    pool = ThreadPoolExecutor(max_workers=ILP_WORKERS)
+    try:
+        while heap:
+            batch = []
+            cutoff = ranked[top_k].objective if len(ranked) >= top_k + 1 else None
+            while heap and len(batch) < ILP_WORKERS:
+                bound, i, tight, cand, costs, cand_modes = heap[0]
+                if cutoff is not None and bound >= cutoff:
+                    break
+                heapq.heappop(heap)
+                if not tight:
+                    b = lower_bounds(graph, costs, cand, cluster, options, cand_modes, run)
+                    if not b.feasible:
+                        rejected[(_region(cand), OOM_BOUND)] += 1
+                        done += 1
+                        continue
+                    heapq.heappush(heap, (max(bound, b.time), i, True, cand, costs, cand_modes))
+                    continue
+                batch.append((bound, i, tight, cand, costs, cand_modes))
+            if not batch:
+                pruned = len(heap)
+                break
+            if progress is not None:
+                progress(done, total)
+            done += len(batch)
+            results = list(pool.map(solve, batch, [cutoff] * len(batch)))
+            solved += len(batch)
+            for (bound, _i, _t, cand, costs, _m), res in zip(batch, results, strict=True):
+                if res.status == "cutoff":
+                    rejected[(_region(cand), NOT_TOP_K)] += 1
+                    continue
+                if res.status == "not_solved":
+                    status = "time_limit" if time_limit is not None else "node_limit"
+                    rejected[(_region(cand), "the ILP stopped at its limit before finding a plan")] += 1
+                    continue
+                if res.status == "infeasible" or res.partition is None:
+                    rejected[(_region(cand), "out of memory: no stage partition fits every rank")] += 1
+                    continue
+                if res.status in ("time_limit", "node_limit"):
+                    status = res.status
+                    gaps.append((res.objective - bound) / res.objective if res.objective else 0.0)
+                ev = evaluate(graph, cluster, cand, res.partition, res.recompute, costs, options)
+                if (
+                    cand.v > 1
+                    and res.start is not None
+                    and (res.start[0], res.start[1])
+                    != (
+                        res.partition,
+                        res.recompute,
+                    )
+                ):
+                    # With several stages per rank the linear objective only approximates the schedule (it
+                    # cannot see how uneven stages of one rank stall each other); keep the balanced
+                    # incumbent when the simulator says it is faster.
+                    alt = evaluate(graph, cluster, cand, res.start[0], res.start[1], costs, options)
+                    if _simulated(alt) < _simulated(ev):
+                        ev = alt
+                ev.status = res.status
+                ranked.append(ev)
+            ranked.sort(key=lambda e: (e.objective, _key(e.cand)))
+            ranked = ranked[: top_k + 1]
+    finally:
+        pool.shutdown()
     if not ranked:
         raise InfeasibleError(_nothing_fits(graph, cluster, smallest_need, space.candidates))
     return SearchResult(
@@ -241,11 +264,14 @@ def simulate_evaluated(ev: Evaluated):
     """Discrete-event simulation of an evaluated partition's pipeline (the figure the plan reports)."""
     from planner.cost.simulate import simulate
 
+    if ev.sim is not None:
+        return ev.sim
     c = ev.cand
     fwd = [st.fwd for st in ev.stages]
     bwd = [max(st.compute, st.zero3_gather) - st.fwd for st in ev.stages]
     p2p = [st.p2p for st in ev.stages[:-1]] + [0.0]
-    return simulate(c.schedule, c.pp, c.m, c.v, fwd, bwd, None, p2p)
+    ev.sim = simulate(c.schedule, c.pp, c.m, c.v, fwd, bwd, None, p2p)
+    return ev.sim
 
 
 def _simulated(ev: Evaluated) -> float:

@@ -1,0 +1,457 @@
+"""Valid lower bounds on a candidate's optimum, cheap enough to compute for every candidate.
+
+The outer search solves ILPs in order of these bounds and stops once the next bound exceeds the k-th
+best solved plan, so the tighter the bound the fewer ILPs run; a bound must never exceed the ILP's
+optimum, or the search would lose exactness (the hypothesis tests compare the search with brute force).
+
+Two bounds, the larger is used:
+
+- `simple_bound`, for any unit sequence: the whole model's work spread evenly over the stages (no
+  bubble beyond the schedule's fill/drain of an average stage), the mean exposed gradient sync and
+  optimizer step, and a memory bound (the mean rank's states and activations).
+- `block_bound`, for transformer-shaped models (prefix + a run of identical blocks + suffix, the ILP's
+  count form): exact minima of the bottleneck terms over *integer* block counts under each stage's (or
+  rank's) memory capacity. For a bottleneck value Z each stage can hold at most a computable number of
+  blocks (by time, by ZeRO-3 gather time and by memory, for its best recomputation mode); Z is feasible
+  when those capacities add up to the number of blocks. The smallest feasible Z is found by binary
+  search over the finitely many values a stage time can take. Where the ILP's memory row couples the
+  stages of one rank (several stages per rank) the rank's activation peak is relaxed to the mean of its
+  stages, which only lowers the bound.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner.cost.memory import model_state_bytes_per_param
+from planner.cost.model import (
+    Candidate,
+    CostOptions,
+    UnitCost,
+    dp_comm_time,
+    dp_link,
+    optimizer_time,
+    p2p_link,
+)
+from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches, stage_rank
+from planner.hardware.spec import ClusterSpec
+from planner.model.graph import ModelGraph
+
+INF = float("inf")
+
+
+@dataclass
+class Bounds:
+    time: float
+    memory: float  # lower bound on the busiest rank's bytes (compared with the GPU's capacity)
+    feasible: bool = True  # False when no partition can fit memory under any allowed recomputation
+
+
+def lower_bounds(
+    graph: ModelGraph,
+    costs: list[UnitCost],
+    cand: Candidate,
+    cluster: ClusterSpec,
+    options: CostOptions,
+    modes: tuple[str, ...],
+    run: tuple[int, int, int] | None,
+) -> Bounds:
+    """The best valid bound available for this candidate (see the module docstring)."""
+    dtype = graph.source.dtype
+    tot = Totals.of(costs, modes)
+    b = simple_bound(tot, cand, cluster, dtype, options)
+    if run is None or cand.stages == 1 or b.memory > cluster.gpu.memory_bytes:
+        return b
+    blk = block_bound(graph, costs, cand, cluster, options, modes, run)
+    if blk is None:
+        return Bounds(b.time, b.memory, feasible=False)
+    tight = blk.total() + comm_bound(graph, cand, cluster, run)
+    return Bounds(max(b.time, tight), b.memory)
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Whole-model sums of unit costs that the simple bound needs (shared by candidates with the same
+    tp, micro-batch size and sequence parallelism)."""
+
+    work: float  # forward + cheapest backward
+    fwd: float
+    params: float
+    act: float  # cheapest activation bytes per micro-batch
+    bwd_max: float  # most expensive backward (the widest overlap window)
+
+    @classmethod
+    def of(cls, costs: list[UnitCost], modes) -> Totals:
+        return cls(
+            work=sum(c.fwd + min(c.bwd[r] for r in modes) for c in costs),
+            fwd=sum(c.fwd for c in costs),
+            params=sum(c.params_local for c in costs),
+            act=sum(min(c.act[r] for r in modes) for c in costs),
+            bwd_max=sum(max(c.bwd.values()) for c in costs),
+        )
+
+
+def simple_bound(tot: Totals, cand: Candidate, cluster: ClusterSpec, dtype: str, options: CostOptions) -> Bounds:
+    """Stage times sum to at least the whole model's work W (cheapest recomputation) and, under ZeRO-3,
+    to at least the sum of the weight gathers; the largest is at least the mean. The tail is at least the
+    mean over ranks of exposed gradient sync plus the optimizer step. Memory: the busiest rank holds at
+    least the mean of all ranks' bytes."""
+    work, fwd, params = tot.work, tot.fwd, tot.params
+    S, p, m = cand.stages, cand.pp, cand.m
+    _, gather_one = dp_comm_time(params, cand, cluster, dtype)
+    work = max(work, gather_one)
+    if cand.schedule in ("gpipe", "1f1b"):
+        pipe = work + (m - 1) * work / S
+    elif cand.schedule == "interleaved-1f1b":
+        pipe = m * work / p + (p - 1) * work / S
+    else:
+        pipe = m * work / p + (p - 1) * fwd / S
+    state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
+    states = params * (state.weights + state.gradients + state.optimizer)
+    min_inflight = _min_in_flight(cand.schedule, p, m, cand.v)
+    acts = min_inflight * tot.act
+    memory = (states + acts) / p * (1 + options.fragmentation) + options.workspace_bytes
+    return Bounds(pipe + _tail(tot, cand, cluster, dtype, options), memory)
+
+
+def tail_coefficients(cand: Candidate, cluster: ClusterSpec, dtype: str) -> tuple[float, float, float]:
+    """(a, c, r): one stage's gradient sync is a * params + c and the optimizer step r * params, the linear
+    forms of `planner.cost.model.dp_comm_time` and `optimizer_time` that the ILP uses."""
+    opt_per_param = (32.0 if dtype == "fp32" else 30.0) / (cand.dp if cand.zero >= 1 else 1)
+    opt_rate = opt_per_param / (cluster.gpu.memory_bandwidth * cluster.gpu.efficiency.memory)
+    n = cand.dp
+    if n <= 1:
+        return 0.0, 0.0, opt_rate
+    bw, lat = dp_link(cand, cluster)
+    ring = (n - 1) / n / bw
+    w_bytes = 4.0 if dtype == "fp32" else 2.0
+    if cand.zero == 0:
+        return 2 * ring * 4.0, 2 * (n - 1) * lat, opt_rate
+    if cand.zero == 1:
+        return ring * (4.0 + w_bytes), 2 * (n - 1) * lat, opt_rate
+    if cand.zero == 2:
+        return ring * (4.0 * cand.m + w_bytes), (cand.m + 1) * (n - 1) * lat, opt_rate
+    return ring * 4.0, (n - 1) * lat, opt_rate
+
+
+def _joint(A: float, vals: list[float], start: float, caps, tails: np.ndarray, L: int) -> float:
+    """min over bottleneck values X >= start of A * X + (least max over ranks of the tail), where rank r
+    holds N_r blocks, lo_r <= N_r <= cap_r(X), sum N_r = L (caps(X) yields (cap, lo) arrays). Each rank's
+    tail is convex in N_r, so the ranks that keep a tail <= Q form an interval of N_r.
+
+    Stops once A * (X - start) + (the tail bound without bottleneck caps) cannot improve on the best: all
+    later X are no better, so the value returned is the exact minimum of this relaxation."""
+    idx = np.arange(L + 1)
+
+    def qmin(x: float) -> float:
+        hi, lo = caps(x)
+        hi = np.minimum(hi, L)
+        T = np.where((idx[None, :] >= lo[:, None]) & (idx[None, :] <= hi[:, None]), tails, INF)
+        vals_q = np.unique(T[np.isfinite(T)])
+        if len(vals_q) == 0:
+            return INF
+
+        def ok(Q: float) -> bool:
+            m = T <= Q
+            if not m.any(axis=1).all():
+                return False
+            first = m.argmax(axis=1)
+            last = L - m[:, ::-1].argmax(axis=1)
+            return first.sum() <= L <= last.sum()
+
+        a, b = 0, len(vals_q)
+        if not ok(vals_q[-1]):
+            return INF
+        while a < b:
+            mid = (a + b) // 2
+            if ok(vals_q[mid]):
+                b = mid
+            else:
+                a = mid + 1
+        return float(vals_q[a])
+
+    q_floor = qmin(vals[-1])
+    if q_floor == INF:
+        return INF
+    best = INF
+    i = bisect.bisect_left(vals, start)
+    for steps in range(len(vals) - i):
+        x = vals[i + steps]
+        if A * x + q_floor >= best:
+            break
+        if steps >= 32:  # every later X costs at least A * x + q_floor: a valid bound, cheaply
+            best = min(best, A * x + q_floor)
+            break
+        best = min(best, A * x + qmin(x))
+    return best
+
+
+@functools.lru_cache(maxsize=4096)
+def _min_in_flight(schedule: str, p: int, m: int, v: int) -> int:
+    return min(in_flight_microbatches(schedule, p, m, v, s) for s in range(p * v))
+
+
+def _tail(tot: Totals, cand, cluster, dtype, options) -> float:
+    """Mean over ranks of (exposed sync + optimizer step): at most the largest rank's."""
+    p = cand.pp
+    params = tot.params
+    sync_one, _ = dp_comm_time(params, cand, cluster, dtype)
+    if cand.dp > 1:
+        # dp_comm_time pays its latency once; p ranks pay it at least once each
+        _, lat = dp_link(cand, cluster)
+        per_stage_lat = {0: 2, 1: 2, 2: cand.m + 1, 3: 1}[cand.zero] * (cand.dp - 1) * lat
+        sync = sync_one + (p - 1) * per_stage_lat
+    else:
+        sync = 0.0
+    windows = tot.bwd_max if options.overlap_dp_comm else 0.0
+    if cand.zero == 2:
+        windows *= cand.m
+    return (max(0.0, sync - windows) + p * optimizer_time(params / p, cand, cluster, dtype)) / p
+
+
+def comm_bound(graph: ModelGraph, cand: Candidate, cluster: ClusterSpec, run) -> float:
+    """Fill/drain point-to-point: one forward and one backward send per stage boundary, each at least the
+    smallest tensor a boundary of the count form can carry."""
+    start = run[0]
+    smallest = graph.units[start].output_bytes
+    if start > 0:
+        smallest = min(smallest, graph.units[start - 1].output_bytes)
+    bw, lat = p2p_link(cand, cluster)
+    one = lat + smallest * cand.mbs / (cand.tp if cand.sp else 1) / bw
+    return 2.0 * (cand.stages - 1) * one
+
+
+@dataclass
+class BlockBounds:
+    """Per recomputation mode (the uniform mode when a rank holds several stages; with one stage per
+    rank the same value for every mode, valid for any mix): lower bounds on the ILP's maxima."""
+
+    cand: Candidate
+    work: float = 0.0  # sum of stage times (one stage per rank)
+    stage_max: dict[str, float] = field(default_factory=dict)  # Z: the largest stage time
+    rank_max: dict[str, float] = field(default_factory=dict)  # Y: the largest rank time (v > 1)
+    fwd_max: dict[str, float] = field(default_factory=dict)  # F: the largest stage forward (zero-bubble)
+    # min over integer block counts of (m-1) Z + tail (one stage per rank) or m Y + tail (several)
+    joint: dict[str, float] = field(default_factory=dict)
+
+    def total(self) -> float:
+        """Lower bound on `iteration_linear` without point-to-point time (pipeline plus tail)."""
+        c = self.cand
+        if c.v == 1:
+            return self.work + min(self.joint.values())
+        last = self.stage_max if c.schedule == "interleaved-1f1b" else self.fwd_max
+        return min(self.joint[r] + (c.pp - 1) * last[r] for r in self.rank_max)
+
+
+@dataclass
+class _Stage:
+    """What a stage of the count form holds besides blocks, per recomputation mode."""
+
+    index: int
+    rank: int
+    min_blocks: int
+    ext_time: dict[str, float]
+    ext_fwd: float
+    ext_act: dict[str, float]
+    ext_params: float
+    buffers: float  # comm buffers (bytes)
+
+
+def _stages(graph, costs, cand, options, run) -> list[_Stage]:
+    start, end, n = run
+    S = cand.stages
+    pre, post = list(range(0, start)), list(range(end + 1, n))
+    modes = tuple(costs[start].bwd)
+    out_blk = graph.units[start].output_bytes
+    smallest = min(out_blk, graph.units[start - 1].output_bytes) if pre else out_blk
+    z3buf = 2 * max(c.largest_param_bytes for c in costs) if cand.zero == 3 else 0.0
+    bucket = 2 * options.ddp_bucket_bytes if (cand.dp > 1 and cand.zero == 0) else 0.0
+    stages = []
+    for s in range(S):
+        holds = (pre if s == 0 else []) + (post if s == S - 1 else [])
+        ext = [costs[u] for u in holds]
+        stages.append(
+            _Stage(
+                index=s,
+                rank=stage_rank(cand.schedule, cand.pp, cand.v, s),
+                min_blocks=0 if holds else 1,
+                ext_time={r: sum(c.fwd + c.bwd[r] for c in ext) for r in modes},
+                ext_fwd=sum(c.fwd for c in ext),
+                ext_act={r: sum(c.act[r] for c in ext) for r in modes},
+                ext_params=sum(c.params_local for c in ext),
+                buffers=z3buf + bucket + (4.0 * cand.mbs * smallest if s < S - 1 else 0.0),
+            )
+        )
+    return stages
+
+
+def block_bound(
+    graph: ModelGraph,
+    costs: list[UnitCost],
+    cand: Candidate,
+    cluster: ClusterSpec,
+    options: CostOptions,
+    modes: tuple[str, ...],
+    run: tuple[int, int, int],
+) -> BlockBounds | None:
+    """Lower bounds on the pipeline terms of the count-form ILP (largest stage time, largest rank time,
+    largest stage forward, per recomputation mode); None if no integer block distribution fits memory."""
+    start, end, _ = run
+    L = end - start + 1
+    S, p, m, v = cand.stages, cand.pp, cand.m, cand.v
+    blk = costs[start]
+    dtype = graph.source.dtype
+    state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
+    per_param = state.weights + state.gradients + state.optimizer
+    budget = (cluster.gpu.memory_bytes - options.workspace_bytes) / (1 + options.fragmentation)
+    stages = _stages(graph, costs, cand, options, run)
+    a_sync, c_sync, opt_rate = tail_coefficients(cand, cluster, dtype)
+    blocks = np.arange(L + 1)
+
+    def tail_of(ext_params: float, n_stages: int, ext_window: float, blk_window: float, others_min: int):
+        """Lower bound on a rank's tail for N = 0..L blocks: exposed sync (sync minus the first stage's
+        backward, which holds at most N - others_min blocks) plus the optimizer step."""
+        params = ext_params + blocks * blk.params_local
+        sync = a_sync * params + n_stages * c_sync if cand.dp > 1 else 0.0 * params
+        if options.overlap_dp_comm:
+            window = (ext_window + np.maximum(0, blocks - others_min) * blk_window) * (m if cand.zero == 2 else 1)
+        else:
+            window = 0.0
+        return np.maximum(0.0, sync - window) + opt_rate * params
+
+    # ZeRO-3: a stage's time is at least its weight gathers, linear in its parameters
+    if cand.zero == 3 and cand.dp > 1:
+        bw, lat = dp_link(cand, cluster)
+        w_bytes = 4.0 if dtype == "fp32" else 2.0
+        g_rate = 2 * (cand.dp - 1) / cand.dp / bw * w_bytes
+        g_blk = g_rate * blk.params_local
+        g_ext = np.array([g_rate * st.ext_params + 2 * (cand.dp - 1) * lat for st in stages])
+    else:
+        g_blk, g_ext = None, None
+    inf = np.full(S, INF)
+    min_blocks = np.array([st.min_blocks for st in stages], dtype=float)
+
+    def per(total, ext, unit):
+        """Blocks that fit when each costs `unit` and `ext` is already taken out of `total` (arrays)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(unit > 0, (total - ext) / np.where(unit > 0, unit, 1.0), np.where(total >= ext, INF, -INF))
+        return np.floor(q + 1e-9 * np.maximum(1.0, np.abs(np.where(np.isfinite(q), q, 0.0))))
+
+    def gather_cap(Z: float):
+        return inf if g_blk is None else per(Z, g_ext, np.full(S, g_blk))
+
+    def values(ext_of, t_of) -> list[float]:
+        """Every value a stage (or rank) time can take: its extras plus n blocks, n = 0..L."""
+        pairs = set(zip(ext_of, t_of))
+        if g_blk is not None:
+            pairs |= {(float(e), g_blk) for e in g_ext}
+        return sorted({ext + k * t for ext, t in pairs for k in range(L + 1)})
+
+    def smallest_feasible(vals: list[float], caps) -> float | None:
+        """The least Z in vals with sum of capacities >= L (capacities grow with Z)."""
+
+        def ok(Z: float) -> bool:
+            hi, lo = caps(Z)
+            return bool((hi >= lo).all()) and float(np.minimum(hi, L).sum()) >= L
+
+        lo, hi = 0, len(vals)
+        if hi == 0 or not ok(vals[-1]):
+            return None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ok(vals[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return vals[lo]
+
+    if v == 1:
+        # One stage per rank, its own recomputation mode: capacity is the best over modes.
+        k = np.array([in_flight_microbatches(cand.schedule, p, m, 1, s) for s in range(S)], dtype=float)
+        t_q = {r: blk.fwd + blk.bwd[r] for r in modes}
+        ext_t = {r: np.array([st.ext_time[r] for st in stages]) for r in modes}
+        mem = {
+            r: per(
+                budget,
+                np.array([st.buffers + per_param * st.ext_params for st in stages])
+                + k * np.array([st.ext_act[r] for st in stages]),
+                per_param * blk.params_local + k * blk.act[r],
+            )
+            for r in modes
+        }
+
+        def caps(Z):
+            g = gather_cap(Z)
+            best = np.max(
+                [np.minimum(np.minimum(per(Z, ext_t[r], np.full(S, t_q[r])), mem[r]), g) for r in modes], axis=0
+            )
+            return best, min_blocks
+
+        ext_of = [st.ext_time[r] for st in stages for r in modes]
+        t_of = [t_q[r] for st in stages for r in modes]
+        Z = smallest_feasible(values(ext_of, t_of), caps)
+        if Z is None:
+            return None
+        work = L * min(t_q.values()) + sum(min(st.ext_time[r] for r in modes) for st in stages)
+        # the window of a stage's sync is its own backward: at most that of the slowest mode
+        win_blk = max(blk.bwd[r] for r in modes)
+        tails = np.array(
+            [tail_of(st.ext_params, 1, max(st.ext_time[r] - st.ext_fwd for r in modes), win_blk, 0) for st in stages]
+        )
+        joint = _joint(m - 1, values(ext_of, t_of), Z, caps, tails, L)
+        return BlockBounds(cand, work=work, stage_max={r: Z for r in modes}, joint={r: joint for r in modes})
+
+    # Several stages per rank, one recomputation mode for all stages (as in the ILP).
+    out = BlockBounds(cand)
+    ranks = range(p)
+    mine = {r: sorted((st for st in stages if st.rank == r), key=lambda st: st.index) for r in ranks}
+    kr = np.array([rank_in_flight_microbatches(cand.schedule, p, m, v, r) for r in ranks], dtype=float)
+    rank_min = np.array([sum(st.min_blocks for st in mine[r]) for r in ranks], dtype=float)
+    rank_fixed = np.array([sum(st.buffers + per_param * st.ext_params for st in mine[r]) for r in ranks])
+    ext_f = np.array([st.ext_fwd for st in stages])
+    for r_mode in modes:
+        t = blk.fwd + blk.bwd[r_mode]
+        ext_t = np.array([st.ext_time[r_mode] for st in stages])
+        rank_ext_t = np.array([sum(st.ext_time[r_mode] for st in mine[r]) for r in ranks])
+        # memory: states + k * (peak stage activation >= mean of the rank's stages)
+        rank_ext_act = np.array([sum(st.ext_act[r_mode] for st in mine[r]) for r in ranks])
+        rank_mem = per(
+            budget, rank_fixed + kr * rank_ext_act / v, per_param * blk.params_local + kr * blk.act[r_mode] / v
+        )
+
+        def stage_caps(Z, t=t, ext_t=ext_t):
+            return np.minimum(per(Z, ext_t, np.full(S, t)), gather_cap(Z)), min_blocks
+
+        def fwd_caps(F):
+            return per(F, ext_f, np.full(S, blk.fwd)), min_blocks
+
+        def rank_caps(Y, t=t, rank_ext_t=rank_ext_t, rank_mem=rank_mem):
+            return np.minimum(per(Y, rank_ext_t, np.full(p, t)), rank_mem), rank_min
+
+        y_vals = values(list(rank_ext_t), [t] * p)
+        Y = smallest_feasible(y_vals, rank_caps)
+        if Y is None:
+            continue
+        tails = []
+        for r in ranks:
+            sts = mine[r]
+            first = sts[0]
+            tails.append(
+                tail_of(
+                    sum(st.ext_params for st in sts),
+                    len(sts),
+                    first.ext_time[r_mode] - first.ext_fwd,
+                    blk.bwd[r_mode],
+                    sum(st.min_blocks for st in sts[1:]),
+                )
+            )
+        out.joint[r_mode] = _joint(m, y_vals, Y, rank_caps, np.array(tails), L)
+        out.rank_max[r_mode] = Y
+        out.stage_max[r_mode] = smallest_feasible(values(list(ext_t), [t] * S), stage_caps)
+        if cand.schedule == "zero-bubble":
+            out.fwd_max[r_mode] = smallest_feasible(values(list(ext_f), [blk.fwd] * S), fwd_caps)
+    return out if out.rank_max else None
