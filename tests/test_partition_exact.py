@@ -116,7 +116,9 @@ def test_count_form_equals_brute_force_on_transformer_shape(pre, block, post, n_
     memory=st.floats(8, 120),
     zero=st.integers(0, 3),
 )
-def test_count_form_two_stages_per_rank_equals_brute_force(pre, block, post, n_blocks, schedule, m_rounds, memory, zero):
+def test_count_form_two_stages_per_rank_equals_brute_force(
+    pre, block, post, n_blocks, schedule, m_rounds, memory, zero
+):
     """Several stages per rank in the count form, with the bound cuts on the rank and stage maxima."""
     us = [make_unit("embed", "pre", *pre)]
     us += [make_unit(f"blocks.{i}", "blk", *block) for i in range(n_blocks)]
