@@ -1,0 +1,40 @@
+"""SC21 Table 1 (Narayanan et al.): pinning each row's degrees gives a feasible plan, and the free search
+finds a plan whose predicted throughput is at least the pinned one's (the free space contains it)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from accuracy import CLUSTER, GPUS_PER_NODE, MODEL, ROWS  # noqa: E402
+
+from planner.hardware.load import load_cluster  # noqa: E402
+from planner.pipeline import PlanRequest, analyse, plan_model  # noqa: E402
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_pinned_row_is_feasible_and_free_search_is_no_worse(row):
+    base = dict(
+        model_path=MODEL,
+        model_args={"preset": row.preset},
+        gpu=CLUSTER,
+        nodes=row.gpus // GPUS_PER_NODE,
+        global_batch_size=row.batch,
+        top_k=2,
+    )
+    graph = analyse(PlanRequest(**base))
+    pinned, _, res_pinned = plan_model(PlanRequest(**base, pins={"tp": row.t, "pp": row.p, "dp": row.dp}), graph)
+    free, _, res_free = plan_model(PlanRequest(**base), graph)
+    assert (pinned.parallel.tp, pinned.parallel.pp, pinned.parallel.dp) == (row.t, row.p, row.dp)
+    assert res_pinned.status == res_free.status == "optimal"
+    cap = load_cluster(CLUSTER, row.gpus // GPUS_PER_NODE).gpu.memory_bytes
+    assert 0 < pinned.predicted.peak_memory_bytes <= cap
+    # the search's objective is exact, so the free optimum is no worse than the pinned one ...
+    assert res_free.best.objective <= res_pinned.best.objective * (1 + 1e-9)
+    # ... and so is the predicted (simulated) throughput the plans report
+    assert free.predicted.samples_per_s >= pinned.predicted.samples_per_s * (1 - 1e-9)
