@@ -138,17 +138,32 @@ def tail_coefficients(cand: Candidate, cluster: ClusterSpec, dtype: str) -> tupl
     return ring * 4.0, (n - 1) * lat, opt_rate
 
 
-def _joint(A: float, vals: list[float], start: float, caps, tails: np.ndarray, L: int) -> float:
-    """min over bottleneck values X >= start of A * X + (least max over ranks of the tail), where rank r
-    holds N_r blocks, lo_r <= N_r <= cap_r(X), sum N_r = L (caps(X) yields (cap, lo) arrays). Each rank's
-    tail is convex in N_r, so the ranks that keep a tail <= Q form an interval of N_r.
+def _joint(
+    A: float,
+    a_vals: list[float],
+    a_start: float,
+    caps,
+    C: float,
+    c_vals: list[float],
+    c_start: float,
+    tails_at,
+    L: int,
+) -> float:
+    """min over a >= a_start in a_vals and c >= c_start in c_vals of A a + C c + Q(a, c): Q is the least
+    max over ranks of the tail when rank r holds N_r blocks, lo_r <= N_r <= cap_r(a), sum N_r = L
+    (caps(a) gives the (cap, lo) arrays) and its tails are tails_at(c) (ranks x 0..L blocks; c bounds the
+    blocks of a rank's first stage). Each rank's tail is convex in N_r, so the N_r that keep it <= Q form
+    an interval.
 
-    Stops once A * (X - start) + (the tail bound without bottleneck caps) cannot improve on the best: all
-    later X are no better, so the value returned is the exact minimum of this relaxation."""
+    a is the bottleneck term (the largest stage with one stage per rank, the largest rank otherwise), c
+    the largest stage (forward, for zero-bubble) when a rank holds several. Q falls as a or c grow, so the
+    loops stop once A a + C c + (Q at the largest a, this c) cannot beat the best: the result is the
+    exact minimum of this relaxation (or, past 32 steps, a smaller and still valid value). Returns it
+    with its (a, c, Q) when that was evaluated (the values a start solution is built from)."""
     idx = np.arange(L + 1)
 
-    def qmin(x: float) -> float:
-        hi, lo = caps(x)
+    def qmin(a: float, tails: np.ndarray) -> float:
+        hi, lo = caps(a)
         hi = np.minimum(hi, L)
         T = np.where((idx[None, :] >= lo[:, None]) & (idx[None, :] <= hi[:, None]), tails, INF)
         vals_q = np.unique(T[np.isfinite(T)])
@@ -163,31 +178,89 @@ def _joint(A: float, vals: list[float], start: float, caps, tails: np.ndarray, L
             last = L - m[:, ::-1].argmax(axis=1)
             return first.sum() <= L <= last.sum()
 
-        a, b = 0, len(vals_q)
+        i, j = 0, len(vals_q)
         if not ok(vals_q[-1]):
             return INF
-        while a < b:
-            mid = (a + b) // 2
+        while i < j:
+            mid = (i + j) // 2
             if ok(vals_q[mid]):
-                b = mid
+                j = mid
             else:
-                a = mid + 1
-        return float(vals_q[a])
+                i = mid + 1
+        return float(vals_q[i])
 
-    q_floor = qmin(vals[-1])
+    q_floor = qmin(a_vals[-1], tails_at(c_vals[-1]))
     if q_floor == INF:
-        return INF
-    best = INF
-    i = bisect.bisect_left(vals, start)
-    for steps in range(len(vals) - i):
-        x = vals[i + steps]
-        if A * x + q_floor >= best:
+        return INF, None
+    best, arg = INF, None
+    ci = bisect.bisect_left(c_vals, c_start)
+    for c_steps in range(len(c_vals) - ci):
+        c = c_vals[ci + c_steps]
+        if C * c + A * a_start + q_floor >= best:
             break
-        if steps >= 32:  # every later X costs at least A * x + q_floor: a valid bound, cheaply
-            best = min(best, A * x + q_floor)
+        if c_steps >= 16:
+            best = min(best, C * c + A * a_start + q_floor)
             break
-        best = min(best, A * x + qmin(x))
-    return best
+        tails = tails_at(c)
+        q_c = qmin(a_vals[-1], tails)
+        ai = bisect.bisect_left(a_vals, a_start)
+        for a_steps in range(len(a_vals) - ai):
+            a = a_vals[ai + a_steps]
+            if A * a + C * c + q_c >= best:
+                break
+            if a_steps >= 32:
+                best = min(best, A * a + C * c + q_c)
+                break
+            q = qmin(a, tails)
+            if A * a + C * c + q < best:
+                best, arg = A * a + C * c + q, (a, c, q)
+    return best, arg
+
+
+def _distribute(tails, lo, hi, Q, L, ext_t, t) -> list[int] | None:
+    """Block counts per rank with lo <= N <= hi, tail <= Q and sum L: each rank's least allowed count,
+    then the rest one by one to the rank with the least time (ext_t + N t)."""
+    ok = (tails <= Q * (1 + 1e-12)) & (np.arange(tails.shape[1])[None, :] >= lo[:, None])
+    ok &= np.arange(tails.shape[1])[None, :] <= hi[:, None]
+    if not ok.any(axis=1).all():
+        return None
+    first = ok.argmax(axis=1)
+    last = tails.shape[1] - 1 - ok[:, ::-1].argmax(axis=1)
+    n = [int(x) for x in first]
+    ext_t = np.broadcast_to(np.asarray(ext_t, dtype=float), (len(n),))
+    while sum(n) < L:
+        room = [r for r in range(len(n)) if n[r] < last[r]]
+        if not room:
+            return None
+        r = min(room, key=lambda r: (ext_t[r] + (n[r] + 1) * t, r))
+        n[r] += 1
+    return n if sum(n) == L else None
+
+
+def _split_ranks(n_rank: list[int], mine: dict, stage_cap, S: int) -> list[int] | None:
+    """Split each rank's blocks over its stages: the first stage (whose backward hides the gradient
+    sync) as many as its cap allows, the others evenly, each within its cap and minimum."""
+    counts = [0] * S
+    for r, sts in mine.items():
+        n = n_rank[r]
+        others = sts[1:]
+        need = sum(st.min_blocks for st in others)
+        first = int(min(n - need, stage_cap[sts[0].index]))
+        if first < sts[0].min_blocks:
+            return None
+        counts[sts[0].index] = first
+        rest = n - first
+        for st in others:
+            counts[st.index] = st.min_blocks
+            rest -= st.min_blocks
+        while rest > 0:
+            room = [st for st in others if counts[st.index] < stage_cap[st.index]]
+            if not room:
+                return None
+            st = min(room, key=lambda st: (counts[st.index], st.index))
+            counts[st.index] += 1
+            rest -= 1
+    return counts
 
 
 @functools.lru_cache(maxsize=4096)
@@ -235,16 +308,19 @@ class BlockBounds:
     stage_max: dict[str, float] = field(default_factory=dict)  # Z: the largest stage time
     rank_max: dict[str, float] = field(default_factory=dict)  # Y: the largest rank time (v > 1)
     fwd_max: dict[str, float] = field(default_factory=dict)  # F: the largest stage forward (zero-bubble)
-    # min over integer block counts of (m-1) Z + tail (one stage per rank) or m Y + tail (several)
+    # min over integer block counts of (m-1) Z + tail (one stage per rank), m Y + (p-1) Z + tail
+    # (interleaved) or m Y + (p-1) F + tail (zero-bubble)
     joint: dict[str, float] = field(default_factory=dict)
+    # block counts per stage and recomputation per stage built from the relaxation's optimum: starting
+    # points for CBC (they may not fit memory; the ILP checks)
+    starts: list[tuple[list[int], list[str]]] = field(default_factory=list)
 
     def total(self) -> float:
         """Lower bound on `iteration_linear` without point-to-point time (pipeline plus tail)."""
         c = self.cand
         if c.v == 1:
             return self.work + min(self.joint.values())
-        last = self.stage_max if c.schedule == "interleaved-1f1b" else self.fwd_max
-        return min(self.joint[r] + (c.pp - 1) * last[r] for r in self.rank_max)
+        return min(self.joint[r] for r in self.rank_max)
 
 
 @dataclass
@@ -312,13 +388,15 @@ def block_bound(
     a_sync, c_sync, opt_rate = tail_coefficients(cand, cluster, dtype)
     blocks = np.arange(L + 1)
 
-    def tail_of(ext_params: float, n_stages: int, ext_window: float, blk_window: float, others_min: int):
+    def tail_of(ext_params: float, n_stages: int, ext_window: float, blk_window: float, others_min: int, first_cap=INF):
         """Lower bound on a rank's tail for N = 0..L blocks: exposed sync (sync minus the first stage's
-        backward, which holds at most N - others_min blocks) plus the optimizer step."""
+        backward, which holds at most N - others_min and at most first_cap blocks) plus the optimizer
+        step."""
         params = ext_params + blocks * blk.params_local
         sync = a_sync * params + n_stages * c_sync if cand.dp > 1 else 0.0 * params
         if options.overlap_dp_comm:
-            window = (ext_window + np.maximum(0, blocks - others_min) * blk_window) * (m if cand.zero == 2 else 1)
+            n_first = np.minimum(np.maximum(0, blocks - others_min), first_cap)
+            window = (ext_window + n_first * blk_window) * (m if cand.zero == 2 else 1)
         else:
             window = 0.0
         return np.maximum(0.0, sync - window) + opt_rate * params
@@ -402,8 +480,19 @@ def block_bound(
         tails = np.array(
             [tail_of(st.ext_params, 1, max(st.ext_time[r] - st.ext_fwd for r in modes), win_blk, 0) for st in stages]
         )
-        joint = _joint(m - 1, values(ext_of, t_of), Z, caps, tails, L)
-        return BlockBounds(cand, work=work, stage_max={r: Z for r in modes}, joint={r: joint for r in modes})
+        joint, arg = _joint(m - 1, values(ext_of, t_of), Z, caps, 0.0, [0.0], 0.0, lambda c: tails, L)
+        out = BlockBounds(cand, work=work, stage_max={r: Z for r in modes}, joint={r: joint for r in modes})
+        if arg is not None:
+            # a start for the ILP: block counts inside the relaxation's optimum, each stage's fastest
+            # recomputation mode that still fits its time and memory caps
+            hi, lo = caps(arg[0])
+            counts = _distribute(tails, lo, np.minimum(hi, L), arg[2], L, ext_t[modes[0]], t_q[modes[0]])
+            if counts is not None:
+                per_mode = {r: np.minimum(per(arg[0], ext_t[r], np.full(S, t_q[r])), mem[r]) for r in modes}
+                order = sorted(modes, key=lambda r: t_q[r])
+                rec = [next((r for r in order if counts[s] <= per_mode[r][s]), order[-1]) for s in range(S)]
+                out.starts.append((counts, rec))
+        return out
 
     # Several stages per rank, one recomputation mode for all stages (as in the ILP).
     out = BlockBounds(cand)
@@ -436,22 +525,42 @@ def block_bound(
         Y = smallest_feasible(y_vals, rank_caps)
         if Y is None:
             continue
-        tails = []
-        for r in ranks:
-            sts = mine[r]
-            first = sts[0]
-            tails.append(
-                tail_of(
-                    sum(st.ext_params for st in sts),
-                    len(sts),
-                    first.ext_time[r_mode] - first.ext_fwd,
-                    blk.bwd[r_mode],
-                    sum(st.min_blocks for st in sts[1:]),
-                )
-            )
-        out.joint[r_mode] = _joint(m, y_vals, Y, rank_caps, np.array(tails), L)
-        out.rank_max[r_mode] = Y
-        out.stage_max[r_mode] = smallest_feasible(values(list(ext_t), [t] * S), stage_caps)
+        Z = smallest_feasible(values(list(ext_t), [t] * S), stage_caps)
         if cand.schedule == "zero-bubble":
-            out.fwd_max[r_mode] = smallest_feasible(values(list(ext_f), [blk.fwd] * S), fwd_caps)
+            F = smallest_feasible(values(list(ext_f), [blk.fwd] * S), fwd_caps)
+            out.fwd_max[r_mode] = F
+            # the last term is the largest forward: it caps the first stage's blocks through its forward
+            c_vals, c_start, first_ext, first_unit = values(list(ext_f), [blk.fwd] * S), F, ext_f, blk.fwd
+        else:
+            c_vals, c_start, first_ext, first_unit = values(list(ext_t), [t] * S), Z, ext_t, t
+
+        def tails_at(c, r_mode=r_mode, first_ext=first_ext, first_unit=first_unit):
+            caps_first = per(c, first_ext, np.full(S, first_unit))
+            rows = []
+            for r in ranks:
+                sts = mine[r]
+                first = sts[0]
+                rows.append(
+                    tail_of(
+                        sum(st.ext_params for st in sts),
+                        len(sts),
+                        first.ext_time[r_mode] - first.ext_fwd,
+                        blk.bwd[r_mode],
+                        sum(st.min_blocks for st in sts[1:]),
+                        caps_first[first.index],
+                    )
+                )
+            return np.array(rows)
+
+        out.joint[r_mode], arg = _joint(m, y_vals, Y, rank_caps, p - 1, c_vals, c_start, tails_at, L)
+        if arg is not None:
+            hi, lo = rank_caps(arg[0])
+            n_rank = _distribute(tails_at(arg[1]), lo, np.minimum(hi, L), arg[2], L, rank_ext_t, t)
+            if n_rank is not None:
+                stage_cap = per(arg[1], first_ext, np.full(S, first_unit))
+                counts = _split_ranks(n_rank, mine, stage_cap, S)
+                if counts is not None:
+                    out.starts.append((counts, [r_mode] * S))
+        out.rank_max[r_mode] = Y
+        out.stage_max[r_mode] = Z
     return out if out.rank_max else None

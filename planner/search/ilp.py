@@ -288,11 +288,12 @@ def solve_partition(
         prob += exposed >= pulp.lpSum(sync[s] for s in mine) - window
         prob += tail >= exposed + opt_rate * pulp.lpSum(params[s] for s in mine)
     if bb is not None:
-        # Valid cut: the integer minimum of the bottleneck term plus the tail (block_bound's joint).
+        # Valid cut: the integer minimum of the maxima terms plus the tail (block_bound's joint).
         if cand.v == 1:
             prob += (cand.m - 1) * Z + tail >= min(bb.joint.values()) * (1 - 1e-12)
         else:
-            prob += cand.m * Y + tail >= pulp.lpSum(
+            last = Z if cand.schedule == "interleaved-1f1b" else F
+            prob += cand.m * Y + (cand.pp - 1) * last + tail >= pulp.lpSum(
                 mode_vars[0, r] * bb.joint[r] * (1 - 1e-12) for r in modes if r in bb.joint
             )
     # In microseconds: CBC's absolute tolerances (1e-7 .. 1e-10) would otherwise be coarse next to
@@ -321,13 +322,13 @@ def solve_partition(
 
     warm = False
     if form == "count":
-        start_sol = _balanced_start(graph, cluster, cand, costs, modes, options, run)
+        start_sol = _balanced_start(graph, cluster, cand, costs, modes, options, run, bb.starts if bb else [])
         if start_sol is not None:
-            counts, mode, _ = start_sol
+            counts, rec, _, start_obj = start_sol
             for s in range(S):
                 for r in modes:
-                    mode_vars[s, r].setInitialValue(1 if r == mode else 0)
-                    cnt[s, r].setInitialValue(counts[s] if r == mode else 0)
+                    mode_vars[s, r].setInitialValue(1 if r == rec[s] else 0)
+                    cnt[s, r].setInitialValue(counts[s] if r == rec[s] else 0)
             if has_blocks is not None:
                 # every integer variable needs its value, or CBC cannot use the start
                 has_blocks.setInitialValue(1 if counts[0] > 0 else 0)
@@ -372,7 +373,7 @@ def solve_partition(
     else:
         partition = [[u for u in range(U) if (z[u, s].value() or 0) > 0.5] for s in range(S)]
     obj = pulp.value(prob.objective) / OBJ_SCALE
-    start = (start_sol[2], [start_sol[1]] * S) if form == "count" and start_sol is not None else None
+    start = (start_sol[2], start_sol[1]) if form == "count" and start_sol is not None else None
     return ILPResult(res_status, float(obj), partition, recompute, form=form, start=start)
 
 
@@ -391,12 +392,13 @@ def _single_stage(graph, cluster, cand, costs, modes, options) -> ILPResult:
     return ILPResult("optimal", best[0], part, [best[1]], form="single")
 
 
-def _balanced_start(graph, cluster, cand, costs, modes, options, run):
-    """A feasible incumbent for CBC: the best of a few balanced partitions, one mode for every stage.
+def _balanced_start(graph, cluster, cand, costs, modes, options, run, extra=()):
+    """A feasible incumbent for CBC: the best of a few partitions that fit memory.
 
-    For each recomputation mode, two block distributions: stage times evened out around the prefix and
-    suffix, and equal block counts (which balances ranks when one rank holds both ends, as in the V
-    schedule). Returns (blocks per stage, mode, partition) of the fitting one with the lowest objective,
+    For each recomputation mode, two balanced block distributions (stage times evened out around the
+    prefix and suffix; equal block counts, which balances ranks when one rank holds both ends, as in the
+    V schedule), plus `extra` (block counts and per-stage modes built from the bound's relaxation).
+    Returns (blocks per stage, modes, partition, objective) of the fitting one with the lowest objective,
     or None. Only a starting point: the ILP still proves optimality.
     """
     from planner.search.search import evaluate
@@ -405,28 +407,33 @@ def _balanced_start(graph, cluster, cand, costs, modes, options, run):
     L, S = end - start + 1, cand.stages
     pre, post = list(range(0, start)), list(range(end + 1, n))
     holds = [bool((s == 0 and pre) or (s == S - 1 and post)) for s in range(S)]
-    best = None
+    tries = []
     for mode in modes:
         blk = costs[start].fwd + costs[start].bwd[mode]
-        extra = [0.0] * S
-        extra[0] += sum(costs[u].fwd + costs[u].bwd[mode] for u in pre)
-        extra[-1] += sum(costs[u].fwd + costs[u].bwd[mode] for u in post)
-        target = (L * blk + sum(extra)) / S
-        timed = [max(0, round((target - e) / blk)) if blk > 0 else L // S for e in extra]
+        extra_t = [0.0] * S
+        extra_t[0] += sum(costs[u].fwd + costs[u].bwd[mode] for u in pre)
+        extra_t[-1] += sum(costs[u].fwd + costs[u].bwd[mode] for u in post)
+        target = (L * blk + sum(extra_t)) / S
+        timed = [max(0, round((target - e) / blk)) if blk > 0 else L // S for e in extra_t]
         even = [L // S + (1 if s < L % S else 0) for s in range(S)]
         for counts in (timed, even):
-            counts = _fix_total(counts, L, extra, blk, holds)
-            if counts is None:
-                continue
-            part, nxt = [], start
-            for s in range(S):
-                units = (pre if s == 0 else []) + list(range(nxt, nxt + counts[s])) + (post if s == S - 1 else [])
-                nxt += counts[s]
-                part.append(units)
-            ev = evaluate(graph, cluster, cand, part, [mode] * S, costs, options)
-            if max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes and (best is None or ev.objective < best[0]):
-                best = (ev.objective, counts, mode, part)
-    return None if best is None else best[1:]
+            counts = _fix_total(counts, L, extra_t, blk, holds)
+            if counts is not None:
+                tries.append((counts, [mode] * S))
+    tries += [
+        (list(c), list(r)) for c, r in extra if sum(c) == L and all(c[s] >= (0 if holds[s] else 1) for s in range(S))
+    ]
+    best = None
+    for counts, rec in tries:
+        part, nxt = [], start
+        for s in range(S):
+            units = (pre if s == 0 else []) + list(range(nxt, nxt + counts[s])) + (post if s == S - 1 else [])
+            nxt += counts[s]
+            part.append(units)
+        ev = evaluate(graph, cluster, cand, part, rec, costs, options)
+        if max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes and (best is None or ev.objective < best[3]):
+            best = (counts, rec, part, ev.objective)
+    return best
 
 
 def _fix_total(counts, L, extra, blk, holds):
