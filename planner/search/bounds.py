@@ -16,7 +16,11 @@ Two bounds, the larger is used:
   when those capacities add up to the number of blocks. The smallest feasible Z is found by binary
   search over the finitely many values a stage time can take. Where the ILP's memory row couples the
   stages of one rank (several stages per rank) the rank's activation peak is relaxed to the mean of its
-  stages, which only lowers the bound.
+  stages, which only lowers the bound. The bottleneck terms and the tail (exposed gradient sync plus
+  optimizer step, largest over ranks) are then minimised jointly (`_joint`): a rank's tail grows with
+  its blocks and shrinks with the backward of its first stage, whose blocks the largest stage time
+  caps, so the bound sees that an uneven rank (the one with the embedding or the head) pays a longer
+  tail. The ILP adds these bounds as cuts and starts from a solution built from their optimum.
 """
 
 from __future__ import annotations
@@ -138,6 +142,20 @@ def tail_coefficients(cand: Candidate, cluster: ClusterSpec, dtype: str) -> tupl
     return ring * 4.0, (n - 1) * lat, opt_rate
 
 
+def _least(vals, ok):
+    """The least value of the sorted `vals` for which the monotone predicate `ok` holds, or None."""
+    lo, hi = 0, len(vals)
+    if hi == 0 or not ok(vals[-1]):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(vals[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return vals[lo]
+
+
 def _joint(
     A: float,
     a_vals: list[float],
@@ -178,16 +196,8 @@ def _joint(
             last = L - m[:, ::-1].argmax(axis=1)
             return first.sum() <= L <= last.sum()
 
-        i, j = 0, len(vals_q)
-        if not ok(vals_q[-1]):
-            return INF
-        while i < j:
-            mid = (i + j) // 2
-            if ok(vals_q[mid]):
-                j = mid
-            else:
-                i = mid + 1
-        return float(vals_q[i])
+        q = _least(vals_q, ok)
+        return INF if q is None else float(q)
 
     q_floor = qmin(a_vals[-1], tails_at(c_vals[-1]))
     if q_floor == INF:
@@ -436,16 +446,7 @@ def block_bound(
             hi, lo = caps(Z)
             return bool((hi >= lo).all()) and float(np.minimum(hi, L).sum()) >= L
 
-        lo, hi = 0, len(vals)
-        if hi == 0 or not ok(vals[-1]):
-            return None
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if ok(vals[mid]):
-                hi = mid
-            else:
-                lo = mid + 1
-        return vals[lo]
+        return _least(vals, ok)
 
     if v == 1:
         # One stage per rank, its own recomputation mode: capacity is the best over modes.
