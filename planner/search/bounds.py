@@ -53,6 +53,7 @@ class Bounds:
     time: float
     memory: float  # lower bound on the busiest rank's bytes (compared with the GPU's capacity)
     feasible: bool = True  # False when no partition can fit memory under any allowed recomputation
+    block: BlockBounds | None = None  # the count form's bounds, for the ILP's cuts and start
 
 
 def lower_bounds(
@@ -63,18 +64,22 @@ def lower_bounds(
     options: CostOptions,
     modes: tuple[str, ...],
     run: tuple[int, int, int] | None,
+    joint: bool = True,
 ) -> Bounds:
-    """The best valid bound available for this candidate (see the module docstring)."""
+    """The best valid bound available for this candidate (see the module docstring); joint=False skips
+    the joint minimum with the tail (cheaper, looser: the mean tail is added instead)."""
     dtype = graph.source.dtype
     tot = Totals.of(costs, modes)
     b = simple_bound(tot, cand, cluster, dtype, options)
     if run is None or cand.stages == 1 or b.memory > cluster.gpu.memory_bytes:
         return b
-    blk = block_bound(graph, costs, cand, cluster, options, modes, run)
+    blk = block_bound(graph, costs, cand, cluster, options, modes, run, joint)
     if blk is None:
         return Bounds(b.time, b.memory, feasible=False)
     tight = blk.total() + comm_bound(graph, cand, cluster, run)
-    return Bounds(max(b.time, tight), b.memory)
+    if not joint:
+        tight += _tail(tot, cand, cluster, dtype, options)
+    return Bounds(max(b.time, tight), b.memory, block=blk)
 
 
 @dataclass(frozen=True)
@@ -383,6 +388,7 @@ def block_bound(
     options: CostOptions,
     modes: tuple[str, ...],
     run: tuple[int, int, int],
+    joint: bool = True,
 ) -> BlockBounds | None:
     """Lower bounds on the pipeline terms of the count-form ILP (largest stage time, largest rank time,
     largest stage forward, per recomputation mode); None if no integer block distribution fits memory."""
@@ -481,8 +487,10 @@ def block_bound(
         tails = np.array(
             [tail_of(st.ext_params, 1, max(st.ext_time[r] - st.ext_fwd for r in modes), win_blk, 0) for st in stages]
         )
-        joint, arg = _joint(m - 1, values(ext_of, t_of), Z, caps, 0.0, [0.0], 0.0, lambda c: tails, L)
-        out = BlockBounds(cand, work=work, stage_max={r: Z for r in modes}, joint={r: joint for r in modes})
+        if not joint:
+            return BlockBounds(cand, work=work, stage_max={r: Z for r in modes}, joint={r: (m - 1) * Z for r in modes})
+        value, arg = _joint(m - 1, values(ext_of, t_of), Z, caps, 0.0, [0.0], 0.0, lambda c: tails, L)
+        out = BlockBounds(cand, work=work, stage_max={r: Z for r in modes}, joint={r: value for r in modes})
         if arg is not None:
             # a start for the ILP: block counts inside the relaxation's optimum, each stage's fastest
             # recomputation mode that still fits its time and memory caps
@@ -553,6 +561,11 @@ def block_bound(
                 )
             return np.array(rows)
 
+        out.rank_max[r_mode] = Y
+        out.stage_max[r_mode] = Z
+        if not joint:
+            out.joint[r_mode] = m * Y + (p - 1) * c_start
+            continue
         out.joint[r_mode], arg = _joint(m, y_vals, Y, rank_caps, p - 1, c_vals, c_start, tails_at, L)
         if arg is not None:
             hi, lo = rank_caps(arg[0])
@@ -562,6 +575,4 @@ def block_bound(
                 counts = _split_ranks(n_rank, mine, stage_cap, S)
                 if counts is not None:
                     out.starts.append((counts, [r_mode] * S))
-        out.rank_max[r_mode] = Y
-        out.stage_max[r_mode] = Z
     return out if out.rank_max else None

@@ -33,7 +33,7 @@ from planner.cost.model import (
 from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches, stage_rank
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
-from planner.search.bounds import block_bound, tail_coefficients
+from planner.search.bounds import BlockBounds, block_bound, tail_coefficients
 
 log = logging.getLogger(__name__)
 OBJ_SCALE = 1e6
@@ -91,12 +91,14 @@ def solve_partition(
     max_nodes: int | None = None,
     cutoff: float | None = None,
     cuts: bool = True,
+    bounds: BlockBounds | None = None,
 ) -> ILPResult:
     """Solve the partition + recomputation ILP of one candidate exactly (or to the time limit).
 
     `cutoff`: only solutions with an objective below it are wanted (the search passes the k-th best plan
     so far); when none exists the status is "cutoff". `cuts`: add the valid integer bounds of
-    `planner.search.bounds.block_bound` on the maxima (count form), which close most of the LP gap.
+    `planner.search.bounds.block_bound` on the maxima (count form), which close most of the LP gap;
+    `bounds`: that function's result when the caller has it already.
     """
     U = len(graph.units)
     S = cand.stages
@@ -139,7 +141,7 @@ def solve_partition(
         L = end - start + 1
         blk = costs[start]
         if cuts:
-            bb = block_bound(graph, costs, cand, cluster, options, modes, run)
+            bb = bounds if bounds is not None else block_bound(graph, costs, cand, cluster, options, modes, run)
             if bb is None:
                 return ILPResult("infeasible", None, None, None, form=form)
         pre = list(range(0, start))

@@ -137,7 +137,9 @@ def search(
     run = block_run(graph)
     # Lazy bounding: every candidate gets the cheap simple bound; the tighter block bound is computed
     # only for candidates that reach the front of the queue, which then go back in with it.
-    heap: list[tuple[float, int, bool, Candidate, list[UnitCost], tuple[str, ...]]] = []
+    # (bound, index, level, ...): level 0 has the simple bound, 1 the block bound, 2 the block bound
+    # minimised jointly with the tail (whose BlockBounds the ILP reuses for its cuts and start)
+    heap: list[tuple] = []
     smallest_need: tuple[float, Candidate] | None = None
     totals: dict[tuple, Totals] = {}
     for i, cand in enumerate(space.candidates):
@@ -154,7 +156,7 @@ def search(
             if smallest_need is None or b.memory < smallest_need[0]:
                 smallest_need = (b.memory, cand)
             continue
-        heap.append((b.time, i, False, cand, costs, cand_modes))
+        heap.append((b.time, i, 0, cand, costs, cand_modes, None))
     heapq.heapify(heap)
     total = len(heap)
 
@@ -166,7 +168,7 @@ def search(
     done = 0
 
     def solve(item, cutoff):
-        _, _, _, cand, costs, cand_modes = item
+        _, _, _, cand, costs, cand_modes, block = item
         return solve_partition(
             graph,
             cluster,
@@ -177,6 +179,7 @@ def search(
             time_limit=time_limit,
             max_nodes=max_nodes,
             cutoff=cutoff,
+            bounds=block,
         )
 
     # CBC runs in its own process: the next ILP_WORKERS candidates in bound order are solved side by side
@@ -188,19 +191,19 @@ def search(
             batch = []
             cutoff = ranked[top_k].objective if len(ranked) >= top_k + 1 else None
             while heap and len(batch) < ILP_WORKERS:
-                bound, i, tight, cand, costs, cand_modes = heap[0]
+                bound, i, level, cand, costs, cand_modes, block = heap[0]
                 if cutoff is not None and bound >= cutoff:
                     break
                 heapq.heappop(heap)
-                if not tight:
-                    b = lower_bounds(graph, costs, cand, cluster, options, cand_modes, run)
+                if level < 2 and run is not None and cand.stages > 1:
+                    b = lower_bounds(graph, costs, cand, cluster, options, cand_modes, run, joint=level == 1)
                     if not b.feasible:
                         rejected[(_region(cand), OOM_BOUND)] += 1
                         done += 1
                         continue
-                    heapq.heappush(heap, (max(bound, b.time), i, True, cand, costs, cand_modes))
+                    heapq.heappush(heap, (max(bound, b.time), i, level + 1, cand, costs, cand_modes, b.block))
                     continue
-                batch.append((bound, i, tight, cand, costs, cand_modes))
+                batch.append((bound, i, level, cand, costs, cand_modes, block))
             if not batch:
                 pruned = len(heap)
                 break
@@ -209,7 +212,7 @@ def search(
             done += len(batch)
             results = list(pool.map(solve, batch, [cutoff] * len(batch)))
             solved += len(batch)
-            for (bound, _i, _t, cand, costs, _m), res in zip(batch, results, strict=True):
+            for (bound, _i, _lv, cand, costs, _m, _b), res in zip(batch, results, strict=True):
                 if res.status == "cutoff":
                     rejected[(_region(cand), NOT_TOP_K)] += 1
                     continue
