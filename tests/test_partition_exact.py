@@ -30,10 +30,10 @@ def cluster_with(memory_gib: float, nodes: int = 2):
     return cl.model_copy(update={"gpu": cl.gpu.model_copy(update={"memory_gib": memory_gib})})
 
 
-def _check(graph, cluster, cand, modes, with_dp: bool):
+def _check(graph, cluster, cand, modes, with_dp: bool, form: str | None = None):
     options = CostOptions()
     costs = CostTable(graph, cluster, None).units(cand)
-    ilp = solve_partition(graph, cluster, cand, costs, modes, options)
+    ilp = solve_partition(graph, cluster, cand, costs, modes, options, force_form=form)
     ref = dp_partition(graph, cluster, cand, costs, modes, options) if with_dp else None
     brute = brute_force_partition(graph, cluster, cand, costs, modes, options)
     if brute is None:
@@ -59,14 +59,15 @@ def _check(graph, cluster, cand, modes, with_dp: bool):
     dp=st.sampled_from([1, 2, 4]),
     zero=st.integers(0, 3),
     memory=st.floats(8, 120),
+    form=st.sampled_from(["interval", "assign"]),
 )
-def test_ilp_equals_dp_and_brute_force_one_stage_per_rank(units, stages, schedule, extra_m, dp, zero, memory):
+def test_ilp_equals_dp_and_brute_force_one_stage_per_rank(units, stages, schedule, extra_m, dp, zero, memory, form):
     us = [make_unit(f"u{i}", f"s{i}", *spec) for i, spec in enumerate(units)]
     if stages > len(us):
         stages = len(us)
     graph = make_graph(us)
     cand = Candidate(dp, 1, stages, 1, 1, stages + extra_m, schedule, zero if dp > 1 else 0, False)
-    _check(graph, cluster_with(memory), cand, ("none", "selective", "full"), with_dp=True)
+    _check(graph, cluster_with(memory), cand, ("none", "selective", "full"), with_dp=True, form=form)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -75,12 +76,13 @@ def test_ilp_equals_dp_and_brute_force_one_stage_per_rank(units, stages, schedul
     schedule=st.sampled_from(["interleaved-1f1b", "zero-bubble"]),
     m_rounds=st.integers(1, 3),
     memory=st.floats(8, 120),
+    form=st.sampled_from(["interval", "assign"]),
 )
-def test_ilp_equals_brute_force_two_stages_per_rank(units, schedule, m_rounds, memory):
+def test_ilp_equals_brute_force_two_stages_per_rank(units, schedule, m_rounds, memory, form):
     us = [make_unit(f"u{i}", f"s{i}", *spec) for i, spec in enumerate(units)]
     graph = make_graph(us)
     cand = Candidate(1, 1, 2, 2, 1, 2 * m_rounds, schedule, 0, False)
-    _check(graph, cluster_with(memory), cand, ("none", "full"), with_dp=False)
+    _check(graph, cluster_with(memory), cand, ("none", "full"), with_dp=False, form=form)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

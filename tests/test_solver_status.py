@@ -15,14 +15,15 @@ from planner.search.ilp import solve_partition
 from planner.search.search import CostTable, search
 from planner.search.space import Pins
 
-CAND = Candidate(2, 1, 4, 1, 1, 8, "1f1b", 1, False)
-PINS = Pins(dp=2, tp=1, pp=4, micro_batch_size=1, schedule="1f1b", zero_stage=1)
+CAND = Candidate(1, 1, 4, 2, 1, 8, "interleaved-1f1b", 0, False)
+PINS = Pins(dp=1, tp=1, pp=4, virtual_stages=2, micro_batch_size=1, schedule="interleaved-1f1b", zero_stage=0)
+BATCH = 8
 MODES = ("none", "full")
 
 
 def instance(memory_gib: float = 80.0):
-    """14 distinct units (the assignment form): seed 1 is not solved at CBC's root node."""
-    rnd = random.Random(1)
+    """14 distinct units, interleaved over 4 ranks: seed 0 is not solved at CBC's root node."""
+    rnd = random.Random(0)
     units = [
         make_unit(
             f"u{i}",
@@ -34,20 +35,22 @@ def instance(memory_gib: float = 80.0):
         )
         for i in range(14)
     ]
-    cl = load_cluster("a100-sxm4-80gb", 1)
+    cl = load_cluster("a100-sxm4-80gb", 1, 4)
     cl = cl.model_copy(update={"gpu": cl.gpu.model_copy(update={"memory_gib": memory_gib})})
-    graph = make_graph(units)
+    # distinct layers, not repeated blocks (Megatron's interleaving rule on block counts does not apply)
+    graph = make_graph([u.model_copy(update={"kind": "other"}) for u in units])
     return graph, cl, CostTable(graph, cl, None).units(CAND)
 
 
 def test_optimal_and_node_limit():
     graph, cl, costs = instance()
     exact = solve_partition(graph, cl, CAND, costs, MODES, CostOptions())
-    assert exact.status == "optimal" and exact.form == "assign"
-    stopped = solve_partition(graph, cl, CAND, costs, MODES, CostOptions(), max_nodes=1)
-    assert stopped.status == "node_limit"
-    assert stopped.objective >= exact.objective * (1 - 1e-9)
-    assert sorted(u for st in stopped.partition for u in st) == list(range(len(graph.units)))
+    assert exact.status == "optimal" and exact.form == "interval"
+    for form in ("interval", "assign"):
+        stopped = solve_partition(graph, cl, CAND, costs, MODES, CostOptions(), max_nodes=1, force_form=form)
+        assert stopped.status == "node_limit" and stopped.form == form
+        assert stopped.objective >= exact.objective * (1 - 1e-9)
+        assert sorted(u for st in stopped.partition for u in st) == list(range(len(graph.units)))
 
 
 def test_time_limit_is_named_when_one_was_asked_for():
@@ -58,10 +61,10 @@ def test_time_limit_is_named_when_one_was_asked_for():
 
 def test_search_reports_the_limit_and_the_gap():
     graph, cl, _ = instance()
-    res = search(graph, cl, 16, PINS, max_nodes=1)
+    res = search(graph, cl, BATCH, PINS, max_nodes=1)
     assert res.status == "node_limit"
     assert 0.0 < res.gap < 1.0
-    exact = search(graph, cl, 16, PINS)
+    exact = search(graph, cl, BATCH, PINS)
     assert exact.status == "optimal" and exact.gap == 0.0
 
 
@@ -78,6 +81,6 @@ def test_infeasible_and_the_shortfall_message():
     graph, cl, costs = instance(memory_gib=4.0)
     assert solve_partition(graph, cl, CAND, costs, MODES, CostOptions()).status == "infeasible"
     with pytest.raises(InfeasibleError) as e:
-        search(graph, cl, 16, PINS)
+        search(graph, cl, BATCH, PINS)
     msg = str(e.value)
     assert "GiB over" in msg and "ZeRO-3" in msg and "--nodes" in msg

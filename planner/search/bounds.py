@@ -54,6 +54,7 @@ class Bounds:
     memory: float  # lower bound on the busiest rank's bytes (compared with the GPU's capacity)
     feasible: bool = True  # False when no partition can fit memory under any allowed recomputation
     block: BlockBounds | None = None  # the count form's bounds, for the ILP's cuts and start
+    interval: IntervalBounds | None = None  # the assignment form's
 
 
 def lower_bounds(
@@ -71,8 +72,14 @@ def lower_bounds(
     dtype = graph.source.dtype
     tot = Totals.of(costs, modes)
     b = simple_bound(tot, cand, cluster, dtype, options)
-    if run is None or cand.stages == 1 or b.memory > cluster.gpu.memory_bytes:
+    if cand.stages == 1 or b.memory > cluster.gpu.memory_bytes:
         return b
+    if run is None:
+        ib = interval_bound(graph, costs, cand, cluster, options, modes)
+        if ib is None:
+            return Bounds(b.time, b.memory, feasible=False)
+        tight = ib.pipeline(cand, costs) + _tail(tot, cand, cluster, dtype, options)
+        return Bounds(max(b.time, tight + unit_comm_bound(graph, cand, cluster)), b.memory, interval=ib)
     blk = block_bound(graph, costs, cand, cluster, options, modes, run, joint)
     if blk is None:
         return Bounds(b.time, b.memory, feasible=False)
@@ -299,6 +306,14 @@ def _tail(tot: Totals, cand, cluster, dtype, options) -> float:
     if cand.zero == 2:
         windows *= cand.m
     return (max(0.0, sync - windows) + p * optimizer_time(params / p, cand, cluster, dtype)) / p
+
+
+def unit_comm_bound(graph: ModelGraph, cand: Candidate, cluster: ClusterSpec) -> float:
+    """Fill/drain point-to-point of any partition: each boundary carries at least the smallest output
+    of a unit that can end a stage (any but the last)."""
+    smallest = min(u.output_bytes for u in graph.units[:-1])
+    bw, lat = p2p_link(cand, cluster)
+    return 2.0 * (cand.stages - 1) * (lat + smallest * cand.mbs / (cand.tp if cand.sp else 1) / bw)
 
 
 def comm_bound(graph: ModelGraph, cand: Candidate, cluster: ClusterSpec, run) -> float:
@@ -576,3 +591,132 @@ def block_bound(
                 if counts is not None:
                     out.starts.append((counts, [r_mode] * S))
     return out if out.rank_max else None
+
+
+# ------------------------------------------------------------------------ any unit sequence (assign form)
+
+
+@dataclass
+class IntervalBounds:
+    """Assignment form: per recomputation mode, a lower bound on the largest stage time (the same value
+    for every mode with one stage per rank, where stages choose modes freely), and start partitions."""
+
+    stage_max: dict[str, float] = field(default_factory=dict)
+    starts: list[tuple[list[list[int]], list[str]]] = field(default_factory=list)
+
+    def pipeline(self, cand: Candidate, costs: list[UnitCost]) -> float:
+        """Lower bound on the pipeline term without point-to-point time: the stage times sum to the work
+        W of their modes, a rank's to at least W / p, the largest stage to at least the bound."""
+        S, p, m = cand.stages, cand.pp, cand.m
+        out = INF
+        for r, Z in self.stage_max.items():
+            if cand.v == 1:
+                W = sum(c.fwd + min(c.bwd[q] for q in self.stage_max) for c in costs)
+                out = min(out, W + (m - 1) * Z)
+            else:
+                W = sum(c.fwd + c.bwd[r] for c in costs)
+                last = Z if cand.schedule == "interleaved-1f1b" else sum(c.fwd for c in costs) / S
+                out = min(out, m * W / p + (p - 1) * last)
+        return out
+
+
+def interval_bound(
+    graph: ModelGraph,
+    costs: list[UnitCost],
+    cand: Candidate,
+    cluster: ClusterSpec,
+    options: CostOptions,
+    modes: tuple[str, ...],
+) -> IntervalBounds | None:
+    """The least largest stage time over contiguous partitions of the units into the candidate's stages.
+
+    Stage s may hold units i..j-1 when, in some mode, its time (and ZeRO-3 gathers) stays within Z and,
+    with one stage per rank, its memory row of the ILP fits at that position; a dynamic program over
+    (stage, units placed) decides whether Z is feasible, and a binary search over the finitely many
+    interval times finds the least feasible Z. With several stages per rank memory is a rank's row and
+    is left out here (a relaxation). None when no partition fits memory.
+    """
+    U, S, p, m = len(costs), cand.stages, cand.pp, cand.m
+    dtype = graph.source.dtype
+    pre = lambda xs: np.concatenate([[0.0], np.cumsum(xs)])  # noqa: E731
+    span = lambda c: c[None, :] - c[:, None]  # span[i, j] = sum over units i..j-1  # noqa: E731
+    params = span(pre([c.params_local for c in costs]))
+    t = {r: span(pre([c.fwd + c.bwd[r] for c in costs])) for r in modes}
+    act = {r: span(pre([c.act[r] for c in costs])) for r in modes}
+    valid = np.triu(np.ones((U + 1, U + 1), dtype=bool), 1)  # j > i
+    if cand.zero == 3 and cand.dp > 1:
+        bw, lat = dp_link(cand, cluster)
+        w_bytes = 4.0 if dtype == "fp32" else 2.0
+        gather = 2 * ((cand.dp - 1) / cand.dp / bw * w_bytes * params + (cand.dp - 1) * lat)
+    else:
+        gather = np.zeros_like(params)
+    mem_ok = {}
+    if cand.v == 1:
+        state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
+        per_param = state.weights + state.gradients + state.optimizer
+        budget = (cluster.gpu.memory_bytes - options.workspace_bytes) / (1 + options.fragmentation)
+        fixed = (2 * options.ddp_bucket_bytes if (cand.dp > 1 and cand.zero == 0) else 0.0) + (
+            2 * max(c.largest_param_bytes for c in costs) if cand.zero == 3 else 0.0
+        )
+        out_bytes = np.array([0.0] + [u.output_bytes for u in graph.units])  # out_bytes[j]: unit j-1's output
+        for s in range(S):
+            k = in_flight_microbatches(cand.schedule, p, m, 1, s)
+            buf = 4.0 * cand.mbs * out_bytes[None, :] if s < S - 1 else 0.0
+            for r in modes:
+                mem_ok[s, r] = per_param * params + fixed + buf + k * act[r] <= budget
+    values = np.unique(np.concatenate([np.maximum(t[r], gather)[valid] for r in modes]))
+
+    def reach(Z: float, only: tuple[str, ...]):
+        """reach[s][j]: units 0..j-1 fit in stages 0..s-1 (with the mode and start of each stage)."""
+        fits = {}
+        for s in range(S):
+            f = np.zeros_like(valid)
+            for r in only:
+                f |= (t[r] <= Z * (1 + 1e-12)) & (mem_ok[s, r] if cand.v == 1 else True)
+            fits[s] = f & valid & (gather <= Z * (1 + 1e-12))
+        rows = [np.zeros(U + 1, dtype=bool)]
+        rows[0][0] = True
+        for s in range(S):
+            rows.append((rows[-1][:, None] & fits[s]).any(axis=0))
+        return rows, fits
+
+    def least(only):
+        return _least(values, lambda Z: bool(reach(Z, only)[0][S][U]))
+
+    def partition(Z, only):
+        rows, fits = reach(Z, only)
+        cuts, j = [U], U
+        for s in range(S - 1, -1, -1):
+            i = int(np.flatnonzero(rows[s] & fits[s][:, j])[-1])
+            cuts.append(i)
+            j = i
+        cuts = cuts[::-1]
+        part = [list(range(cuts[s], cuts[s + 1])) for s in range(S)]
+        rec = []
+        for s in range(S):
+            i, j = cuts[s], cuts[s + 1]
+            ok = [r for r in only if t[r][i, j] <= Z * (1 + 1e-12) and (cand.v > 1 or mem_ok[s, r][i, j])]
+            rec.append(min(ok, key=lambda r: t[r][i, j]))
+        return part, rec
+
+    out = IntervalBounds()
+    if cand.v == 1:
+        Z = least(modes)
+        if Z is None:
+            return None
+        out.stage_max = {r: float(Z) for r in modes}
+        out.starts.append(partition(Z, modes))
+    else:
+        for r in modes:
+            Z = least((r,))
+            if Z is not None:
+                out.stage_max[r] = float(Z)
+                out.starts.append(partition(Z, (r,)))
+        if not out.stage_max:
+            return None
+    for r in modes:
+        if len(out.starts) and cand.v == 1:
+            Zr = least((r,))
+            if Zr is not None:
+                out.starts.append(partition(Zr, (r,)))
+    return out

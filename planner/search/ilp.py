@@ -5,17 +5,20 @@ stage's activation recomputation, under per-rank memory capacity (which depends 
 the schedule through its in-flight micro-batches), minimising `planner.cost.model.iteration_linear`:
 the schedule's fill-drain iteration time plus the exposed data-parallel sync and optimizer step.
 
-Two encodings of the same model:
+Three encodings of the same model:
 - count form, when the units are [prefix?] + a run of identical blocks + [suffix?] (transformers): the
   prefix is always in stage 0 and the suffix in the last stage, so the partition is exactly the number of
   blocks per stage and recomputation mode: O(stages) integer variables however many layers there are;
-- assignment form, for any other unit sequence: binary unit-to-stage variables with prefix-sum
-  contiguity constraints.
+- interval form, for any other unit sequence while it stays small: one binary per (stage, interval of
+  units, mode), the stages a path from the first unit to the last (flow conservation), whose LP
+  relaxation is the convex hull of the partitions;
+- assignment form otherwise: binary unit-to-stage variables with prefix-sum contiguity constraints.
 Maxima in the objective are linearised with epigraph variables (exact, since they are minimised).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -33,13 +36,15 @@ from planner.cost.model import (
 from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches, stage_rank
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
-from planner.search.bounds import BlockBounds, block_bound, tail_coefficients
+from planner.search.bounds import BlockBounds, IntervalBounds, block_bound, interval_bound, tail_coefficients
 
 log = logging.getLogger(__name__)
 OBJ_SCALE = 1e6
 # Memory rows in GiB: byte-sized coefficients (1e10) next to second-sized ones (1e-3) make CBC's presolve
 # declare feasible models infeasible.
 MEM_SCALE = 1.0 / 2**30
+# The interval form has one binary per (stage, unit interval, mode): used while that stays small.
+MAX_INTERVAL_VARS = 20_000
 
 
 @dataclass
@@ -91,7 +96,7 @@ def solve_partition(
     max_nodes: int | None = None,
     cutoff: float | None = None,
     cuts: bool = True,
-    bounds: BlockBounds | None = None,
+    bounds: BlockBounds | IntervalBounds | None = None,
 ) -> ILPResult:
     """Solve the partition + recomputation ILP of one candidate exactly (or to the time limit).
 
@@ -107,7 +112,9 @@ def solve_partition(
     if S == 1:
         return _single_stage(graph, cluster, cand, costs, modes, options)
     run = block_run(graph)
-    form = force_form or ("count" if run is not None else "assign")
+    spans = _interval_spans(U, S)
+    n_interval = sum(len(v) for v in spans.values()) * len(modes)
+    form = force_form or ("count" if run is not None else "interval" if n_interval <= MAX_INTERVAL_VARS else "assign")
     if form == "count" and run is None:
         form = "assign"
 
@@ -135,13 +142,18 @@ def solve_partition(
                 prob += mode_vars[s, r] == mode_vars[0, r]
 
     bb = None
+    ib = None
     has_blocks = None
     if form == "count":
         start, end, n = run
         L = end - start + 1
         blk = costs[start]
         if cuts:
-            bb = bounds if bounds is not None else block_bound(graph, costs, cand, cluster, options, modes, run)
+            bb = (
+                bounds
+                if isinstance(bounds, BlockBounds)
+                else block_bound(graph, costs, cand, cluster, options, modes, run)
+            )
             if bb is None:
                 return ILPResult("infeasible", None, None, None, form=form)
         pre = list(range(0, start))
@@ -185,6 +197,46 @@ def solve_partition(
                     prob += b >= out_blk
                 boundary[s] = b
     else:
+        if cuts:
+            ib = (
+                bounds
+                if isinstance(bounds, IntervalBounds)
+                else interval_bound(graph, costs, cand, cluster, options, modes)
+            )
+            if ib is None:
+                return ILPResult("infeasible", None, None, None, form=form)
+    if form == "interval":
+        # x[s, i, j, r]: stage s holds units i..j-1 in mode r. The stages form a path from unit 0 to U
+        # (flow conservation), whose LP relaxation is the convex hull of the partitions.
+        pre = lambda xs: [0.0, *itertools.accumulate(xs)]  # noqa: E731
+        c_fwd = pre(c.fwd for c in costs)
+        c_par = pre(c.params_local for c in costs)
+        c_tot = {r: pre(c.fwd + c.bwd[r] for c in costs) for r in modes}
+        c_act = {r: pre(c.act[r] for c in costs) for r in modes}
+        x = {
+            (s, i, j, r): pulp.LpVariable(f"x_{s}_{i}_{j}_{r}", cat="Binary")
+            for s in range(S)
+            for i, j in spans[s]
+            for r in modes
+        }
+        for s in range(S):
+            for r in modes:
+                prob += pulp.lpSum(x[s, i, j, r] for i, j in spans[s]) == mode_vars[s, r]
+        for s in range(S - 1):
+            for k in range(1, U):
+                into = [x[s, i, j, r] for i, j in spans[s] if j == k for r in modes]
+                out = [x[s + 1, i, j, r] for i, j in spans[s + 1] if i == k for r in modes]
+                if into or out:
+                    prob += pulp.lpSum(into) == pulp.lpSum(out)
+        for s in range(S):
+            xs = [(i, j, r, x[s, i, j, r]) for i, j in spans[s] for r in modes]
+            fwd[s] = _lin([v * (c_fwd[j] - c_fwd[i]) for i, j, r, v in xs])
+            tot[s] = _lin([v * (c_tot[r][j] - c_tot[r][i]) for i, j, r, v in xs])
+            params[s] = _lin([v * (c_par[j] - c_par[i]) for i, j, r, v in xs])
+            act[s] = _lin([v * (c_act[r][j] - c_act[r][i]) for i, j, r, v in xs])
+            if s < S - 1:
+                boundary[s] = _lin([v * graph.units[j - 1].output_bytes for i, j, r, v in xs])
+    elif form == "assign":
         z = {(u, s): pulp.LpVariable(f"z_{u}_{s}", cat="Binary") for u in range(U) for s in range(S)}
         w = {
             (u, s, r): pulp.LpVariable(f"w_{u}_{s}_{r}", cat="Binary")
@@ -260,6 +312,15 @@ def solve_partition(
                 if r not in bb.rank_max:
                     prob += mode_vars[0, r] == 0
             prob += Z >= pulp.lpSum(mode_vars[0, r] * bb.stage_max[r] * (1 - 1e-12) for r in modes if r in bb.stage_max)
+    if ib is not None:
+        # Valid cut: the least largest stage time over contiguous partitions (interval_bound).
+        if cand.v == 1:
+            prob += Z >= min(ib.stage_max.values()) * (1 - 1e-12)
+        else:
+            for r in modes:
+                if r not in ib.stage_max:
+                    prob += mode_vars[0, r] == 0
+            prob += Z >= pulp.lpSum(mode_vars[0, r] * ib.stage_max[r] * (1 - 1e-12) for r in modes if r in ib.stage_max)
     if cand.schedule in ("gpipe", "1f1b"):
         pipe = pulp.lpSum(T) + (cand.m - 1) * Z
     else:
@@ -323,6 +384,7 @@ def solve_partition(
             prob += ((states + k * A) * frag + options.workspace_bytes) * MEM_SCALE <= cap * MEM_SCALE
 
     warm = False
+    start_sol = None
     if form == "count":
         start_sol = _balanced_start(graph, cluster, cand, costs, modes, options, run, bb.starts if bb else [])
         if start_sol is not None:
@@ -334,6 +396,29 @@ def solve_partition(
             if has_blocks is not None:
                 # every integer variable needs its value, or CBC cannot use the start
                 has_blocks.setInitialValue(1 if counts[0] > 0 else 0)
+            warm = True
+    elif ib is not None:
+        start_sol = _best_start(graph, cluster, cand, costs, options, ib.starts)
+        if start_sol is not None and form == "interval":
+            part, rec, _ = start_sol
+            chosen = {(s, units[0], units[-1] + 1, rec[s]) for s, units in enumerate(part)}
+            for key, var in x.items():
+                var.setInitialValue(1 if key in chosen else 0)
+            for s in range(S):
+                for r in modes:
+                    mode_vars[s, r].setInitialValue(1 if r == rec[s] else 0)
+            warm = True
+        elif start_sol is not None:
+            part, rec, _ = start_sol
+            for s in range(S):
+                for r in modes:
+                    mode_vars[s, r].setInitialValue(1 if r == rec[s] else 0)
+            owner = {u: s for s, units in enumerate(part) for u in units}
+            for u in range(U):
+                for s in range(S):
+                    z[u, s].setInitialValue(1 if owner[u] == s else 0)
+                    for r in modes:
+                        w[u, s, r].setInitialValue(1 if owner[u] == s and rec[s] == r else 0)
             warm = True
     # Single-threaded with a node limit: the same inputs always give the same solution (a wall-clock
     # limit would make the result depend on the machine's load).
@@ -372,10 +457,20 @@ def solve_partition(
             if s == S - 1:
                 units += list(range(end + 1, n))
             partition.append(units)
+    elif form == "interval":
+        partition = [
+            next(list(range(i, j)) for i, j in spans[s] if sum(x[s, i, j, r].value() or 0 for r in modes) > 0.5)
+            for s in range(S)
+        ]
     else:
         partition = [[u for u in range(U) if (z[u, s].value() or 0) > 0.5] for s in range(S)]
     obj = pulp.value(prob.objective) / OBJ_SCALE
-    start = (start_sol[2], start_sol[1]) if form == "count" and start_sol is not None else None
+    if start_sol is None:
+        start = None
+    elif form == "count":
+        start = (start_sol[2], start_sol[1])
+    else:
+        start = (start_sol[0], start_sol[1])
     return ILPResult(res_status, float(obj), partition, recompute, form=form, start=start)
 
 
@@ -435,6 +530,29 @@ def _balanced_start(graph, cluster, cand, costs, modes, options, run, extra=()):
         ev = evaluate(graph, cluster, cand, part, rec, costs, options)
         if max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes and (best is None or ev.objective < best[3]):
             best = (counts, rec, part, ev.objective)
+    return best
+
+
+def _interval_spans(U: int, S: int) -> dict[int, list[tuple[int, int]]]:
+    """The unit intervals [i, j) stage s can hold when every stage holds at least one unit."""
+    spans = {}
+    for s in range(S):
+        starts = [0] if s == 0 else range(s, U - S + s + 1)
+        spans[s] = [(i, j) for i in starts for j in ([U] if s == S - 1 else range(i + 1, U - S + s + 2))]
+    return spans
+
+
+def _best_start(graph, cluster, cand, costs, options, starts):
+    """(partition, recomputation, objective) of the start that fits memory with the lowest objective."""
+    from planner.search.search import evaluate
+
+    best = None
+    for part, rec in starts:
+        if cand.v > 1 and len(set(rec)) > 1:
+            continue
+        ev = evaluate(graph, cluster, cand, part, rec, costs, options)
+        if max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes and (best is None or ev.objective < best[2]):
+            best = (part, rec, ev.objective)
     return best
 
 

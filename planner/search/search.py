@@ -138,7 +138,8 @@ def search(
     # Lazy bounding: every candidate gets the cheap simple bound; the tighter block bound is computed
     # only for candidates that reach the front of the queue, which then go back in with it.
     # (bound, index, level, ...): level 0 has the simple bound, 1 the block bound, 2 the block bound
-    # minimised jointly with the tail (whose BlockBounds the ILP reuses for its cuts and start)
+    # minimised jointly with the tail, or the interval bound of a model that is not transformer-shaped
+    # (whose BlockBounds / IntervalBounds the ILP reuses for its cuts and start)
     heap: list[tuple] = []
     smallest_need: tuple[float, Candidate] | None = None
     totals: dict[tuple, Totals] = {}
@@ -195,13 +196,15 @@ def search(
                 if cutoff is not None and bound >= cutoff:
                     break
                 heapq.heappop(heap)
-                if level < 2 and run is not None and cand.stages > 1:
+                if level < 2 and cand.stages > 1:
                     b = lower_bounds(graph, costs, cand, cluster, options, cand_modes, run, joint=level == 1)
                     if not b.feasible:
                         rejected[(_region(cand), OOM_BOUND)] += 1
                         done += 1
                         continue
-                    heapq.heappush(heap, (max(bound, b.time), i, level + 1, cand, costs, cand_modes, b.block))
+                    nxt = level + 1 if run is not None else 2
+                    item = (max(bound, b.time), i, nxt, cand, costs, cand_modes, b.block or b.interval)
+                    heapq.heappush(heap, item)
                     continue
                 batch.append((bound, i, level, cand, costs, cand_modes, block))
             if not batch:
