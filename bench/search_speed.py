@@ -28,14 +28,15 @@ sys.path.insert(0, str(ROOT))
 from planner.pipeline import PlanRequest, analyse, plan_model  # noqa: E402
 
 GPT = str(ROOT / "sample_models" / "gpt.py")
+MLP = str(ROOT / "sample_models" / "mlp.py")
 GPU = "a100-sxm-80gb"
 GROWTH = {"hidden": 4096, "heads": 32, "seq": 2048, "vocab": 51200}
 
 
-def cli_seconds(model_args: dict, gpus: int, batch: int) -> tuple[float, dict]:
+def cli_seconds(model_args: dict, gpus: int, batch: int, model: str = GPT) -> tuple[float, dict]:
     """Wall time of `planner plan` in a new process, and the plan it wrote."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "cli.main", "plan", GPT, "--gpu", GPU, "--nodes", str(gpus // 8)]
+        cmd = [sys.executable, "-m", "cli.main", "plan", model, "--gpu", GPU, "--nodes", str(gpus // 8)]
         cmd += ["--global-batch-size", str(batch), "--out", out, "--quiet"]
         for k, v in model_args.items():
             cmd += ["--model-arg", f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"]
@@ -45,14 +46,14 @@ def cli_seconds(model_args: dict, gpus: int, batch: int) -> tuple[float, dict]:
         return wall, json.loads((Path(out) / "plan.json").read_text())
 
 
-def one(label: str, model_args: dict, gpus: int, batch: int, run_cli: bool = True) -> None:
-    req = PlanRequest(model_path=GPT, model_args=model_args, gpu=GPU, nodes=gpus // 8, global_batch_size=batch)
+def one(label: str, model_args: dict, gpus: int, batch: int, run_cli: bool = True, model: str = GPT) -> None:
+    req = PlanRequest(model_path=model, model_args=model_args, gpu=GPU, nodes=gpus // 8, global_batch_size=batch)
     t0 = time.perf_counter()
     graph = analyse(req)
     t1 = time.perf_counter()
     plan, _, result = plan_model(req, graph=graph)
     p = plan.parallel
-    wall = f"{cli_seconds(model_args, gpus, batch)[0]:6.2f} s" if run_cli else "     - "
+    wall = f"{cli_seconds(model_args, gpus, batch, model)[0]:6.2f} s" if run_cli else "     - "
     print(
         f"{label:<30} {gpus:>5} GPUs  plan {wall}  search {result.seconds:6.2f} s  (analyse {t1 - t0:5.2f} s)  "
         f"ILPs {result.ilps_solved:>3} of {result.candidates:>5} candidates, {result.status:<10} -> "
@@ -78,6 +79,10 @@ def main() -> None:
     print("growth with GPUs (48 layers x 4096, batch 4096)")
     for gpus in (64, 512, 4096):
         one(f"48 layers on {gpus} GPUs", {"layers": 48, **GROWTH}, gpus, 4096)
+    print("not transformer-shaped: the sample MLP with blocks of 5 sizes (interval form)")
+    for layers in (12, 24):
+        args = {"layers": layers, "width": 4096, "ffn_cycle": 5}
+        one(f"MLP {layers} layers x 5 sizes", args, 32, 256, model=MLP)
 
 
 if __name__ == "__main__":

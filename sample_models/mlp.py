@@ -11,8 +11,10 @@ function of ``x`` (the same for every seed), so the regression can be learnt, no
 
 Keyword arguments (``--model-arg layers=16``), passed to both functions, each ignoring what it does not use:
 ``layers`` (8), ``width`` (256), ``ffn`` (4 * width), ``in_dim`` (64), ``out_dim`` (1); ``seed`` (0) for the
-example batch. Each block is LayerNorm -> ``fc1`` (column) -> GELU -> ``fc2`` (row) with a residual, the
-pair tensor parallelism shards with one all-reduce.
+example batch; ``ffn_cycle`` (1): block i gets ``ffn * (1 + i % ffn_cycle)`` hidden units, so a value above
+1 makes the blocks differ (a model that is not one run of identical blocks). Each block is LayerNorm ->
+``fc1`` (column) -> GELU -> ``fc2`` (row) with a residual, the pair tensor parallelism shards with one
+all-reduce.
 """
 
 import math
@@ -24,13 +26,14 @@ from torch import nn
 _TARGET_SEED = 1234  # the regression target's weights: fixed, so every batch samples one function
 
 
-def _dims(layers=8, width=256, ffn=None, in_dim=64, out_dim=1, **_) -> dict[str, int]:
+def _dims(layers=8, width=256, ffn=None, in_dim=64, out_dim=1, ffn_cycle=1, **_) -> dict[str, int]:
     dims = {
         "layers": int(layers),
         "width": int(width),
         "ffn": int(ffn or 4 * int(width)),
         "in_dim": int(in_dim),
         "out_dim": int(out_dim),
+        "ffn_cycle": int(ffn_cycle),
     }
     for name, value in dims.items():
         if value < 1:
@@ -55,10 +58,10 @@ class Block(nn.Module):
 class MLP(nn.Module):
     """``proj_in`` -> ``blocks`` -> ``norm`` -> ``head`` (to ``out_dim``)."""
 
-    def __init__(self, layers: int, width: int, ffn: int, in_dim: int, out_dim: int):
+    def __init__(self, layers: int, width: int, ffn: int, in_dim: int, out_dim: int, ffn_cycle: int = 1):
         super().__init__()
         self.proj_in = nn.Linear(in_dim, width)
-        self.blocks = nn.ModuleList([Block(width, ffn) for _ in range(layers)])
+        self.blocks = nn.ModuleList([Block(width, ffn * (1 + i % ffn_cycle)) for i in range(layers)])
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, out_dim)
 

@@ -128,3 +128,32 @@ def test_count_form_two_stages_per_rank_equals_brute_force(
     graph = make_graph(us)
     cand = Candidate(2, 1, 2, 2, 1, 2 * m_rounds, schedule, zero, False)
     _check(graph, cluster_with(memory), cand, ("none", "full"), with_dp=False)
+
+
+def test_a_model_of_different_blocks_is_planned_in_the_interval_form():
+    """The sample MLP with ffn_cycle > 1 has blocks of three sizes: no single run of identical blocks,
+    so the ILP uses the interval form, and its partition balances the uneven blocks exactly."""
+    from pathlib import Path
+
+    from planner.pipeline import PlanRequest, analyse, plan_model
+
+    mlp = str(Path(__file__).resolve().parents[1] / "sample_models" / "mlp.py")
+    req = PlanRequest(
+        model_path=mlp,
+        model_args={"layers": 9, "width": 1024, "ffn_cycle": 3},
+        gpu="a100-sxm4-80gb",
+        nodes=1,
+        global_batch_size=32,
+        pins={"pp": 4, "dp": 2, "schedule": "1f1b", "micro_batch_size": 1},
+    )
+    graph = analyse(req)
+    assert block_run(graph) is None
+    assert len({u.signature for u in graph.units if u.kind == "block"}) == 3
+    plan, _, result = plan_model(req, graph)
+    assert result.status == "optimal"
+    cl = load_cluster("a100-sxm4-80gb", 1)
+    best = result.best
+    costs = CostTable(graph, cl, None).units(best.cand)
+    assert solve_partition(graph, cl, best.cand, costs, ("none", "full"), CostOptions()).form == "interval"
+    brute = brute_force_partition(graph, cl, best.cand, costs, ("none", "full"), CostOptions())
+    assert best.objective == pytest.approx(brute[0], rel=1e-9)
