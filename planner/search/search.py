@@ -74,15 +74,20 @@ class CostTable:
     cluster: ClusterSpec
     profile: Profile | None
     _by_sig: dict = field(default_factory=dict)
+    _lists: dict = field(default_factory=dict)
 
     def units(self, cand: Candidate) -> list[UnitCost]:
+        """The units' costs under the candidate (one shared list per (tp, mbs, sp): do not modify it)."""
         key = (cand.tp, cand.mbs, cand.sp)
+        if key in self._lists:
+            return self._lists[key]
         out = []
         for u in self.graph.units:
             k = (u.signature, *key, u.name if u.kind != "block" else "")
             if k not in self._by_sig:
                 self._by_sig[k] = unit_cost(u, cand, self.cluster, self.graph.source.dtype, self.profile)
             out.append(self._by_sig[k])
+        self._lists[key] = out
         return out
 
 
