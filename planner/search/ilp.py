@@ -386,9 +386,11 @@ def solve_partition(
     warm = False
     start_sol = None
     if form == "count":
-        start_sol = _balanced_start(graph, cluster, cand, costs, modes, options, run, bb.starts if bb else [])
+        tries = _count_starts(cand, costs, modes, run, bb.starts if bb else [])
+        start_sol = _best_start(graph, cluster, cand, costs, options, [(_count_partition(c, run), r) for c, r in tries])
         if start_sol is not None:
-            counts, rec, _, start_obj = start_sol
+            part, rec, _ = start_sol
+            counts = [sum(1 for u in units if run[0] <= u <= run[1]) for units in part]
             for s in range(S):
                 for r in modes:
                     mode_vars[s, r].setInitialValue(1 if r == rec[s] else 0)
@@ -447,16 +449,8 @@ def solve_partition(
 
     recompute = [next(r for r in modes if (mode_vars[s, r].value() or 0) > 0.5) for s in range(S)]
     if form == "count":
-        start, end, n = run
-        partition: list[list[int]] = []
-        nxt = start
-        for s in range(S):
-            k = int(round(sum(cnt[s, r].value() or 0 for r in modes)))
-            units = (list(range(0, start)) if s == 0 else []) + list(range(nxt, nxt + k))
-            nxt += k
-            if s == S - 1:
-                units += list(range(end + 1, n))
-            partition.append(units)
+        counts = [int(round(sum(cnt[s, r].value() or 0 for r in modes))) for s in range(S)]
+        partition = _count_partition(counts, run)
     elif form == "interval":
         partition = [
             next(list(range(i, j)) for i, j in spans[s] if sum(x[s, i, j, r].value() or 0 for r in modes) > 0.5)
@@ -465,41 +459,26 @@ def solve_partition(
     else:
         partition = [[u for u in range(U) if (z[u, s].value() or 0) > 0.5] for s in range(S)]
     obj = pulp.value(prob.objective) / OBJ_SCALE
-    if start_sol is None:
-        start = None
-    elif form == "count":
-        start = (start_sol[2], start_sol[1])
-    else:
-        start = (start_sol[0], start_sol[1])
+    start = None if start_sol is None else (start_sol[0], start_sol[1])
     return ILPResult(res_status, float(obj), partition, recompute, form=form, start=start)
 
 
 def _single_stage(graph, cluster, cand, costs, modes, options) -> ILPResult:
     """One stage: the partition is forced, so only the recomputation mode is chosen, by evaluation."""
-    from planner.search.search import evaluate
-
-    best = None
     part = [list(range(len(graph.units)))]
-    for mode in modes:
-        ev = evaluate(graph, cluster, cand, part, [mode], costs, options)
-        if max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes and (best is None or ev.objective < best[0]):
-            best = (ev.objective, mode)
+    best = _best_start(graph, cluster, cand, costs, options, [(part, [mode]) for mode in modes])
     if best is None:
         return ILPResult("infeasible", None, None, None, form="single")
-    return ILPResult("optimal", best[0], part, [best[1]], form="single")
+    return ILPResult("optimal", best[2], part, best[1], form="single")
 
 
-def _balanced_start(graph, cluster, cand, costs, modes, options, run, extra=()):
-    """A feasible incumbent for CBC: the best of a few partitions that fit memory.
+def _count_starts(cand, costs, modes, run, extra=()) -> list[tuple[list[int], list[str]]]:
+    """Block counts per stage and recomputation per stage to try as CBC's start in the count form.
 
     For each recomputation mode, two balanced block distributions (stage times evened out around the
     prefix and suffix; equal block counts, which balances ranks when one rank holds both ends, as in the
-    V schedule), plus `extra` (block counts and per-stage modes built from the bound's relaxation).
-    Returns (blocks per stage, modes, partition, objective) of the fitting one with the lowest objective,
-    or None. Only a starting point: the ILP still proves optimality.
+    V schedule), plus `extra` (built from the bound's relaxation).
     """
-    from planner.search.search import evaluate
-
     start, end, n = run
     L, S = end - start + 1, cand.stages
     pre, post = list(range(0, start)), list(range(end + 1, n))
@@ -520,17 +499,20 @@ def _balanced_start(graph, cluster, cand, costs, modes, options, run, extra=()):
     tries += [
         (list(c), list(r)) for c, r in extra if sum(c) == L and all(c[s] >= (0 if holds[s] else 1) for s in range(S))
     ]
-    best = None
-    for counts, rec in tries:
-        part, nxt = [], start
-        for s in range(S):
-            units = (pre if s == 0 else []) + list(range(nxt, nxt + counts[s])) + (post if s == S - 1 else [])
-            nxt += counts[s]
-            part.append(units)
-        ev = evaluate(graph, cluster, cand, part, rec, costs, options)
-        if max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes and (best is None or ev.objective < best[3]):
-            best = (counts, rec, part, ev.objective)
-    return best
+    return tries
+
+
+def _count_partition(counts: list[int], run) -> list[list[int]]:
+    """The units of each stage for blocks-per-stage counts (prefix in the first, suffix in the last)."""
+    start, end, n = run
+    part, nxt = [], start
+    for s, k in enumerate(counts):
+        units = (list(range(0, start)) if s == 0 else []) + list(range(nxt, nxt + k))
+        if s == len(counts) - 1:
+            units += list(range(end + 1, n))
+        nxt += k
+        part.append(units)
+    return part
 
 
 def _interval_spans(U: int, S: int) -> dict[int, list[tuple[int, int]]]:
@@ -543,7 +525,8 @@ def _interval_spans(U: int, S: int) -> dict[int, list[tuple[int, int]]]:
 
 
 def _best_start(graph, cluster, cand, costs, options, starts):
-    """(partition, recomputation, objective) of the start that fits memory with the lowest objective."""
+    """(partition, recomputation, objective) of the fitting candidate partition with the lowest
+    objective under the cost model (first of equals), or None."""
     from planner.search.search import evaluate
 
     best = None
