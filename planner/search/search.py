@@ -1,9 +1,11 @@
 """The outer search: bound every candidate, solve ILPs in order of their bounds, keep the top k.
 
-A candidate's lower bound (bubble-free balanced compute plus the unavoidable optimizer step, and a
-memory bound from the average model states per pipeline rank) is valid for every partition, so once the
-bound of the next candidate exceeds the k-th best solved objective, no later candidate can enter the
-top k and the search stops: the result is exact with respect to the cost model.
+A candidate's lower bounds (`planner.search.bounds`) are valid for every partition, so once the bound of
+the next candidate reaches the k-th best solved objective, no later candidate can enter the top k and
+the search stops: the result is exact with respect to the cost model. Bounds are tightened lazily: every
+candidate gets the cheap one, and only a candidate that reaches the front of the queue gets the next
+level (and goes back in), so the costly bounds run for the few that could still win. Each ILP gets the
+k-th best objective as its cutoff.
 """
 
 from __future__ import annotations
