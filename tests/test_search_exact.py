@@ -12,6 +12,8 @@ from synthetic import make_graph, make_unit
 from planner.cost.model import CostOptions
 from planner.errors import InfeasibleError
 from planner.hardware.load import load_cluster
+from planner.search.bounds import lower_bounds
+from planner.search.ilp import block_run
 from planner.search.reference import brute_force_partition
 from planner.search.search import CostTable, search, search_modes
 from planner.search.space import SCHEDULE_NAMES, Pins, enumerate_space
@@ -37,13 +39,23 @@ def full_space(graph, cluster, batch, dp=None):
 
 
 def brute_force(graph, cluster, batch, dp=None):
+    """The optimum over the whole space, checking on the way that every bound the search may prune with
+    is valid: no level of `lower_bounds` exceeds a candidate's optimum or calls a feasible one infeasible."""
     options = CostOptions()
     table = CostTable(graph, cluster, None)
     modes = search_modes(graph)
+    run = block_run(graph)
     best = None
     for cand in full_space(graph, cluster, batch, dp):
         cm = tuple(m for m in modes if not (cand.schedule == "zero-bubble" and m == "selective"))
-        res = brute_force_partition(graph, cluster, cand, table.units(cand), cm, options)
+        costs = table.units(cand)
+        res = brute_force_partition(graph, cluster, cand, costs, cm, options)
+        for joint in (False, True):
+            b = lower_bounds(graph, costs, cand, cluster, options, cm, run, joint=joint)
+            if res is not None:
+                assert b.feasible, cand
+                assert b.time <= res[0] * (1 + 1e-9), (cand, joint, b.time, res[0])
+                assert b.memory <= cluster.gpu.memory_bytes * (1 + 1e-9), cand
         if res is not None and (best is None or res[0] < best[0]):
             best = (res[0], cand)
     return best
