@@ -78,14 +78,14 @@ def lower_bounds(
         ib = interval_bound(graph, costs, cand, cluster, options, modes)
         if ib is None:
             return Bounds(b.time, b.memory, feasible=False)
-        tight = ib.pipeline(cand, costs) + _tail(tot, cand, cluster, dtype, options)
+        tight = ib.pipeline(cand, costs) + tail_bound(tot, cand, cluster, dtype, options)
         return Bounds(max(b.time, tight + unit_comm_bound(graph, cand, cluster)), b.memory, interval=ib)
     blk = block_bound(graph, costs, cand, cluster, options, modes, run, joint)
     if blk is None:
         return Bounds(b.time, b.memory, feasible=False)
     tight = blk.total() + comm_bound(graph, cand, cluster, run)
     if not joint:
-        tight += _tail(tot, cand, cluster, dtype, options)
+        tight += tail_bound(tot, cand, cluster, dtype, options)
     return Bounds(max(b.time, tight), b.memory, block=blk)
 
 
@@ -131,7 +131,47 @@ def simple_bound(tot: Totals, cand: Candidate, cluster: ClusterSpec, dtype: str,
     min_inflight = _min_in_flight(cand.schedule, p, m, cand.v)
     acts = min_inflight * tot.act
     memory = (states + acts) / p * (1 + options.fragmentation) + options.workspace_bytes
-    return Bounds(pipe + _tail(tot, cand, cluster, dtype, options), memory)
+    return Bounds(pipe + tail_bound(tot, cand, cluster, dtype, options), memory)
+
+
+def interval_vars(
+    tables: IntervalTables, cand: Candidate, modes: tuple[str, ...], U: int, limit: float | None, rest: float
+) -> dict[int, list[tuple[int, int, str]]]:
+    """The (i, j, mode) each stage s of the interval-form ILP needs: every stage keeps at least one unit
+    and the order; with one stage per rank, the memory row fits at s; and, given `limit` (an upper bound
+    on the optimum: a feasible plan's objective, or the cutoff) and `rest` (a lower bound on the
+    objective's other terms: work, point-to-point and tail), the stage time (the forward for zero-bubble)
+    stays within what the limit leaves for the largest stage. An optimal plan uses no other interval."""
+    S, p, m = cand.stages, cand.pp, cand.m
+    cap = INF
+    if limit is not None:
+        coef = m - 1 if cand.v == 1 else p - 1
+        if coef > 0:
+            cap = (limit - rest) / coef
+            cap += 1e-9 * max(abs(cap), abs(limit))
+    out = {}
+    for s in range(S):
+        starts = [0] if s == 0 else range(s, U - S + s + 1)
+        keep = []
+        for i in starts:
+            for j in [U] if s == S - 1 else range(i + 1, U - S + s + 2):
+                for r in modes:
+                    size = tables.fwd[i, j] if cand.schedule == "zero-bubble" else tables.t[r][i, j]
+                    if size > cap:
+                        continue
+                    if cand.v == 1 and not tables.mem_ok[s, r][i, j]:
+                        continue
+                    keep.append((i, j, r))
+        out[s] = keep
+    # Only intervals on a complete path matter: stage s must start where stages 0..s-1 can end and end
+    # where stages s+1.. can start and still reach the last unit.
+    starts = [{0}] + [set() for _ in range(S)]
+    for s in range(S):
+        starts[s + 1] = {j for i, j, _ in out[s] if i in starts[s]}
+    ends = [set() for _ in range(S - 1)] + [{U}]
+    for s in range(S - 1, 0, -1):
+        ends[s - 1] = {i for i, j, _ in out[s] if j in ends[s] and i in starts[s]}
+    return {s: [(i, j, r) for i, j, r in out[s] if i in starts[s] and j in ends[s]] for s in range(S)}
 
 
 def tail_coefficients(cand: Candidate, cluster: ClusterSpec, dtype: str) -> tuple[float, float, float]:
@@ -290,7 +330,7 @@ def _min_in_flight(schedule: str, p: int, m: int, v: int) -> int:
     return min(in_flight_microbatches(schedule, p, m, v, s) for s in range(p * v))
 
 
-def _tail(tot: Totals, cand, cluster, dtype, options) -> float:
+def tail_bound(tot: Totals, cand, cluster, dtype, options) -> float:
     """Mean over ranks of (exposed sync + optimizer step): at most the largest rank's."""
     p = cand.pp
     params = tot.params
@@ -620,6 +660,54 @@ class IntervalBounds:
         return out
 
 
+@dataclass
+class IntervalTables:
+    """Per unit interval [i, j) (matrices indexed [i, j]): time per mode, forward time, ZeRO-3 gathers,
+    and with one stage per rank whether the ILP's memory row fits at stage s in mode r."""
+
+    t: dict[str, np.ndarray]
+    fwd: np.ndarray
+    gather: np.ndarray
+    valid: np.ndarray  # j > i
+    mem_ok: dict[tuple[int, str], np.ndarray]
+
+    @classmethod
+    def of(cls, graph, costs, cand, cluster, options, modes) -> IntervalTables:
+        U, S, p, m = len(costs), cand.stages, cand.pp, cand.m
+        dtype = graph.source.dtype
+        pre = lambda xs: np.concatenate([[0.0], np.cumsum(xs)])  # noqa: E731
+        span = lambda c: c[None, :] - c[:, None]  # span[i, j] = sum over units i..j-1  # noqa: E731
+        params = span(pre([c.params_local for c in costs]))
+        act = {r: span(pre([c.act[r] for c in costs])) for r in modes}
+        if cand.zero == 3 and cand.dp > 1:
+            bw, lat = dp_link(cand, cluster)
+            w_bytes = 4.0 if dtype == "fp32" else 2.0
+            gather = 2 * ((cand.dp - 1) / cand.dp / bw * w_bytes * params + (cand.dp - 1) * lat)
+        else:
+            gather = np.zeros_like(params)
+        mem_ok = {}
+        if cand.v == 1:
+            state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
+            per_param = state.weights + state.gradients + state.optimizer
+            budget = (cluster.gpu.memory_bytes - options.workspace_bytes) / (1 + options.fragmentation)
+            fixed = (2 * options.ddp_bucket_bytes if (cand.dp > 1 and cand.zero == 0) else 0.0) + (
+                2 * max(c.largest_param_bytes for c in costs) if cand.zero == 3 else 0.0
+            )
+            out_bytes = np.array([0.0] + [u.output_bytes for u in graph.units])  # [j]: unit j-1's output
+            for s in range(S):
+                k = in_flight_microbatches(cand.schedule, p, m, 1, s)
+                buf = 4.0 * cand.mbs * out_bytes[None, :] if s < S - 1 else 0.0
+                for r in modes:
+                    mem_ok[s, r] = per_param * params + fixed + buf + k * act[r] <= budget
+        return cls(
+            t={r: span(pre([c.fwd + c.bwd[r] for c in costs])) for r in modes},
+            fwd=span(pre([c.fwd for c in costs])),
+            gather=gather,
+            valid=np.triu(np.ones((U + 1, U + 1), dtype=bool), 1),
+            mem_ok=mem_ok,
+        )
+
+
 def interval_bound(
     graph: ModelGraph,
     costs: list[UnitCost],
@@ -627,6 +715,7 @@ def interval_bound(
     cluster: ClusterSpec,
     options: CostOptions,
     modes: tuple[str, ...],
+    tables: IntervalTables | None = None,
 ) -> IntervalBounds | None:
     """The least largest stage time over contiguous partitions of the units into the candidate's stages.
 
@@ -636,34 +725,9 @@ def interval_bound(
     interval times finds the least feasible Z. With several stages per rank memory is a rank's row and
     is left out here (a relaxation). None when no partition fits memory.
     """
-    U, S, p, m = len(costs), cand.stages, cand.pp, cand.m
-    dtype = graph.source.dtype
-    pre = lambda xs: np.concatenate([[0.0], np.cumsum(xs)])  # noqa: E731
-    span = lambda c: c[None, :] - c[:, None]  # span[i, j] = sum over units i..j-1  # noqa: E731
-    params = span(pre([c.params_local for c in costs]))
-    t = {r: span(pre([c.fwd + c.bwd[r] for c in costs])) for r in modes}
-    act = {r: span(pre([c.act[r] for c in costs])) for r in modes}
-    valid = np.triu(np.ones((U + 1, U + 1), dtype=bool), 1)  # j > i
-    if cand.zero == 3 and cand.dp > 1:
-        bw, lat = dp_link(cand, cluster)
-        w_bytes = 4.0 if dtype == "fp32" else 2.0
-        gather = 2 * ((cand.dp - 1) / cand.dp / bw * w_bytes * params + (cand.dp - 1) * lat)
-    else:
-        gather = np.zeros_like(params)
-    mem_ok = {}
-    if cand.v == 1:
-        state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
-        per_param = state.weights + state.gradients + state.optimizer
-        budget = (cluster.gpu.memory_bytes - options.workspace_bytes) / (1 + options.fragmentation)
-        fixed = (2 * options.ddp_bucket_bytes if (cand.dp > 1 and cand.zero == 0) else 0.0) + (
-            2 * max(c.largest_param_bytes for c in costs) if cand.zero == 3 else 0.0
-        )
-        out_bytes = np.array([0.0] + [u.output_bytes for u in graph.units])  # out_bytes[j]: unit j-1's output
-        for s in range(S):
-            k = in_flight_microbatches(cand.schedule, p, m, 1, s)
-            buf = 4.0 * cand.mbs * out_bytes[None, :] if s < S - 1 else 0.0
-            for r in modes:
-                mem_ok[s, r] = per_param * params + fixed + buf + k * act[r] <= budget
+    U, S = len(costs), cand.stages
+    tb = tables or IntervalTables.of(graph, costs, cand, cluster, options, modes)
+    t, gather, valid, mem_ok = tb.t, tb.gather, tb.valid, tb.mem_ok
     values = np.unique(np.concatenate([np.maximum(t[r], gather)[valid] for r in modes]))
 
     def reach(Z: float, only: tuple[str, ...]):

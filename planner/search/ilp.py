@@ -36,7 +36,18 @@ from planner.cost.model import (
 from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches, stage_rank
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
-from planner.search.bounds import BlockBounds, IntervalBounds, block_bound, interval_bound, tail_coefficients
+from planner.search.bounds import (
+    BlockBounds,
+    IntervalBounds,
+    IntervalTables,
+    Totals,
+    block_bound,
+    interval_bound,
+    interval_vars,
+    tail_bound,
+    tail_coefficients,
+    unit_comm_bound,
+)
 
 log = logging.getLogger(__name__)
 OBJ_SCALE = 1e6
@@ -112,14 +123,34 @@ def solve_partition(
     if S == 1:
         return _single_stage(graph, cluster, cand, costs, modes, options)
     run = block_run(graph)
-    spans = _interval_spans(U, S)
-    n_interval = sum(len(v) for v in spans.values()) * len(modes)
-    form = force_form or ("count" if run is not None else "interval" if n_interval <= MAX_INTERVAL_VARS else "assign")
+    form = force_form or ("count" if run is not None else None)
     if form == "count" and run is None:
         form = "assign"
+    dtype = graph.source.dtype
+    ib = None
+    start_sol = None
+    if form != "count":
+        # Any unit sequence: the interval bound (cut and start), then the intervals an optimal plan can use.
+        tables = IntervalTables.of(graph, costs, cand, cluster, options, modes)
+        if cuts:
+            ib = bounds if isinstance(bounds, IntervalBounds) else None
+            ib = ib or interval_bound(graph, costs, cand, cluster, options, modes, tables)
+            if ib is None:
+                return ILPResult("infeasible", None, None, None, form=form or "interval")
+            start_sol = _best_start(graph, cluster, cand, costs, options, ib.starts)
+        limits = [v for v in (cutoff, start_sol[2] if start_sol else None) if v is not None]
+        tot_ = Totals.of(costs, modes)
+        work = tot_.work if cand.v == 1 else cand.m * tot_.work / cand.pp
+        rest = work + unit_comm_bound(graph, cand, cluster) + tail_bound(tot_, cand, cluster, dtype, options)
+        ivars = interval_vars(tables, cand, modes, U, min(limits) if limits else None, rest)
+        if not all(ivars.values()):
+            return ILPResult(
+                "cutoff" if cutoff is not None else "infeasible", None, None, None, form=form or "interval"
+            )
+        if form is None:
+            form = "interval" if sum(len(v) for v in ivars.values()) <= MAX_INTERVAL_VARS else "assign"
 
     prob = pulp.LpProblem("partition", pulp.LpMinimize)
-    dtype = graph.source.dtype
     state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
     cap = cluster.gpu.memory_bytes
     frag = 1 + options.fragmentation
@@ -142,7 +173,6 @@ def solve_partition(
                 prob += mode_vars[s, r] == mode_vars[0, r]
 
     bb = None
-    ib = None
     has_blocks = None
     if form == "count":
         start, end, n = run
@@ -196,15 +226,6 @@ def solve_partition(
                 else:
                     prob += b >= out_blk
                 boundary[s] = b
-    else:
-        if cuts:
-            ib = (
-                bounds
-                if isinstance(bounds, IntervalBounds)
-                else interval_bound(graph, costs, cand, cluster, options, modes)
-            )
-            if ib is None:
-                return ILPResult("infeasible", None, None, None, form=form)
     if form == "interval":
         # x[s, i, j, r]: stage s holds units i..j-1 in mode r. The stages form a path from unit 0 to U
         # (flow conservation), whose LP relaxation is the convex hull of the partitions.
@@ -214,22 +235,19 @@ def solve_partition(
         c_tot = {r: pre(c.fwd + c.bwd[r] for c in costs) for r in modes}
         c_act = {r: pre(c.act[r] for c in costs) for r in modes}
         x = {
-            (s, i, j, r): pulp.LpVariable(f"x_{s}_{i}_{j}_{r}", cat="Binary")
-            for s in range(S)
-            for i, j in spans[s]
-            for r in modes
+            (s, i, j, r): pulp.LpVariable(f"x_{s}_{i}_{j}_{r}", cat="Binary") for s in range(S) for i, j, r in ivars[s]
         }
         for s in range(S):
             for r in modes:
-                prob += pulp.lpSum(x[s, i, j, r] for i, j in spans[s]) == mode_vars[s, r]
+                prob += pulp.lpSum(x[s, i, j, q] for i, j, q in ivars[s] if q == r) == mode_vars[s, r]
         for s in range(S - 1):
             for k in range(1, U):
-                into = [x[s, i, j, r] for i, j in spans[s] if j == k for r in modes]
-                out = [x[s + 1, i, j, r] for i, j in spans[s + 1] if i == k for r in modes]
+                into = [x[s, i, j, r] for i, j, r in ivars[s] if j == k]
+                out = [x[s + 1, i, j, r] for i, j, r in ivars[s + 1] if i == k]
                 if into or out:
                     prob += pulp.lpSum(into) == pulp.lpSum(out)
         for s in range(S):
-            xs = [(i, j, r, x[s, i, j, r]) for i, j in spans[s] for r in modes]
+            xs = [(i, j, r, x[s, i, j, r]) for i, j, r in ivars[s]]
             fwd[s] = _lin([v * (c_fwd[j] - c_fwd[i]) for i, j, r, v in xs])
             tot[s] = _lin([v * (c_tot[r][j] - c_tot[r][i]) for i, j, r, v in xs])
             params[s] = _lin([v * (c_par[j] - c_par[i]) for i, j, r, v in xs])
@@ -350,6 +368,8 @@ def solve_partition(
         window = (tot[first] - fwd[first]) * (cand.m if cand.zero == 2 else 1) if options.overlap_dp_comm else 0
         prob += exposed >= pulp.lpSum(sync[s] for s in mine) - window
         prob += tail >= exposed + opt_rate * pulp.lpSum(params[s] for s in mine)
+    # Valid cut: some rank holds the unit with the most parameters, and steps its optimizer.
+    prob += tail >= opt_rate * max(c.params_local for c in costs) * (1 - 1e-12)
     if bb is not None:
         # Valid cut: the integer minimum of the maxima terms plus the tail (block_bound's joint).
         if cand.v == 1:
@@ -384,7 +404,6 @@ def solve_partition(
             prob += ((states + k * A) * frag + options.workspace_bytes) * MEM_SCALE <= cap * MEM_SCALE
 
     warm = False
-    start_sol = None
     if form == "count":
         tries = _count_starts(cand, costs, modes, run, bb.starts if bb else [])
         start_sol = _best_start(graph, cluster, cand, costs, options, [(_count_partition(c, run), r) for c, r in tries])
@@ -399,19 +418,17 @@ def solve_partition(
                 # every integer variable needs its value, or CBC cannot use the start
                 has_blocks.setInitialValue(1 if counts[0] > 0 else 0)
             warm = True
-    elif ib is not None:
-        start_sol = _best_start(graph, cluster, cand, costs, options, ib.starts)
-        if start_sol is not None and form == "interval":
-            part, rec, _ = start_sol
-            chosen = {(s, units[0], units[-1] + 1, rec[s]) for s, units in enumerate(part)}
+    elif start_sol is not None:
+        part, rec, _ = start_sol
+        chosen = {(s, units[0], units[-1] + 1, rec[s]) for s, units in enumerate(part)}
+        if form == "interval" and chosen <= x.keys():
             for key, var in x.items():
                 var.setInitialValue(1 if key in chosen else 0)
             for s in range(S):
                 for r in modes:
                     mode_vars[s, r].setInitialValue(1 if r == rec[s] else 0)
             warm = True
-        elif start_sol is not None:
-            part, rec, _ = start_sol
+        elif form == "assign":
             for s in range(S):
                 for r in modes:
                     mode_vars[s, r].setInitialValue(1 if r == rec[s] else 0)
@@ -453,8 +470,7 @@ def solve_partition(
         partition = _count_partition(counts, run)
     elif form == "interval":
         partition = [
-            next(list(range(i, j)) for i, j in spans[s] if sum(x[s, i, j, r].value() or 0 for r in modes) > 0.5)
-            for s in range(S)
+            next(list(range(i, j)) for i, j, r in ivars[s] if (x[s, i, j, r].value() or 0) > 0.5) for s in range(S)
         ]
     else:
         partition = [[u for u in range(U) if (z[u, s].value() or 0) > 0.5] for s in range(S)]
@@ -513,15 +529,6 @@ def _count_partition(counts: list[int], run) -> list[list[int]]:
         nxt += k
         part.append(units)
     return part
-
-
-def _interval_spans(U: int, S: int) -> dict[int, list[tuple[int, int]]]:
-    """The unit intervals [i, j) stage s can hold when every stage holds at least one unit."""
-    spans = {}
-    for s in range(S):
-        starts = [0] if s == 0 else range(s, U - S + s + 1)
-        spans[s] = [(i, j) for i in starts for j in ([U] if s == S - 1 else range(i + 1, U - S + s + 2))]
-    return spans
 
 
 def _best_start(graph, cluster, cand, costs, options, starts):

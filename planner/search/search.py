@@ -233,6 +233,8 @@ def search(
                 if res.status == "infeasible" or res.partition is None:
                     rejected[(_region(cand), "out of memory: no stage partition fits every rank")] += 1
                     continue
+                if res.status in ("time_limit", "node_limit") and res.objective <= bound * (1 + 1e-9):
+                    res.status = "optimal"  # stopped early, but the candidate's lower bound proves it
                 if res.status in ("time_limit", "node_limit"):
                     status = res.status
                     gaps.append((res.objective - bound) / res.objective if res.objective else 0.0)
