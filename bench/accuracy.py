@@ -218,6 +218,20 @@ def request_for(row: Row) -> PlanRequest:
     )
 
 
+def degrees_request(row: Row, pin_degrees: bool) -> PlanRequest:
+    """The row's model, cluster and batch with only its t, p and dp pinned (or nothing): what
+    bench/table1_search.py and tests/test_megatron_rows.py compare."""
+    return PlanRequest(
+        model_path=MODEL,
+        model_args={"preset": row.preset},
+        gpu=CLUSTER,
+        nodes=row.gpus // GPUS_PER_NODE,
+        global_batch_size=row.batch,
+        pins={"tp": row.t, "pp": row.p, "dp": row.dp} if pin_degrees else {},
+        top_k=2,
+    )
+
+
 def plan_row(row: Row, graph: ModelGraph, cluster: ClusterSpec) -> tuple[Plan, SearchResult]:
     """What `plan_model` does, on a given cluster (whose efficiencies this bench adjusts)."""
     request = request_for(row)

@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from accuracy import CLUSTER, GPUS_PER_NODE, MODEL, ROWS  # noqa: E402
+from accuracy import ROWS, degrees_request  # noqa: E402
 
-from planner.pipeline import PlanRequest, analyse, plan_model  # noqa: E402
+from planner.pipeline import analyse, plan_model  # noqa: E402
 
 
 def layout(plan) -> str:
@@ -34,17 +34,9 @@ def main() -> None:
     print(f"{'row':>5}  {'pinned (t, p, dp of Table 1)':<44} {'s/iter':>7}  {'free search':<44} {'s/iter':>7}  gain")
     for row in ROWS:
         t0 = time.perf_counter()
-        base = dict(
-            model_path=MODEL,
-            model_args={"preset": row.preset},
-            gpu=CLUSTER,
-            nodes=row.gpus // GPUS_PER_NODE,
-            global_batch_size=row.batch,
-            top_k=2,
-        )
-        graph = analyse(PlanRequest(**base))
-        pinned, _, _ = plan_model(PlanRequest(**base, pins={"tp": row.t, "pp": row.p, "dp": row.dp}), graph)
-        free, _, _ = plan_model(PlanRequest(**base), graph)
+        graph = analyse(degrees_request(row, False))
+        pinned, _, _ = plan_model(degrees_request(row, True), graph)
+        free, _, _ = plan_model(degrees_request(row, False), graph)
         a, b = pinned.predicted.iteration_time_s, free.predicted.iteration_time_s
         print(
             f"{row.name:>5}  {layout(pinned):<44} {a:7.2f}  {layout(free):<44} {b:7.2f}  {a / b - 1:+5.1%}"

@@ -11,25 +11,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from accuracy import CLUSTER, GPUS_PER_NODE, MODEL, ROWS  # noqa: E402
+from accuracy import CLUSTER, GPUS_PER_NODE, ROWS, degrees_request  # noqa: E402
 
 from planner.hardware.load import load_cluster  # noqa: E402
-from planner.pipeline import PlanRequest, analyse, plan_model  # noqa: E402
+from planner.pipeline import analyse, plan_model  # noqa: E402
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
 def test_pinned_row_is_feasible_and_free_search_is_no_worse(row):
-    base = dict(
-        model_path=MODEL,
-        model_args={"preset": row.preset},
-        gpu=CLUSTER,
-        nodes=row.gpus // GPUS_PER_NODE,
-        global_batch_size=row.batch,
-        top_k=2,
-    )
-    graph = analyse(PlanRequest(**base))
-    pinned, _, res_pinned = plan_model(PlanRequest(**base, pins={"tp": row.t, "pp": row.p, "dp": row.dp}), graph)
-    free, _, res_free = plan_model(PlanRequest(**base), graph)
+    graph = analyse(degrees_request(row, False))
+    pinned, _, res_pinned = plan_model(degrees_request(row, True), graph)
+    free, _, res_free = plan_model(degrees_request(row, False), graph)
     assert (pinned.parallel.tp, pinned.parallel.pp, pinned.parallel.dp) == (row.t, row.p, row.dp)
     assert res_pinned.status == res_free.status == "optimal"
     cap = load_cluster(CLUSTER, row.gpus // GPUS_PER_NODE).gpu.memory_bytes
