@@ -48,7 +48,7 @@ def user_error(result, *needles: str) -> str:
     assert result.exit_code == 2, f"exit {result.exit_code}\n{result.output}\n{result.exception!r}"
     assert "Traceback" not in result.output
     # The message is the last paragraph on stderr (torch may log warnings of its own before it).
-    message = result.stderr[result.stderr.rfind("Error: ") :] if "Error: " in result.stderr else ""
+    message = result.stderr[result.stderr.rfind("Error: "):] if "Error: " in result.stderr else ""
     assert message.startswith("Error: ") and message.count("\nError: ") == 0, result.output
     for needle in needles:
         assert needle in message, result.stderr
@@ -86,18 +86,8 @@ def test_importing_the_cli_does_not_import_torch():
 
 @pytest.mark.parametrize(
     "command",
-    [
-        [],
-        ["plan"],
-        ["dry-run"],
-        ["report"],
-        ["emit"],
-        ["validate"],
-        ["profile"],
-        ["hardware"],
-        ["hardware", "list"],
-        ["hardware", "show"],
-    ],
+    [[], ["plan"], ["dry-run"], ["report"], ["emit"], ["validate"], ["profile"], ["hardware"], ["hardware", "list"],
+     ["hardware", "show"]],
 )
 def test_every_command_has_help_with_usage(command):
     result = invoke(*command, "--help")
@@ -197,10 +187,8 @@ def test_plan_json_prints_the_plan_and_still_writes_files(tmp_path):
 
 
 def test_plan_quiet_prints_nothing(tmp_path):
-    for args in (
-        ["plan", TINY, *CLUSTER, "--out", tmp_path / "a", "--quiet"],
-        ["--quiet", "plan", TINY, *CLUSTER, "--out", tmp_path / "b"],
-    ):
+    for args in (["plan", TINY, *CLUSTER, "--out", tmp_path / "a", "--quiet"],
+                 ["--quiet", "plan", TINY, *CLUSTER, "--out", tmp_path / "b"]):
         result = invoke(*args)
         ok(result)
         assert result.output == ""
@@ -208,39 +196,11 @@ def test_plan_quiet_prints_nothing(tmp_path):
 
 def test_plan_pins_reach_the_plan(tmp_path):
     out = tmp_path / "p"
-    ok(
-        invoke(
-            "plan",
-            TINY,
-            *CLUSTER,
-            "--out",
-            out,
-            "-q",
-            "--dp",
-            "2",
-            "--pp",
-            "2",
-            "--tp",
-            "1",
-            "--schedule",
-            "gpipe",
-            "--micro-batch-size",
-            "1",
-            "--zero-stage",
-            "0",
-            "--recompute",
-            "full",
-            "--no-sequence-parallel",
-            "--steps",
-            "3",
-            "--lr",
-            "0.01",
-            "--seed",
-            "5",
-            "--dtype",
-            "fp32",
-        )
-    )
+    ok(invoke(
+        "plan", TINY, *CLUSTER, "--out", out, "-q", "--dp", "2", "--pp", "2", "--tp", "1", "--schedule", "gpipe",
+        "--micro-batch-size", "1", "--zero-stage", "0", "--recompute", "full", "--no-sequence-parallel",
+        "--steps", "3", "--lr", "0.01", "--seed", "5", "--dtype", "fp32",
+    ))
     plan = load_plan(out)
     p = plan.parallel
     assert (p.dp, p.tp, p.pp, p.micro_batch_size, p.schedule, p.zero_stage) == (2, 1, 2, 1, "gpipe", 0)
@@ -269,29 +229,10 @@ def test_parse_model_args():
 
 def _request(**changes):
     options = dict(
-        gpu="cpu",
-        nodes=1,
-        gpus_per_node=4,
-        global_batch_size=8,
-        dp=None,
-        tp=None,
-        pp=None,
-        virtual_stages=None,
-        micro_batch_size=None,
-        schedule=None,
-        zero_stage=None,
-        recompute=None,
-        sequence_parallel=None,
-        dtype=DType.bf16,
-        build_fn="build_model",
-        inputs_fn="example_inputs",
-        loss_fn=None,
-        top_k=5,
-        time_limit=None,
-        no_overlap=False,
-        seed=0,
-        lr=1e-4,
-        steps=10,
+        gpu="cpu", nodes=1, gpus_per_node=4, global_batch_size=8, dp=None, tp=None, pp=None, virtual_stages=None,
+        micro_batch_size=None, schedule=None, zero_stage=None, recompute=None, sequence_parallel=None,
+        dtype=DType.bf16, build_fn="build_model", inputs_fn="example_inputs", loss_fn=None, top_k=5,
+        time_limit=None, no_overlap=False, seed=0, lr=1e-4, steps=10,
     )
     options.update(changes)
     return plan_request(TINY, ["layers=2"], **options)
@@ -305,35 +246,18 @@ def test_plan_request_maps_options_to_pins_and_defaults():
     assert request.time_limit == PlanRequest.model_fields["time_limit"].default  # unset: the library's default
     assert _request(time_limit=0.0).time_limit is None  # 0: no limit
     assert _request(time_limit=3.5).time_limit == 3.5
-    pinned = _request(
-        dp=2,
-        tp=1,
-        pp=2,
-        virtual_stages=2,
-        micro_batch_size=1,
-        schedule=Schedule.interleaved,
-        zero_stage=0,
-        recompute=Recompute.selective,
-        sequence_parallel=False,
-        no_overlap=True,
-    )
+    pinned = _request(dp=2, tp=1, pp=2, virtual_stages=2, micro_batch_size=1, schedule=Schedule.interleaved,
+                      zero_stage=0, recompute=Recompute.selective, sequence_parallel=False, no_overlap=True)
     assert pinned.pins == {
-        "dp": 2,
-        "tp": 1,
-        "pp": 2,
-        "virtual_stages": 2,
-        "micro_batch_size": 1,
-        "schedule": "interleaved-1f1b",
-        "zero_stage": 0,
-        "recompute": "selective",
-        "sequence_parallel": False,
+        "dp": 2, "tp": 1, "pp": 2, "virtual_stages": 2, "micro_batch_size": 1, "schedule": "interleaved-1f1b",
+        "zero_stage": 0, "recompute": "selective", "sequence_parallel": False,
     }
     assert not pinned.overlap_dp_comm
 
 
 # --- the errors users make --------------------------------------------------------------------------------
 
-UNTRACEABLE = """
+UNTRACEABLE = '''
 import torch
 from torch import nn
 
@@ -355,15 +279,15 @@ def build_model(**_):
 
 def example_inputs(batch_size, **_):
     return (torch.randn(batch_size, 8),)
-"""
+'''
 
-NO_BUILD = """
+NO_BUILD = '''
 import torch
 
 
 def example_inputs(batch_size, **_):
     return (torch.randn(batch_size, 8),)
-"""
+'''
 
 
 def _error_case(name: str, tmp: Path) -> tuple[list, tuple[str, ...]]:
@@ -393,34 +317,15 @@ def _error_case(name: str, tmp: Path) -> tuple[list, tuple[str, ...]]:
     if name == "batch not divisible":
         return [TINY, "--gpu", "cpu", "--gpus-per-node", "4", "--global-batch-size", "6", "--dp", "4"], ("divisible",)
     if name == "nothing fits":
-        return [
-            GPT,
-            "--model-arg",
-            "preset=gpt3-175b",
-            "--gpu",
-            "cpu",
-            "--nodes",
-            "1",
-            "--gpus-per-node",
-            "1",
-            "--global-batch-size",
-            "8",
-        ], ("does not fit", "GiB")
+        return [GPT, "--model-arg", "preset=gpt3-175b", "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "1",
+                "--global-batch-size", "8"], ("does not fit", "GiB")
     raise AssertionError(name)
 
 
 ERROR_CASES = [
-    "missing model file",
-    "no build_model",
-    "bad model arg",
-    "untraceable model",
-    "unknown gpu",
-    "malformed spec yaml",
-    "invalid spec yaml",
-    "impossible degrees",
-    "degrees do not multiply out",
-    "batch not divisible",
-    "nothing fits",
+    "missing model file", "no build_model", "bad model arg", "untraceable model", "unknown gpu",
+    "malformed spec yaml", "invalid spec yaml", "impossible degrees", "degrees do not multiply out",
+    "batch not divisible", "nothing fits",
 ]
 
 
@@ -747,20 +652,8 @@ def test_plan_measure_uses_measured_unit_times(tmp_path, monkeypatch):
     monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "measured"
     result = invoke(
-        "plan",
-        ROOT / "sample_models" / "gpt.py",
-        "--gpu",
-        "cpu",
-        "--nodes",
-        "1",
-        "--gpus-per-node",
-        "2",
-        "--global-batch-size",
-        "4",
-        "--measure",
-        "--out",
-        out,
-        "--quiet",
+        "plan", ROOT / "sample_models" / "gpt.py", "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2",
+        "--global-batch-size", "4", "--measure", "--out", out, "--quiet",
     )
     ok(result)
     plan = json.loads((out / "plan.json").read_text())
@@ -771,29 +664,10 @@ def test_plan_measure_uses_measured_unit_times(tmp_path, monkeypatch):
 _yaml_text = st.one_of(
     st.text(max_size=300),
     st.dictionaries(
-        st.sampled_from(
-            [
-                "kind",
-                "name",
-                "display_name",
-                "vendor",
-                "peak_tflops",
-                "memory_gib",
-                "topology",
-                "sources",
-                "memory_bandwidth_gbps",
-                "gpu",
-                "efficiency",
-            ]
-        ),
-        st.one_of(
-            st.none(),
-            st.integers(-5, 10**6),
-            st.floats(allow_nan=True),
-            st.text(max_size=20),
-            st.lists(st.integers(), max_size=3),
-            st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
-        ),
+        st.sampled_from(["kind", "name", "display_name", "vendor", "peak_tflops", "memory_gib", "topology", "sources",
+                         "memory_bandwidth_gbps", "gpu", "efficiency"]),
+        st.one_of(st.none(), st.integers(-5, 10**6), st.floats(allow_nan=True), st.text(max_size=20),
+                  st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=3)),
         max_size=8,
     ).map(lambda d: __import__("yaml").safe_dump(d)),
 )

@@ -43,7 +43,9 @@ PLANS = {
     "pp2_dp2": lambda: make_plan("gpt", pp=2, dp=2),
     "interleaved": lambda: make_plan("gpt", pp=2, virtual_stages=2, schedule="interleaved-1f1b", num_micro_batches=4),
     "zbv": lambda: make_plan("gpt", pp=2, virtual_stages=2, schedule="zero-bubble", num_micro_batches=4),
-    "tp_sp_fsdp": lambda: make_plan("llama", tp=2, dp=2, zero_stage=3, sequence_parallel=True, recompute="selective"),
+    "tp_sp_fsdp": lambda: make_plan(
+        "llama", tp=2, dp=2, zero_stage=3, sequence_parallel=True, recompute="selective"
+    ),
     "deep": lambda: make_plan("gpt", pp=4, tp=2, model_args={**TINY["gpt"], "layers": 48}),
 }
 
@@ -63,8 +65,7 @@ def test_rendered_train_py_is_ruff_clean(name, tmp_path):
     (tmp_path / "train.py").write_text(render(PLANS[name]())["train.py"][0])
     result = subprocess.run(
         [RUFF, "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(tmp_path / "train.py")],
-        capture_output=True,
-        text=True,
+        capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert max(len(line) for line in (tmp_path / "train.py").read_text().splitlines()) <= 110
@@ -96,7 +97,7 @@ def test_body_is_the_same_for_every_plan():
 
 
 def test_paths_with_spaces_and_quotes_are_quoted(tmp_path):
-    odd = tmp_path / "my models" / 'it\'s "gpt".py'
+    odd = tmp_path / "my models" / "it's \"gpt\".py"
     odd.parent.mkdir()
     shutil.copy(FILES["gpt"], odd)
     plan = make_plan("gpt")

@@ -112,7 +112,9 @@ def test_cluster_presets_describe_their_node():
         "h100-sxm5-80gb", 450.0, 50.0,
     )  # fmt: skip
     box = load_spec("pcie-box")
-    assert 25.0 <= box.topology.intra_node_bandwidth_gbps <= 32.0 and box.topology.inter_node_bandwidth_gbps < 25
+    assert (
+        25.0 <= box.topology.intra_node_bandwidth_gbps <= 32.0 and box.topology.inter_node_bandwidth_gbps < 25
+    )
 
 
 # --- names and aliases ------------------------------------------------------------------------------------
@@ -165,7 +167,9 @@ def test_gpus_per_node_overrides_the_topology():
     assert cluster.topology.intra_node_link == load_spec("cpu").topology.intra_node_link
 
 
-@pytest.mark.parametrize(("nodes", "gpus_per_node"), [(0, None), (-1, None), (1.5, None), (True, None), (1, 0)])
+@pytest.mark.parametrize(
+    ("nodes", "gpus_per_node"), [(0, None), (-1, None), (1.5, None), (True, None), (1, 0)]
+)
 def test_bad_counts_raise_spec_error(nodes, gpus_per_node):
     with pytest.raises(SpecError, match="at least 1"):
         load_cluster("h100", nodes, gpus_per_node)

@@ -12,7 +12,7 @@ from planner.model.units import analyse_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
-SHAPE_BRANCH = """
+SHAPE_BRANCH = '''
 import torch
 import torch.nn as nn
 
@@ -53,7 +53,7 @@ def example_inputs(batch_size, **kwargs):
 
 def get_data(step, micro_batch_size, **kwargs):
     return example_inputs(micro_batch_size)
-"""
+'''
 
 VALUE_BRANCH = SHAPE_BRANCH.replace("if h.shape[1] % 2 == 0:", "if h.sum() > 0:")
 
@@ -68,12 +68,8 @@ def test_tiny_gpt_units_tp_and_repeated_blocks(tmp_path):
     assert graph.distinct_blocks == 3  # embedding, one block, head: each analysed once
     b = blocks[1]
     assert b.tp_styles == {
-        "blocks.1.attn.q": "colwise",
-        "blocks.1.attn.k": "colwise",
-        "blocks.1.attn.v": "colwise",
-        "blocks.1.attn.o": "rowwise",
-        "blocks.1.fc1": "colwise",
-        "blocks.1.fc2": "rowwise",
+        "blocks.1.attn.q": "colwise", "blocks.1.attn.k": "colwise", "blocks.1.attn.v": "colwise",
+        "blocks.1.attn.o": "rowwise", "blocks.1.fc1": "colwise", "blocks.1.fc2": "rowwise",
     }
     assert b.tp_granularity == 4  # four heads
     # hidden 32, seq 16, 4 Linears of 32x32 and two of 32x128: forward matmul FLOPs 2*tokens*params

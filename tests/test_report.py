@@ -47,32 +47,18 @@ def render(renderable, width: int = 200) -> str:
 
 def _predicted(iteration: float, peak: int = 60 * GIB, **kw) -> Predicted:
     return Predicted(
-        iteration_time_s=iteration,
-        samples_per_s=64 / iteration if iteration else 0.0,
-        tokens_per_s=64 * 2048 / iteration if iteration else 0.0,
-        model_tflops_per_gpu=312.5,
-        hardware_tflops_per_gpu=400.25,
-        mfu=0.4211,
-        peak_memory_bytes=peak,
-        memory_capacity_bytes=80 * GIB,
-        bubble_fraction=0.125,
-        **kw,
+        iteration_time_s=iteration, samples_per_s=64 / iteration if iteration else 0.0,
+        tokens_per_s=64 * 2048 / iteration if iteration else 0.0, model_tflops_per_gpu=312.5,
+        hardware_tflops_per_gpu=400.25, mfu=0.4211, peak_memory_bytes=peak, memory_capacity_bytes=80 * GIB,
+        bubble_fraction=0.125, **kw,
     )
 
 
 def make_plan(iteration: float = 2.0, rejections: int = 12) -> Plan:
     """dp 2 x tp 2 x pp 2, interleaved over 4 stages of a 16-block GPT; two runners-up."""
     parallel = ParallelConfig(
-        dp=2,
-        tp=2,
-        pp=2,
-        virtual_stages=2,
-        micro_batch_size=2,
-        num_micro_batches=16,
-        global_batch_size=64,
-        schedule="interleaved-1f1b",
-        zero_stage=3,
-        sequence_parallel=True,
+        dp=2, tp=2, pp=2, virtual_stages=2, micro_batch_size=2, num_micro_batches=16, global_batch_size=64,
+        schedule="interleaved-1f1b", zero_stage=3, sequence_parallel=True,
     )
     stages = []
     for i in range(4):
@@ -82,69 +68,35 @@ def make_plan(iteration: float = 2.0, rejections: int = 12) -> Plan:
         if i == 3:
             units = [*units, "norm+head"]
         mem = MemoryBreakdown(
-            weights=2 * GIB,
-            gradients=GIB,
-            optimizer=4 * GIB,
-            activations=(10 + i) * GIB,
-            comm_buffers=GIB // 2,
+            weights=2 * GIB, gradients=GIB, optimizer=4 * GIB, activations=(10 + i) * GIB, comm_buffers=GIB // 2,
             workspace=GIB // 2,
         )
-        stages.append(
-            StagePlan(
-                index=i,
-                pp_rank=i % 2,
-                units=units,
-                modules=units,
-                recompute="selective" if i < 2 else "full",
-                forward_time_s=0.0125,
-                backward_time_s=0.025,
-                p2p_time_s=0.0005,
-                compute_time_s=0.0375,
-                memory_bytes=mem.total,
-                memory=mem,
-                source="estimated",
-            )
-        )
+        stages.append(StagePlan(
+            index=i, pp_rank=i % 2, units=units, modules=units, recompute="selective" if i < 2 else "full",
+            forward_time_s=0.0125, backward_time_s=0.025, p2p_time_s=0.0005, compute_time_s=0.0375,
+            memory_bytes=mem.total, memory=mem, source="estimated",
+        ))
     alternatives = [
         Alternative(
-            parallel=parallel.model_copy(update={"zero_stage": 1}),
-            recompute=["full"] * 4,
+            parallel=parallel.model_copy(update={"zero_stage": 1}), recompute=["full"] * 4,
             predicted=_predicted(iteration * 1.1, peak=70 * GIB),
         ),
         Alternative(
             parallel=ParallelConfig(
-                dp=1,
-                tp=4,
-                pp=2,
-                micro_batch_size=1,
-                num_micro_batches=64,
-                global_batch_size=64,
-                schedule="gpipe",
+                dp=1, tp=4, pp=2, micro_batch_size=1, num_micro_batches=64, global_batch_size=64, schedule="gpipe",
             ),
-            recompute=["none", "full"],
-            predicted=_predicted(iteration * 1.5),
+            recompute=["none", "full"], predicted=_predicted(iteration * 1.5),
         ),
     ]
     return Plan(
-        planner_version="test",
-        inputs_digest="0" * 64,
+        planner_version="test", inputs_digest="0" * 64,
         model=ModelSource(path="/models/gpt.py", file_sha256="0" * 64, model_args={"preset": "gpt3-1.3b"}),
-        model_class="GPT",
-        trace_method="fx",
-        tokens_per_sample=2048,
+        model_class="GPT", trace_method="fx", tokens_per_sample=2048,
         cluster=ClusterSummary(name="dgx-h100", gpu="h100-sxm5-80gb", nodes=1, gpus_per_node=8),
-        parallel=parallel,
-        stages=stages,
-        predicted=_predicted(iteration).model_copy(
-            update={
-                "comm": CommBreakdown(
-                    tensor_parallel_s=0.2,
-                    pipeline_p2p_s=0.05,
-                    data_parallel_s=0.5,
-                    data_parallel_exposed_s=0.1,
-                )
-            }
-        ),
+        parallel=parallel, stages=stages,
+        predicted=_predicted(iteration).model_copy(update={"comm": CommBreakdown(
+            tensor_parallel_s=0.2, pipeline_p2p_s=0.05, data_parallel_s=0.5, data_parallel_exposed_s=0.1,
+        )}),
         alternatives=alternatives,
         rejected=[Rejection(region=f"tp={r}", reason=f"reason {r}", count=r + 1) for r in range(rejections)],
         search=SearchStats(candidates=140, pruned_by_bound=120, ilps_solved=20, status="optimal"),
@@ -195,24 +147,11 @@ def test_top_rejections_orders_by_count_and_keeps_ten():
 def test_summary_shows_layout_speed_and_memory():
     text = render(summary_panel(make_plan(), params=1_300_000_000, timeline="out/timeline.svg"))
     for expected in (
-        "GPT (1.30B parameters)",
-        "gpt.py (preset='gpt3-1.3b')",
-        "1 node x 8 x h100-sxm5-80gb (dgx-h100) = 8 GPUs",
-        "dp 2 / tp 2 / pp 2 / v 2",
-        "2 samples x 16 per replica (global batch 64)",
-        "interleaved-1f1b",
-        "3 (FSDP)",
-        "Sequence parallel  yes",
-        "full, selective",
-        "2000.0 ms",
-        "Samples/s          32.0",
-        "65,536",
-        "312.50 model, 400.25 with recomputation",
-        "42.1%",
-        "60.00 of 80.00 GiB per GPU (headroom 20.00 GiB)",
-        "12.5%",
-        "estimated",
-        "out/timeline.svg",
+        "GPT (1.30B parameters)", "gpt.py (preset='gpt3-1.3b')", "1 node x 8 x h100-sxm5-80gb (dgx-h100) = 8 GPUs",
+        "dp 2 / tp 2 / pp 2 / v 2", "2 samples x 16 per replica (global batch 64)", "interleaved-1f1b",
+        "3 (FSDP)", "Sequence parallel  yes", "full, selective", "2000.0 ms", "Samples/s          32.0",
+        "65,536", "312.50 model, 400.25 with recomputation", "42.1%", "60.00 of 80.00 GiB per GPU (headroom 20.00 GiB)",
+        "12.5%", "estimated", "out/timeline.svg",
     ):
         assert expected in text, expected
 
@@ -231,19 +170,8 @@ def test_report_tables():
     lines = text.splitlines()
     # Per-stage table: units compressed, times in ms, memory in GiB (buffers + workspace together).
     row0 = next(line for line in lines if line.lstrip().startswith("0 ") and "embed" in line)
-    for cell in (
-        "embed, blocks.0-3",
-        "selective",
-        "12.500",
-        "25.000",
-        "0.500",
-        "2.00",
-        "4.00",
-        "10.00",
-        "1.00",
-        "18.00",
-        "estimated",
-    ):
+    for cell in ("embed, blocks.0-3", "selective", "12.500", "25.000", "0.500", "2.00", "4.00", "10.00", "1.00",
+                 "18.00", "estimated"):
         assert cell in row0, (cell, row0)
     # Communication: ms and share of the 2 s iteration.
     comm = next(line for line in lines if "tensor parallel" in line)
@@ -304,24 +232,10 @@ def test_validation_table_warns_that_cpu_rss_is_not_comparable():
 
 def test_hardware_tables():
     rows = [
-        {
-            "name": "x1",
-            "display_name": "X One",
-            "kind": "gpu",
-            "bf16_tflops": 989.4,
-            "memory_gib": 80.0,
-            "memory_bandwidth_gbps": 3350.0,
-            "node": "8 x x1, NVLink",
-        },
-        {
-            "name": "c1",
-            "display_name": "Cluster",
-            "kind": "cluster",
-            "bf16_tflops": None,
-            "memory_gib": None,
-            "memory_bandwidth_gbps": None,
-            "node": "8 x ?",
-        },
+        {"name": "x1", "display_name": "X One", "kind": "gpu", "bf16_tflops": 989.4, "memory_gib": 80.0,
+         "memory_bandwidth_gbps": 3350.0, "node": "8 x x1, NVLink"},
+        {"name": "c1", "display_name": "Cluster", "kind": "cluster", "bf16_tflops": None, "memory_gib": None,
+         "memory_bandwidth_gbps": None, "node": "8 x ?"},
     ]
     text = render(hardware_table(rows))
     assert "989.4" in text and "3350" in text and "8 x x1, NVLink" in text

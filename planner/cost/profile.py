@@ -141,13 +141,9 @@ def profile_model(
                 timings = _profile_unit(model, split, first, target, repeats, warmup)
                 units.append(
                     UnitProfile(
-                        signature=sig,
-                        micro_batch_size=mbs,
-                        units=[split.names[i] for i in indices],
-                        fwd_s=statistics.median(timings.fwd),
-                        bwd_s=statistics.median(timings.bwd),
-                        fwd_samples_s=timings.fwd,
-                        bwd_samples_s=timings.bwd,
+                        signature=sig, micro_batch_size=mbs, units=[split.names[i] for i in indices],
+                        fwd_s=statistics.median(timings.fwd), bwd_s=statistics.median(timings.bwd),
+                        fwd_samples_s=timings.fwd, bwd_samples_s=timings.bwd,
                         peak_memory_bytes=timings.peak_memory_bytes,
                     )
                 )
@@ -155,17 +151,9 @@ def profile_model(
                 if progress is not None:
                     progress(done, total)
     result = ProfileResult(
-        key=key,
-        model=loaded.source,
-        device=device,
-        device_name=name,
-        dtype=dtype,  # type: ignore[arg-type]
-        torch_version=torch.__version__,
-        micro_batch_sizes=mbs_list,
-        repeats=repeats,
-        warmup=warmup,
-        units=units,
-        elapsed_s=time.perf_counter() - start,
+        key=key, model=loaded.source, device=device, device_name=name, dtype=dtype,  # type: ignore[arg-type]
+        torch_version=torch.__version__, micro_batch_sizes=mbs_list, repeats=repeats, warmup=warmup,
+        units=units, elapsed_s=time.perf_counter() - start,
     )
     atomic_write_text(path, result.model_dump_json(indent=1))
     return result

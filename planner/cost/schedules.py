@@ -80,7 +80,9 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     return iteration_time_uniform(schedule, p, m, v, t_f, t_b, t_w) / (m * (t_f + t_b)) - 1.0
 
 
-def iteration_time_uniform(schedule: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w: float = 0.0) -> float:
+def iteration_time_uniform(
+    schedule: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w: float = 0.0
+) -> float:
     """Iteration time of one pipeline for uniform stages and free communication.
 
     t_f, t_b: forward and full backward time of one micro-batch on one rank, summed over the rank's v

@@ -76,7 +76,9 @@ class SimResult:
     @cached_property
     def events(self) -> list[Event]:
         """Every compute action, rank by rank, each rank's in execution order."""
-        return [Event(r, s, j, KIND_NAMES[k], a, b) for r, log in enumerate(self.log) for k, s, j, a, b in log]
+        return [
+            Event(r, s, j, KIND_NAMES[k], a, b) for r, log in enumerate(self.log) for k, s, j, a, b in log
+        ]
 
     @cached_property
     def transfers(self) -> list[Transfer]:
@@ -247,7 +249,9 @@ def simulate(
     else:
         wgt = _per_stage("stage_bwd_weight", stage_bwd_weight, n)
         if any(w > b for w, b in zip(wgt, bwd, strict=True)):
-            raise ValueError("stage_bwd_weight[s] is the weight-gradient part of stage_bwd[s]: it cannot exceed it")
+            raise ValueError(
+                "stage_bwd_weight[s] is the weight-gradient part of stage_bwd[s]: it cannot exceed it"
+            )
     if schedule == "zero-bubble":
         bin_ = [b - w for b, w in zip(bwd, wgt, strict=True)]
     else:  # one fused backward pass; no W actions are scheduled
@@ -321,7 +325,9 @@ def simulate(
     stuck = [r for r in range(p) if ptr[r] < len(orders[r])]
     if stuck:
         r = stuck[0]
-        raise RuntimeError(f"{schedule} order deadlocks at rank {r}, action {orders[r][ptr[r]]} (p={p}, m={m}, v={v})")
+        raise RuntimeError(
+            f"{schedule} order deadlocks at rank {r}, action {orders[r][ptr[r]]} (p={p}, m={m}, v={v})"
+        )
 
     iteration = max(free) if p else 0.0
     peak, rank_peak = _in_flight(orders, n, split=schedule == "zero-bubble")

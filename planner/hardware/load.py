@@ -121,7 +121,9 @@ def _gpu_of_preset(preset: ClusterPreset, preset_path: Path) -> GPUSpec:
     try:
         spec = load_spec(ref)
     except SpecError as e:
-        raise SpecError(f"Cluster preset {preset.name!r} ({preset_path}) names gpu {preset.gpu!r}. {e}") from e
+        raise SpecError(
+            f"Cluster preset {preset.name!r} ({preset_path}) names gpu {preset.gpu!r}. {e}"
+        ) from e
     if not isinstance(spec, GPUSpec):
         raise SpecError(
             f"Cluster preset {preset.name!r} ({preset_path}) names gpu {preset.gpu!r}, which is a cluster "
@@ -166,7 +168,9 @@ def _known_names() -> list[str]:
 
 def _check_count(what: str, value: Any, option: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecError(f"{what} must be a whole number of at least 1, got {value!r}. Pass {option} 1 or more.")
+        raise SpecError(
+            f"{what} must be a whole number of at least 1, got {value!r}. Pass {option} 1 or more."
+        )
 
 
 # --- parsing ----------------------------------------------------------------------------------------------
@@ -202,9 +206,13 @@ def _parse(path: str, data: bytes) -> Spec:
             f"{specs_dir()} show the expected layout."
         ) from e
     except yaml.YAMLError as e:
-        raise SpecError(f"{path} is not valid YAML: {e}. Fix the file; see {specs_dir()} for examples.") from e
+        raise SpecError(
+            f"{path} is not valid YAML: {e}. Fix the file; see {specs_dir()} for examples."
+        ) from e
     except RecursionError as e:
-        raise SpecError(f"{path} nests too deeply to be a hardware spec. See {specs_dir()} for examples.") from e
+        raise SpecError(
+            f"{path} nests too deeply to be a hardware spec. See {specs_dir()} for examples."
+        ) from e
     if not isinstance(raw, dict):
         raise SpecError(
             f"{path} must hold a YAML mapping (name:, peak_tflops:, topology: ...), not "

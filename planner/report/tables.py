@@ -104,13 +104,8 @@ def degrees(p: Any) -> str:
 
 def _table(title: str, **kwargs: Any) -> Table:
     return Table(
-        title=title,
-        title_justify="left",
-        title_style="bold",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        collapse_padding=True,
-        **kwargs,
+        title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, pad_edge=False,
+        collapse_padding=True, **kwargs,
     )
 
 
@@ -187,23 +182,11 @@ def stages_table(plan: Plan, memory: bool = True) -> Table:
             t.add_column(name, justify="left" if name in ("recompute", "source") else "right", no_wrap=True)
     for s in sorted(plan.stages, key=lambda s: s.index):
         m = s.memory
-        cells = [
-            str(s.index),
-            str(s.pp_rank),
-            compress_units(s.units),
-            s.recompute,
-            ms(s.forward_time_s),
-            ms(s.backward_time_s),
-            ms(s.p2p_time_s),
-        ]
+        cells = [str(s.index), str(s.pp_rank), compress_units(s.units), s.recompute,
+                 ms(s.forward_time_s), ms(s.backward_time_s), ms(s.p2p_time_s)]
         if memory:
-            cells += [
-                gib(m.weights),
-                gib(m.gradients),
-                gib(m.optimizer),
-                gib(m.activations),
-                gib(m.comm_buffers + m.workspace),
-            ]
+            cells += [gib(m.weights), gib(m.gradients), gib(m.optimizer), gib(m.activations),
+                      gib(m.comm_buffers + m.workspace)]
         t.add_row(*cells, gib(m.total), s.source)
     return t
 
@@ -215,16 +198,8 @@ def memory_table(plan: Plan) -> Table:
         t.add_column(name, justify="right", no_wrap=True)
     for s in sorted(plan.stages, key=lambda s: s.index):
         m = s.memory
-        t.add_row(
-            str(s.index),
-            str(s.pp_rank),
-            gib(m.weights),
-            gib(m.gradients),
-            gib(m.optimizer),
-            gib(m.activations),
-            gib(m.comm_buffers + m.workspace),
-            gib(m.total),
-        )
+        t.add_row(str(s.index), str(s.pp_rank), gib(m.weights), gib(m.gradients), gib(m.optimizer),
+                  gib(m.activations), gib(m.comm_buffers + m.workspace), gib(m.total))
     return t
 
 
@@ -263,32 +238,17 @@ def alternatives_table(plan: Plan) -> Table:
 
     p = plan.parallel
     t.add_row(
-        "*",
-        layout(p),
-        p.schedule,
-        str(p.zero_stage),
-        "yes" if p.sequence_parallel else "no",
-        f"{p.micro_batch_size} x {p.num_micro_batches}",
-        ", ".join(sorted({s.recompute for s in plan.stages})),
-        duration(best),
-        "-",
-        gib(plan.predicted.peak_memory_bytes),
-        style="bold",
+        "*", layout(p), p.schedule, str(p.zero_stage), "yes" if p.sequence_parallel else "no",
+        f"{p.micro_batch_size} x {p.num_micro_batches}", ", ".join(sorted({s.recompute for s in plan.stages})),
+        duration(best), "-", gib(plan.predicted.peak_memory_bytes), style="bold",
     )
     for i, alt in enumerate(plan.alternatives, start=1):
         p = alt.parallel
         diff = alt.predicted.iteration_time_s / best - 1 if best > 0 else 0.0
         t.add_row(
-            str(i),
-            layout(p),
-            p.schedule,
-            str(p.zero_stage),
-            "yes" if p.sequence_parallel else "no",
-            f"{p.micro_batch_size} x {p.num_micro_batches}",
-            ", ".join(sorted(set(alt.recompute))),
-            duration(alt.predicted.iteration_time_s),
-            f"{diff * 100:+.1f}%",
-            gib(alt.predicted.peak_memory_bytes),
+            str(i), layout(p), p.schedule, str(p.zero_stage), "yes" if p.sequence_parallel else "no",
+            f"{p.micro_batch_size} x {p.num_micro_batches}", ", ".join(sorted(set(alt.recompute))),
+            duration(alt.predicted.iteration_time_s), f"{diff * 100:+.1f}%", gib(alt.predicted.peak_memory_bytes),
         )
     return t
 
@@ -310,12 +270,8 @@ def rejected_table(plan: Plan, limit: int = REJECTED_SHOWN) -> Table:
     hidden = len(plan.rejected) - len(shown)
     if hidden > 0:
         rest = sum(r.count for r in plan.rejected) - sum(r.count for r in shown)
-        t.add_row(
-            f"({hidden} more)",
-            "smaller groups; every one is listed under rejected in plan.json",
-            str(rest),
-            style="dim",
-        )
+        t.add_row(f"({hidden} more)", "smaller groups; every one is listed under rejected in plan.json", str(rest),
+                  style="dim")
     return t
 
 
@@ -378,24 +334,16 @@ def validation_table(
     def ratio(a: float, b: float) -> str:
         return f"{a / b:.3g}x" if b > 0 else "n/a"
 
-    t.add_row(
-        "iteration time (mean)",
-        duration(pred.iteration_time_s),
-        duration(measured),
-        ratio(measured, pred.iteration_time_s),
-    )
+    t.add_row("iteration time (mean)", duration(pred.iteration_time_s), duration(measured),
+              ratio(measured, pred.iteration_time_s))
     if step_times:
         t.add_row("iteration time (min / max)", "", f"{duration(min(step_times))} / {duration(max(step_times))}", "")
     measured_rate = plan.parallel.global_batch_size / measured if measured > 0 else 0.0
     t.add_row("samples/s", rate(pred.samples_per_s), rate(measured_rate), ratio(measured_rate, pred.samples_per_s))
     if ranks:
         peak = max(b for _, _, b in ranks)
-        t.add_row(
-            "peak memory, busiest rank (GiB)",
-            gib(pred.peak_memory_bytes),
-            gib(peak),
-            ratio(peak, pred.peak_memory_bytes),
-        )
+        t.add_row("peak memory, busiest rank (GiB)", gib(pred.peak_memory_bytes), gib(peak),
+                  ratio(peak, pred.peak_memory_bytes))
 
     per_rank = _table("Peak memory per rank (GiB)")
     for name in ("rank", "pp rank", "predicted", "measured"):
@@ -405,12 +353,8 @@ def validation_table(
         predicted_by_pp[s.pp_rank] = predicted_by_pp.get(s.pp_rank, 0) + s.memory_bytes
     for rank, pp_rank, peak_bytes in sorted(ranks, key=lambda r: r[0]):
         predicted = predicted_by_pp.get(pp_rank) if pp_rank is not None else None
-        per_rank.add_row(
-            str(rank),
-            "?" if pp_rank is None else str(pp_rank),
-            gib(predicted) if predicted is not None else "?",
-            gib(peak_bytes),
-        )
+        per_rank.add_row(str(rank), "?" if pp_rank is None else str(pp_rank),
+                         gib(predicted) if predicted is not None else "?", gib(peak_bytes))
     note = Text(
         "Memory on CPU is each process's peak resident set (Python, torch and gloo included), not the model's "
         "tensors alone, so it is not comparable with the prediction."
@@ -427,25 +371,13 @@ def validation_table(
 def hardware_table(rows: Sequence[dict[str, Any]]) -> Table:
     """`planner hardware list`: one row per spec (rows from the CLI, one dict per spec)."""
     t = _table("Hardware specs")
-    for name, justify in (
-        ("name", "left"),
-        ("display name", "left"),
-        ("kind", "left"),
-        ("bf16 TFLOP/s", "right"),
-        ("memory GiB", "right"),
-        ("bandwidth GB/s", "right"),
-        ("node", "left"),
-    ):
+    for name, justify in (("name", "left"), ("display name", "left"), ("kind", "left"), ("bf16 TFLOP/s", "right"),
+                          ("memory GiB", "right"), ("bandwidth GB/s", "right"), ("node", "left")):
         t.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for r in rows:
         t.add_row(
-            r["name"],
-            r["display_name"],
-            r["kind"],
-            _num(r.get("bf16_tflops")),
-            _num(r.get("memory_gib")),
-            _num(r.get("memory_bandwidth_gbps")),
-            r.get("node", ""),
+            r["name"], r["display_name"], r["kind"], _num(r.get("bf16_tflops")), _num(r.get("memory_gib")),
+            _num(r.get("memory_bandwidth_gbps")), r.get("node", ""),
         )
     return t
 

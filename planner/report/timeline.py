@@ -117,7 +117,8 @@ def timeline_svg(sim: SimResult, title: str, stage_labels: list[str] | None = No
     y = _TITLE_H + 4
     for label, colour in _LEGEND:
         out.append(
-            f'<rect x="{x}" y="{y}" width="12" height="12" fill="{colour}" stroke="#888888" stroke-width="0.5"/>'
+            f'<rect x="{x}" y="{y}" width="12" height="12" fill="{colour}" '
+            'stroke="#888888" stroke-width="0.5"/>'
         )
         out.append(f'<text x="{x + 16}" y="{y + 10}">{escape(label)}</text>')
         x += 16 + int(len(label) * _CHAR_W) + 18
@@ -148,7 +149,8 @@ def timeline_svg(sim: SimResult, title: str, stage_labels: list[str] | None = No
         fill = _FILL[e.kind][chunk_of[e.stage] % 2]
         tip = f"{e.kind} stage {e.stage} micro-batch {e.microbatch}: {e.start * 1e3:.3f}-{e.end * 1e3:.3f} ms"
         boxes.append(
-            f'<rect x="{_f(x0)}" y="{y0}" width="{_f(w)}" height="{_BOX_H}" fill="{fill}"><title>{tip}</title></rect>'
+            f'<rect x="{_f(x0)}" y="{y0}" width="{_f(w)}" height="{_BOX_H}" fill="{fill}">'
+            f"<title>{tip}</title></rect>"
         )
         text = str(e.microbatch)
         if w >= len(text) * _CHAR_W + 4:
@@ -165,7 +167,9 @@ def timeline_svg(sim: SimResult, title: str, stage_labels: list[str] | None = No
         y0 = top + t.src_rank * _ROW_H + 2 + _BOX_H + 1
         what = "activation" if t.kind == "F" else "gradient"
         tip = f"send {what} of stage {t.stage} micro-batch {t.microbatch} to rank {t.dst_rank}"
-        out.append(f'<rect x="{_f(x0)}" y="{y0}" width="{_f(w)}" height="{_COMM_H}"><title>{tip}</title></rect>')
+        out.append(
+            f'<rect x="{_f(x0)}" y="{y0}" width="{_f(w)}" height="{_COMM_H}"><title>{tip}</title></rect>'
+        )
     out.append("</g>")
 
     # Time axis in milliseconds.
@@ -177,7 +181,9 @@ def timeline_svg(sim: SimResult, title: str, stage_labels: list[str] | None = No
         value = i * step
         xt = _LEFT + (value / span_ms * _PLOT_W if span_ms > 0 else 0.0)
         out.append(f'<line x1="{_f(xt)}" y1="{y_axis}" x2="{_f(xt)}" y2="{y_axis + 5}" stroke="#000000"/>')
-        out.append(f'<text x="{_f(xt)}" y="{y_axis + 17}" text-anchor="middle">{_tick_label(value, step)}</text>')
+        out.append(
+            f'<text x="{_f(xt)}" y="{y_axis + 17}" text-anchor="middle">{_tick_label(value, step)}</text>'
+        )
     out.append(f'<text x="{_LEFT + _PLOT_W // 2}" y="{y_axis + 33}" text-anchor="middle">time (ms)</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"

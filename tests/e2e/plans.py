@@ -22,19 +22,12 @@ TINY = {
     "tiny": {"layers": 4, "dim": 64, "heads": 4, "vocab": 256, "seq": 32},
 }
 CLASSES = {"gpt": "GPT", "llama": "Llama", "mlp": "MLP", "tiny": "TinyGPT"}
-FILES = {
-    "gpt": SAMPLE_MODELS / "gpt.py",
-    "llama": SAMPLE_MODELS / "llama.py",
-    "mlp": SAMPLE_MODELS / "mlp.py",
-    "tiny": TINY_GPT,
-}
+FILES = {"gpt": SAMPLE_MODELS / "gpt.py", "llama": SAMPLE_MODELS / "llama.py", "mlp": SAMPLE_MODELS / "mlp.py",
+         "tiny": TINY_GPT}
 
 # Partition units (module names) in execution order, as planner.model.units groups them.
 _HEAD = {
-    "gpt": ["tok_emb", "pos_emb", "drop"],
-    "llama": ["tok_emb"],
-    "mlp": ["proj_in"],
-    "tiny": ["tok_emb", "pos_emb"],
+    "gpt": ["tok_emb", "pos_emb", "drop"], "llama": ["tok_emb"], "mlp": ["proj_in"], "tiny": ["tok_emb", "pos_emb"],
 }
 _TAIL = {"gpt": ["norm", "head"], "llama": ["norm", "head"], "mlp": ["norm", "head"], "tiny": ["ln_f", "head"]}
 # Tensor-parallel styles outside the blocks (vocabulary-parallel embeddings and head) and inside block N.
@@ -45,32 +38,13 @@ _TP_OUTSIDE = {
     "tiny": {"tok_emb": "rowwise", "head": "colwise_gather"},
 }
 _TP = {
-    "gpt": {
-        "attn.q": "colwise",
-        "attn.k": "colwise",
-        "attn.v": "colwise",
-        "attn.o": "rowwise",
-        "mlp.fc1": "colwise",
-        "mlp.fc2": "rowwise",
-    },
-    "llama": {
-        "attn.q": "colwise",
-        "attn.k": "colwise",
-        "attn.v": "colwise",
-        "attn.o": "rowwise",
-        "mlp.w1": "colwise",
-        "mlp.w3": "colwise",
-        "mlp.w2": "rowwise",
-    },
+    "gpt": {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
+            "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
+    "llama": {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
+              "mlp.w1": "colwise", "mlp.w3": "colwise", "mlp.w2": "rowwise"},
     "mlp": {"fc1": "colwise", "fc2": "rowwise"},
-    "tiny": {
-        "attn.q": "colwise",
-        "attn.k": "colwise",
-        "attn.v": "colwise",
-        "attn.o": "rowwise",
-        "mlp.fc1": "colwise",
-        "mlp.fc2": "rowwise",
-    },
+    "tiny": {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
+             "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
 }
 
 
@@ -124,13 +98,8 @@ def make_plan(
         chunk = groups[bounds[i] : bounds[i + 1]]
         stages.append(
             _zeros(
-                StagePlan,
-                index=i,
-                pp_rank=ranks[i],
-                units=["+".join(g) for g in chunk],
-                modules=[m for g in chunk for m in g],
-                recompute=recompute,
-                memory=memory,
+                StagePlan, index=i, pp_rank=ranks[i], units=["+".join(g) for g in chunk],
+                modules=[m for g in chunk for m in g], recompute=recompute, memory=memory,
             )
         )
     tp_plan = {}
@@ -142,26 +111,16 @@ def make_plan(
         planner_version="test",
         inputs_digest="0" * 64,
         model=ModelSource(
-            path=str(path),
-            file_sha256="0" * 64,
-            model_args=args,
-            dtype="fp32",
+            path=str(path), file_sha256="0" * 64, model_args=args, dtype="fp32",
             loss_fn=None if model == "tiny" else "loss_fn",
         ),
         model_class=CLASSES.get(model, model),
         trace_method="fx",
         cluster=ClusterSummary(name="local", gpu=gpu, nodes=1, gpus_per_node=8),
         parallel=ParallelConfig(
-            dp=dp,
-            tp=tp,
-            pp=pp,
-            virtual_stages=virtual_stages,
-            micro_batch_size=micro_batch_size,
-            num_micro_batches=num_micro_batches,
-            global_batch_size=dp * micro_batch_size * num_micro_batches,
-            schedule=schedule,
-            zero_stage=zero_stage,
-            sequence_parallel=sequence_parallel,
+            dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages, micro_batch_size=micro_batch_size,
+            num_micro_batches=num_micro_batches, global_batch_size=dp * micro_batch_size * num_micro_batches,
+            schedule=schedule, zero_stage=zero_stage, sequence_parallel=sequence_parallel,
         ),
         tp_plan=tp_plan,
         stages=stages,
@@ -174,9 +133,7 @@ def reference_of(plan: Plan) -> Plan:
     """The same training as one process: dp = tp = pp = 1, the global batch in the same micro-batches."""
     p = plan.parallel
     ref = make_plan(
-        "gpt",
-        micro_batch_size=p.micro_batch_size,
-        num_micro_batches=p.dp * p.num_micro_batches,
+        "gpt", micro_batch_size=p.micro_batch_size, num_micro_batches=p.dp * p.num_micro_batches,
         lr=plan.training.lr,
     )
     return ref.model_copy(

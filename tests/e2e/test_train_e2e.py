@@ -29,8 +29,7 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 CASES = {
     "gpt_pp2_dp2_1f1b": (lambda: make_plan("gpt", pp=2, dp=2), 4),
     "gpt_pp2_interleaved_1f1b": (
-        lambda: make_plan("gpt", pp=2, virtual_stages=2, schedule="interleaved-1f1b", num_micro_batches=4),
-        2,
+        lambda: make_plan("gpt", pp=2, virtual_stages=2, schedule="interleaved-1f1b", num_micro_batches=4), 2
     ),
     "gpt_tp2_dp2": (lambda: make_plan("gpt", tp=2, dp=2), 4),
     "llama_tp2_dp2_zero1": (lambda: make_plan("llama", tp=2, dp=2, zero_stage=1), 4),
@@ -38,19 +37,12 @@ CASES = {
     "gpt_fsdp_dp4_zero3": (lambda: make_plan("gpt", dp=4, zero_stage=3), 4),
     "gpt_pp2_gpipe": (lambda: make_plan("gpt", pp=2, schedule="gpipe", num_micro_batches=4), 2),
     "gpt_pp2_zero_bubble_zbv": (
-        lambda: make_plan("gpt", pp=2, virtual_stages=2, schedule="zero-bubble", num_micro_batches=4),
-        2,
+        lambda: make_plan("gpt", pp=2, virtual_stages=2, schedule="zero-bubble", num_micro_batches=4), 2
     ),
     # ZBV with FSDP (ZeRO-3 then keeps weights gathered) and selective recompute (run as full recompute).
     "gpt_pp2_zbv_tp2_zero3_selective": (
         lambda: make_plan(
-            "gpt",
-            pp=2,
-            tp=2,
-            virtual_stages=2,
-            schedule="zero-bubble",
-            num_micro_batches=4,
-            zero_stage=3,
+            "gpt", pp=2, tp=2, virtual_stages=2, schedule="zero-bubble", num_micro_batches=4, zero_stage=3,
             recompute="selective",
         ),
         4,
@@ -58,10 +50,11 @@ CASES = {
     # Beyond the required layouts: sequence parallelism (leaf LayerNorms; custom RMSNorm with FSDP),
     # activation recomputation, the torch.export fallback, and inputs that are not tokens.
     "gpt_tp2_sp_selective": (lambda: make_plan("gpt", tp=2, sequence_parallel=True, recompute="selective"), 2),
-    "llama_tp2_sp_dp2_zero3": (lambda: make_plan("llama", tp=2, dp=2, zero_stage=3, sequence_parallel=True), 4),
+    "llama_tp2_sp_dp2_zero3": (
+        lambda: make_plan("llama", tp=2, dp=2, zero_stage=3, sequence_parallel=True), 4
+    ),
     "tiny_export_pp2_full_recompute": (
-        lambda: make_plan("tiny", pp=2, recompute="full", model_args={**TINY["tiny"], "check_length": True}),
-        2,
+        lambda: make_plan("tiny", pp=2, recompute="full", model_args={**TINY["tiny"], "check_length": True}), 2
     ),
     "mlp_pp2_dp2_zero2": (lambda: make_plan("mlp", pp=2, dp=2, zero_stage=2, lr=1e-3), 4),
 }
@@ -76,7 +69,8 @@ def run(cmd: list[str], cwd: Path) -> None:
     except subprocess.TimeoutExpired as e:
         out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
         pytest.fail(
-            f"{' '.join(cmd)} timed out after {TIMEOUT_S}s\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-8000:]}"
+            f"{' '.join(cmd)} timed out after {TIMEOUT_S}s\n"
+            f"--- stdout\n{out[-4000:]}\n--- stderr\n{err[-8000:]}"
         )
     if result.returncode != 0:
         pytest.fail(

@@ -93,14 +93,8 @@ class TinyGPT(nn.Module):
 
 
 def build_model(
-    vocab: int = 256,
-    dim: int = 64,
-    heads: int = 4,
-    layers: int = 4,
-    seq: int = 32,
-    check_length: bool = False,
-    tie: bool = False,
-    **_: object,
+    vocab: int = 256, dim: int = 64, heads: int = 4, layers: int = 4, seq: int = 32, check_length: bool = False,
+    tie: bool = False, **_: object,
 ) -> TinyGPT:
     """check_length=True adds a Python branch on the input's shape, which sends tracing to torch.export;
     tie=True shares the embedding with the output head."""
