@@ -39,7 +39,7 @@ from planner.cost.model import (
     dp_comm_time,
     dp_link,
     optimizer_time,
-    p2p_link,
+    p2p_time,
 )
 from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches, stage_rank
 from planner.hardware.spec import ClusterSpec
@@ -79,7 +79,7 @@ def lower_bounds(
         if ib is None:
             return Bounds(b.time, b.memory, feasible=False)
         tight = ib.pipeline(cand, costs) + tail_bound(tot, cand, cluster, dtype, options)
-        return Bounds(max(b.time, tight + unit_comm_bound(graph, cand, cluster)), b.memory, interval=ib)
+        return Bounds(max(b.time, tight + comm_bound(graph, cand, cluster)), b.memory, interval=ib)
     blk = block_bound(graph, costs, cand, cluster, options, modes, run, joint)
     if blk is None:
         return Bounds(b.time, b.memory, feasible=False)
@@ -174,6 +174,17 @@ def interval_vars(
     return {s: [(i, j, r) for i, j, r in out[s] if i in starts[s] and j in ends[s]] for s in range(S)}
 
 
+def gather_coefficients(cand: Candidate, cluster: ClusterSpec, dtype: str) -> tuple[float, float] | None:
+    """(g, c): a stage's ZeRO-3 weight gathers per micro-batch take g * params + c, the linear form of
+    `planner.cost.model.dp_comm_time` (all-gather for forward and again for backward); None without
+    ZeRO-3 over more than one replica."""
+    if cand.zero != 3 or cand.dp <= 1:
+        return None
+    bw, lat = dp_link(cand, cluster)
+    w_bytes = 4.0 if dtype == "fp32" else 2.0
+    return 2 * (cand.dp - 1) / cand.dp / bw * w_bytes, 2 * (cand.dp - 1) * lat
+
+
 def tail_coefficients(cand: Candidate, cluster: ClusterSpec, dtype: str) -> tuple[float, float, float]:
     """(a, c, r): one stage's gradient sync is a * params + c and the optimizer step r * params, the linear
     forms of `planner.cost.model.dp_comm_time` and `optimizer_time` that the ILP uses."""
@@ -254,28 +265,38 @@ def _joint(
     q_floor = qmin(a_vals[-1], tails_at(c_vals[-1]))
     if q_floor == INF:
         return INF, None
-    best, arg = INF, None
-    ci = bisect.bisect_left(c_vals, c_start)
-    for c_steps in range(len(c_vals) - ci):
-        c = c_vals[ci + c_steps]
-        if C * c + A * a_start + q_floor >= best:
-            break
-        if c_steps >= 16:
-            best = min(best, C * c + A * a_start + q_floor)
-            break
+
+    def over_a(c: float, best: float):
         tails = tails_at(c)
         q_c = qmin(a_vals[-1], tails)
-        ai = bisect.bisect_left(a_vals, a_start)
-        for a_steps in range(len(a_vals) - ai):
-            a = a_vals[ai + a_steps]
-            if A * a + C * c + q_c >= best:
-                break
-            if a_steps >= 32:
-                best = min(best, A * a + C * c + q_c)
-                break
+
+        def at(a: float, _best: float):
             q = qmin(a, tails)
-            if A * a + C * c + q < best:
-                best, arg = A * a + C * c + q, (a, c, q)
+            return A * a + C * c + q, (a, c, q)
+
+        return _scan_min(a_vals, a_start, 32, lambda a: A * a + C * c + q_c, at, best)
+
+    return _scan_min(c_vals, c_start, 16, lambda c: C * c + A * a_start + q_floor, over_a)
+
+
+def _scan_min(vals, start: float, max_steps: int, lower, value, best: float = INF):
+    """min of `best` and value(v, best so far)[0] over the sorted vals from start on, where lower(v) <=
+    value(v)[0] and lower grows with v: stops once lower reaches the best; past max_steps the next lower
+    bounds all the rest. Returns (best, the argument value(v)[1] of the best evaluated v, or None)."""
+    arg = None
+    i0 = bisect.bisect_left(vals, start)
+    for k in range(len(vals) - i0):
+        v = vals[i0 + k]
+        lo = lower(v)
+        if lo >= best:
+            break
+        if k >= max_steps:
+            best = min(best, lo)
+            break
+        val, a = value(v, best)
+        if val < best:
+            best = val
+            arg = a if a is not None else arg
     return best, arg
 
 
@@ -348,24 +369,16 @@ def tail_bound(tot: Totals, cand, cluster, dtype, options) -> float:
     return (max(0.0, sync - windows) + p * optimizer_time(params / p, cand, cluster, dtype)) / p
 
 
-def unit_comm_bound(graph: ModelGraph, cand: Candidate, cluster: ClusterSpec) -> float:
-    """Fill/drain point-to-point of any partition: each boundary carries at least the smallest output
-    of a unit that can end a stage (any but the last)."""
-    smallest = min(u.output_bytes for u in graph.units[:-1])
-    bw, lat = p2p_link(cand, cluster)
-    return 2.0 * (cand.stages - 1) * (lat + smallest * cand.mbs / (cand.tp if cand.sp else 1) / bw)
-
-
-def comm_bound(graph: ModelGraph, cand: Candidate, cluster: ClusterSpec, run) -> float:
+def comm_bound(graph: ModelGraph, cand: Candidate, cluster: ClusterSpec, run=None) -> float:
     """Fill/drain point-to-point: one forward and one backward send per stage boundary, each at least the
-    smallest tensor a boundary of the count form can carry."""
-    start = run[0]
-    smallest = graph.units[start].output_bytes
-    if start > 0:
-        smallest = min(smallest, graph.units[start - 1].output_bytes)
-    bw, lat = p2p_link(cand, cluster)
-    one = lat + smallest * cand.mbs / (cand.tp if cand.sp else 1) / bw
-    return 2.0 * (cand.stages - 1) * one
+    smallest tensor a boundary can carry (in the count form a block's output or the prefix's; otherwise
+    the output of any unit but the last)."""
+    if run is None:
+        smallest = min(u.output_bytes for u in graph.units[:-1])
+    else:
+        start = run[0]
+        smallest = min(graph.units[u].output_bytes for u in range(max(0, start - 1), start + 1))
+    return 2.0 * (cand.stages - 1) * p2p_time(smallest, cand, cluster)
 
 
 @dataclass
@@ -473,12 +486,10 @@ def block_bound(
         return np.maximum(0.0, sync - window) + opt_rate * params
 
     # ZeRO-3: a stage's time is at least its weight gathers, linear in its parameters
-    if cand.zero == 3 and cand.dp > 1:
-        bw, lat = dp_link(cand, cluster)
-        w_bytes = 4.0 if dtype == "fp32" else 2.0
-        g_rate = 2 * (cand.dp - 1) / cand.dp / bw * w_bytes
-        g_blk = g_rate * blk.params_local
-        g_ext = np.array([g_rate * st.ext_params + 2 * (cand.dp - 1) * lat for st in stages])
+    gc = gather_coefficients(cand, cluster, dtype)
+    if gc is not None:
+        g_blk = gc[0] * blk.params_local
+        g_ext = np.array([gc[0] * st.ext_params + gc[1] for st in stages])
     else:
         g_blk, g_ext = None, None
     inf = np.full(S, INF)
@@ -679,12 +690,8 @@ class IntervalTables:
         span = lambda c: c[None, :] - c[:, None]  # span[i, j] = sum over units i..j-1  # noqa: E731
         params = span(pre([c.params_local for c in costs]))
         act = {r: span(pre([c.act[r] for c in costs])) for r in modes}
-        if cand.zero == 3 and cand.dp > 1:
-            bw, lat = dp_link(cand, cluster)
-            w_bytes = 4.0 if dtype == "fp32" else 2.0
-            gather = 2 * ((cand.dp - 1) / cand.dp / bw * w_bytes * params + (cand.dp - 1) * lat)
-        else:
-            gather = np.zeros_like(params)
+        gc = gather_coefficients(cand, cluster, dtype)
+        gather = gc[0] * params + gc[1] if gc is not None else np.zeros_like(params)
         mem_ok = {}
         if cand.v == 1:
             state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)

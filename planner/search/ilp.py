@@ -30,7 +30,6 @@ from planner.cost.model import (
     Candidate,
     CostOptions,
     UnitCost,
-    dp_link,
     p2p_link,
 )
 from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches, stage_rank
@@ -42,11 +41,12 @@ from planner.search.bounds import (
     IntervalTables,
     Totals,
     block_bound,
+    comm_bound,
+    gather_coefficients,
     interval_bound,
     interval_vars,
     tail_bound,
     tail_coefficients,
-    unit_comm_bound,
 )
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ def solve_partition(
         limits = [v for v in (cutoff, start_sol[2] if start_sol else None) if v is not None]
         tot_ = Totals.of(costs, modes)
         work = tot_.work if cand.v == 1 else cand.m * tot_.work / cand.pp
-        rest = work + unit_comm_bound(graph, cand, cluster) + tail_bound(tot_, cand, cluster, dtype, options)
+        rest = work + comm_bound(graph, cand, cluster) + tail_bound(tot_, cand, cluster, dtype, options)
         ivars = interval_vars(tables, cand, modes, U, min(limits) if limits else None, rest)
         if not all(ivars.values()):
             return ILPResult(
@@ -289,22 +289,18 @@ def solve_partition(
 
     # Communication terms (linear in bytes; latency constants as in planner.cost.collectives).
     p2p_bw, p2p_lat = p2p_link(cand, cluster)
-    dp_bw, dp_lat = dp_link(cand, cluster)
     p2p_scale = cand.mbs / (cand.tp if cand.sp else 1) / p2p_bw
     p2p = [p2p_lat + boundary[s] * p2p_scale for s in range(S - 1)]
     n_dp = cand.dp
-    w_bytes = 4.0 if dtype == "fp32" else 2.0
     a_sync, c_sync, opt_rate = tail_coefficients(cand, cluster, dtype)
     sync = [a_sync * params[s] + c_sync for s in range(S)] if n_dp > 1 else [0] * S
-    gather = [0] * S
-    if n_dp > 1 and cand.zero == 3:
-        ring = (n_dp - 1) / n_dp / dp_bw
-        gather = [2 * (ring * w_bytes * params[s] + (n_dp - 1) * dp_lat) for s in range(S)]
+    gc = gather_coefficients(cand, cluster, dtype)
+    gather = [gc[0] * params[s] + gc[1] for s in range(S)] if gc is not None else [0] * S
 
     T = [pulp.LpVariable(f"T_{s}", lowBound=0) for s in range(S)]
     for s in range(S):
         prob += T[s] >= tot[s]
-        if cand.zero == 3 and n_dp > 1:
+        if gc is not None:
             prob += T[s] >= gather[s]
     Z = pulp.LpVariable("Tmax", lowBound=0)
     for s in range(S):
