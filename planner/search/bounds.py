@@ -649,11 +649,13 @@ def block_bound(
 
 @dataclass
 class IntervalBounds:
-    """Assignment form: per recomputation mode, a lower bound on the largest stage time (the same value
-    for every mode with one stage per rank, where stages choose modes freely), and start partitions."""
+    """Interval and assignment forms: per recomputation mode, a lower bound on the largest stage time
+    (the same value for every mode with one stage per rank, where stages choose modes freely), start
+    partitions, and the interval tables they came from (the ILP reuses them)."""
 
     stage_max: dict[str, float] = field(default_factory=dict)
     starts: list[tuple[list[list[int]], list[str]]] = field(default_factory=list)
+    tables: IntervalTables | None = None
 
     def pipeline(self, cand: Candidate, costs: list[UnitCost]) -> float:
         """Lower bound on the pipeline term without point-to-point time: the stage times sum to the work
@@ -770,7 +772,7 @@ def interval_bound(
             rec.append(min(ok, key=lambda r: t[r][i, j]))
         return part, rec
 
-    out = IntervalBounds()
+    out = IntervalBounds(tables=tb)
     if cand.v == 1:
         Z = least(modes)
         if Z is None:

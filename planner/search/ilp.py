@@ -131,10 +131,12 @@ def solve_partition(
     start_sol = None
     if form != "count":
         # Any unit sequence: the interval bound (cut and start), then the intervals an optimal plan can use.
-        tables = IntervalTables.of(graph, costs, cand, cluster, options, modes)
+        given = bounds if isinstance(bounds, IntervalBounds) else None
+        tables = (
+            given.tables if given and given.tables else IntervalTables.of(graph, costs, cand, cluster, options, modes)
+        )
         if cuts:
-            ib = bounds if isinstance(bounds, IntervalBounds) else None
-            ib = ib or interval_bound(graph, costs, cand, cluster, options, modes, tables)
+            ib = given or interval_bound(graph, costs, cand, cluster, options, modes, tables)
             if ib is None:
                 return ILPResult("infeasible", None, None, None, form=form or "interval")
             start_sol = _best_start(graph, cluster, cand, costs, options, ib.starts)
