@@ -64,10 +64,10 @@ def profile(
     on disk keyed by everything that changes them; a second identical run measures nothing.
     """
     try:
-        from planner.cost.profile import profile_model
+        from planner.measure.profile import profile_model
     except ImportError:  # the profiler is a later addition to the library
         raise ConfigError(
-            "Profiling is not available in this installation of planner (planner.cost.profile is missing). "
+            "Profiling is not available in this installation of planner (planner.measure.profile is missing). "
             "Plans use roofline estimates meanwhile."
         ) from None
     from planner.model.load import load_model_file

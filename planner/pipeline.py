@@ -268,8 +268,8 @@ def _should_measure(request: PlanRequest, cluster: ClusterSpec) -> bool:
 
     if not torch.cuda.is_available():
         return False
-    from planner.cost.profile import local_device_name
     from planner.hardware.load import load_cluster
+    from planner.measure.profile import local_device_name
 
     try:
         local = load_cluster(local_device_name("cuda").replace("NVIDIA ", ""), 1)
@@ -282,7 +282,7 @@ def measure_locally(request: PlanRequest, graph: ModelGraph, cluster: ClusterSpe
     """Profile each distinct unit on this machine for the micro-batch sizes the search may pick (<= 8)."""
     import torch
 
-    from planner.cost.profile import profile_model, to_cost_profile
+    from planner.measure.profile import profile_model, to_cost_profile
 
     loaded = load_request_model(request)
     sizes = [b for b in range(1, 9) if request.global_batch_size % b == 0]

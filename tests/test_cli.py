@@ -630,7 +630,7 @@ def test_hardware_show_errors(tmp_path):
 
 
 def test_profile_times_each_distinct_unit(tmp_path):
-    pytest.importorskip("planner.cost.profile")
+    pytest.importorskip("planner.measure.profile")
     env = {"PLANNER_CACHE_DIR": str(tmp_path / "cache")}
     result = invoke("profile", TINY, "--repeats", "1", "--warmup", "0", "--json", env=env)
     ok(result)

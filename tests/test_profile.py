@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.cost import profile as prof
-from planner.cost.profile import (
+from planner.measure import profile as prof
+from planner.measure.profile import (
     ProfileResult,
     local_device_name,
     profile_cache_dir,
