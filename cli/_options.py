@@ -123,6 +123,14 @@ GpusPerNodeOpt = Annotated[
     int | None,
     typer.Option(min=1, help="GPUs per node (default: the spec's node).", rich_help_panel=_CLUSTER),
 ]
+MemoryReserveOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--memory-reserve", min=0, metavar="GIB",
+        help="GiB per GPU that every plan keeps free for the CUDA context, NCCL buffers and fragmentation "
+        "(default: the spec's memory_reserve).", rich_help_panel=_CLUSTER,
+    ),
+]
 GlobalBatchOpt = Annotated[
     int,
     typer.Option(min=1, help="Samples per optimizer step, over all replicas.", show_default=False,
@@ -279,7 +287,7 @@ def plan_request(
     micro_batch_size: int | None, schedule: Schedule | None, zero_stage: int | None, recompute: Recompute | None,
     sequence_parallel: bool | None, dtype: DType, build_fn: str, inputs_fn: str, loss_fn: str | None, top_k: int,
     time_limit: float | None, no_overlap: bool, seed: int, lr: float, steps: int, data: str | None = None,
-    measure: bool | None = None,
+    measure: bool | None = None, memory_reserve: float | None = None,
 ) -> PlanRequest:
     """The library's PlanRequest from the options `plan` and `dry-run` share; unset pins are searched."""
     from planner.pipeline import PlanRequest
@@ -296,5 +304,5 @@ def plan_request(
         loss_fn=loss_fn, batch_fn=data, measure=measure, dtype=dtype.value, gpu=gpu, nodes=nodes,
         gpus_per_node=gpus_per_node,
         global_batch_size=global_batch_size, pins={k: v for k, v in pins.items() if v is not None}, top_k=top_k,
-        overlap_dp_comm=not no_overlap, seed=seed, lr=lr, steps=steps, **limit,
+        overlap_dp_comm=not no_overlap, seed=seed, lr=lr, steps=steps, memory_reserve_gib=memory_reserve, **limit,
     )

@@ -37,6 +37,7 @@ from cli._options import (
     LossFnOpt,
     LrOpt,
     MeasureOpt,
+    MemoryReserveOpt,
     MicroBatchOpt,
     ModelArgOpt,
     ModelFileArg,
@@ -86,6 +87,7 @@ def plan(
     model_arg: ModelArgOpt = None,
     nodes: NodesOpt = 1,
     gpus_per_node: GpusPerNodeOpt = None,
+    memory_reserve: MemoryReserveOpt = None,
     tp: TpOpt = None,
     pp: PpOpt = None,
     dp: DpOpt = None,
@@ -125,7 +127,7 @@ def plan(
         global_batch_size=global_batch_size, dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages,
         micro_batch_size=micro_batch_size, schedule=schedule, zero_stage=zero_stage, recompute=recompute,
         sequence_parallel=sequence_parallel, dtype=dtype, build_fn=build_fn, inputs_fn=inputs_fn, loss_fn=loss_fn,
-        data=data, measure=measure,
+        data=data, measure=measure, memory_reserve=memory_reserve,
         top_k=top_k, time_limit=time_limit, no_overlap=no_overlap, seed=seed, lr=lr, steps=steps,
     )
     quiet = is_quiet(ctx, quiet)

@@ -56,6 +56,7 @@ class PlanRequest(BaseModel):
     time_limit: float | None = Field(None, description="seconds per ILP (wall clock: results then depend on load)")
     max_nodes: int | None = Field(5000, description="branch-and-bound nodes per ILP (deterministic); None: no limit")
     overlap_dp_comm: bool = True
+    memory_reserve_gib: float | None = Field(None, description="per-GPU memory reserve; None: the spec's")
     measure: bool | None = Field(
         None, description="profile units on the local device; None: when it is a CUDA GPU matching the target"
     )
@@ -100,6 +101,7 @@ def predicted_for(
         mfu=per_gpu / peak,
         peak_memory_bytes=int(max(ev.rank_memory.values())),
         memory_capacity_bytes=cluster.gpu.memory_bytes,
+        memory_reserve_bytes=cluster.memory_reserve_bytes,
         bubble_fraction=sim.bubble_fraction,
         comm=CommBreakdown(
             tensor_parallel_s=tp_comm,
@@ -298,7 +300,9 @@ def plan_model(
 
     if request.global_batch_size < 1:
         raise ConfigError(f"--global-batch-size must be at least 1, got {request.global_batch_size}.")
-    cluster = load_cluster(request.gpu, request.nodes, request.gpus_per_node)
+    cluster = load_cluster(request.gpu, request.nodes, request.gpus_per_node).with_memory_reserve(
+        request.memory_reserve_gib
+    )
     if graph is None:
         graph = analyse(request)
     options = CostOptions(overlap_dp_comm=request.overlap_dp_comm)
@@ -306,7 +310,7 @@ def plan_model(
         profile = measure_locally(request, graph, cluster)
     result = search(
         graph,
-        cluster,
+        cluster.within_reserve(),  # plans keep the reserve free; the plan reports the physical capacity
         request.global_batch_size,
         pins_from(request),
         options,

@@ -119,6 +119,7 @@ class Predicted(_Model):
     mfu: float
     peak_memory_bytes: int
     memory_capacity_bytes: int
+    memory_reserve_bytes: int = Field(0, description="memory per GPU every plan keeps free (CUDA context, NCCL, ...)")
     bubble_fraction: float
     comm: CommBreakdown = CommBreakdown()
     source: Source = "estimated"

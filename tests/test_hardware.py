@@ -392,3 +392,85 @@ def test_fuzz_mutated_valid_spec(fuzz_dir, field, value, delete):
 def test_fuzz_truncated_and_corrupted_shipped_file(fuzz_dir, cut, junk):
     text = (specs_dir() / "dgx-a100.yaml").read_text()
     _load_or_spec_error(fuzz_dir, text[:cut] + junk + text[cut:])
+
+
+# --- the memory reserve -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", GPU_NAMES)
+def test_every_gpu_spec_has_a_sourced_memory_reserve(name):
+    spec = load_spec(name)
+    text = (specs_dir() / f"{spec.name}.yaml").read_text()
+    block = text.split("memory_reserve:", 1)[1].split("\nsources:")[0]
+    for field in ("cuda_context_gib", "nccl_gib_per_group", "fragmentation"):
+        line = next(ln for ln in block.splitlines() if ln.strip().startswith(field + ":"))
+        assert "# source:" in line, (name, field)
+    assert "memory_reserve" in spec.sources
+    reserve = load_cluster(name, 2).memory_reserve_bytes
+    if name == "cpu":
+        assert 0 < reserve < 0.01 * spec.memory_bytes  # small: local CPU plans stay as they were
+    else:
+        assert 2**30 < reserve < 0.1 * spec.memory_bytes
+
+
+def test_reserve_grows_with_process_groups_and_capacity():
+    one = load_cluster("h100-sxm5-80gb", 1, gpus_per_node=1)
+    many = load_cluster("h100-sxm5-80gb", 4)
+    r = many.gpu.memory_reserve
+    # a single GPU has no communicators; a multi-GPU cluster keeps NCCL buffers for dp, tp and pp groups
+    assert many.memory_reserve_bytes - one.memory_reserve_bytes == int(3 * r.nccl_gib_per_group * 2**30) or (
+        abs(many.memory_reserve_bytes - one.memory_reserve_bytes - 3 * r.nccl_gib_per_group * 2**30) <= 1
+    )
+    assert many.usable_memory_bytes == many.gpu.memory_bytes - many.memory_reserve_bytes
+    reduced = many.within_reserve()
+    assert reduced.gpu.memory_bytes == pytest.approx(many.usable_memory_bytes, abs=1)
+    assert reduced.memory_reserve_bytes == 0
+    assert reduced.reserved_gib == pytest.approx(many.memory_reserve_bytes / 2**30)
+
+
+def test_a_reserve_that_leaves_nothing_is_refused():
+    data = _h100_dict()
+    data["memory_reserve"] = {"cuda_context_gib": 90.0}
+    with pytest.raises(ValueError, match="leaves nothing"):
+        GPUSpec.model_validate(data)
+    data["memory_reserve"] = {"fragmentation": 0.7}
+    with pytest.raises(ValueError):
+        GPUSpec.model_validate(data)
+
+
+def test_memory_reserve_override_is_checked():
+    from planner.errors import ConfigError
+
+    cl = load_cluster("h100-sxm5-80gb", 2)
+    assert cl.with_memory_reserve(None) is cl
+    assert cl.with_memory_reserve(10).memory_reserve_bytes == 10 * 2**30
+    assert cl.with_memory_reserve(0).memory_reserve_bytes == 0
+    with pytest.raises(ConfigError, match="--memory-reserve 80 GiB"):
+        cl.with_memory_reserve(80)
+
+
+def test_plans_keep_the_reserve_free_and_report_it(tmp_path):
+    from planner.pipeline import PlanRequest, analyse, plan_model
+    from planner.plan import Plan
+
+    model = str(Path(__file__).resolve().parents[1] / "sample_models" / "gpt.py")
+    request = PlanRequest(model_path=model, gpu="cpu", nodes=1, gpus_per_node=4, global_batch_size=8, top_k=30)
+    graph = analyse(request)
+    free, _, _ = plan_model(request.model_copy(update={"memory_reserve_gib": 0.0}), graph)
+    assert free.predicted.memory_reserve_bytes == 0
+    peaks = sorted({free.predicted.peak_memory_bytes} | {a.predicted.peak_memory_bytes for a in free.alternatives})
+    assert len(peaks) >= 3
+    # a reserve that leaves room for the leanest plans only: the rest are refused, the reason says why
+    usable = (peaks[0] + peaks[-1]) / 2
+    reserve_gib = (free.predicted.memory_capacity_bytes - usable) / 2**30
+    tight, _, _ = plan_model(request.model_copy(update={"memory_reserve_gib": reserve_gib}), graph)
+    pred = tight.predicted
+    assert pred.memory_reserve_bytes == int(reserve_gib * 2**30)
+    assert pred.peak_memory_bytes <= pred.memory_capacity_bytes - pred.memory_reserve_bytes
+    assert all(a.predicted.peak_memory_bytes <= usable for a in tight.alternatives)
+    assert any(r.reason.startswith("within the memory reserve") for r in tight.rejected)
+    # plan.json carries the reserve; one written before it existed still loads (reserve 0)
+    doc = tight.model_dump(mode="json")
+    assert Plan.model_validate(doc).predicted.memory_reserve_bytes == pred.memory_reserve_bytes
+    del doc["predicted"]["memory_reserve_bytes"]
+    assert Plan.model_validate(doc).predicted.memory_reserve_bytes == 0

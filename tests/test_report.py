@@ -150,10 +150,18 @@ def test_summary_shows_layout_speed_and_memory():
         "GPT (1.30B parameters)", "gpt.py (preset='gpt3-1.3b')", "1 node x 8 x h100-sxm5-80gb (dgx-h100) = 8 GPUs",
         "dp 2 / tp 2 / pp 2 / v 2", "2 samples x 16 per replica (global batch 64)", "interleaved-1f1b",
         "3 (FSDP)", "Sequence parallel  yes", "full, selective", "2000.0 ms", "Samples/s          32.0",
-        "65,536", "312.50 model, 400.25 with recomputation", "42.1%", "60.00 of 80.00 GiB per GPU (headroom 20.00 GiB)",
+        "65,536", "312.50 model, 400.25 with recomputation", "42.1%",
+        "60.00 of 80.00 GiB per GPU, reserve 0.00 GiB (headroom 20.00 GiB after it)",
         "12.5%", "estimated", "out/timeline.svg",
     ):
         assert expected in text, expected
+
+
+def test_summary_shows_the_headroom_after_the_memory_reserve():
+    plan = make_plan()
+    pred = plan.predicted.model_copy(update={"memory_reserve_bytes": 3 * 2**30})
+    text = render(summary_panel(plan.model_copy(update={"predicted": pred})))
+    assert "60.00 of 80.00 GiB per GPU, reserve 3.00 GiB (headroom 17.00 GiB after it)" in text
 
 
 def test_summary_without_params_or_tokens():

@@ -10,7 +10,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
+from planner.errors import ConfigError
+
 DType = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+
+# Process groups a rank can communicate in (data, tensor and pipeline parallel): the reserve counts NCCL
+# buffers for all three, the most any candidate of the search needs, so one capacity serves every candidate.
+PROCESS_GROUPS = 3
 
 
 class _Strict(BaseModel):
@@ -30,6 +36,24 @@ class Efficiencies(_Strict):
         description="GEMM size (smallest dimension, after TP sharding) at which a GEMM reaches "
         "half of `matmul`: efficiency = matmul * d / (d + gemm_half_dim)",
     )
+
+
+class MemoryReserve(_Strict):
+    """Memory a real run loses per GPU beyond what the cost model counts, kept free by every plan.
+
+    The cost model's peak already holds a fixed workspace and a fragmentation share (CostOptions); runs at
+    the edge of that estimate still run out of memory (CUDA context outside the allocator, NCCL's own
+    buffers per communicator, allocator fragmentation under a long run), so the planner keeps this much
+    more free: ``cuda_context_gib + nccl_gib_per_group * groups + fragmentation * capacity``.
+    """
+
+    cuda_context_gib: float = Field(0.0, ge=0, description="CUDA context and library handles, GiB")
+    nccl_gib_per_group: float = Field(0.0, ge=0, description="communication buffers per process group, GiB")
+    fragmentation: float = Field(0.0, ge=0, lt=0.5, description="fraction of capacity lost to fragmentation")
+
+    def bytes(self, capacity_bytes: float, groups: int) -> int:
+        gib = self.cuda_context_gib + self.nccl_gib_per_group * groups
+        return int(gib * 2**30 + self.fragmentation * capacity_bytes)
 
 
 class TopologySpec(_Strict):
@@ -73,12 +97,18 @@ class GPUSpec(_Strict):
     memory_bandwidth_gbps: PositiveFloat = Field(description="GB/s")
     topology: TopologySpec = Field(description="the usual node this GPU ships in")
     efficiency: Efficiencies = Efficiencies()
+    memory_reserve: MemoryReserve = MemoryReserve()
     sources: dict[str, str] = Field(description="datasheet or paper for each number")
 
     @model_validator(mode="after")
     def _has_fp32(self) -> GPUSpec:
         if "fp32" not in self.peak_tflops:
             raise ValueError("peak_tflops must give at least 'fp32'")
+        if self.memory_reserve.bytes(self.memory_bytes, PROCESS_GROUPS) >= self.memory_bytes:
+            raise ValueError(
+                f"memory_reserve ({self.memory_reserve.bytes(self.memory_bytes, PROCESS_GROUPS) / 2**30:.1f} GiB "
+                f"with {PROCESS_GROUPS} process groups) leaves nothing of memory_gib {self.memory_gib:g}"
+            )
         return self
 
     @property
@@ -122,6 +152,54 @@ class ClusterSpec(_Strict):
     gpu: GPUSpec
     topology: TopologySpec
     nodes: PositiveInt
+    memory_reserve_gib: float | None = Field(
+        None, ge=0, description="per-GPU memory reserve in GiB (--memory-reserve); None: from the GPU spec"
+    )
+    reserved_gib: float = Field(0.0, ge=0, description="reserve already taken off gpu.memory_gib (within_reserve)")
+
+    @model_validator(mode="after")
+    def _reserve_fits(self) -> ClusterSpec:
+        if self.memory_reserve_gib is not None and self.memory_reserve_gib >= self.gpu.memory_gib:
+            raise ValueError(
+                f"memory reserve {self.memory_reserve_gib:g} GiB is not below the GPU's {self.gpu.memory_gib:g} GiB"
+            )
+        return self
+
+    @property
+    def memory_reserve_bytes(self) -> int:
+        """Bytes per GPU every plan keeps free: the override, or the spec's reserve for this cluster."""
+        if self.memory_reserve_gib is not None:
+            return int(self.memory_reserve_gib * 2**30)
+        groups = PROCESS_GROUPS if self.world_size > 1 else 0
+        return self.gpu.memory_reserve.bytes(self.gpu.memory_bytes, groups)
+
+    @property
+    def usable_memory_bytes(self) -> int:
+        """Capacity a plan may fill: the GPU's memory less the reserve."""
+        return self.gpu.memory_bytes - self.memory_reserve_bytes
+
+    def within_reserve(self) -> ClusterSpec:
+        """The same cluster with the reserve taken off the GPU's capacity (what the search plans against)."""
+        reserve = self.memory_reserve_bytes
+        gpu = self.gpu.model_copy(
+            update={"memory_gib": (self.gpu.memory_bytes - reserve) / 2**30, "memory_reserve": MemoryReserve()}
+        )
+        return self.model_copy(
+            update={"gpu": gpu, "memory_reserve_gib": 0.0, "reserved_gib": self.reserved_gib + reserve / 2**30}
+        )
+
+    def with_memory_reserve(self, gib: float | None) -> ClusterSpec:
+        """The cluster with a --memory-reserve override (None: keep the spec's reserve)."""
+        if gib is None:
+            return self
+        if not 0 <= gib < self.gpu.memory_gib:
+            own = self.gpu.memory_reserve.bytes(self.gpu.memory_bytes, PROCESS_GROUPS) / 2**30
+            raise ConfigError(
+                f"--memory-reserve {gib:g} GiB is not possible on {self.gpu.display_name} with "
+                f"{self.gpu.memory_gib:g} GiB per GPU: give a reserve from 0 up to less than the GPU's memory "
+                f"(the spec's own is {own:.2f} GiB)."
+            )
+        return self.model_copy(update={"memory_reserve_gib": float(gib)})
 
     @property
     def gpus_per_node(self) -> int:

@@ -152,11 +152,11 @@ def summary_panel(plan: Plan, params: int | None = None, timeline: str | Path | 
         f"{pred.model_tflops_per_gpu:.2f} model, {pred.hardware_tflops_per_gpu:.2f} with recomputation",
     )
     grid.add_row("MFU", percent(pred.mfu))
-    headroom = pred.memory_capacity_bytes - pred.peak_memory_bytes
+    headroom = pred.memory_capacity_bytes - pred.memory_reserve_bytes - pred.peak_memory_bytes
     grid.add_row(
         "Peak memory",
-        f"{gib(pred.peak_memory_bytes)} of {gib(pred.memory_capacity_bytes)} GiB per GPU "
-        f"(headroom {gib(headroom)} GiB)",
+        f"{gib(pred.peak_memory_bytes)} of {gib(pred.memory_capacity_bytes)} GiB per GPU, reserve "
+        f"{gib(pred.memory_reserve_bytes)} GiB (headroom {gib(headroom)} GiB after it)",
     )
     grid.add_row("Pipeline bubble", percent(pred.bubble_fraction))
     how = "profiled on this machine" if pred.source == "measured" else "roofline model of the spec"

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 GiB = 2**30
 ILP_WORKERS = 2  # CBC processes at once
 OOM_BOUND = "out of memory even with full recomputation and perfect balance"
+RESERVE = "within the memory reserve: fits the GPU but not what the reserve leaves (--memory-reserve)"
 NOT_TOP_K = "not in the top k: the ILP proved no partition that fits memory beats the k-th plan"
 
 
@@ -160,7 +161,7 @@ def search(
             totals[tkey] = Totals.of(costs, cand_modes)
         b = simple_bound(totals[tkey], cand, cluster, dtype, options)
         if b.memory > cap:
-            rejected[(_region(cand), OOM_BOUND)] += 1
+            rejected[(_region(cand), OOM_BOUND if b.memory > cap + cluster.reserved_gib * GiB else RESERVE)] += 1
             if smallest_need is None or b.memory < smallest_need[0]:
                 smallest_need = (b.memory, cand)
             continue
