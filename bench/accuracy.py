@@ -1,9 +1,20 @@
-"""Cost-model accuracy against Megatron-LM: SC21 Table 1 throughput and Megatron's own memory formula.
+"""Cost-model accuracy: SC21 Table 1 (the A100 fit) and published runs beyond it (validation).
 
 Usage:
-    python bench/accuracy.py                       # all ten rows; exit 1 if any misses the tolerance
-    python bench/accuracy.py --rows 1.7B,145B      # a subset
+    python bench/accuracy.py                       # SC21 table, then every published run; exit 1 if SC21 misses
+    python bench/accuracy.py --rows 1.7B,145B      # a subset of SC21 Table 1
     python bench/accuracy.py --set matmul=0.8      # try other A100 efficiencies without editing the YAML
+    python bench/accuracy.py --published-only      # only the runs of bench/published_runs.yaml
+    python bench/accuracy.py --sc21-only           # only SC21 Table 1
+
+Published runs. bench/published_runs.yaml holds runs from SC21, the Megatron-LM README (H100), MosaicML
+llm-foundry (MPT with FSDP on A100 and H100), torchtitan (Llama 3.1 on H100), BLOOM-176B and MT-NLG 530B,
+each with its citation, model configuration, layout and published figure (bench/published_runs.py has the
+schema). Each is planned with its layout pinned and the predicted iteration time is set against the
+published one (converted from tokens/s or TFLOP/s where that is what was published). One set of
+efficiencies per GPU, the spec's: A100 fitted on SC21 (the "fit" rows), H100 the spec's values with no
+fit at all; the error distribution is printed for the validation rows apart from the fit rows. Rows that
+use something the planner does not model (FP8, torch.compile) are flagged and left out of the distribution.
 
 Throughput. For every GPT row of Narayanan et al., SC21, "Efficient Large-Scale Language Model Training on
 GPU Clusters Using Megatron-LM", Table 1 (weak scaling on DGX A100 80GB), the planner plans the sample GPT
@@ -35,12 +46,16 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from published_runs import PublishedRuns, Run, load_runs, plan_run, run_cluster
+
 from planner.cost.model import Candidate, CostOptions, optimizer_time, rank_memory, unit_cost
+from planner.errors import InfeasibleError
 from planner.hardware.load import load_cluster
 from planner.hardware.spec import ClusterSpec, Efficiencies
 from planner.model.graph import ModelGraph
@@ -426,8 +441,119 @@ def parse_overrides(text: str | None) -> dict[str, float]:
     return out
 
 
+# ------------------------------------------------------------------------------------ published runs
+
+
+@dataclass
+class RunResult:
+    run: Run
+    predicted_s: float | None  # None: the cost model finds the published layout infeasible
+    peak_gib: float | None
+    capacity_gib: float
+    gpu_name: str
+    reason: str = ""
+
+    @property
+    def error(self) -> float | None:
+        if self.predicted_s is None:
+            return None
+        return self.predicted_s / self.run.published_iteration_s - 1
+
+
+def run_published(runs: PublishedRuns) -> list[RunResult]:
+    graphs: dict = {}
+    out = []
+    for run in runs.runs:
+        try:
+            plan, cluster = plan_run(run, graphs)
+        except InfeasibleError as e:
+            gpu = run_cluster(run).gpu
+            out.append(RunResult(run, None, None, gpu.memory_gib, gpu.name, str(e).split(" To make it fit")[0]))
+            continue
+        pred = plan.predicted
+        out.append(
+            RunResult(
+                run,
+                pred.iteration_time_s,
+                pred.peak_memory_bytes / GiB,
+                pred.memory_capacity_bytes / GiB,
+                cluster.gpu.name,
+            )
+        )
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def distribution(results: list[RunResult]) -> str:
+    errs = [abs(r.error) for r in results if r.error is not None]
+    missing = sum(1 for r in results if r.error is None)
+    if not errs:
+        return f"no predictions ({missing} infeasible)"
+    within = lambda t: sum(e <= t for e in errs) / len(errs)  # noqa: E731
+    return (
+        f"n={len(errs)}: median |err| {100 * statistics.median(errs):.1f}%, p90 {100 * percentile(errs, 0.9):.1f}%, "
+        f"max {100 * max(errs):.1f}%, within 10% {100 * within(0.10):.0f}%, within 20% {100 * within(0.20):.0f}%"
+        + (f"; {missing} more infeasible under the cost model" if missing else "")
+    )
+
+
+def print_published(results: list[RunResult], runs: PublishedRuns) -> None:
+    print(
+        "\nPublished runs (bench/published_runs.yaml), each planned with its published layout pinned. Iteration\n"
+        "time predicted vs published (published tokens/s or TFLOP/s converted with the batch and the publisher's\n"
+        "FLOP formula). role: fit = the A100 efficiencies were fitted on it; val = nothing was fitted on it.\n"
+        "'!' marks runs using features the planner does not model (left out of the distributions).\n"
+    )
+    head = (
+        f"{'run':<36} {'role':<4} {'gpu':<15} {'GPUs':>5} {'t':>2} {'p':>3} {'dp':>4} {'v':>2} {'mbs':>3} "
+        f"{'rec':<4} {'sp':<2} {'z':>1} {'pred s':>8} {'publ s':>8} {'err %':>7} {'GiB':>5}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        run, lay = r.run, r.run.layout
+        err = "infeas." if r.error is None else f"{100 * r.error:+7.1f}"
+        pred = "-" if r.predicted_s is None else f"{r.predicted_s:8.3f}"
+        mem = "-" if r.peak_gib is None else f"{r.peak_gib:5.1f}"
+        print(
+            f"{run.id:<36} {'fit' if run.role == 'fit' else 'val':<4} {run.gpu:<15} {run.gpus:>5} {lay.tp:>2} "
+            f"{lay.pp:>3} {run.dp:>4} {lay.v:>2} {lay.mbs:>3} {lay.recompute[:4]:<4} {'y' if lay.sp else 'n':<2} "
+            f"{lay.zero:>1} {pred:>8} {run.published_iteration_s:>8.3f} {err:>7} {mem:>5}"
+            + (" !" if run.unsupported else "")
+        )
+    notes = [r for r in results if r.run.unsupported or r.error is None]
+    if notes:
+        print()
+    for r in notes:
+        if r.run.unsupported:
+            print(f"  ! {r.run.id}: {r.run.unsupported}")
+        if r.error is None:
+            print(f"  infeasible {r.run.id}: {r.reason}")
+    print("\nError distribution of |predicted / published - 1|:")
+    for role, label in (("fit", "fit rows (SC21, A100)"), ("validation", "validation rows")):
+        rows = [r for r in results if r.run.role == role and not r.run.unsupported]
+        print(f"  {label:<32} {distribution(rows)}")
+        if role == "validation":
+            for gpu in sorted({r.gpu_name for r in rows}):
+                print(f"    {gpu:<30} {distribution([r for r in rows if r.gpu_name == gpu])}")
+            for src in sorted({r.run.source for r in rows}):
+                print(f"    source {src:<23} {distribution([r for r in rows if r.run.source == src])}")
+    flagged = [r for r in results if r.run.unsupported]
+    if flagged:
+        print(f"  {'unsupported features (!)':<32} {distribution(flagged)}")
+    print(f"  {len(runs.runs)} runs from {len({r.source for r in runs.runs})} sources")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--published-only", action="store_true", help="only the runs of bench/published_runs.yaml")
+    only.add_argument("--sc21-only", action="store_true", help="only SC21 Table 1 (throughput and memory)")
     ap.add_argument("--rows", help="comma-separated row names (default: all), e.g. 1.7B,145B,1T")
     ap.add_argument(
         "--set",
@@ -435,6 +561,10 @@ def main(argv: list[str] | None = None) -> int:
         help="override A100 efficiencies, e.g. matmul=0.8,gemm_half_dim=128 (attention: fused SDPA only)",
     )
     args = ap.parse_args(argv)
+    if args.published_only:
+        runs = load_runs()
+        print_published(run_published(runs), runs)
+        return 0
     rows = ROWS
     if args.rows:
         wanted = {n.strip().upper() for n in args.rows.split(",")}
@@ -459,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
         f"\nworst throughput error {100 * worst_t:.1f}% (rms {100 * rms:.1f}%), worst memory error "
         f"{100 * worst_m:.1f}%, tolerance {100 * TOLERANCE:.0f}%; {time.perf_counter() - t0:.0f} s"
     )
+    if not args.sc21_only and not args.rows and not overrides:
+        runs = load_runs()
+        print_published(run_published(runs), runs)
     return 0 if all(r.ok for r in results) else 1
 
 

@@ -1,0 +1,224 @@
+"""Published training runs (bench/published_runs.yaml): their schema, and each one planned at its layout.
+
+Every run is planned with its published layout pinned (t, p, dp, virtual stages, micro-batch, schedule,
+recomputation, sequence parallelism, ZeRO stage), the sample GPT or Llama built on the meta device at the
+published configuration, on the run's GPU spec with the spec's own efficiencies. The published figure is
+turned into an iteration time (tokens/s from the batch, TFLOP/s through the publisher's FLOP formula), so
+the error does not depend on how either side counts FLOPs.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+from planner.cost.model import CostOptions
+from planner.hardware.load import load_cluster
+from planner.hardware.spec import ClusterSpec
+from planner.model.graph import ModelGraph
+from planner.pipeline import PlanRequest, analyse, build_plan, pins_from
+from planner.plan import Plan
+from planner.search.search import search
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS_FILE = ROOT / "bench" / "published_runs.yaml"
+MODELS = {"gpt": ROOT / "sample_models" / "gpt.py", "llama": ROOT / "sample_models" / "llama.py"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Source(_Strict):
+    title: str
+    where: str = Field(description="paper section/table, or repository + file + commit")
+
+
+class ModelConfig(_Strict):
+    layers: PositiveInt
+    hidden: PositiveInt
+    heads: PositiveInt
+    kv_heads: PositiveInt | None = None  # llama only; None: as many as heads
+    ffn: PositiveInt | None = None  # None: 4 * hidden
+    vocab: PositiveInt
+    seq: PositiveInt
+
+
+class Layout(_Strict):
+    tp: PositiveInt
+    pp: PositiveInt
+    v: PositiveInt = 1
+    mbs: PositiveInt
+    global_batch: PositiveInt
+    recompute: Literal["none", "selective", "full"]
+    sp: bool
+    zero: Literal[0, 1, 2, 3]
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+    overlap_dp_comm: bool = Field(description="False: gradients reduced after the last backward (Megatron 'local' DDP)")
+
+
+class Published(_Strict):
+    metric: Literal["iteration_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu"]
+    value: float = Field(gt=0)
+    flops: Literal["megatron-hardware", "megatron-model"] | None = Field(
+        None, description="the publisher's FLOP count behind a tflops_per_gpu figure"
+    )
+
+    @model_validator(mode="after")
+    def _flops_named(self) -> Published:
+        if (self.metric == "tflops_per_gpu") != (self.flops is not None):
+            raise ValueError("published.flops is required for tflops_per_gpu and only for it")
+        return self
+
+
+class Run(_Strict):
+    id: str
+    source: str
+    role: Literal["fit", "validation"]
+    cite: str
+    model: Literal["gpt", "llama"]
+    model_args: dict[str, float | int | str] = Field(default_factory=dict, description="extra sample-model arguments")
+    gpu: str = Field(description="GPU spec or cluster preset name")
+    gpus: PositiveInt
+    cluster_overrides: dict[Literal["memory_gib", "memory_bandwidth_gbps", "inter_node_bandwidth_gbps"], float] = Field(
+        default_factory=dict, description="published facts of the run's machine that differ from the spec"
+    )
+    config: ModelConfig
+    layout: Layout
+    published: Published
+    unsupported: str | None = Field(None, description="what the run used that the planner does not model")
+    assumed: list[str] = Field(default_factory=list, description="unpublished fields and how they were set")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Run:
+        lay = self.layout
+        if self.gpus % (lay.tp * lay.pp):
+            raise ValueError(f"{self.id}: {self.gpus} GPUs are not a multiple of tp*pp = {lay.tp * lay.pp}")
+        if lay.global_batch % (self.dp * lay.mbs):
+            raise ValueError(f"{self.id}: global batch {lay.global_batch} is not a multiple of dp*mbs")
+        if self.model == "gpt" and self.config.kv_heads is not None:
+            raise ValueError(f"{self.id}: kv_heads is for the llama model only")
+        return self
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.layout.tp * self.layout.pp)
+
+    @property
+    def tokens_per_iteration(self) -> int:
+        return self.layout.global_batch * self.config.seq
+
+    def publisher_flops(self) -> float:
+        """FLOPs per iteration as the publisher counts them (Narayanan et al. SC21 eq. 3 and its 72 form)."""
+        c = self.config
+        b, s, n, h, v = self.layout.global_batch, c.seq, c.layers, c.hidden, c.vocab
+        if self.published.flops == "megatron-hardware":
+            return 96 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
+        return 72 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
+
+    @cached_property
+    def published_iteration_s(self) -> float:
+        """The published figure as seconds per iteration."""
+        pub = self.published
+        if pub.metric == "iteration_time_s":
+            return pub.value
+        if pub.metric == "tokens_per_s":
+            return self.tokens_per_iteration / pub.value
+        if pub.metric == "tokens_per_s_per_gpu":
+            return self.tokens_per_iteration / (pub.value * self.gpus)
+        return self.publisher_flops() / (pub.value * 1e12 * self.gpus)
+
+    def model_args_full(self) -> dict:
+        c = self.config
+        args = {"layers": c.layers, "hidden": c.hidden, "heads": c.heads, "vocab": c.vocab, "seq": c.seq}
+        if c.ffn is not None:
+            args["ffn"] = c.ffn
+        if self.model == "llama":
+            args["kv_heads"] = c.kv_heads or c.heads
+        return {**args, **self.model_args}
+
+    def request(self, gpus_per_node: int) -> PlanRequest:
+        lay = self.layout
+        pins = {
+            "dp": self.dp,
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "virtual_stages": lay.v,
+            "micro_batch_size": lay.mbs,
+            "schedule": lay.schedule,
+            "recompute": lay.recompute,
+            "sequence_parallel": lay.sp,
+            "zero_stage": lay.zero,
+        }
+        return PlanRequest(
+            model_path=str(MODELS[self.model]),
+            model_args=self.model_args_full(),
+            gpu=self.gpu,
+            nodes=self.gpus // gpus_per_node,
+            global_batch_size=lay.global_batch,
+            pins=pins,
+            top_k=0,
+            overlap_dp_comm=lay.overlap_dp_comm,
+        )
+
+
+class PublishedRuns(_Strict):
+    sources: dict[str, Source]
+    runs: list[Run]
+
+    @model_validator(mode="after")
+    def _known_sources(self) -> PublishedRuns:
+        ids = [r.id for r in self.runs]
+        if len(set(ids)) != len(ids):
+            raise ValueError("run ids must be unique")
+        for r in self.runs:
+            if r.source not in self.sources:
+                raise ValueError(f"{r.id}: unknown source {r.source!r}")
+        return self
+
+
+def load_runs(path: Path = RUNS_FILE) -> PublishedRuns:
+    return PublishedRuns.model_validate(yaml.safe_load(path.read_text()))
+
+
+def run_cluster(run: Run) -> ClusterSpec:
+    """The run's cluster: its spec, with the facts the source publishes about its machine."""
+    base = load_cluster(run.gpu, 1)
+    cluster = load_cluster(run.gpu, run.gpus // base.gpus_per_node)
+    gpu_changes = {k: v for k, v in run.cluster_overrides.items() if k in ("memory_gib", "memory_bandwidth_gbps")}
+    topo_changes = {k: v for k, v in run.cluster_overrides.items() if k == "inter_node_bandwidth_gbps"}
+    gpu = cluster.gpu.model_copy(update=gpu_changes)
+    topology = cluster.topology.model_copy(update=topo_changes)
+    return cluster.model_copy(update={"gpu": gpu, "topology": topology})
+
+
+def graph_key(run: Run) -> tuple:
+    return (run.model, tuple(sorted(run.model_args_full().items())))
+
+
+def plan_run(run: Run, graphs: dict[tuple, ModelGraph] | None = None) -> tuple[Plan, ClusterSpec]:
+    """The run planned with its published layout pinned, on its cluster (graphs: a cache by model config)."""
+    cluster = run_cluster(run)
+    request = run.request(cluster.gpus_per_node)
+    graphs = {} if graphs is None else graphs
+    key = graph_key(run)
+    if key not in graphs:
+        graphs[key] = analyse(request)
+    graph = graphs[key]
+    options = CostOptions(overlap_dp_comm=request.overlap_dp_comm)
+    # as `planner plan` does: the search keeps the spec's memory reserve free, the plan shows the capacity
+    result = search(
+        graph,
+        cluster.within_reserve(),
+        request.global_batch_size,
+        pins_from(request),
+        options,
+        None,
+        request.top_k,
+        None,
+    )
+    return build_plan(graph, cluster, request, result, options), cluster
