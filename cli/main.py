@@ -21,6 +21,7 @@ import typer
 from typer.core import TyperGroup
 
 from cli._options import Settings, examples_epilog, settings
+from cli.calibrate import CALIBRATE_EXAMPLES, calibrate
 from cli.dry_run import DRY_RUN_EXAMPLES, dry_run
 from cli.emit import EMIT_EXAMPLES, emit
 from cli.hardware import hardware_app
@@ -124,6 +125,7 @@ app.command(epilog=examples_epilog(REPORT_EXAMPLES))(report)
 app.command(epilog=examples_epilog(EMIT_EXAMPLES))(emit)
 app.command(epilog=examples_epilog(VALIDATE_EXAMPLES))(validate)
 app.command(epilog=examples_epilog(PROFILE_EXAMPLES))(profile)
+app.command(epilog=examples_epilog(CALIBRATE_EXAMPLES))(calibrate)
 app.add_typer(hardware_app, name="hardware")
 
 
