@@ -474,3 +474,20 @@ def test_plans_keep_the_reserve_free_and_report_it(tmp_path):
     assert Plan.model_validate(doc).predicted.memory_reserve_bytes == pred.memory_reserve_bytes
     del doc["predicted"]["memory_reserve_bytes"]
     assert Plan.model_validate(doc).predicted.memory_reserve_bytes == 0
+
+
+def test_memory_reserve_option_on_the_command_line():
+    import json
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    model = str(Path(__file__).resolve().parents[1] / "sample_models" / "mlp.py")
+    base = ["dry-run", model, "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch-size", "4", "--json"]
+    runner = CliRunner()
+    res = runner.invoke(app, [*base, "--memory-reserve", "2.5"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["predicted"]["memory_reserve_bytes"] == int(2.5 * 2**30)
+    res = runner.invoke(app, [*base, "--memory-reserve", "16"])
+    assert res.exit_code == 2 and "--memory-reserve 16 GiB is not possible" in res.output
