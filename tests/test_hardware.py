@@ -491,3 +491,13 @@ def test_memory_reserve_option_on_the_command_line():
     assert json.loads(res.stdout)["predicted"]["memory_reserve_bytes"] == int(2.5 * 2**30)
     res = runner.invoke(app, [*base, "--memory-reserve", "16"])
     assert res.exit_code == 2 and "--memory-reserve 16 GiB is not possible" in res.output
+
+
+def test_nothing_fits_message_names_the_reserve():
+    from planner.errors import InfeasibleError
+    from planner.pipeline import PlanRequest, plan_model
+
+    model = str(Path(__file__).resolve().parents[1] / "sample_models" / "mlp.py")
+    request = PlanRequest(model_path=model, gpu="cpu", gpus_per_node=2, global_batch_size=4, memory_reserve_gib=15.5)
+    with pytest.raises(InfeasibleError, match=r"left after the 15.50 GiB memory reserve.*smaller --memory-reserve"):
+        plan_model(request)

@@ -333,10 +333,12 @@ def _nothing_fits(
         msg += (
             f" The most memory-frugal layout ({cand.label()}, full recomputation) still needs at least "
             f"{mem / GiB:.1f} GiB on its busiest pipeline rank, {(mem - cap) / GiB:.1f} GiB over the "
-            f"{cap / GiB:.0f} GiB per GPU."
+            f"{cap / GiB:.0f} GiB per GPU"
+            + (f" left after the {cluster.reserved_gib:.2f} GiB memory reserve." if cluster.reserved_gib else ".")
         )
     msg += (
         " To make it fit: use more GPUs (--nodes), allow ZeRO-3/FSDP and full recomputation (unpin "
-        "--zero-stage/--recompute), a smaller micro-batch size, or a GPU with more memory."
+        "--zero-stage/--recompute), a smaller micro-batch size, or a GPU with more memory"
+        + (" (or a smaller --memory-reserve)." if cluster.reserved_gib else ".")
     )
     return msg
