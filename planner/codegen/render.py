@@ -1,8 +1,10 @@
 """Rendering a Plan into a torchrun training script and its launchers (jinja2 templates in templates/).
 
-The generated train.py carries the plan's numbers as Python constants at its top and an identical body for
-every plan; the launchers wrap torchrun for one node, several nodes and SLURM. Rendering is a pure function
-of the plan (no timestamps, sorted mappings), so equal plans give byte-identical files.
+The generated train.py carries the plan's numbers as Python constants at its top and calls the runtime
+package (planner/runtime), which is copied beside it as planner_runtime/ so that the plan directory runs
+where the planner is not installed; train.py records the copy's digest and checks it at start. The
+launchers wrap torchrun for one node, several nodes and SLURM. Rendering is a pure function of the plan (no
+timestamps, sorted mappings), so equal plans give byte-identical files.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from typing import Any
 import jinja2
 
 from planner.errors import PlanError
-from planner.io import atomic_write_text
+from planner.io import atomic_write_files
 from planner.plan import Plan
+from planner.runtime.digest import digest_of, runtime_files
+from planner.runtime.errors import LayoutError
+from planner.runtime.layout import Layout, ModelFile, Stage, Training
 
 LINE_LENGTH = 110  # the project's ruff line length; generated code stays within it
 
@@ -30,6 +35,8 @@ _env = jinja2.Environment(
     lstrip_blocks=True,
     autoescape=False,
 )
+
+RUNTIME_DIR = "planner_runtime"  # where the runtime package is copied, next to train.py
 
 # file name -> (template, executable)
 _OUTPUTS = {
@@ -117,12 +124,34 @@ def _constants(plan: Plan) -> dict[str, str]:
         "SEQUENCE_PARALLEL": p.sequence_parallel,
         "STAGES": stages,
         "TP_PLAN": dict(sorted(plan.tp_plan.items(), key=lambda kv: _natural_key(kv[0]))),
+        "TP_HEAD_ATTRS": {
+            k: list(v) for k, v in sorted(plan.tp_head_attrs.items(), key=lambda kv: _natural_key(kv[0]))
+        },
         "SEED": t.seed,
         "LR": float(t.lr),
         "STEPS": t.steps,
         "DTYPE": t.dtype,
+        "RUNTIME_DIGEST": digest_of(runtime_files()),
     }
     return {name: py_literal(value, indent=len(name) + 3) for name, value in values.items()}
+
+
+def runtime_objects(plan: Plan) -> tuple[Layout, ModelFile, Training]:
+    """The runtime's validated objects for `plan`: what train.py builds from its constants (the plan-time
+    check and the tests use them to call the runtime in-process). Raises LayoutError on a broken plan."""
+    p, m, t = plan.parallel, plan.model, plan.training
+    layout = Layout(
+        pp=p.pp, dp=p.dp, tp=p.tp, virtual_stages=p.virtual_stages, mesh_dims=tuple(p.mesh_dims),
+        micro_batch_size=p.micro_batch_size, num_micro_batches=p.num_micro_batches,
+        global_batch_size=p.global_batch_size, schedule=p.schedule, zero_stage=p.zero_stage,
+        sequence_parallel=p.sequence_parallel,
+        stages=tuple(
+            Stage(s.pp_rank, tuple(s.modules), s.recompute) for s in sorted(plan.stages, key=lambda s: s.index)
+        ),
+        tp_plan=dict(plan.tp_plan), tp_head_attrs={k: tuple(v) for k, v in plan.tp_head_attrs.items()},
+    )
+    model = ModelFile(m.path, m.build_fn, m.inputs_fn, m.loss_fn, m.batch_fn, dict(m.model_args))
+    return layout, model, Training(seed=t.seed, lr=float(t.lr), steps=t.steps, dtype=t.dtype)
 
 
 def _natural_key(name: str) -> list[Any]:
@@ -147,11 +176,16 @@ def _check(plan: Plan) -> None:
 
 
 def render(plan: Plan, plan_path_in_dir: str = "plan.json") -> dict[str, tuple[str, bool]]:
-    """Render train.py and the launchers for `plan`: {file name: (text, executable)}.
+    """Render train.py, the launchers and the runtime copy for `plan`: {relative path: (text, executable)}
+    (the runtime's files are under planner_runtime/).
 
     `plan_path_in_dir` is the plan file's name as the scripts refer to it (next to them).
     """
     _check(plan)
+    try:
+        runtime_objects(plan)  # the rules the script's Layout checks at start, checked here first
+    except LayoutError as e:
+        raise PlanError(str(e)) from None
     p, cluster = plan.parallel, plan.cluster
     cpu = cluster.gpu.lower() == "cpu"
     world = p.world_size
@@ -189,15 +223,15 @@ def render(plan: Plan, plan_path_in_dir: str = "plan.json") -> dict[str, tuple[s
     out: dict[str, tuple[str, bool]] = {}
     for name, (template, executable) in _OUTPUTS.items():
         out[name] = (_env.get_template(template).render(**context), executable)
+    for name, text in runtime_files().items():
+        out[f"{RUNTIME_DIR}/{name}"] = (text, False)
     return out
 
 
 def write_scripts(plan: Plan, out_dir: str | Path, plan_path_in_dir: str = "plan.json") -> list[Path]:
-    """Render and write the scripts into `out_dir` (each atomically); returns the paths written."""
+    """Render and write the scripts and the runtime copy into `out_dir` (each file atomically); returns the
+    paths written."""
     files = render(plan, plan_path_in_dir)  # render everything before writing anything
     out = Path(out_dir)
-    written = []
-    for name, (text, executable) in files.items():
-        atomic_write_text(out / name, text, executable)
-        written.append(out / name)
-    return written
+    atomic_write_files({out / name: content for name, content in files.items()})
+    return [out / name for name in files]
