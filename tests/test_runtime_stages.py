@@ -17,8 +17,10 @@ from planner.runtime.stages import (
     fetch,
     module_paths,
     owner_of,
+    shared_weights,
     trace,
     used_modules,
+    with_structure,
 )
 
 CPU = torch.device("cpu")
@@ -136,10 +138,68 @@ def test_pieces_compute_the_models_forward(name):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-def test_weights_used_by_two_stages_are_refused():
+def test_tied_weights_are_found_and_each_copy_starts_equal():
     layout, spec, training = runtime_objects(make_plan("tiny", pp=2, model_args={**TINY["tiny"], "tie": True}))
     user = load_model_file(spec.path)
     example = make_batch(user, spec, layout, training.seed, 0, 0)
     gm, values, _ = trace(build_model(user, spec, training.seed, everything_on_meta=True), example[0].to("meta"))
-    with pytest.raises(RunError, match=r"tok_emb.weight is used by stages \[0, 1\] \(tied"):
-        cut_into_pieces(gm, values, layout)
+    pieces = cut_into_pieces(gm, values, layout)
+    assert shared_weights(gm, pieces) == {"tok_emb.weight": [0, 1]}
+    # The last stage's rank materialises only head (and, for the tied weight, its first holder tok_emb):
+    # the copy equals the whole model's, whatever head.reset_parameters() would draw.
+    whole = build_model(user, spec, training.seed, everything_on_meta=False)
+    materialise(whole, {n for n, _ in whole.named_modules()}, CPU, training.seed)
+    last = build_model(user, spec, training.seed, everything_on_meta=False)
+    materialise(last, used_modules(last, [p.graph for p in pieces if p.stage == 1]), CPU, training.seed)
+    torch.testing.assert_close(last.head.weight, whole.tok_emb.weight, rtol=0, atol=0)
+    fresh = build_model(user, spec, training.seed, everything_on_meta=False)
+    materialise(fresh, {"tok_emb"}, CPU, training.seed)
+    torch.testing.assert_close(fresh.tok_emb.weight, whole.tok_emb.weight, rtol=0, atol=0)
+
+
+class TwoInputs(nn.Module):
+    """forward(x, mask) returning a dict: a second (integer) input used after the stage boundary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.a(x)
+        return {"logits": self.b(h) * mask.unsqueeze(-1), "hidden": h}
+
+
+@pytest.mark.parametrize("exported", [False, True])
+def test_extra_inputs_reach_later_stages_and_structured_outputs_come_back(exported):
+    torch.manual_seed(0)
+    model = TwoInputs()
+    x, mask = torch.randn(3, 4), torch.tensor([1, 0, 1])
+    if exported:
+        gm = torch.export.export(model, (x, mask), strict=False).module()
+        values = {}
+        from planner.runtime.stages import ValueRecorder
+
+        recorder = ValueRecorder(gm)
+        recorder.run(x, mask)
+        values = recorder.values
+    else:
+        gm, values, method = trace(model, (x, mask))
+        assert method == "fx"
+    pieces = cut_into_pieces(gm, values, _layout([["a"], ["b"]]))
+    # The mask is sent along with the hidden state to stage 1, which uses it.
+    assert len([n for n in pieces[1].graph.nodes if n.op == "placeholder"]) == 2
+    out = (x, mask)
+    for stage in (0, 1):
+        mine = [p for p in pieces if p.stage == stage]
+        graphs = [
+            fx.GraphModule({n.target: fetch(model, gm, n.target, CPU) for n in p.graph.nodes
+                            if n.op in ("get_attr", "call_module")}, p.graph)
+            for p in mine
+        ]
+        out = StageModule(graphs, [p.owner for p in mine])(*out)
+    seen = []
+    with_structure(lambda output, *inputs: seen.append(output) or torch.zeros(()), pieces[-1].out_spec)(out, x, mask)
+    want = model(x, mask)
+    assert isinstance(seen[0], dict) and set(seen[0]) == {"logits", "hidden"}
+    torch.testing.assert_close(seen[0]["logits"], want["logits"], rtol=0, atol=0)

@@ -883,20 +883,8 @@ def _gemm_dim_of(sub) -> int:
 
 
 def model_input_count(model, available: int) -> int:
-    """How many leading example inputs the model's forward takes (the rest go to the loss only)."""
-    import inspect
+    """How many leading example inputs the model's forward takes (the rest go to the loss only): the
+    generated script's rule."""
+    from planner.runtime.model import input_count
 
-    try:
-        sig = inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        return 1
-    required = 0
-    positional = 0
-    for p in sig.parameters.values():
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            positional += 1
-            if p.default is p.empty:
-                required += 1
-        elif p.kind == p.VAR_POSITIONAL:
-            return available
-    return max(1, min(available, required or positional))
+    return input_count(model, available)

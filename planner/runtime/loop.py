@@ -26,10 +26,19 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from .errors import RunError
 from .layout import Layout, ModelFile, Training
 from .loss import default_loss
-from .model import build_model, load_model_file, make_batch
+from .model import build_model, input_count, load_model_file, make_batch, materialise
 from .parallel import parallelize, plan_sequence_parallel
 from .schedule import MicroBatchLoss, build_schedule
-from .stages import Piece, StageModule, build_local_stages, cut_into_pieces, trace
+from .stages import (
+    ModelStage,
+    Piece,
+    build_local_stages,
+    cut_into_pieces,
+    shared_weights,
+    trace,
+    with_structure,
+)
+from .tied import TiedWeights
 
 # FSDP2 warns when a stage returns a view (e.g. gathered logits), in case the caller modifies it in place;
 # the pipeline schedule and the loss only read stage outputs.
@@ -83,15 +92,20 @@ def init_distributed(layout: Layout, device_arg: str, script: str) -> tuple[torc
 
 
 def grad_norm(
-    params: list[nn.Parameter], layout: Layout, pp_group: dist.ProcessGroup, device: torch.device
+    params: list[nn.Parameter],
+    layout: Layout,
+    pp_group: dist.ProcessGroup,
+    device: torch.device,
+    skip: set[int] | None = None,
 ) -> torch.Tensor:
     """L2 norm of the whole model's gradient (all stages, all shards): what gradient clipping would see.
 
-    Sharded gradients (DTensors) are reduced over their mesh; stages add up over the pp ranks.
+    Sharded gradients (DTensors) are reduced over their mesh; stages add up over the pp ranks. `skip`: ids
+    of parameters counted elsewhere (the later copies of a tied weight).
     """
     by_layout: dict[Any, list[torch.Tensor]] = {}
     for p in params:
-        if p.grad is not None:
+        if p.grad is not None and id(p) not in (skip or ()):
             g = p.grad
             key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else None
             by_layout.setdefault(key, []).append(g)
@@ -134,6 +148,12 @@ def parse_args(argv: Sequence[str] | None, description: str, steps: int, metrics
     return parser.parse_args(argv)
 
 
+def uses_graph(layout: Layout) -> bool:
+    """Whether the run cuts a traced graph: for pipeline stages, or to rewrite it for sequence parallelism.
+    Otherwise the one stage is the user's model itself (ModelStage), as written."""
+    return layout.pp_enabled or layout.sp_enabled
+
+
 def trace_and_cut(
     user: Any,
     spec: ModelFile,
@@ -145,8 +165,15 @@ def trace_and_cut(
 ) -> tuple[fx.GraphModule, list[Piece], dict[str, ParallelStyle], str]:
     """Trace the model on the meta device and cut it into pieces, each in one stage (the same on every
     rank: every rank cuts the whole model, then builds only its own stages)."""
-    meta_input = example[0].to("meta")
-    gm, values, method = trace(build_model(user, spec, seed, everything_on_meta=True), meta_input, log)
+    meta_model = build_model(user, spec, seed, everything_on_meta=True)
+    inputs = tuple(t.to("meta") for t in example[: input_count(meta_model, len(example))])
+    meta_input = inputs[0]
+    gm, values, method = trace(meta_model, inputs, log)
+    if layout.tp_enabled and layout.tp_head_attrs:
+        raise RunError(
+            "TP_HEAD_ATTRS changes head counts the model reads in forward, which a traced pipeline stage has "
+            "already baked into its graph: re-plan with pp=1 (or tp=1), or reshape heads with -1 in the model."
+        )
     if layout.tp_enabled and method != "fx":
         raise RunError(
             "Tensor parallelism needs the model's Linear modules in the graph, but only torch.export could "
@@ -172,10 +199,11 @@ def trace_and_cut(
 
 
 def accumulate(
-    stage: StageModule,
+    stage: nn.Module,
     layout: Layout,
     batches: list[tuple[torch.Tensor, ...]],
     loss_fn: Callable[..., torch.Tensor],
+    n_inputs: int = 1,
 ) -> torch.Tensor:
     """One step without a pipeline: gradient accumulation over the micro-batches, each loss scaled by
     1/NUM_MICRO_BATCHES (the sum a pipeline schedule makes too). Returns the mean micro-batch loss."""
@@ -184,7 +212,7 @@ def accumulate(
     for i, batch in enumerate(batches):
         # Gradients are reduced across dp once, after the last micro-batch.
         stage.set_requires_gradient_sync(i == n - 1)
-        mb_loss = loss_fn(stage(batch[0]), *batch)
+        mb_loss = loss_fn(stage(*batch[:n_inputs]), *batch)
         (mb_loss / n).backward()
         total += mb_loss.detach().float()
     return total / n
@@ -197,11 +225,12 @@ def pipeline_step(
     batches: list[tuple[torch.Tensor, ...]],
     has_first: bool,
     has_last: bool,
+    n_inputs: int = 1,
 ) -> torch.Tensor | None:
     """One step through the pipeline schedule; the mean micro-batch loss on the last stage's ranks."""
     loss.batches = batches
     losses: list[torch.Tensor] = []
-    inputs = (torch.cat([b[0] for b in batches]),) if has_first else ()
+    inputs = tuple(torch.cat([b[j] for b in batches]) for j in range(n_inputs)) if has_first else ()
     # The micro-batch numbers as the target, see MicroBatchLoss.
     target = torch.arange(layout.num_micro_batches) if has_last else None
     schedule.step(*inputs, target=target, losses=losses if has_last else None, return_outputs=False)
@@ -226,19 +255,33 @@ def run(
     loss_fn = getattr(user, spec.loss_fn) if spec.loss_fn else default_loss
     example = make_batch(user, spec, layout, training.seed, 0, 0)
 
-    # 1. Trace and cut; 2. build this rank's stages; 3. parallelise each: TP, checkpointing, FSDP/replicate.
-    gm, pieces, sp_styles, method = trace_and_cut(
-        user, spec, layout, training.seed, example, mesh["tp"] if layout.tp_enabled else None, log0
-    )
+    # 1. Trace and cut (pipelines, sequence parallelism) or take the model as it is; 2. build this rank's
+    # stages; 3. parallelise each: TP, checkpointing, FSDP/replicate.
     local = layout.stages_on(pp_rank)
-    stages = build_local_stages(user, spec, training.seed, gm, pieces, local, device)
+    stages: list[nn.Module]
+    tied = None
+    sp_styles: dict[str, ParallelStyle] = {}
+    if uses_graph(layout):
+        gm, pieces, sp_styles, method = trace_and_cut(
+            user, spec, layout, training.seed, example, mesh["tp"] if layout.tp_enabled else None, log0
+        )
+        built, model = build_local_stages(user, spec, training.seed, gm, pieces, local, device)
+        stages = list(built)
+        loss_fn = with_structure(loss_fn, pieces[-1].out_spec)
+        tied = TiedWeights(shared_weights(gm, pieces), layout, mesh, model, stages, local)
+    else:
+        model = build_model(user, spec, training.seed, everything_on_meta=False)
+        materialise(model, {n for n, _ in model.named_modules()}, device, training.seed)
+        stages, method = [ModelStage(model, list(layout.stages[0].modules))], "module"
+    n_inputs = input_count(model, len(example))
     for i, stage in zip(local, stages, strict=True):
         parallelize(stage, mesh, layout, layout.stages[i].recompute, device, sp_styles, training.dtype)
     params = [p for stage in stages for p in stage.parameters()]
     optimizer = torch.optim.AdamW(params, lr=training.lr)
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+    how = "the model as written" if method == "module" else f"traced with {method}"
     log0(
-        f"traced with {method}; {layout.num_stages} stage(s), pp {layout.pp} x dp {layout.dp} x tp {layout.tp}, "
+        f"{how}; {layout.num_stages} stage(s), pp {layout.pp} x dp {layout.dp} x tp {layout.tp}, "
         f"schedule {layout.schedule}, ZeRO {layout.zero_stage}; rank 0 holds {held:,} parameter values"
     )
 
@@ -267,10 +310,12 @@ def run(
             for i in range(n)
         ]
         if schedule is None:
-            step_loss = accumulate(stages[0], layout, batches, loss_fn)
+            step_loss = accumulate(stages[0], layout, batches, loss_fn, n_inputs)
         else:
-            step_loss = pipeline_step(schedule, layout, loss, batches, has_first, has_last)
-        norm = grad_norm(params, layout, mesh["pp"].get_group(), device)
+            step_loss = pipeline_step(schedule, layout, loss, batches, has_first, has_last, n_inputs)
+        if tied is not None:
+            tied.sum_gradients()
+        norm = grad_norm(params, layout, mesh["pp"].get_group(), device, tied.later_copies() if tied else None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step_loss is not None:

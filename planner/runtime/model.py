@@ -41,6 +41,24 @@ def accepts(fn: Callable, name: str) -> bool:
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+def input_count(model: nn.Module, available: int) -> int:
+    """How many leading inputs of a micro-batch the model's forward takes (all of them go to the loss)."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return 1
+    required = 0
+    positional = 0
+    for p in sig.parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            positional += 1
+            if p.default is p.empty:
+                required += 1
+        elif p.kind == p.VAR_POSITIONAL:
+            return available
+    return max(1, min(available, required or positional))
+
+
 def derived_seed(seed: int, *parts: object) -> int:
     """A 63-bit seed from `seed` and `parts`: the same on every rank and for every layout."""
     digest = hashlib.sha256("/".join(str(p) for p in (seed, *parts)).encode()).digest()
@@ -122,11 +140,23 @@ def materialise(model: nn.Module, module_names: set[str], device: torch.device, 
     children while the children are still on meta, so a parent's reset never sees (or draws numbers for)
     children, and each child's own reset_parameters() has the last word over its weights. Parameters of a
     module without reset_parameters() get default_init().
+
+    A weight held by several modules (tied: GPT-2's wte and lm_head) takes the value its first holder (in
+    named_modules order) gives it, and later holders' resets leave it alone: every rank holding a copy (the
+    first and the last pipeline stage) then starts from the same values.
     """
     cuda = [device] if device.type == "cuda" else []
+    first_holder: dict[int, str] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            first_holder.setdefault(id(p), name)
+    wanted = set(module_names)
+    for name, module in model.named_modules():
+        if name in module_names:
+            wanted.update(first_holder[id(p)] for p in module.parameters(recurse=False))
     allocated: dict[int, nn.Parameter] = {}  # id of the meta parameter -> its tensor (tied weights share one)
     for name, module in model.named_modules():
-        if name not in module_names:
+        if name not in wanted:
             continue
         params = dict(module.named_parameters(recurse=False))
         buffers = dict(module.named_buffers(recurse=False))
@@ -140,6 +170,10 @@ def materialise(model: nn.Module, module_names: set[str], device: torch.device, 
             module._parameters[pname] = allocated[id(p)]
         for bname, b in buffers.items():
             module._buffers[bname] = b.to(device)
+        tied = {
+            pname: module._parameters[pname].detach().clone() for pname, p in params.items()
+            if first_holder[id(p)] != name
+        }
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
             torch.manual_seed(derived_seed(seed, "init", name))
             reset = getattr(module, "reset_parameters", None)
@@ -147,4 +181,7 @@ def materialise(model: nn.Module, module_names: set[str], device: torch.device, 
                 reset()
             else:
                 for pname, p in module.named_parameters(recurse=False):
-                    default_init(pname, p)
+                    if pname not in tied:
+                        default_init(pname, p)
+            for pname, value in tied.items():
+                module._parameters[pname].copy_(value)

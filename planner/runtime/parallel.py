@@ -217,26 +217,70 @@ def apply_tp(
     Heads follow on their own: the model reshapes with -1, so a rank holding 1/TP of q's output columns
     sees 1/TP of the heads. With sequence parallelism the styles come from plan_sequence_parallel().
     """
-    for piece in stage.pieces:
+    roots = stage.tp_roots()
+    check_tp(roots, layout)
+    apply_head_attrs(roots, layout)
+    for piece in roots:
         plan: dict[str, ParallelStyle] = {}
         for name, style in layout.tp_plan.items():
-            if not has_module(piece, name):
+            if has_module(piece, name):
+                plan[name] = sp_styles.get(name) or parallel_style(style, piece.get_submodule(name))
+        plan.update({n: s for n, s in sp_styles.items() if n not in layout.tp_plan and has_module(piece, n)})
+        if plan:
+            parallelize_module(piece, tp_mesh, plan)
+
+
+def check_tp(roots: list[nn.Module], layout: Layout) -> None:
+    """Whether the TP plan applies to the modules under `roots`: each sharded weight's split dimension and
+    each head-count attribute divides by tp. Raises RunError naming the module (also at plan time)."""
+    for root in roots:
+        for name, style in layout.tp_plan.items():
+            if not has_module(root, name):
                 continue
-            module = piece.get_submodule(name)
+            module = root.get_submodule(name)
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+                raise RunError(
+                    f"TP_PLAN shards {name} ({type(module).__name__}, {style}), which has no 2-d weight: torch's "
+                    "ColwiseParallel/RowwiseParallel take nn.Linear and nn.Embedding. Re-plan without this pair."
+                )
             # The weight dimension split: Linear weights are [out, in], Embedding weights [vocab, features].
             split = 0 if style.startswith("colwise") else 1
             if isinstance(module, nn.Embedding):
                 split = 1 - split
-            size = module.weight.shape[split]
+            size = weight.shape[split]
             if size % layout.tp:
                 raise RunError(
                     f"TP_PLAN splits {name} ({style}, size {size}) over tp={layout.tp}: the size must divide. "
                     "Re-plan with a tp degree that divides it."
                 )
-            plan[name] = sp_styles.get(name) or parallel_style(style, module)
-        plan.update({n: s for n, s in sp_styles.items() if n not in layout.tp_plan and has_module(piece, n)})
-        if plan:
-            parallelize_module(piece, tp_mesh, plan)
+        for name, attrs in layout.tp_head_attrs.items():
+            if not has_module(root, name):
+                continue
+            module = root.get_submodule(name)
+            for attr in attrs:
+                value = getattr(module, attr, None)
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise RunError(
+                        f"TP_HEAD_ATTRS names {name}.{attr}, which is {type(value).__name__}, not a head count. "
+                        "Re-plan the model."
+                    )
+                if value % layout.tp:
+                    raise RunError(
+                        f"{name}.{attr} = {value} heads cannot be split over tp={layout.tp}: it must divide. "
+                        "Re-plan with a tp degree that divides the head count."
+                    )
+
+
+def apply_head_attrs(roots: list[nn.Module], layout: Layout) -> None:
+    """Divide the head-count attributes of TP_HEAD_ATTRS by tp (as torchtitan's parallelize does
+    `attn.n_heads //= tp`): code that reshapes by the head count then sees this rank's heads."""
+    for root in roots:
+        for name, attrs in layout.tp_head_attrs.items():
+            if has_module(root, name):
+                module = root.get_submodule(name)
+                for attr in attrs:
+                    setattr(module, attr, getattr(module, attr) // layout.tp)
 
 
 # Ops of the attention core (QK^T, softmax, AV): what selective recomputation recomputes in backward
@@ -271,11 +315,11 @@ class Recompute(nn.Module):
         self.inner = inner
         self.selective = selective
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.selective:
             context = functools.partial(create_selective_checkpoint_contexts, recompute_attention_core)
-            return checkpoint(self.inner, *args, use_reentrant=False, context_fn=context)
-        return checkpoint(self.inner, *args, use_reentrant=False)
+            return checkpoint(self.inner, *args, use_reentrant=False, context_fn=context, **kwargs)
+        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
 
 
 def apply_ac(stage: StageModule, recompute: str, schedule: str) -> None:
@@ -284,9 +328,9 @@ def apply_ac(stage: StageModule, recompute: str, schedule: str) -> None:
     # Selective checkpointing allows one backward per region, but zero-bubble splits each backward in two
     # (input gradients, then weight gradients): there, recompute everything instead.
     selective = recompute == "selective" and schedule != "zero-bubble"
-    for i, piece in enumerate(stage.pieces):
-        if any(True for _ in piece.parameters()):
-            stage.pieces[i] = Recompute(piece, selective=selective)
+    for i, unit in enumerate(stage.units()):
+        if any(True for _ in unit.parameters()):
+            stage.replace_unit(i, Recompute(unit, selective=selective))
 
 
 def apply_data_parallel(
@@ -318,13 +362,14 @@ def apply_data_parallel(
     # One FSDP unit per piece (a block's weights are gathered just for it), then the stage for the rest;
     # pieces sharing a weight (tied) are left to the stage unit, since a weight belongs to one unit.
     owners: dict[int, int] = {}
-    for i, piece in enumerate(stage.pieces):
-        for p in piece.parameters():
+    units = stage.units()
+    for i, unit in enumerate(units):
+        for p in unit.parameters():
             owners[id(p)] = i if owners.get(id(p), i) == i else -1
-    for i, piece in enumerate(stage.pieces):
-        params = [id(p) for p in piece.parameters()]
+    for i, unit in enumerate(units):
+        params = [id(p) for p in unit.parameters()]
         if params and all(owners[p] == i for p in params):
-            fully_shard(piece, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+            fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
 
 

@@ -59,13 +59,13 @@ class BufferTracer(fx.Tracer):
         return super().create_arg(a)
 
 
-def bind_defaults(gm: fx.GraphModule) -> None:
-    """Replace the placeholders after the first (forward's optional arguments) by their default values."""
-    for node in [n for n in gm.graph.nodes if n.op == "placeholder"][1:]:
+def bind_defaults(gm: fx.GraphModule, n_inputs: int) -> None:
+    """Replace the placeholders after the first `n_inputs` (forward's optional arguments) by their defaults."""
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder"][n_inputs:]:
         if not node.args:
             raise RunError(
-                f"The model's forward() takes a second input `{node.target}` without a default; the "
-                "model-file contract feeds it example_inputs()[0] only."
+                f"The model's forward() takes an input `{node.target}` without a default beyond the "
+                f"{n_inputs} that example_inputs() provides: return it from example_inputs() too."
             )
         default = node.args[0]
 
@@ -80,24 +80,26 @@ def bind_defaults(gm: fx.GraphModule) -> None:
 
 
 def trace(
-    model: nn.Module, example: torch.Tensor, log: Callable[[str], None] = lambda _: None
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], log: Callable[[str], None] = lambda _: None
 ) -> tuple[fx.GraphModule, dict[fx.Node, Any], str]:
-    """Symbolic trace (keeps module calls, so TP plan names apply); torch.export if that fails. Returns the
-    graph, each node's value on the meta example, and the method ("fx" or "export")."""
+    """Symbolic trace of forward(*inputs) (keeps module calls, so TP plan names apply); torch.export if that
+    fails. Returns the graph, each node's value on the meta inputs, and the method ("fx" or "export")."""
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
     try:
-        forward_params = list(inspect.signature(model.forward).parameters.values())[1:]
+        forward_params = list(inspect.signature(model.forward).parameters.values())[len(inputs) :]
         concrete = {p.name: p.default for p in forward_params if p.default is not inspect.Parameter.empty}
         gm = fx.GraphModule(model, BufferTracer().trace(model, concrete or None), type(model).__name__)
-        bind_defaults(gm)
+        bind_defaults(gm, len(inputs))
         method = "fx"
         recorder = ValueRecorder(gm)
-        recorder.run(example)  # a symbolic trace can succeed yet bake in a wrong shape path
+        recorder.run(*inputs)  # a symbolic trace can succeed yet bake in a wrong shape path
     except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
         log(f"torch.fx symbolic tracing failed ({type(e).__name__}: {e}); using torch.export")
-        gm = torch.export.export(model, (example,), strict=False).module()
+        gm = torch.export.export(model, tuple(inputs), strict=False).module()
         method = "export"
         recorder = ValueRecorder(gm)
-        recorder.run(example)
+        recorder.run(*inputs)
     return gm, recorder.values, method
 
 
@@ -136,10 +138,11 @@ def contains_tensor(value: Any) -> bool:
 class Piece:
     """A run of consecutive graph nodes owned by one module of one stage, cut out as its own graph."""
 
-    def __init__(self, stage: int, owner: str | None, graph: fx.Graph) -> None:
+    def __init__(self, stage: int, owner: str | None, graph: fx.Graph, out_spec: Any = None) -> None:
         self.stage = stage
         self.owner = owner  # None: code outside any module (e.g. torch.arange for positions)
         self.graph = graph
+        self.out_spec = out_spec  # the last piece of an exported graph: the structure of the model's output
 
 
 def cut_into_pieces(gm: fx.GraphModule, values: dict[fx.Node, Any], layout: Layout) -> list[Piece]:
@@ -229,11 +232,12 @@ def cut_into_pieces(gm: fx.GraphModule, values: dict[fx.Node, Any], layout: Layo
 
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     model_output = output_node.args[0]
-    spec = getattr(gm, "_out_spec", None)  # torch.export flattens the output into a tuple
-    if spec is not None:
-        if not spec.is_leaf():
-            raise RunError("The model returns a structure: the last pipeline stage must return a tensor.")
+    # torch.export flattens the output (a dict, dataclass, ModelOutput, tuple) into a tuple of leaves: the
+    # last stage returns the leaves and StageModule rebuilds the structure for the loss.
+    spec = getattr(gm, "_out_spec", None)
+    if spec is not None and spec.is_leaf():
         (model_output,) = model_output
+        spec = None
     pieces = []
     for k, (stage, owner) in enumerate(keys):
         graph = fx.Graph()
@@ -260,14 +264,14 @@ def cut_into_pieces(gm: fx.GraphModule, values: dict[fx.Node, Any], layout: Layo
             graph.output(tuple(value(v) for v in live_into(k + 1)))
         else:
             graph.output(fx.map_arg(model_output, value))
-        pieces.append(Piece(stage, owner, graph))
-    check_weights_stay_in_one_stage(gm, pieces)
+        pieces.append(Piece(stage, owner, graph, spec if k == last else None))
     return pieces
 
 
-def check_weights_stay_in_one_stage(gm: fx.GraphModule, pieces: list[Piece]) -> None:
-    """A weight used by two stages (tied embeddings, a module called twice) cannot be split: each stage
-    would train its own copy."""
+def shared_weights(gm: fx.GraphModule, pieces: list[Piece]) -> dict[str, list[int]]:
+    """Weights used by more than one stage (tied embeddings: GPT-2's wte and lm_head), by name -> the stages
+    using them. Each of those stages keeps a copy with the same initial values, and the copies' gradients
+    are summed over the stages' ranks before the optimizer step (Megatron-LM's embedding group)."""
     stages_of: dict[int, set[int]] = {}
     name_of: dict[int, str] = {}
     for piece in pieces:
@@ -284,12 +288,7 @@ def check_weights_stay_in_one_stage(gm: fx.GraphModule, pieces: list[Piece]) -> 
             for name, param in found:
                 stages_of.setdefault(id(param), set()).add(piece.stage)
                 name_of.setdefault(id(param), name)
-    for key, stages in stages_of.items():
-        if len(stages) > 1:
-            raise RunError(
-                f"The weight {name_of[key]} is used by stages {sorted(stages)} (tied or shared weights): a "
-                "weight must live in one stage. Re-plan so that its users share a stage, or untie it."
-            )
+    return {name_of[k]: sorted(v) for k, v in stages_of.items() if len(v) > 1}
 
 
 def has_module(root: nn.Module, name: str) -> bool:
@@ -337,7 +336,9 @@ def used_modules(model: nn.Module, graphs: list[fx.Graph]) -> set[str]:
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: its pieces run in order, each taking exactly what the one before returns."""
+    """One pipeline stage: its pieces run in order, each taking exactly what the one before returns. (The
+    last stage of an exported graph returns the output's leaves, since torch's pipeline stages return
+    tensors; with_structure() rebuilds the structure for the loss.)"""
 
     def __init__(self, pieces: list[nn.Module], owners: list[str | None]) -> None:
         super().__init__()
@@ -349,6 +350,74 @@ class StageModule(nn.Module):
             values = piece(*values)
         return values
 
+    def units(self) -> list[nn.Module]:
+        """What activation checkpointing and FSDP wrap one by one: the pieces."""
+        return list(self.pieces)
+
+    def replace_unit(self, index: int, module: nn.Module) -> None:
+        self.pieces[index] = module
+
+    def tp_roots(self) -> list[nn.Module]:
+        """Modules under which the TP plan's (original) module names resolve."""
+        return list(self.pieces)
+
+
+class ModelStage(nn.Module):
+    """Without a pipeline, the stage is the user's model itself, run as written (no graph: any output type,
+    any inputs, buffers updated in forward, tied weights), its planned modules the checkpoint/FSDP units."""
+
+    def __init__(self, model: nn.Module, modules: list[str]) -> None:
+        super().__init__()
+        self.model = model
+        held = [m for m in modules if has_module(model, m)]
+        self.names = [m for m in held if any(True for _ in model.get_submodule(m).parameters())]
+        self.owners = list(self.names)
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.model(*inputs)
+
+    def units(self) -> list[nn.Module]:
+        return [self.model.get_submodule(n) for n in self.names]
+
+    def replace_unit(self, index: int, module: nn.Module) -> None:
+        parent, _, child = self.names[index].rpartition(".")
+        setattr(self.model.get_submodule(parent) if parent else self.model, child, module)
+
+    def tp_roots(self) -> list[nn.Module]:
+        return [self.model]
+
+
+def retarget_devices(graph: fx.Graph, device: torch.device) -> None:
+    """Point factory calls that tracing on the meta device recorded (torch.export keeps `device=meta` in
+    arange, zeros, full ...) at the device the stage runs on."""
+    meta = torch.device("meta")
+
+    def fix(a: Any) -> Any:
+        if isinstance(a, torch.device) and a == meta:
+            return device
+        if isinstance(a, (tuple, list)):
+            return type(a)(fix(x) for x in a)
+        if isinstance(a, dict):
+            return {k: fix(v) for k, v in a.items()}
+        return a
+
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            node.args, node.kwargs = fix(node.args), fix(node.kwargs)
+
+
+def with_structure(loss_fn: Callable[..., torch.Tensor], out_spec: Any) -> Callable[..., torch.Tensor]:
+    """`loss_fn` taking the model's output as the model returns it (dict, dataclass, ModelOutput, tuple),
+    when the last stage returns the leaves of an exported graph (`out_spec`: their structure)."""
+    if out_spec is None:
+        return loss_fn
+
+    def structured(output: Any, *inputs: Any) -> torch.Tensor:
+        leaves = list(output) if isinstance(output, (tuple, list)) else [output]
+        return loss_fn(torch.utils._pytree.tree_unflatten(leaves, out_spec), *inputs)
+
+    return structured
+
 
 def build_local_stages(
     user: Any,
@@ -358,8 +427,9 @@ def build_local_stages(
     pieces: list[Piece],
     local: list[int],
     device: torch.device,
-) -> list[StageModule]:
-    """This rank's stages (indices `local`), with only their parameters allocated (on `device`)."""
+) -> tuple[list[StageModule], nn.Module]:
+    """This rank's stages (indices `local`), with only their parameters allocated (on `device`), and the
+    model they take their modules and weights from."""
     model = build_model(user, spec, seed, everything_on_meta=False)
     materialise(model, used_modules(model, [p.graph for p in pieces if p.stage in local]), device, seed)
     stages = []
@@ -367,7 +437,8 @@ def build_local_stages(
         mine = [p for p in pieces if p.stage == i]
         modules = []
         for p in mine:
+            retarget_devices(p.graph, device)
             targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
             modules.append(fx.GraphModule({t: fetch(model, gm, t, device) for t in targets}, p.graph))
         stages.append(StageModule(modules, [p.owner for p in mine]))
-    return stages
+    return stages, model
