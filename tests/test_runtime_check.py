@@ -91,3 +91,12 @@ def test_planner_plan_exits_2_and_writes_nothing(tmp_path):
     assert result.exit_code == 2, result.output
     assert "The plan cannot run" in result.output and "floating-point scalar" in result.output
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_tp_on_gpt2s_conv1d_is_refused_at_plan_time():
+    pytest.importorskip("transformers")
+    from e2e.hf_plans import hf_plan
+
+    plan = hf_plan("gpt2", tp=2, dp=2, tp_plan={"transformer.h.0.attn.c_attn": "colwise"})
+    with pytest.raises(PlanError, match=r"transformer.h.0.attn.c_attn, a Conv1D \(colwise\).*Conv1D is neither"):
+        check_plan_runs(plan)

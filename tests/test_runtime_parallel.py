@@ -57,7 +57,7 @@ def test_head_attributes_are_divided_by_tp():
         (3, {"attn.o": "rowwise"}, {}, r"splits attn.o \(rowwise, size 8\) over tp=3"),
         (2, {}, {"attn": ["heads", "missing"]}, r"attn.missing, which is NoneType, not a head count"),
         (8, {}, {"attn": ["heads"]}, r"attn.heads = 4 heads cannot be split over tp=8"),
-        (2, {"attn": "colwise"}, {}, r"shards attn \(Attention, colwise\), which has no 2-d weight"),
+        (2, {"attn": "colwise"}, {}, r"shards attn, a Attention \(colwise\), but torch's ColwiseParallel"),
     ],
 )
 def test_tp_decisions_that_cannot_apply_are_refused(tp, plan, heads, message):

@@ -238,12 +238,13 @@ def check_tp(roots: list[nn.Module], layout: Layout) -> None:
             if not has_module(root, name):
                 continue
             module = root.get_submodule(name)
-            weight = getattr(module, "weight", None)
-            if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            if not isinstance(module, (nn.Linear, nn.Embedding)):
                 raise RunError(
-                    f"TP_PLAN shards {name} ({type(module).__name__}, {style}), which has no 2-d weight: torch's "
-                    "ColwiseParallel/RowwiseParallel take nn.Linear and nn.Embedding. Re-plan without this pair."
+                    f"TP_PLAN shards {name}, a {type(module).__name__} ({style}), but torch's ColwiseParallel and "
+                    "RowwiseParallel take only nn.Linear and nn.Embedding (GPT-2's Conv1D is neither). Re-plan "
+                    "without this pair (or with tp=1)."
                 )
+            weight = module.weight
             # The weight dimension split: Linear weights are [out, in], Embedding weights [vocab, features].
             split = 0 if style.startswith("colwise") else 1
             if isinstance(module, nn.Embedding):
