@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from e2e.plans import FILES, TINY, make_plan
 
-from planner.codegen.render import py_literal, render, write_scripts
+from planner.codegen.render import compress_mapping, compress_names, py_literal, render, runtime_objects, write_scripts
 from planner.errors import PlanError
 from planner.runtime.digest import package_digest, runtime_files
+from planner.runtime.layout import expand_names
 
 ROOT = Path(__file__).resolve().parents[1]
 RUFF = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
@@ -79,8 +80,13 @@ def test_constants_carry_the_plan():
     assert (c["MICRO_BATCH_SIZE"], c["NUM_MICRO_BATCHES"], c["GLOBAL_BATCH_SIZE"]) == (2, 4, p.global_batch_size)
     assert (c["SCHEDULE"], c["ZERO_STAGE"], c["SEQUENCE_PARALLEL"]) == ("1f1b", 1, False)
     assert c["MESH_DIMS"] == ("pp", "dp", "tp")
-    assert c["STAGES"] == [(s.pp_rank, s.modules, "full") for s in plan.stages]
-    assert c["TP_PLAN"] == plan.tp_plan and c["TP_PLAN"]["blocks.3.attn.o"] == "rowwise"
+    expand = lambda names: [n for m in names for n in expand_names(m)]  # noqa: E731
+    assert [(r, expand(m), rec) for r, m, rec in c["STAGES"]] == [(s.pp_rank, s.modules, "full") for s in plan.stages]
+    assert c["STAGES"][0][1] == ["tok_emb", "pos_emb", "drop", "blocks.0", "blocks.1"]  # runs of 3+ are written short
+    assert {n: v for k, v in c["TP_PLAN"].items() for n in expand_names(k)} == plan.tp_plan
+    assert c["TP_PLAN"]["blocks.{0-3}.attn.o"] == "rowwise" and "blocks.3.attn.o" not in c["TP_PLAN"]
+    layout, _, _ = runtime_objects(plan)
+    assert layout.tp_plan == plan.tp_plan
     assert c["MODEL_FILE"] == plan.model.path and c["MODEL_ARGS"] == plan.model.model_args
     assert (c["LOSS_FN"], c["BATCH_FN"], c["BUILD_FN"]) == ("loss_fn", None, "build_model")
     assert (c["SEED"], c["LR"], c["STEPS"], c["DTYPE"]) == (0, 0.01, 3, "fp32")
@@ -236,3 +242,28 @@ def test_a_broken_layout_is_refused_when_rendering():
     stages = [s.model_copy(update={"recompute": "sometimes"}) if s.index == 1 else s for s in plan.stages]
     with pytest.raises(PlanError, match="recompute 'sometimes'"):
         render(plan.model_copy(update={"stages": stages}))
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["a", "blocks.0", "blocks.1", "blocks.2", "blocks.4", "blocks.5", "head"],
+        [f"layers.{i}" for i in range(96)],
+        ["blocks.9", "blocks.10", "blocks.11", "x.01", "x.02", "x.03"],  # leading zeros are not numbers to count
+        ["h.0.a", "h.1.a", "h.2.b", "h.3.b"],
+        [],
+    ],
+)
+def test_compressed_names_expand_back(names):
+    short = compress_names(names)
+    assert [n for m in short for n in expand_names(m)] == names
+    mapping = {n: ("colwise" if "a" in n else "rowwise") for n in names}
+    short_map = compress_mapping(mapping)
+    assert {n: v for k, v in short_map.items() for n in expand_names(k)} == mapping
+    assert len(short_map) <= len(mapping)
+
+
+def test_train_py_stays_short_for_deep_models():
+    plan = make_plan("gpt", pp=16, tp=8, model_args={**TINY["gpt"], "layers": 96})  # GPT-3 175B's layout
+    text = render(plan)["train.py"][0]
+    assert len(text.splitlines()) < 120 and max(len(line) for line in text.splitlines()) <= 110

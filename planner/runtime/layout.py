@@ -7,6 +7,7 @@ so the rest of the runtime takes a `Layout` instead of reading globals.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,19 @@ RECOMPUTE = ("none", "selective", "full")
 TP_STYLES = ("colwise", "rowwise", "colwise_gather")
 DTYPES = ("fp32", "bf16", "fp16")
 _FIX = "Re-plan (planner plan ...) or correct the constant at the top of train.py."
+
+
+_RANGE = re.compile(r"\{(\d+)-(\d+)\}")
+
+
+def expand_names(name: str) -> list[str]:
+    """The module names a plan constant stands for: "blocks.{0-3}.attn" is blocks.0.attn ... blocks.3.attn
+    (train.py writes runs of numbered blocks this way to stay short); other names stand for themselves."""
+    m = _RANGE.search(name)
+    if m is None:
+        return [name]
+    lo, hi = int(m.group(1)), int(m.group(2))
+    return [n for i in range(lo, hi + 1) for n in expand_names(name[: m.start()] + str(i) + name[m.end() :])]
 
 
 def stage_rank(schedule: str, pp: int, stage: int) -> int:
@@ -83,11 +97,16 @@ class Layout:
 
     def __post_init__(self) -> None:
         # Stages may come as plain lists/tuples from the plan's constants.
-        object.__setattr__(
-            self, "stages", tuple(s if isinstance(s, Stage) else Stage(s[0], tuple(s[1]), *s[2:]) for s in self.stages)
+        stages = tuple(s if isinstance(s, Stage) else Stage(s[0], tuple(s[1]), *s[2:]) for s in self.stages)
+        stages = tuple(
+            Stage(s.pp_rank, tuple(n for m in s.modules for n in expand_names(m)), s.recompute) for s in stages
         )
+        object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "mesh_dims", tuple(self.mesh_dims))
-        object.__setattr__(self, "tp_head_attrs", {k: tuple(v) for k, v in self.tp_head_attrs.items()})
+        tp_plan = {n: style for name, style in self.tp_plan.items() for n in expand_names(name)}
+        object.__setattr__(self, "tp_plan", tp_plan)
+        heads = {n: tuple(v) for k, v in self.tp_head_attrs.items() for n in expand_names(k)}
+        object.__setattr__(self, "tp_head_attrs", heads)
         for name in ("pp", "dp", "tp", "virtual_stages", "micro_batch_size", "num_micro_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
