@@ -137,6 +137,9 @@ def plan(
 
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         result_plan = result_plan.model_copy(update={"created_at": created})
+    from planner.codegen.check import check_plan_runs
+
+    check_plan_runs(result_plan)  # a plan the script cannot run exits 2 here, before anything is written
     files = render_outputs(result_plan, result)
     write_outputs(out, files, force)
     if json:

@@ -178,6 +178,9 @@ class Plan(_Model):
     cluster: ClusterSummary
     parallel: ParallelConfig
     tp_plan: dict[str, TPStyle] = Field(default_factory=dict, description="module name -> TP style")
+    tp_head_attrs: dict[str, list[str]] = Field(
+        default_factory=dict, description="module name -> attributes holding head counts, divided by tp per rank"
+    )
     stages: list[StagePlan]
     predicted: Predicted
     alternatives: list[Alternative] = Field(default_factory=list)

@@ -488,7 +488,10 @@ def test_emit_renders_the_same_scripts_as_plan(planned, tmp_path):
     for name in ("plan.json", "train.py", "launch.sh", "launch_multinode.sh", "slurm.sbatch"):
         assert (out / name).read_bytes() == (planned / name).read_bytes(), name
     assert os.access(out / "launch.sh", os.X_OK)
-    assert "Wrote 5 files" in result.stdout
+    runtime = sorted(p.name for p in (planned / "planner_runtime").glob("*.py"))
+    for name in runtime:
+        assert (out / "planner_runtime" / name).read_bytes() == (planned / "planner_runtime" / name).read_bytes()
+    assert runtime and f"Wrote {5 + len(runtime)} files" in result.stdout
 
 
 def test_emit_keeps_other_content_unless_forced(planned, tmp_path):

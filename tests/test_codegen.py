@@ -4,7 +4,6 @@ correctly. (Runs of the generated script under torchrun are in tests/e2e.)"""
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import shutil
 import stat
@@ -13,12 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from e2e.plans import FILES, TINY, make_plan
-from torch import fx
 
-from planner.codegen.render import py_literal, render, write_scripts
+from planner.codegen.render import compress_mapping, compress_names, py_literal, render, runtime_objects, write_scripts
 from planner.errors import PlanError
+from planner.runtime.digest import package_digest, runtime_files
+from planner.runtime.layout import expand_names
 
 ROOT = Path(__file__).resolve().parents[1]
 RUFF = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
@@ -56,8 +55,10 @@ def test_render_is_deterministic(name):
     first = render(plan)
     again = render(plan.model_validate_json(plan.to_json()))
     assert first == again
-    assert set(first) == {"train.py", "launch.sh", "launch_multinode.sh", "slurm.sbatch"}
-    assert all(executable for _, executable in first.values())
+    scripts = {"train.py", "launch.sh", "launch_multinode.sh", "slurm.sbatch"}
+    runtime = {f"planner_runtime/{name}" for name in runtime_files()}
+    assert set(first) == scripts | runtime and "planner_runtime/loop.py" in runtime
+    assert all(first[name][1] for name in scripts) and not any(first[name][1] for name in runtime)
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))
@@ -79,21 +80,36 @@ def test_constants_carry_the_plan():
     assert (c["MICRO_BATCH_SIZE"], c["NUM_MICRO_BATCHES"], c["GLOBAL_BATCH_SIZE"]) == (2, 4, p.global_batch_size)
     assert (c["SCHEDULE"], c["ZERO_STAGE"], c["SEQUENCE_PARALLEL"]) == ("1f1b", 1, False)
     assert c["MESH_DIMS"] == ("pp", "dp", "tp")
-    assert c["STAGES"] == [(s.pp_rank, s.modules, "full") for s in plan.stages]
-    assert c["TP_PLAN"] == plan.tp_plan and c["TP_PLAN"]["blocks.3.attn.o"] == "rowwise"
+    expand = lambda names: [n for m in names for n in expand_names(m)]  # noqa: E731
+    assert [(r, expand(m), rec) for r, m, rec in c["STAGES"]] == [(s.pp_rank, s.modules, "full") for s in plan.stages]
+    assert c["STAGES"][0][1] == ["tok_emb", "pos_emb", "drop", "blocks.0", "blocks.1"]  # runs of 3+ are written short
+    assert {n: v for k, v in c["TP_PLAN"].items() for n in expand_names(k)} == plan.tp_plan
+    assert c["TP_PLAN"]["blocks.{0-3}.attn.o"] == "rowwise" and "blocks.3.attn.o" not in c["TP_PLAN"]
+    layout, _, _ = runtime_objects(plan)
+    assert layout.tp_plan == plan.tp_plan
     assert c["MODEL_FILE"] == plan.model.path and c["MODEL_ARGS"] == plan.model.model_args
     assert (c["LOSS_FN"], c["BATCH_FN"], c["BUILD_FN"]) == ("loss_fn", None, "build_model")
     assert (c["SEED"], c["LR"], c["STEPS"], c["DTYPE"]) == (0, 0.01, 3, "fp32")
 
 
 def test_body_is_the_same_for_every_plan():
-    """Only the constants differ between plans: no plan-specific code paths."""
+    """Only the constants differ between plans: no plan-specific code paths, and the same runtime copy."""
 
     def body(text: str) -> str:
-        return text[text.index("# Setup: process group") :]
+        return text[text.index("def check_runtime") :]
 
-    bodies = {body(render(make())["train.py"][0]) for make in PLANS.values()}
-    assert len(bodies) == 1
+    rendered = [render(make()) for make in PLANS.values()]
+    assert len({body(files["train.py"][0]) for files in rendered}) == 1
+    copies = {tuple(sorted((k, v) for k, v in files.items() if k.startswith("planner_runtime/"))) for files in rendered}
+    assert len(copies) == 1
+
+
+def test_train_py_is_short_and_calls_the_runtime():
+    text = render(make_plan("gpt", pp=2, dp=2))["train.py"][0]
+    assert len(text.splitlines()) < 120
+    assert "from planner_runtime.loop import run" in text
+    code = text[text.index("def check_runtime") :]
+    assert len(code.splitlines()) < 45  # the code (not the plan's constants) is a check and one call
 
 
 def test_paths_with_spaces_and_quotes_are_quoted(tmp_path):
@@ -114,9 +130,15 @@ def test_paths_with_spaces_and_quotes_are_quoted(tmp_path):
 
 def test_write_scripts_sets_modes(tmp_path):
     written = write_scripts(make_plan("gpt", dp=2), tmp_path)
-    assert sorted(p.name for p in written) == ["launch.sh", "launch_multinode.sh", "slurm.sbatch", "train.py"]
-    for path in written:
+    scripts = [p for p in written if p.parent == tmp_path]
+    assert sorted(p.name for p in scripts) == ["launch.sh", "launch_multinode.sh", "slurm.sbatch", "train.py"]
+    for path in scripts:
         assert path.stat().st_mode & stat.S_IXUSR
+    copied = sorted(p.name for p in written if p.parent == tmp_path / "planner_runtime")
+    assert copied == sorted(runtime_files()) and len(copied) == len(written) - len(scripts)
+    for path in written:
+        if path.parent != tmp_path:
+            assert not path.stat().st_mode & stat.S_IXUSR
     assert not list(tmp_path.glob(".*.tmp"))
 
 
@@ -185,111 +207,63 @@ def test_py_literal_refuses_objects():
         py_literal({"fn": print})
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The generated functions, imported in-process: the cut pieces compute exactly the model's forward.
-# ---------------------------------------------------------------------------------------------------------
-def _import_train(plan, tmp_path, name):
-    write_scripts(plan, tmp_path)
-    spec = importlib.util.spec_from_file_location(f"generated_train_{name}", tmp_path / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-CUTS = {
-    "gpt_pp2": lambda: make_plan("gpt", pp=2),
-    "llama_4_stages": lambda: make_plan("llama", pp=2, virtual_stages=2, schedule="interleaved-1f1b"),
-    "mlp_zbv": lambda: make_plan("mlp", pp=2, virtual_stages=2, schedule="zero-bubble"),
-    "tiny_pp3": lambda: make_plan("tiny", pp=3),
-    "tiny_export": lambda: make_plan("tiny", pp=2, model_args={**TINY["tiny"], "check_length": True}),
-    "tiny_tied": lambda: make_plan("tiny", model_args={**TINY["tiny"], "tie": True}),
-}
-
-
-@pytest.mark.parametrize("name", sorted(CUTS))
-def test_pieces_compute_the_models_forward(name, tmp_path):
-    plan = CUTS[name]()
-    train = _import_train(plan, tmp_path, name)
-    cpu = torch.device("cpu")
-    user = train.load_model_file(train.MODEL_FILE)
-    example = train.make_batch(user, 0, 0)
-    gm, values, method = train.trace(train.build_model(user, everything_on_meta=True), example[0].to("meta"))
-    assert method == ("export" if name == "tiny_export" else "fx")
-    pieces = train.cut_into_pieces(gm, values)
-    assert sorted({p.stage for p in pieces}) == list(range(len(plan.stages)))
-
-    model = train.build_model(user, everything_on_meta=False)
-    train.materialise(model, {n for n, _ in model.named_modules()}, cpu)
-    assert not any(p.is_meta for p in model.parameters())
-    if name == "tiny_tied":
-        assert model.head.weight is model.tok_emb.weight
-    values_in = (example[0],)
-    for i in range(len(plan.stages)):
-        mine = [p for p in pieces if p.stage == i]
-        modules = []
-        for p in mine:
-            targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
-            modules.append(fx.GraphModule({t: train.fetch(model, gm, t, cpu) for t in targets}, p.graph))
-        out = train.StageModule(modules, [p.owner for p in mine])(*values_in)
-        if i < len(plan.stages) - 1:
-            assert isinstance(out, tuple) and all(isinstance(t, torch.Tensor) for t in out)
-            values_in = out
-    with torch.no_grad():
-        expected = model(example[0])
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
-
-
-def test_initial_weights_do_not_depend_on_what_a_rank_holds(tmp_path):
-    """A module's initial weights depend on (SEED, its name) only, not on which other modules are built."""
-    train = _import_train(make_plan("tiny", pp=2), tmp_path, "init")
-    user = train.load_model_file(train.MODEL_FILE)
-    cpu = torch.device("cpu")
-    everything = train.build_model(user, everything_on_meta=False)
-    train.materialise(everything, {n for n, _ in everything.named_modules()}, cpu)
-    part = train.build_model(user, everything_on_meta=False)
-    owned = {n for n, _ in part.named_modules() if n.startswith(("blocks.2", "blocks.3", "head", "ln_f"))} | {""}
-    train.materialise(part, owned, cpu)
-    full = dict(everything.named_parameters())
-    held = {n: p for n, p in part.named_parameters() if not p.is_meta}
-    assert {n.split(".")[0] for n in held} == {"pos_emb", "blocks", "ln_f", "head"}
-    for n, p in held.items():
-        torch.testing.assert_close(p, full[n], rtol=0, atol=0)
-    torch.testing.assert_close(full["blocks.0.scale.gain"], torch.ones(64))  # default init of a 1-d weight
-
-
-def test_weights_used_by_two_stages_are_refused(tmp_path):
-    train = _import_train(make_plan("tiny", pp=2, model_args={**TINY["tiny"], "tie": True}), tmp_path, "tied")
-    user = train.load_model_file(train.MODEL_FILE)
-    example = train.make_batch(user, 0, 0)
-    gm, values, _ = train.trace(train.build_model(user, everything_on_meta=True), example[0].to("meta"))
-    with pytest.raises(SystemExit, match=r"tok_emb.weight is used by stages \[0, 1\] \(tied"):
-        train.cut_into_pieces(gm, values)
-
-
-def test_batches_come_from_get_batch_when_the_plan_names_it(tmp_path):
-    model_file = tmp_path / "data_model.py"
-    model_file.write_text(
-        "import torch\n"
-        "from torch import nn\n\n\n"
-        "def build_model(**kwargs):\n"
-        "    return nn.Linear(4, 1)\n\n\n"
-        "def example_inputs(batch_size, **kwargs):\n"
-        "    return (torch.zeros(batch_size, 4),)\n\n\n"
-        "def get_batch(step, micro_batch_size, micro_batch=-1, width=0, **kwargs):\n"
-        "    return (torch.full((micro_batch_size, 4), float(step * 100 + micro_batch + width)),)\n"
+def test_copied_runtime_matches_the_recorded_digest(tmp_path):
+    write_scripts(make_plan("gpt", dp=2), tmp_path)
+    assert _constants((tmp_path / "train.py").read_text())["RUNTIME_DIGEST"] == package_digest(
+        tmp_path / "planner_runtime"
     )
-    plan = make_plan("mlp", dp=2, num_micro_batches=3)
-    model = plan.model.model_copy(update={"path": str(model_file), "batch_fn": "get_batch", "loss_fn": None})
-    plan = plan.model_copy(update={"model": model})
-    train = _import_train(plan, tmp_path / "out", "batch")
-    user = train.load_model_file(train.MODEL_FILE)
-    (x,) = train.make_batch(user, 3, 5)
-    assert x.shape == (2, 4) and x[0, 0].item() == 300 + 5 + TINY["mlp"]["width"]  # model args passed too
+    assert package_digest(tmp_path / "planner_runtime") == package_digest(ROOT / "planner" / "runtime")
 
 
-def test_synthetic_batches_depend_on_step_and_micro_batch_only(tmp_path):
-    train = _import_train(make_plan("gpt", dp=2), tmp_path, "synthetic")
-    user = train.load_model_file(train.MODEL_FILE)
-    a, b, c = train.make_batch(user, 1, 2)[0], train.make_batch(user, 1, 2)[0], train.make_batch(user, 1, 3)[0]
-    assert torch.equal(a, b) and not torch.equal(a, c)
-    assert a.shape == (2, TINY["gpt"]["seq"]) and a.dtype == torch.int64
+@pytest.mark.parametrize("change", ["edit", "remove", "add"])
+def test_train_py_refuses_a_changed_runtime(change, tmp_path):
+    write_scripts(make_plan("gpt"), tmp_path)
+    runtime = tmp_path / "planner_runtime"
+    if change == "edit":
+        loop = runtime / "loop.py"
+        loop.write_text(loop.read_text().replace("def log0(", "def log0_(", 1))
+    elif change == "remove":
+        shutil.rmtree(runtime)
+    else:
+        (runtime / "extra.py").write_text("x = 1\n")
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    result = subprocess.run(
+        [sys.executable, "train.py", "--steps", "1", "--device", "cpu"],
+        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert result.returncode != 0
+    expected = "is missing" if change == "remove" else "differs from the one this train.py was generated with"
+    assert expected in result.stderr and "planner emit" in result.stderr
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_a_broken_layout_is_refused_when_rendering():
+    plan = make_plan("gpt", pp=2)
+    stages = [s.model_copy(update={"recompute": "sometimes"}) if s.index == 1 else s for s in plan.stages]
+    with pytest.raises(PlanError, match="recompute 'sometimes'"):
+        render(plan.model_copy(update={"stages": stages}))
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["a", "blocks.0", "blocks.1", "blocks.2", "blocks.4", "blocks.5", "head"],
+        [f"layers.{i}" for i in range(96)],
+        ["blocks.9", "blocks.10", "blocks.11", "x.01", "x.02", "x.03"],  # leading zeros are not numbers to count
+        ["h.0.a", "h.1.a", "h.2.b", "h.3.b"],
+        [],
+    ],
+)
+def test_compressed_names_expand_back(names):
+    short = compress_names(names)
+    assert [n for m in short for n in expand_names(m)] == names
+    mapping = {n: ("colwise" if "a" in n else "rowwise") for n in names}
+    short_map = compress_mapping(mapping)
+    assert {n: v for k, v in short_map.items() for n in expand_names(k)} == mapping
+    assert len(short_map) <= len(mapping)
+
+
+def test_train_py_stays_short_for_deep_models():
+    plan = make_plan("gpt", pp=16, tp=8, model_args={**TINY["gpt"], "layers": 96})  # GPT-3 175B's layout
+    text = render(plan)["train.py"][0]
+    assert len(text.splitlines()) < 120 and max(len(line) for line in text.splitlines()) <= 110

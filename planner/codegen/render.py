@@ -1,8 +1,10 @@
 """Rendering a Plan into a torchrun training script and its launchers (jinja2 templates in templates/).
 
-The generated train.py carries the plan's numbers as Python constants at its top and an identical body for
-every plan; the launchers wrap torchrun for one node, several nodes and SLURM. Rendering is a pure function
-of the plan (no timestamps, sorted mappings), so equal plans give byte-identical files.
+The generated train.py carries the plan's numbers as Python constants at its top and calls the runtime
+package (planner/runtime), which is copied beside it as planner_runtime/ so that the plan directory runs
+where the planner is not installed; train.py records the copy's digest and checks it at start. The
+launchers wrap torchrun for one node, several nodes and SLURM. Rendering is a pure function of the plan (no
+timestamps, sorted mappings), so equal plans give byte-identical files.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from typing import Any
 import jinja2
 
 from planner.errors import PlanError
-from planner.io import atomic_write_text
+from planner.io import atomic_write_files
 from planner.plan import Plan
+from planner.runtime.digest import digest_of, runtime_files
+from planner.runtime.errors import LayoutError
+from planner.runtime.layout import Layout, ModelFile, Stage, Training, expand_names
 
 LINE_LENGTH = 110  # the project's ruff line length; generated code stays within it
 
@@ -30,6 +35,8 @@ _env = jinja2.Environment(
     lstrip_blocks=True,
     autoescape=False,
 )
+
+RUNTIME_DIR = "planner_runtime"  # where the runtime package is copied, next to train.py
 
 # file name -> (template, executable)
 _OUTPUTS = {
@@ -96,7 +103,9 @@ def _schedule_note(plan: Plan) -> str:
 def _constants(plan: Plan) -> dict[str, str]:
     """The plan's numbers as Python source, keyed by constant name (indent: after `NAME = `)."""
     p, m, t = plan.parallel, plan.model, plan.training
-    stages = [(s.pp_rank, list(s.modules), s.recompute) for s in sorted(plan.stages, key=lambda s: s.index)]
+    stages = [
+        (s.pp_rank, compress_names(list(s.modules)), s.recompute) for s in sorted(plan.stages, key=lambda s: s.index)
+    ]
     values: dict[str, Any] = {
         "MODEL_FILE": m.path,
         "BUILD_FN": m.build_fn,
@@ -116,13 +125,89 @@ def _constants(plan: Plan) -> dict[str, str]:
         "ZERO_STAGE": p.zero_stage,
         "SEQUENCE_PARALLEL": p.sequence_parallel,
         "STAGES": stages,
-        "TP_PLAN": dict(sorted(plan.tp_plan.items(), key=lambda kv: _natural_key(kv[0]))),
+        "TP_PLAN": compress_mapping(dict(plan.tp_plan)),
+        "TP_HEAD_ATTRS": compress_mapping({k: list(v) for k, v in plan.tp_head_attrs.items()}),
         "SEED": t.seed,
         "LR": float(t.lr),
         "STEPS": t.steps,
         "DTYPE": t.dtype,
+        "RUNTIME_DIGEST": digest_of(runtime_files()),
     }
     return {name: py_literal(value, indent=len(name) + 3) for name, value in values.items()}
+
+
+def runtime_objects(plan: Plan) -> tuple[Layout, ModelFile, Training]:
+    """The runtime's validated objects for `plan`: what train.py builds from its constants (the plan-time
+    check and the tests use them to call the runtime in-process). Raises LayoutError on a broken plan."""
+    p, m, t = plan.parallel, plan.model, plan.training
+    layout = Layout(
+        pp=p.pp, dp=p.dp, tp=p.tp, virtual_stages=p.virtual_stages, mesh_dims=tuple(p.mesh_dims),
+        micro_batch_size=p.micro_batch_size, num_micro_batches=p.num_micro_batches,
+        global_batch_size=p.global_batch_size, schedule=p.schedule, zero_stage=p.zero_stage,
+        sequence_parallel=p.sequence_parallel,
+        stages=tuple(
+            Stage(s.pp_rank, tuple(s.modules), s.recompute) for s in sorted(plan.stages, key=lambda s: s.index)
+        ),
+        tp_plan=dict(plan.tp_plan), tp_head_attrs={k: tuple(v) for k, v in plan.tp_head_attrs.items()},
+    )
+    model = ModelFile(m.path, m.build_fn, m.inputs_fn, m.loss_fn, m.batch_fn, dict(m.model_args))
+    return layout, model, Training(seed=t.seed, lr=float(t.lr), steps=t.steps, dtype=t.dtype)
+
+
+def compress_names(names: list[str]) -> list[str]:
+    """Runs of 3+ consecutive names that differ only in one increasing number, as "blocks.{0-5}" (what
+    planner.runtime.layout.expand_names reads back), so train.py stays short for deep models."""
+    out: list[str] = []
+    i = 0
+    while i < len(names):
+        k = _differing_part(names[i], names[i + 1]) if i + 1 < len(names) else None
+        j = i
+        while k is not None and j + 1 < len(names) and _differing_part(names[j], names[j + 1]) == k:
+            j += 1
+        if k is not None and j - i >= 2:
+            parts = names[i].split(".")
+            parts[k] = f"{{{parts[k]}-{names[j].split('.')[k]}}}"
+            out.append(".".join(parts))
+            i = j + 1
+        else:
+            out.append(names[i])
+            i += 1
+    return out
+
+
+def _differing_part(a: str, b: str) -> int | None:
+    """The one dotted component where a and b differ, both numbers with b's = a's + 1; else None."""
+    pa, pb = a.split("."), b.split(".")
+    if len(pa) != len(pb):
+        return None
+    diff = [k for k, (x, y) in enumerate(zip(pa, pb, strict=True)) if x != y]
+    if len(diff) != 1 or not (pa[diff[0]].isdigit() and pb[diff[0]].isdigit()):
+        return None
+    return diff[0] if int(pb[diff[0]]) == int(pa[diff[0]]) + 1 and str(int(pb[diff[0]])) == pb[diff[0]] else None
+
+
+def compress_mapping(mapping: dict[str, Any]) -> dict[str, Any]:
+    """{name: value} with names that differ only in their first number and share a value over a contiguous
+    range of 3+ numbers merged into one "prefix.{lo-hi}.suffix" key; sorted naturally."""
+    groups: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    for name in mapping:
+        parts = name.split(".")
+        k = next((i for i, p in enumerate(parts) if p.isdigit() and str(int(p)) == p), None)
+        if k is not None:
+            key = (".".join(parts[:k]), ".".join(parts[k + 1 :]))
+            groups.setdefault(key, []).append((int(parts[k]), name))
+    out: dict[str, Any] = {}
+    merged: set[str] = set()
+    for (head, tail), members in groups.items():
+        members.sort()
+        numbers = [n for n, _ in members]
+        values = {json.dumps(mapping[name], sort_keys=True) for _, name in members}
+        if len(members) >= 3 and len(values) == 1 and numbers == list(range(numbers[0], numbers[-1] + 1)):
+            key = ".".join(p for p in (head, f"{{{numbers[0]}-{numbers[-1]}}}", tail) if p)
+            out[key] = mapping[members[0][1]]
+            merged.update(name for _, name in members)
+    out.update({name: value for name, value in mapping.items() if name not in merged})
+    return dict(sorted(out.items(), key=lambda kv: _natural_key(expand_names(kv[0])[0])))
 
 
 def _natural_key(name: str) -> list[Any]:
@@ -147,11 +232,16 @@ def _check(plan: Plan) -> None:
 
 
 def render(plan: Plan, plan_path_in_dir: str = "plan.json") -> dict[str, tuple[str, bool]]:
-    """Render train.py and the launchers for `plan`: {file name: (text, executable)}.
+    """Render train.py, the launchers and the runtime copy for `plan`: {relative path: (text, executable)}
+    (the runtime's files are under planner_runtime/).
 
     `plan_path_in_dir` is the plan file's name as the scripts refer to it (next to them).
     """
     _check(plan)
+    try:
+        runtime_objects(plan)  # the rules the script's Layout checks at start, checked here first
+    except LayoutError as e:
+        raise PlanError(str(e)) from None
     p, cluster = plan.parallel, plan.cluster
     cpu = cluster.gpu.lower() == "cpu"
     world = p.world_size
@@ -189,15 +279,15 @@ def render(plan: Plan, plan_path_in_dir: str = "plan.json") -> dict[str, tuple[s
     out: dict[str, tuple[str, bool]] = {}
     for name, (template, executable) in _OUTPUTS.items():
         out[name] = (_env.get_template(template).render(**context), executable)
+    for name, text in runtime_files().items():
+        out[f"{RUNTIME_DIR}/{name}"] = (text, False)
     return out
 
 
 def write_scripts(plan: Plan, out_dir: str | Path, plan_path_in_dir: str = "plan.json") -> list[Path]:
-    """Render and write the scripts into `out_dir` (each atomically); returns the paths written."""
+    """Render and write the scripts and the runtime copy into `out_dir` (each file atomically); returns the
+    paths written."""
     files = render(plan, plan_path_in_dir)  # render everything before writing anything
     out = Path(out_dir)
-    written = []
-    for name, (text, executable) in files.items():
-        atomic_write_text(out / name, text, executable)
-        written.append(out / name)
-    return written
+    atomic_write_files({out / name: content for name, content in files.items()})
+    return [out / name for name in files]

@@ -54,11 +54,11 @@ def stage_rank(schedule: str, p: int, v: int, stage: int) -> int:
     Loop placement (stage s on rank s % p) for every schedule but zero-bubble, whose V places stage s on
     rank s for s < p and on rank 2p-1-s after (torch generate_stage_to_rank_mapping, style "loop"/"v").
     """
+    from planner.runtime.layout import stage_rank as runtime_stage_rank  # the generated script's placement
+
     _check_name(schedule)
     _check_stage(p, v, stage)
-    if schedule == "zero-bubble":
-        return stage if stage < p else 2 * p - 1 - stage
-    return stage % p
+    return runtime_stage_rank(schedule, p, stage)
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:

@@ -460,14 +460,9 @@ def _assign(module, qual: str, tensor, parameter: bool) -> None:
 def _init_param(name: str, p) -> None:
     """The GPT-2 default for a parameter whose module has no reset_parameters() (as the generated train.py
     does): N(0, 0.02) for matrices, ones for 1-d weights and scales, zeros for other vectors."""
-    import torch.nn as nn
+    from planner.runtime.model import default_init
 
-    if p.dim() >= 2:
-        nn.init.normal_(p, std=0.02)
-    elif name.endswith(("weight", "scale", "gain")):
-        nn.init.ones_(p)
-    else:
-        nn.init.zeros_(p)
+    default_init(name, p)
 
 
 def _fill_buffer(b, bound: int) -> None:

@@ -34,29 +34,11 @@ def symbolic_trace(model):
     The stock tracer looks up every tensor attribute it meets (a rotary table read in each block) by
     walking all of the model's buffers, which is quadratic in depth: minutes for an 80-layer model.
     """
-    import torch
     import torch.fx
 
-    class _Tracer(torch.fx.Tracer):
-        # Buffer reads (a rotary table sliced in forward) become get_attr nodes, not baked constants.
-        proxy_buffer_attributes = True
+    from planner.runtime.stages import BufferTracer  # the generated script traces with the same tracer
 
-        def trace(self, root, concrete_args=None):
-            self._names = {}
-            for n, b in root.named_buffers():
-                self._names.setdefault(id(b), n)
-            for n, p in root.named_parameters():
-                self._names.setdefault(id(p), n)
-            return super().trace(root, concrete_args)
-
-        def create_arg(self, a):
-            if isinstance(a, torch.Tensor):
-                name = self._names.get(id(a))
-                if name is not None:
-                    return self.create_node("get_attr", name, (), {})
-            return super().create_arg(a)
-
-    tracer = _Tracer()
+    tracer = BufferTracer()
     graph = tracer.trace(model)
     return torch.fx.GraphModule(tracer.root, graph, model.__class__.__name__)
 

@@ -281,18 +281,10 @@ def unit_roots(model, container: str | None) -> tuple[list[str], set[str]]:
 
 
 def _node_module_paths(node) -> list[str]:
-    """Module paths (outer to inner) that a graph node executes under."""
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = []
-    for key, val in stack.items():
-        path = val[0] if isinstance(val, tuple) else key
-        if isinstance(path, str):
-            # torch.export records paths like "L['self'].blocks.0" in some versions.
-            path = path.replace("L['self'].", "").replace("L__self__.", "")
-            paths.append(path)
-    if node.op == "call_module" and isinstance(node.target, str) and node.target not in paths:
-        paths.append(node.target)
-    return paths
+    """Module paths (outer to inner) that a graph node executes under (the generated script's rule)."""
+    from planner.runtime.stages import module_paths
+
+    return module_paths(node)
 
 
 def assign_nodes(gm, roots: list[str]) -> dict:
@@ -302,23 +294,16 @@ def assign_nodes(gm, roots: list[str]) -> dict:
     stack; module-less nodes go with the nearest preceding owned node; get_attr nodes go with their first
     user (and are copied into every stage that uses them).
     """
+    from planner.runtime.stages import owner_of
+
     root_set = set(roots)
     owner: dict = {}
     current = None
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        found = None
-        for path in _node_module_paths(node):
-            # match the path itself or the root it lies under
-            parts = path.split(".")
-            for i in range(1, len(parts) + 1):
-                cand = ".".join(parts[:i])
-                if cand in root_set:
-                    found = cand
-                    break
-            if found:
-                break
+        # the path itself or the root it lies under, innermost-first along the stack as the script does
+        found = next((o for o in (owner_of(p, root_set) for p in _node_module_paths(node)) if o), None)
         if found is not None:
             current = found
         owner[node] = current
@@ -898,20 +883,8 @@ def _gemm_dim_of(sub) -> int:
 
 
 def model_input_count(model, available: int) -> int:
-    """How many leading example inputs the model's forward takes (the rest go to the loss only)."""
-    import inspect
+    """How many leading example inputs the model's forward takes (the rest go to the loss only): the
+    generated script's rule."""
+    from planner.runtime.model import input_count
 
-    try:
-        sig = inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        return 1
-    required = 0
-    positional = 0
-    for p in sig.parameters.values():
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            positional += 1
-            if p.default is p.empty:
-                required += 1
-        elif p.kind == p.VAR_POSITIONAL:
-            return available
-    return max(1, min(available, required or positional))
+    return input_count(model, available)

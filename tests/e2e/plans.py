@@ -9,6 +9,7 @@ from pydantic import BaseModel
 
 from planner.model.graph import ModelSource
 from planner.plan import ClusterSummary, MemoryBreakdown, ParallelConfig, Plan, Predicted, StagePlan, TrainingConfig
+from planner.runtime import stage_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_MODELS = ROOT / "sample_models"
@@ -60,9 +61,7 @@ def units(model: str, layers: int) -> list[list[str]]:
 
 def stage_ranks(schedule: str, pp: int, n_stages: int) -> list[int]:
     """Which pp rank runs each stage: a V for zero-bubble (ZBV), round-robin otherwise."""
-    if schedule == "zero-bubble":
-        return [i if i < pp else 2 * pp - 1 - i for i in range(n_stages)]
-    return [i % pp for i in range(n_stages)]
+    return [stage_rank(schedule, pp, i) for i in range(n_stages)]
 
 
 def make_plan(

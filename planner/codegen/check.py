@@ -1,0 +1,20 @@
+"""The plan-time check that the generated script can run the plan: the runtime's own check_plan_runs (meta
+device, one process), its errors turned into PlanError so `planner plan` exits 2 before writing anything."""
+
+from __future__ import annotations
+
+from planner.codegen.render import runtime_objects
+from planner.errors import PlanError
+from planner.plan import Plan
+from planner.runtime.errors import RunError
+
+
+def check_plan_runs(plan: Plan) -> str:
+    """Raise PlanError if the plan's stages, TP decisions or loss cannot run one micro-batch; returns how the
+    script would run it ("module", "fx" or "export")."""
+    from planner.runtime.check import check_plan_runs as runtime_check  # imports torch
+
+    try:
+        return runtime_check(*runtime_objects(plan))
+    except RunError as e:
+        raise PlanError(f"The plan cannot run: {e}") from None

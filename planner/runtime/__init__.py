@@ -1,0 +1,50 @@
+"""What a generated train.py runs: importing only the standard library and torch, so that a plan directory
+(train.py plus its copy of this package, planner_runtime/) trains on a cluster where the planner is not
+installed. The planner imports the same functions for the rules it shares with the script (module
+ownership, stage cutting, stage-to-rank placement, deterministic initialisation).
+
+Modules, by job:
+  layout.py    the validated Layout (degrees, stages, TP plan), ModelFile and Training built from train.py's
+               constants; derived facts as properties
+  model.py     importing the model file, building on meta, materialising a rank's weights, batches
+  stages.py    tracing (torch.fx, torch.export as the fallback) and cutting the graph into stages
+  parallel.py  TP / sequence parallelism, activation checkpointing, FSDP2 / replicate, in torchtitan's order
+  schedule.py  the torch.distributed.pipelining schedule and the last stage's loss
+  loss.py      the default loss
+  loop.py      process group and mesh, the training step, metrics.json
+  tied.py      weights shared by several pipeline stages: a copy per stage, gradients summed over them
+  check.py     the plan-time check: one micro-batch, stage by stage, on the meta device
+  digest.py    the digest train.py checks before importing its copy of this package
+
+What the run does with the models people have:
+- Without a pipeline (pp = 1) and without sequence parallelism the stage is the user's model itself, run
+  as written: any output type, any inputs, TP applied to its own modules. Pipelines (and sequence
+  parallelism) cut a traced graph (torch.fx, else torch.export) at the plan's module boundaries.
+- The model's forward gets as many leading inputs of a micro-batch as it takes (integer / boolean
+  attention masks and position ids included; a pipeline sends them on to the stages that use them); the
+  loss gets all of them.
+- The last stage's output may be a tensor, dict, dataclass, Hugging Face ModelOutput or tuple: the model
+  file's loss_fn receives it as the model returns it; the default loss uses its `loss` if it has one, else
+  its `logits` (next-token cross-entropy for integer token inputs, else the mean). Intermediate stage
+  boundaries carry tuples of tensors (an exported graph's structures are flat there).
+- Buffers updated in forward (batch norm's running statistics) belong to the module that owns them, so
+  each pipeline stage updates its own modules' buffers; under data parallelism they stay per replica
+  (neither averaged nor broadcast), as with DDP's broadcast_buffers=False: every replica normalises with
+  its own micro-batches' statistics, and eval-time statistics are those of replica 0's data.
+- A weight used by two stages (GPT-2's wte / lm_head) lives in both: each copy starts from the value its
+  first holder module gives it, and the copies' gradients are summed over the stages' ranks before the
+  optimizer step (Megatron-LM's embedding group), so they stay equal. Copies on the same pp rank (the
+  first and last stage of a ZBV V) are refused.
+- TP_HEAD_ATTRS: module attributes holding head counts are divided by tp before parallelize_module (as
+  torchtitan does `attn.n_heads //= tp`); only for the model as written, since a traced graph has the
+  counts baked in.
+"""
+
+from __future__ import annotations
+
+# Only the torch-free parts here: the planner reads layout rules and digests without importing torch; the
+# training run is `from planner_runtime.loop import run`.
+from .errors import LayoutError, RunError
+from .layout import Layout, ModelFile, Stage, Training, stage_rank
+
+__all__ = ["Layout", "LayoutError", "ModelFile", "RunError", "Stage", "Training", "stage_rank"]

@@ -1,0 +1,126 @@
+"""The plan-time check: in one process, without a process group, build the model on the meta device, cut it
+into the plan's stages, check that the TP decisions apply, and run forward, loss and backward of one
+micro-batch stage by stage, so that a plan that cannot run fails before anything is written, not on the
+cluster. The checks are the ones the training run makes (the same functions), plus running the stages."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from .errors import RunError
+from .layout import Layout, ModelFile, Training
+from .loop import trace_and_cut, uses_graph
+from .loss import default_loss
+from .model import build_model, input_count, load_model_file, make_batch, materialise
+from .parallel import check_tp
+from .stages import StageModule, fetch, shared_weights, with_structure
+
+SMALL = 50_000_000  # parameters: a model this small is rerun on the CPU when the meta device cannot run it
+
+
+@contextlib.contextmanager
+def _failing_as(what: str) -> Iterator[None]:
+    try:
+        yield
+    except RunError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the user's code is reported with where it happened
+        first = str(e).strip().splitlines()[0][:400] if str(e).strip() else ""
+        raise RunError(
+            f"{what} fails on one micro-batch ({type(e).__name__}: {first}). Fix the model file, or re-plan "
+            "with other pins (e.g. another --pp, or --tp 1)."
+        ) from e
+
+
+def check_plan_runs(layout: Layout, spec: ModelFile, training: Training) -> str:
+    """Raise RunError naming the stage, module or rule if the plan cannot run; else return how it would run
+    ("module": the model as written, or the tracing method of the pipeline's graph)."""
+    user = load_model_file(spec.path)
+    loss_fn: Callable[..., torch.Tensor] = getattr(user, spec.loss_fn) if spec.loss_fn else default_loss
+    example = make_batch(user, spec, layout, training.seed, 0, 0)
+    meta_model = build_model(user, spec, training.seed, everything_on_meta=True)
+    n_inputs = input_count(meta_model, len(example))
+    if layout.tp_enabled:
+        check_tp([meta_model], layout)
+    if not uses_graph(layout):
+        _run_model(user, spec, training, meta_model, example, n_inputs, loss_fn)
+        return "module"
+    with _failing_as("Tracing the model"):
+        gm, pieces, _, method = trace_and_cut(user, spec, layout, training.seed, example, None)
+    for name, users in shared_weights(gm, pieces).items():
+        ranks = [layout.stages[s].pp_rank for s in users]
+        if len(set(ranks)) < len(ranks):
+            raise RunError(
+                f"The weight {name} is used by stages {users}, of which two run on the same pp rank: their "
+                "copies cannot be kept apart there. Re-plan with another schedule or stage split."
+            )
+    meta = torch.device("meta")
+    values: Any = tuple(t.to(meta) for t in example[:n_inputs])
+    for i, stage in enumerate(layout.stages):
+        mine = [p for p in pieces if p.stage == i]
+        what = f"Stage {i} ({', '.join(stage.modules[:3])}{', ...' if len(stage.modules) > 3 else ''})"
+        with _failing_as(what):
+            modules = []
+            for p in mine:
+                targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
+                modules.append(fx.GraphModule({t: fetch(meta_model, gm, t, meta) for t in targets}, p.graph))
+            values = StageModule(modules, [p.owner for p in mine])(*values)
+        if i < len(layout.stages) - 1 and not (
+            isinstance(values, tuple) and all(isinstance(v, torch.Tensor) for v in values)
+        ):
+            raise RunError(f"{what} would send {type(values).__name__} to the next stage; a pipeline sends tensors.")
+    inputs = tuple(t.to(meta) for t in example)
+    with _failing_as(f"The loss ({spec.loss_fn or 'default_loss'}) on the last stage's output"):
+        loss = with_structure(loss_fn, pieces[-1].out_spec)(values, *inputs)
+        _check_loss(loss)
+        loss.backward()
+    return method
+
+
+def _run_model(
+    user: Any,
+    spec: ModelFile,
+    training: Training,
+    meta_model: nn.Module,
+    example: tuple[torch.Tensor, ...],
+    n_inputs: int,
+    loss_fn: Callable[..., torch.Tensor],
+) -> None:
+    """Forward, loss and backward of the model as written: on meta, or on the CPU for a small model that the
+    meta device cannot run (data-dependent code)."""
+    try:
+        meta = tuple(t.to("meta") for t in example)
+        loss = loss_fn(meta_model(*meta[:n_inputs]), *meta)
+        _check_loss(loss)
+        loss.backward()
+        return
+    except RunError:
+        raise
+    except Exception as e:  # noqa: BLE001 - retried for real below when small enough
+        if sum(p.numel() for p in meta_model.parameters()) > SMALL:
+            first = str(e).strip().splitlines()[0][:400] if str(e).strip() else ""
+            raise RunError(
+                f"The model ({type(meta_model).__name__}) with its loss fails on the meta device "
+                f"({type(e).__name__}: {first}), where the planner checks large models. Make forward() free "
+                "of data-dependent Python (.item(), branches on values), or fix the model file."
+            ) from e
+    model = build_model(user, spec, training.seed, everything_on_meta=False)
+    materialise(model, {n for n, _ in model.named_modules()}, torch.device("cpu"), training.seed)
+    with _failing_as(f"The model ({type(model).__name__}) with its loss"):
+        loss = loss_fn(model(*example[:n_inputs]), *example)
+        _check_loss(loss)
+        loss.backward()
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        raise RunError(
+            f"The loss must be a floating-point scalar tensor, got {type(loss).__name__}"
+            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+            + ": return one number per micro-batch from loss_fn."
+        )

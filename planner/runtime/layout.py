@@ -1,0 +1,217 @@
+"""The validated description of one training job, built from the plan's constants in train.py.
+
+Like torchtitan's ParallelDims: the objects check themselves when built, stating the rule, the values and the
+fix, and expose derived facts (world size, which stages a pp rank runs, where a module lives) as properties,
+so the rest of the runtime takes a `Layout` instead of reading globals.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import LayoutError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+RECOMPUTE = ("none", "selective", "full")
+TP_STYLES = ("colwise", "rowwise", "colwise_gather")
+DTYPES = ("fp32", "bf16", "fp16")
+_FIX = "Re-plan (planner plan ...) or correct the constant at the top of train.py."
+
+
+_RANGE = re.compile(r"\{(\d+)-(\d+)\}")
+
+
+def expand_names(name: str) -> list[str]:
+    """The module names a plan constant stands for: "blocks.{0-3}.attn" is blocks.0.attn ... blocks.3.attn
+    (train.py writes runs of numbered blocks this way to stay short); other names stand for themselves."""
+    m = _RANGE.search(name)
+    if m is None:
+        return [name]
+    lo, hi = int(m.group(1)), int(m.group(2))
+    return [n for i in range(lo, hi + 1) for n in expand_names(name[: m.start()] + str(i) + name[m.end() :])]
+
+
+def stage_rank(schedule: str, pp: int, stage: int) -> int:
+    """The pp rank that runs pipeline stage `stage`: in a V for zero-bubble (ZBV: stage s on rank s for s < pp,
+    on rank 2*pp-1-s after), round-robin (s % pp) for every other schedule, as torch's schedules place them."""
+    if schedule != "zero-bubble":
+        return stage % pp
+    return stage if stage < pp else 2 * pp - 1 - stage
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: the pp rank holding it, the modules it owns (qualified names), its recompute."""
+
+    pp_rank: int
+    modules: tuple[str, ...]
+    recompute: str = "none"
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """The user's model file and the names of its functions (the model-file contract)."""
+
+    path: str
+    build_fn: str = "build_model"
+    inputs_fn: str = "example_inputs"
+    loss_fn: str | None = None  # None: default_loss
+    batch_fn: str | None = None  # None: synthetic batches from inputs_fn
+    model_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Training:
+    seed: int = 0
+    lr: float = 1e-3
+    steps: int = 10
+    dtype: str = "bf16"  # bf16 / fp16: mixed precision on GPUs (fp16 without loss scaling); CPU runs use fp32
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise LayoutError(f"DTYPE must be one of {', '.join(DTYPES)}, got {self.dtype!r}. {_FIX}")
+        if self.steps < 0:
+            raise LayoutError(f"STEPS must be 0 or more, got {self.steps}. {_FIX}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees, batch layout, schedule and the stages of a plan. World size = pp * dp * tp."""
+
+    pp: int
+    dp: int
+    tp: int
+    micro_batch_size: int
+    num_micro_batches: int  # per data-parallel replica
+    stages: tuple[Stage, ...]
+    virtual_stages: int = 1  # pipeline stages per pp rank
+    schedule: str = "1f1b"
+    zero_stage: int = 0  # 0: replicate (DDP), 1/2: FSDP2 keeping weights gathered in forward, 3: FSDP2
+    sequence_parallel: bool = False
+    mesh_dims: tuple[str, ...] = ("pp", "dp", "tp")  # outer to inner
+    global_batch_size: int | None = None  # None: dp * num_micro_batches * micro_batch_size
+    tp_plan: dict[str, str] = field(default_factory=dict)  # module -> colwise | rowwise | colwise_gather
+    tp_head_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # module -> head-count attributes
+
+    def __post_init__(self) -> None:
+        # Stages may come as plain lists/tuples from the plan's constants.
+        stages = tuple(s if isinstance(s, Stage) else Stage(s[0], tuple(s[1]), *s[2:]) for s in self.stages)
+        stages = tuple(
+            Stage(s.pp_rank, tuple(n for m in s.modules for n in expand_names(m)), s.recompute) for s in stages
+        )
+        object.__setattr__(self, "stages", stages)
+        object.__setattr__(self, "mesh_dims", tuple(self.mesh_dims))
+        tp_plan = {n: style for name, style in self.tp_plan.items() for n in expand_names(name)}
+        object.__setattr__(self, "tp_plan", tp_plan)
+        heads = {n: tuple(v) for k, v in self.tp_head_attrs.items() for n in expand_names(k)}
+        object.__setattr__(self, "tp_head_attrs", heads)
+        for name in ("pp", "dp", "tp", "virtual_stages", "micro_batch_size", "num_micro_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"{name.upper()} must be a positive integer, got {value!r}. {_FIX}")
+        if sorted(self.mesh_dims) != ["dp", "pp", "tp"]:
+            raise LayoutError(f"MESH_DIMS must order 'pp', 'dp' and 'tp', got {list(self.mesh_dims)}. {_FIX}")
+        if self.schedule not in SCHEDULES:
+            raise LayoutError(f"Unknown schedule {self.schedule!r}: expected one of {', '.join(SCHEDULES)}. {_FIX}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise LayoutError(f"ZERO_STAGE must be 0, 1, 2 or 3, got {self.zero_stage!r}. {_FIX}")
+        if self.pp == 1 and self.virtual_stages != 1:
+            raise LayoutError(
+                f"Without a pipeline (PP = 1) there is one stage: VIRTUAL_STAGES must be 1, got "
+                f"{self.virtual_stages}. {_FIX}"
+            )
+        if self.global_batch_size is not None and self.global_batch_size != self.samples_per_step:
+            raise LayoutError(
+                f"GLOBAL_BATCH_SIZE ({self.global_batch_size}) must equal DP ({self.dp}) x NUM_MICRO_BATCHES "
+                f"({self.num_micro_batches}) x MICRO_BATCH_SIZE ({self.micro_batch_size}) = "
+                f"{self.samples_per_step}. {_FIX}"
+            )
+        if len(self.stages) != self.num_stages:
+            raise LayoutError(
+                f"The plan has {len(self.stages)} stage(s), but PP ({self.pp}) x VIRTUAL_STAGES "
+                f"({self.virtual_stages}) = {self.num_stages}. {_FIX}"
+            )
+        seen: dict[str, int] = {}
+        for i, stage in enumerate(self.stages):
+            if not stage.modules:
+                raise LayoutError(f"Stage {i} owns no modules: every stage needs at least one. {_FIX}")
+            if stage.recompute not in RECOMPUTE:
+                raise LayoutError(
+                    f"Stage {i} has recompute {stage.recompute!r}: expected one of {', '.join(RECOMPUTE)}. {_FIX}"
+                )
+            want = stage_rank(self.schedule, self.pp, i)
+            if stage.pp_rank != want:
+                raise LayoutError(
+                    f"Stage {i} is on pp rank {stage.pp_rank}, but schedule {self.schedule} runs it on pp rank "
+                    f"{want}. {_FIX}"
+                )
+            for m in stage.modules:
+                if m in seen:
+                    raise LayoutError(f"Module {m!r} is in stages {seen[m]} and {i}: a module has one owner. {_FIX}")
+                seen[m] = i
+        for name, style in self.tp_plan.items():
+            if style not in TP_STYLES:
+                raise LayoutError(
+                    f"TP_PLAN gives {name} the style {style!r}: expected one of {', '.join(TP_STYLES)}. {_FIX}"
+                )
+
+    # Derived facts.
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.dp * self.num_micro_batches * self.micro_batch_size
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def sp_enabled(self) -> bool:
+        """Sequence parallelism runs only with tensor parallelism."""
+        return self.sequence_parallel and self.tp > 1
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.sizes[d] for d in self.mesh_dims)
+
+    @property
+    def stage_of_module(self) -> dict[str, int]:
+        """Module name -> the index of the stage that owns it."""
+        return {m: i for i, s in enumerate(self.stages) for m in s.modules}
+
+    def stages_on(self, pp_rank: int) -> list[int]:
+        """The stage indices pp rank `pp_rank` runs, in pipeline order."""
+        return [i for i, s in enumerate(self.stages) if s.pp_rank == pp_rank]
+
+    def describe(self) -> dict[str, Any]:
+        """The layout as metrics.json records it."""
+        return {
+            "world_size": self.world_size,
+            "pp": self.pp,
+            "dp": self.dp,
+            "tp": self.tp,
+            "virtual_stages": self.virtual_stages,
+            "schedule": self.schedule,
+            "zero_stage": self.zero_stage,
+            "sequence_parallel": self.sequence_parallel,
+            "micro_batch_size": self.micro_batch_size,
+            "num_micro_batches": self.num_micro_batches,
+            "global_batch_size": self.samples_per_step,
+        }

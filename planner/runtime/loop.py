@@ -1,0 +1,375 @@
+"""The training run: process group and device mesh, building and parallelising this rank's stages, the step
+(gradient accumulation, or a pipeline schedule), and metrics.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from .errors import RunError
+from .layout import Layout, ModelFile, Training
+from .loss import default_loss
+from .model import build_model, input_count, load_model_file, make_batch, materialise
+from .parallel import parallelize, plan_sequence_parallel
+from .schedule import MicroBatchLoss, build_schedule
+from .stages import (
+    ModelStage,
+    Piece,
+    build_local_stages,
+    cut_into_pieces,
+    shared_weights,
+    trace,
+    with_structure,
+)
+from .tied import TiedWeights
+
+# FSDP2 warns when a stage returns a view (e.g. gathered logits), in case the caller modifies it in place;
+# the pipeline schedule and the loss only read stage outputs.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+def log0(message: str) -> None:
+    """Print on global rank 0 only."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(layout: Layout, device_arg: str, script: str) -> tuple[torch.device, DeviceMesh]:
+    """Join the process group (NCCL on GPUs, Gloo on CPU) and lay the ranks out as a (pp, dp, tp) mesh."""
+    world = layout.world_size
+    if "RANK" not in os.environ:
+        # Started as `python train.py`: fine for a one-process plan, which then needs no launcher.
+        if world != 1:
+            raise RunError(
+                f"This plan runs on {world} processes: start it with launch.sh, or "
+                f"`torchrun --standalone --nproc-per-node={world} {script}`."
+            )
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
+    use_cuda = device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise RunError("--device cuda was given but no GPU is visible; use --device cpu.")
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    if dist.get_world_size() != world:
+        raise RunError(
+            f"This plan needs exactly {world} processes (pp {layout.pp} x dp {layout.dp} x tp {layout.tp}) but "
+            f"{dist.get_world_size()} were started. Use launch.sh or re-plan for this world size."
+        )
+    # Size-1 dimensions are kept: every rank then has the same three coordinates and groups, and a
+    # collective over one rank costs nothing.
+    mesh = init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=layout.mesh_dims)
+    return device, mesh
+
+
+def grad_norm(
+    params: list[nn.Parameter],
+    layout: Layout,
+    pp_group: dist.ProcessGroup,
+    device: torch.device,
+    skip: set[int] | None = None,
+) -> torch.Tensor:
+    """L2 norm of the whole model's gradient (all stages, all shards): what gradient clipping would see.
+
+    Sharded gradients (DTensors) are reduced over their mesh; stages add up over the pp ranks. `skip`: ids
+    of parameters counted elsewhere (the later copies of a tied weight).
+    """
+    by_layout: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None and id(p) not in (skip or ()):
+            g = p.grad
+            key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else None
+            by_layout.setdefault(key, []).append(g)
+    total = torch.zeros((), device=device)
+    for grads in by_layout.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total += norm.float() ** 2
+    if layout.pp_enabled:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write to a temporary file, then rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def parse_args(argv: Sequence[str] | None, description: str, steps: int, metrics: Path) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
+    parser.add_argument(
+        "--metrics",
+        type=Path,
+        default=metrics,
+        help="where the last stage writes per-step loss, time and memory (default: next to this script)",
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    return parser.parse_args(argv)
+
+
+def uses_graph(layout: Layout) -> bool:
+    """Whether the run cuts a traced graph: for pipeline stages, or to rewrite it for sequence parallelism.
+    Otherwise the one stage is the user's model itself (ModelStage), as written."""
+    return layout.pp_enabled or layout.sp_enabled
+
+
+def trace_and_cut(
+    user: Any,
+    spec: ModelFile,
+    layout: Layout,
+    seed: int,
+    example: tuple[torch.Tensor, ...],
+    tp_mesh: DeviceMesh | None,
+    log: Callable[[str], None] = lambda _: None,
+) -> tuple[fx.GraphModule, list[Piece], dict[str, ParallelStyle], str]:
+    """Trace the model on the meta device and cut it into pieces, each in one stage (the same on every
+    rank: every rank cuts the whole model, then builds only its own stages)."""
+    meta_model = build_model(user, spec, seed, everything_on_meta=True)
+    inputs = tuple(t.to("meta") for t in example[: input_count(meta_model, len(example))])
+    meta_input = inputs[0]
+    gm, values, method = trace(meta_model, inputs, log)
+    if layout.tp_enabled and layout.tp_head_attrs:
+        raise RunError(
+            "TP_HEAD_ATTRS changes head counts the model reads in forward, which a traced pipeline stage has "
+            "already baked into its graph: re-plan with pp=1 (or tp=1), or reshape heads with -1 in the model."
+        )
+    if layout.tp_enabled and method != "fx":
+        raise RunError(
+            "Tensor parallelism needs the model's Linear modules in the graph, but only torch.export could "
+            "trace it. Make the model traceable by torch.fx (no Python branches on tensors) or re-plan "
+            "with tp=1."
+        )
+    if method == "fx":
+        known = {n for n, _ in gm.named_modules()} | {n for n, _ in gm.named_parameters()}
+        unknown = [m for s in layout.stages for m in s.modules if m not in known]
+        unknown += [n for n in layout.tp_plan if n not in known]
+        if unknown:
+            raise RunError(f"The plan names modules the model lacks: {unknown[:5]}. Re-plan the model.")
+    sp_styles: dict[str, ParallelStyle] = {}
+    if layout.sp_enabled and tp_mesh is not None:
+        seq_len = meta_input.shape[1] if meta_input.dim() >= 2 else 0
+        if not seq_len or seq_len % layout.tp:
+            raise RunError(
+                f"Sequence parallelism splits the sequence (length {seq_len}) over tp={layout.tp}: it must "
+                "divide. Re-plan with sequence parallelism off or a tp degree that divides the sequence."
+            )
+        sp_styles = plan_sequence_parallel(gm, values, seq_len, tp_mesh, layout.tp_plan)
+    return gm, cut_into_pieces(gm, values, layout), sp_styles, method
+
+
+def accumulate(
+    stage: nn.Module,
+    layout: Layout,
+    batches: list[tuple[torch.Tensor, ...]],
+    loss_fn: Callable[..., torch.Tensor],
+    n_inputs: int = 1,
+) -> torch.Tensor:
+    """One step without a pipeline: gradient accumulation over the micro-batches, each loss scaled by
+    1/NUM_MICRO_BATCHES (the sum a pipeline schedule makes too). Returns the mean micro-batch loss."""
+    n = layout.num_micro_batches
+    total = torch.zeros((), device=batches[0][0].device)
+    for i, batch in enumerate(batches):
+        # Gradients are reduced across dp once, after the last micro-batch.
+        stage.set_requires_gradient_sync(i == n - 1)
+        mb_loss = loss_fn(stage(*batch[:n_inputs]), *batch)
+        (mb_loss / n).backward()
+        total += mb_loss.detach().float()
+    return total / n
+
+
+def pipeline_step(
+    schedule: Any,
+    layout: Layout,
+    loss: MicroBatchLoss,
+    batches: list[tuple[torch.Tensor, ...]],
+    has_first: bool,
+    has_last: bool,
+    n_inputs: int = 1,
+) -> torch.Tensor | None:
+    """One step through the pipeline schedule; the mean micro-batch loss on the last stage's ranks."""
+    loss.batches = batches
+    losses: list[torch.Tensor] = []
+    inputs = tuple(torch.cat([b[j] for b in batches]) for j in range(n_inputs)) if has_first else ()
+    # The micro-batch numbers as the target, see MicroBatchLoss.
+    target = torch.arange(layout.num_micro_batches) if has_last else None
+    schedule.step(*inputs, target=target, losses=losses if has_last else None, return_outputs=False)
+    return torch.stack([x.detach().float() for x in losses]).mean() if has_last else None
+
+
+def run(
+    layout: Layout,
+    spec: ModelFile,
+    training: Training,
+    script: str | Path,
+    argv: Sequence[str] | None = None,
+    description: str = "Train the planned model.",
+) -> None:
+    """Train as the plan says; `script` is the train.py path (metrics.json goes next to it by default)."""
+    script = Path(script).resolve()
+    args = parse_args(argv, description, training.steps, script.with_name("metrics.json"))
+    device, mesh = init_distributed(layout, args.device, script.name)
+    pp_rank, dp_rank, tp_rank = (mesh[d].get_local_rank() for d in ("pp", "dp", "tp"))
+    torch.manual_seed(training.seed)
+    user = load_model_file(spec.path)
+    loss_fn = getattr(user, spec.loss_fn) if spec.loss_fn else default_loss
+    example = make_batch(user, spec, layout, training.seed, 0, 0)
+
+    # 1. Trace and cut (pipelines, sequence parallelism) or take the model as it is; 2. build this rank's
+    # stages; 3. parallelise each: TP, checkpointing, FSDP/replicate.
+    local = layout.stages_on(pp_rank)
+    stages: list[nn.Module]
+    tied = None
+    sp_styles: dict[str, ParallelStyle] = {}
+    if uses_graph(layout):
+        gm, pieces, sp_styles, method = trace_and_cut(
+            user, spec, layout, training.seed, example, mesh["tp"] if layout.tp_enabled else None, log0
+        )
+        built, model = build_local_stages(user, spec, training.seed, gm, pieces, local, device)
+        stages = list(built)
+        loss_fn = with_structure(loss_fn, pieces[-1].out_spec)
+        tied = TiedWeights(shared_weights(gm, pieces), layout, mesh, model, stages, local)
+    else:
+        model = build_model(user, spec, training.seed, everything_on_meta=False)
+        materialise(model, {n for n, _ in model.named_modules()}, device, training.seed)
+        stages, method = [ModelStage(model, list(layout.stages[0].modules))], "module"
+    n_inputs = input_count(model, len(example))
+    for i, stage in zip(local, stages, strict=True):
+        parallelize(stage, mesh, layout, layout.stages[i].recompute, device, sp_styles, training.dtype)
+    params = [p for stage in stages for p in stage.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=training.lr)
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+    how = "the model as written" if method == "module" else f"traced with {method}"
+    log0(
+        f"{how}; {layout.num_stages} stage(s), pp {layout.pp} x dp {layout.dp} x tp {layout.tp}, "
+        f"schedule {layout.schedule}, ZeRO {layout.zero_stage}; rank 0 holds {held:,} parameter values"
+    )
+
+    # 4. The pipeline (PP > 1): one PipelineStage per local stage, all in one schedule.
+    loss = MicroBatchLoss(loss_fn)
+    schedule = None
+    if layout.pp_enabled:
+        pipeline = [
+            PipelineStage(stage, i, layout.num_stages, device, group=mesh["pp"].get_group())
+            for i, stage in zip(local, stages, strict=True)
+        ]
+        schedule = build_schedule(layout, pipeline, loss)
+    has_first, has_last = 0 in local, layout.num_stages - 1 in local
+    reports = has_last and dp_rank == 0 and tp_rank == 0
+    is_tokens = not example[0].is_floating_point()
+    n = layout.num_micro_batches
+    tokens_per_step = layout.dp * n * example[0].numel() if is_tokens else None
+
+    # 5. Train.
+    history = []
+    for step in range(args.steps):
+        start = time.perf_counter()
+        first = dp_rank * n
+        batches = [
+            tuple(t.to(device) for t in make_batch(user, spec, layout, training.seed, step, first + i))
+            for i in range(n)
+        ]
+        if schedule is None:
+            step_loss = accumulate(stages[0], layout, batches, loss_fn, n_inputs)
+        else:
+            step_loss = pipeline_step(schedule, layout, loss, batches, has_first, has_last, n_inputs)
+        if tied is not None:
+            tied.sum_gradients()
+        norm = grad_norm(params, layout, mesh["pp"].get_group(), device, tied.later_copies() if tied else None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step_loss is not None:
+            # The step's loss is the mean over the global batch: average the replicas' means.
+            dist.all_reduce(step_loss, group=mesh["dp"].get_group())
+            step_loss = step_loss / layout.dp
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        if reports:
+            record = {"step": step + 1, "loss": step_loss.item(), "grad_norm": norm.item()}
+            record["step_time_s"] = elapsed
+            line = f"step {step + 1:>5}  loss {record['loss']:.6f}  grad norm {record['grad_norm']:.4f}"
+            line += f"  {elapsed:.3f}s"
+            if tokens_per_step:
+                record["tokens_per_s"] = tokens_per_step / elapsed
+                line += f"  {record['tokens_per_s']:,.0f} tokens/s"
+            history.append(record)
+            print(line, flush=True)
+
+    # 6. Metrics: every rank's peak memory, gathered to the reporting rank, which writes the file.
+    rank_info = {
+        "rank": dist.get_rank(),
+        "pp": pp_rank,
+        "dp": dp_rank,
+        "tp": tp_rank,
+        "stages": local,
+        "peak_memory_bytes": peak_memory_bytes(device),
+    }
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rank_info)
+    if reports:
+        write_metrics(args.metrics, layout, history, everyone, device, method)
+    # Every rank reaches the end before any tears its groups down.
+    dist.barrier()
+    if dist.get_backend() == "gloo":
+        # gloo's teardown of DeviceMesh sub-groups can abort the process ("terminate called without an
+        # active exception") after a finished run; everything is written, so leave without destructors.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    dist.destroy_process_group()
+
+
+def write_metrics(
+    path: Path, layout: Layout, history: list[dict], ranks: list[dict], device: torch.device, method: str
+) -> None:
+    """metrics.json: the layout, every rank's peak memory, and per step loss, gradient norm and speed."""
+    write_json(
+        path,
+        {
+            "layout": {**layout.describe(), "device": device.type, "trace_method": method},
+            "memory_kind": "cuda_max_memory_allocated" if device.type == "cuda" else "cpu_max_rss",
+            "ranks": ranks,
+            "steps": history,
+        },
+    )

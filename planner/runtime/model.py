@@ -1,0 +1,187 @@
+"""The user's model file: importing it, building the model without allocating it, materialising a rank's
+share of the weights with initial values that depend only on (seed, module name), and the batches."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import RunError
+from .layout import Layout, ModelFile
+
+
+def load_model_file(path: str) -> Any:
+    """Import the user's model file as a module (its directory joins sys.path for its own imports)."""
+    file = Path(path)
+    if not file.is_file():
+        raise RunError(f"Model file {file} not found: re-plan, or edit MODEL_FILE at the top of train.py.")
+    if str(file.parent) not in sys.path:
+        sys.path.insert(0, str(file.parent))
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    if spec is None or spec.loader is None:
+        raise RunError(f"Cannot import {file} as a Python module: pass a .py file.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def accepts(fn: Callable, name: str) -> bool:
+    """Whether `fn` takes a keyword argument `name` (explicitly or through **kwargs)."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def input_count(model: nn.Module, available: int) -> int:
+    """How many leading inputs of a micro-batch the model's forward takes (all of them go to the loss)."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return 1
+    required = 0
+    positional = 0
+    for p in sig.parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            positional += 1
+            if p.default is p.empty:
+                required += 1
+        elif p.kind == p.VAR_POSITIONAL:
+            return available
+    return max(1, min(available, required or positional))
+
+
+def derived_seed(seed: int, *parts: object) -> int:
+    """A 63-bit seed from `seed` and `parts`: the same on every rank and for every layout."""
+    digest = hashlib.sha256("/".join(str(p) for p in (seed, *parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def make_batch(
+    user: Any, spec: ModelFile, layout: Layout, seed: int, step: int, index: int
+) -> tuple[torch.Tensor, ...]:
+    """Micro-batch `index` (0 .. DP * NUM_MICRO_BATCHES - 1, over the global batch) of step `step`.
+
+    It depends only on (seed, step, index), so every layout trains on the same data: dp rank r takes
+    micro-batches r * NUM_MICRO_BATCHES ... (r + 1) * NUM_MICRO_BATCHES - 1.
+    """
+    mb_seed = derived_seed(seed, "batch", step, index)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(mb_seed)
+        if spec.batch_fn is not None:
+            fn = getattr(user, spec.batch_fn)
+            kwargs = dict(spec.model_args)
+            if accepts(fn, "micro_batch"):
+                kwargs["micro_batch"] = index
+            batch = fn(step, layout.micro_batch_size, **kwargs)
+        else:
+            fn = getattr(user, spec.inputs_fn)
+            kwargs = {**spec.model_args, "seed": mb_seed} if accepts(fn, "seed") else dict(spec.model_args)
+            batch = fn(layout.micro_batch_size, **kwargs)
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Create every parameter on the meta device while buffers keep their real values.
+
+    reset_parameters() re-creates parameters but not buffers (causal masks, rotary tables), so buffers are
+    computed for real while parameters cost nothing until materialise() allocates this rank's share.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def build_model(user: Any, spec: ModelFile, seed: int, everything_on_meta: bool) -> nn.Module:
+    """The user's model: all on meta (for tracing), or parameters on meta and buffers real (for weights)."""
+    torch.manual_seed(seed)  # a constructor that draws random numbers draws the same ones on every rank
+    build = getattr(user, spec.build_fn)
+    with torch.device("meta") if everything_on_meta else parameters_on_meta():
+        model = build(**spec.model_args)
+    if not isinstance(model, nn.Module):
+        raise RunError(f"{spec.build_fn}() returned {type(model).__name__}, not a torch.nn.Module: return the model.")
+    return model.train()
+
+
+def default_init(name: str, p: torch.Tensor) -> None:
+    """The GPT-2 default for a parameter whose module has no reset_parameters(): N(0, 0.02) for matrices,
+    ones for 1-d weights/scales/gains, zeros for other vectors (biases)."""
+    if p.dim() >= 2:
+        nn.init.normal_(p, std=0.02)
+    elif name.endswith(("weight", "scale", "gain")):
+        nn.init.ones_(p)
+    else:
+        nn.init.zeros_(p)
+
+
+def materialise(model: nn.Module, module_names: set[str], device: torch.device, seed: int) -> None:
+    """Allocate and initialise the parameters of `module_names` on `device`; the rest stays on meta.
+
+    Each module's reset_parameters() runs under a seed derived from (seed, its qualified name), so a
+    weight's initial value is the same whichever rank holds it, for every layout. Parents run before their
+    children while the children are still on meta, so a parent's reset never sees (or draws numbers for)
+    children, and each child's own reset_parameters() has the last word over its weights. Parameters of a
+    module without reset_parameters() get default_init().
+
+    A weight held by several modules (tied: GPT-2's wte and lm_head) takes the value its first holder (in
+    named_modules order) gives it, and later holders' resets leave it alone: every rank holding a copy (the
+    first and the last pipeline stage) then starts from the same values.
+    """
+    cuda = [device] if device.type == "cuda" else []
+    first_holder: dict[int, str] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            first_holder.setdefault(id(p), name)
+    wanted = set(module_names)
+    for name, module in model.named_modules():
+        if name in module_names:
+            wanted.update(first_holder[id(p)] for p in module.parameters(recurse=False))
+    allocated: dict[int, nn.Parameter] = {}  # id of the meta parameter -> its tensor (tied weights share one)
+    for name, module in model.named_modules():
+        if name not in wanted:
+            continue
+        params = dict(module.named_parameters(recurse=False))
+        buffers = dict(module.named_buffers(recurse=False))
+        if not params and not buffers:
+            continue
+        # Like to_empty(recurse=False), but buffers keep the values their constructor computed.
+        for pname, p in params.items():
+            if id(p) not in allocated:
+                empty = torch.empty_like(p, device=device)
+                allocated[id(p)] = nn.Parameter(empty, requires_grad=p.requires_grad)
+            module._parameters[pname] = allocated[id(p)]
+        for bname, b in buffers.items():
+            module._buffers[bname] = b.to(device)
+        tied = {
+            pname: module._parameters[pname].detach().clone() for pname, p in params.items()
+            if first_holder[id(p)] != name
+        }
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            torch.manual_seed(derived_seed(seed, "init", name))
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            else:
+                for pname, p in module.named_parameters(recurse=False):
+                    if pname not in tied:
+                        default_init(pname, p)
+            for pname, value in tied.items():
+                module._parameters[pname].copy_(value)

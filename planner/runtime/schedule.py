@@ -1,0 +1,49 @@
+"""The pipeline schedule: torch.distributed.pipelining's schedule object for the plan's schedule name, and the
+loss it calls on the last stage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+from .layout import Layout
+
+# Schedule name -> (torch class, whether it runs several stages per rank).
+SCHEDULE_CLASSES: dict[str, tuple[type, bool]] = {
+    "gpipe": (ScheduleGPipe, False),
+    "1f1b": (Schedule1F1B, False),
+    "interleaved-1f1b": (ScheduleInterleaved1F1B, True),
+    "zero-bubble": (ScheduleZBVZeroBubble, True),
+}
+
+
+class MicroBatchLoss:
+    """The loss a pipeline schedule calls on the last stage.
+
+    A schedule hands the loss one chunk of `target` per micro-batch; we make the target the micro-batch
+    numbers (0 .. NUM_MICRO_BATCHES - 1), so the user's loss sees all inputs of that micro-batch.
+    """
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor]) -> None:
+        self.loss_fn = loss_fn
+        self.batches: list[tuple[torch.Tensor, ...]] = []
+
+    def __call__(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, *self.batches[int(index)])
+
+
+def build_schedule(layout: Layout, stages: list[PipelineStage], loss: MicroBatchLoss) -> Any:
+    """The schedule object running this rank's `stages` (one, or several for the multi-stage schedules)."""
+    if layout.schedule not in SCHEDULE_CLASSES:
+        raise ValueError(f"Unknown schedule {layout.schedule!r}: expected one of {', '.join(SCHEDULE_CLASSES)}.")
+    cls, multi = SCHEDULE_CLASSES[layout.schedule]
+    return cls(stages if multi else stages[0], layout.num_micro_batches, loss_fn=loss)

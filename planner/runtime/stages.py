@@ -1,0 +1,444 @@
+"""Tracing the model on the meta device and cutting the graph into the plan's pipeline stages.
+
+Every rank traces and cuts the whole model the same way, then builds only its own stages. A graph node
+belongs to the stage owning the outermost planned module on its module stack (module_paths / owner_of: the
+same rule the planner uses to group units); each stage keeps its modules under their original names, so the
+plan's TP names apply to them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from .errors import RunError
+from .layout import Layout, ModelFile
+from .model import build_model, materialise
+
+
+class ValueRecorder(fx.Interpreter):
+    """Runs a graph on meta tensors and keeps what each node produced (shapes, and tensor or not)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.values: dict[fx.Node, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.values[n] = result = super().run_node(n)
+        return result
+
+
+class BufferTracer(fx.Tracer):
+    """torch.fx's tracer, recording buffers as get_attr nodes like parameters (by default a buffer's value
+    would be frozen into the graph as a constant: here, a meta tensor with no data), with a tensor-name cache.
+
+    The stock tracer looks up every tensor attribute it meets (a rotary table read in each block) by walking
+    all of the model's parameters and buffers, which is quadratic in depth: minutes for an 80-layer model.
+    """
+
+    proxy_buffer_attributes = True
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        self._names: dict[int, str] = {}
+        if isinstance(root, nn.Module):
+            for n, b in root.named_buffers():
+                self._names.setdefault(id(b), n)
+            for n, p in root.named_parameters():
+                self._names.setdefault(id(p), n)
+        return super().trace(root, concrete_args)
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            name = self._names.get(id(a))
+            if name is not None:
+                return self.create_node("get_attr", name, (), {})
+        return super().create_arg(a)
+
+
+def bind_defaults(gm: fx.GraphModule, n_inputs: int) -> None:
+    """Replace the placeholders after the first `n_inputs` (forward's optional arguments) by their defaults."""
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder"][n_inputs:]:
+        if not node.args:
+            raise RunError(
+                f"The model's forward() takes an input `{node.target}` without a default beyond the "
+                f"{n_inputs} that example_inputs() provides: return it from example_inputs() too."
+            )
+        default = node.args[0]
+
+        def bind(a: fx.Node, node: fx.Node = node, default: Any = default) -> Any:
+            return default if a is node else a
+
+        for user in list(node.users):
+            user.args = fx.map_arg(user.args, bind)
+            user.kwargs = fx.map_arg(user.kwargs, bind)
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def trace(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], log: Callable[[str], None] = lambda _: None
+) -> tuple[fx.GraphModule, dict[fx.Node, Any], str]:
+    """Symbolic trace of forward(*inputs) (keeps module calls, so TP plan names apply); torch.export if that
+    fails. Returns the graph, each node's value on the meta inputs, and the method ("fx" or "export")."""
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    try:
+        forward_params = list(inspect.signature(model.forward).parameters.values())[len(inputs) :]
+        concrete = {p.name: p.default for p in forward_params if p.default is not inspect.Parameter.empty}
+        gm = fx.GraphModule(model, BufferTracer().trace(model, concrete or None), type(model).__name__)
+        bind_defaults(gm, len(inputs))
+        method = "fx"
+        recorder = ValueRecorder(gm)
+        recorder.run(*inputs)  # a symbolic trace can succeed yet bake in a wrong shape path
+    except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
+        log(f"torch.fx symbolic tracing failed ({type(e).__name__}: {e}); using torch.export")
+        gm = torch.export.export(model, tuple(inputs), strict=False).module()
+        method = "export"
+        recorder = ValueRecorder(gm)
+        recorder.run(*inputs)
+    return gm, recorder.values, method
+
+
+def module_paths(node: fx.Node) -> list[str]:
+    """Qualified names of the modules a node runs inside, outer to inner."""
+    paths = []
+    for key, val in (node.meta.get("nn_module_stack") or {}).items():
+        path = val[0] if isinstance(val, tuple) else key
+        if isinstance(path, str):
+            paths.append(path.replace("L['self'].", "").replace("L__self__.", ""))
+    if node.op == "call_module" and node.target not in paths:
+        paths.append(str(node.target))
+    return paths
+
+
+def owner_of(path: str, stage_of_module: dict[str, int]) -> str | None:
+    """The outermost module of the plan's stages that `path` is or lies under."""
+    parts = path.split(".")
+    for i in range(1, len(parts) + 1):
+        name = ".".join(parts[:i])
+        if name in stage_of_module:
+            return name
+    return None
+
+
+def contains_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(contains_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(contains_tensor(v) for v in value.values())
+    return False
+
+
+class Piece:
+    """A run of consecutive graph nodes owned by one module of one stage, cut out as its own graph."""
+
+    def __init__(self, stage: int, owner: str | None, graph: fx.Graph, out_spec: Any = None) -> None:
+        self.stage = stage
+        self.owner = owner  # None: code outside any module (e.g. torch.arange for positions)
+        self.graph = graph
+        self.out_spec = out_spec  # the last piece of an exported graph: the structure of the model's output
+
+
+def cut_into_pieces(gm: fx.GraphModule, values: dict[fx.Node, Any], layout: Layout) -> list[Piece]:
+    """Assign every node to a stage and cut the graph into pieces that each take what the previous returns.
+
+    A node belongs to the stage owning the outermost module on its module stack; nodes outside any module
+    go with the nearest preceding module's node (before any module: stage 0). get_attr nodes (weights,
+    buffers) and nodes producing no tensor (shapes, devices) are not sent between pieces: they are
+    recomputed in each piece that uses them. A value needed later is returned by every piece in between,
+    since a pipeline stage only receives what the stage before it sends.
+
+    (torch.fx.passes.split_module is not used: it passes tensor attributes into submodules as inputs and
+    renames modules, while each stage must own its weights under their original names so that the TP plan's
+    names apply, and must forward values that later stages need.)
+    """
+    stage_of_module = layout.stage_of_module
+    # Nodes that are computed where they are used instead of being passed along.
+    recomputed = {
+        n
+        for n in gm.graph.nodes
+        if n.op == "get_attr"
+        or (n.op in ("call_function", "call_method") and not contains_tensor(values.get(n)))
+    }
+    key_of: dict[fx.Node, tuple[int, str | None]] = {}
+    current: tuple[int, str | None] = (0, None)
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output") or node in recomputed:
+            continue
+        if node.op == "call_module" and not node.users and not has_module(gm, node.target):
+            continue  # torch.export's input guards (_guards_fn): checks, no computation
+        owner = next(
+            (o for o in (owner_of(p, stage_of_module) for p in module_paths(node)) if o is not None), None
+        )
+        if owner is not None:
+            current = (stage_of_module[owner], owner)
+        inputs = [key_of[a][0] for a in node.all_input_nodes if a in key_of]
+        if inputs and max(inputs) > current[0]:
+            raise RunError(
+                f"Graph node {node.name} ({owner or 'outside any module'}) is in stage {current[0]} but uses "
+                f"a value computed in stage {max(inputs)}: the plan's stages must follow the model's execution order. "
+                "Re-plan the model."
+            )
+        key_of[node] = current
+
+    # Pieces: maximal runs of nodes with the same (stage, owner).
+    keys: list[tuple[int, str | None]] = []
+    piece_of: dict[fx.Node, int] = {}
+    for node, key in key_of.items():
+        if not keys or keys[-1] != key:
+            if keys and key[0] < keys[-1][0]:
+                raise RunError(
+                    f"{key[1]} (stage {key[0]}) runs after {keys[-1][1]} (stage {keys[-1][0]}): the plan's stages must "
+                    "follow the model's execution order. Re-plan the model."
+                )
+            keys.append(key)
+        piece_of[node] = len(keys) - 1
+    last = len(keys) - 1
+    missing = set(range(layout.num_stages)) - {k[0] for k in keys}
+    if missing:
+        raise RunError(f"Stages {sorted(missing)} run no part of the model; re-plan with fewer stages.")
+
+    needed_memo: dict[fx.Node, set[int]] = {}
+
+    def needed(node: fx.Node) -> set[int]:
+        """The pieces that use `node`'s value (directly, or through a node recomputed there)."""
+        if node not in needed_memo:
+            where: set[int] = set()
+            for user in node.users:
+                if user.op == "output":
+                    where.add(last)
+                elif user in piece_of:
+                    where.add(piece_of[user])
+                elif user in recomputed:
+                    where |= needed(user)
+            needed_memo[node] = where
+        return needed_memo[node]
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    produced = {n: -1 for n in placeholders} | piece_of
+    order = [n for n in gm.graph.nodes if n in produced]
+
+    def live_into(k: int) -> list[fx.Node]:
+        """Values piece k receives: made before it and still needed by it or a later piece."""
+        if k == 0:
+            return placeholders
+        return [v for v in order if produced[v] < k <= max(needed(v), default=-1)]
+
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    model_output = output_node.args[0]
+    # torch.export flattens the output (a dict, dataclass, ModelOutput, tuple) into a tuple of leaves: the
+    # last stage returns the leaves and StageModule rebuilds the structure for the loss.
+    spec = getattr(gm, "_out_spec", None)
+    if spec is not None and spec.is_leaf():
+        (model_output,) = model_output
+        spec = None
+    pieces = []
+    for k, (stage, owner) in enumerate(keys):
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for v in live_into(k):
+            if k > 0 and keys[k - 1][0] != stage and not isinstance(values.get(v), torch.Tensor):
+                raise RunError(
+                    f"{v.name} ({type(values.get(v)).__name__}) would cross from stage {keys[k - 1][0]} to "
+                    f"stage {stage}, but a pipeline can only send tensors. Move the stage boundary."
+                )
+            env[v] = graph.placeholder(v.name)
+
+        def value(n: fx.Node, graph: fx.Graph = graph, env: dict = env) -> fx.Node:
+            if n not in env:
+                if n not in recomputed:
+                    raise RuntimeError(f"internal error: {n.name} is not forwarded to this piece")
+                env[n] = graph.node_copy(n, value)
+            return env[n]
+
+        for node, p in piece_of.items():
+            if p == k:
+                env[node] = graph.node_copy(node, value)
+        if k < last:
+            graph.output(tuple(value(v) for v in live_into(k + 1)))
+        else:
+            graph.output(fx.map_arg(model_output, value))
+        pieces.append(Piece(stage, owner, graph, spec if k == last else None))
+    return pieces
+
+
+def shared_weights(gm: fx.GraphModule, pieces: list[Piece]) -> dict[str, list[int]]:
+    """Weights used by more than one stage (tied embeddings: GPT-2's wte and lm_head), by name -> the stages
+    using them. Each of those stages keeps a copy with the same initial values, and the copies' gradients
+    are summed over the stages' ranks before the optimizer step (Megatron-LM's embedding group)."""
+    stages_of: dict[int, set[int]] = {}
+    name_of: dict[int, str] = {}
+    for piece in pieces:
+        for node in piece.graph.nodes:
+            if node.op == "call_module":
+                found = list(gm.get_submodule(node.target).named_parameters(prefix=node.target))
+            elif node.op == "get_attr":
+                obj = gm
+                for part in node.target.split("."):
+                    obj = getattr(obj, part)
+                found = [(node.target, obj)] if isinstance(obj, nn.Parameter) else []
+            else:
+                continue
+            for name, param in found:
+                stages_of.setdefault(id(param), set()).add(piece.stage)
+                name_of.setdefault(id(param), name)
+    return {name_of[k]: sorted(v) for k, v in stages_of.items() if len(v) > 1}
+
+
+def has_module(root: nn.Module, name: str) -> bool:
+    try:
+        root.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def fetch(model: nn.Module, gm: fx.GraphModule, target: str, device: torch.device) -> Any:
+    """What a piece's `target` refers to: the model's (materialised) module, parameter or buffer, else a
+    constant the tracer made (moved to `device`)."""
+    for root in (model, gm):
+        obj: Any = root
+        for part in target.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        else:
+            if root is model or not isinstance(obj, torch.Tensor):
+                return obj
+            if obj.device.type == "meta":
+                raise RunError(
+                    f"The traced graph holds {target}, a tensor computed while tracing on the meta device, "
+                    "so it has no value. Compute it inside forward() from a buffer instead."
+                )
+            return obj.to(device)
+    raise RunError(f"internal error: {target} not found in the model")
+
+
+def used_modules(model: nn.Module, graphs: list[fx.Graph]) -> set[str]:
+    """Modules whose own parameters or buffers the graphs use (called modules with their children)."""
+    names: set[str] = set()
+    for graph in graphs:
+        for node in graph.nodes:
+            if node.op == "call_module" and has_module(model, node.target):
+                module = model.get_submodule(node.target)
+                names.update(n for n, _ in module.named_modules(prefix=node.target))
+            elif node.op == "get_attr":
+                owner = node.target.rpartition(".")[0]
+                if has_module(model, owner):
+                    names.add(owner)
+    return names
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: its pieces run in order, each taking exactly what the one before returns. (The
+    last stage of an exported graph returns the output's leaves, since torch's pipeline stages return
+    tensors; with_structure() rebuilds the structure for the loss.)"""
+
+    def __init__(self, pieces: list[nn.Module], owners: list[str | None]) -> None:
+        super().__init__()
+        self.pieces = nn.ModuleList(pieces)
+        self.owners = owners
+
+    def forward(self, *values: Any) -> Any:
+        for piece in self.pieces:
+            values = piece(*values)
+        return values
+
+    def units(self) -> list[nn.Module]:
+        """What activation checkpointing and FSDP wrap one by one: the pieces."""
+        return list(self.pieces)
+
+    def replace_unit(self, index: int, module: nn.Module) -> None:
+        self.pieces[index] = module
+
+    def tp_roots(self) -> list[nn.Module]:
+        """Modules under which the TP plan's (original) module names resolve."""
+        return list(self.pieces)
+
+
+class ModelStage(nn.Module):
+    """Without a pipeline, the stage is the user's model itself, run as written (no graph: any output type,
+    any inputs, buffers updated in forward, tied weights), its planned modules the checkpoint/FSDP units."""
+
+    def __init__(self, model: nn.Module, modules: list[str]) -> None:
+        super().__init__()
+        self.model = model
+        held = [m for m in modules if has_module(model, m)]
+        self.names = [m for m in held if any(True for _ in model.get_submodule(m).parameters())]
+        self.owners = list(self.names)
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.model(*inputs)
+
+    def units(self) -> list[nn.Module]:
+        return [self.model.get_submodule(n) for n in self.names]
+
+    def replace_unit(self, index: int, module: nn.Module) -> None:
+        parent, _, child = self.names[index].rpartition(".")
+        setattr(self.model.get_submodule(parent) if parent else self.model, child, module)
+
+    def tp_roots(self) -> list[nn.Module]:
+        return [self.model]
+
+
+def retarget_devices(graph: fx.Graph, device: torch.device) -> None:
+    """Point factory calls that tracing on the meta device recorded (torch.export keeps `device=meta` in
+    arange, zeros, full ...) at the device the stage runs on."""
+    meta = torch.device("meta")
+
+    def fix(a: Any) -> Any:
+        if isinstance(a, torch.device) and a == meta:
+            return device
+        if isinstance(a, (tuple, list)):
+            return type(a)(fix(x) for x in a)
+        if isinstance(a, dict):
+            return {k: fix(v) for k, v in a.items()}
+        return a
+
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            node.args, node.kwargs = fix(node.args), fix(node.kwargs)
+
+
+def with_structure(loss_fn: Callable[..., torch.Tensor], out_spec: Any) -> Callable[..., torch.Tensor]:
+    """`loss_fn` taking the model's output as the model returns it (dict, dataclass, ModelOutput, tuple),
+    when the last stage returns the leaves of an exported graph (`out_spec`: their structure)."""
+    if out_spec is None:
+        return loss_fn
+
+    def structured(output: Any, *inputs: Any) -> torch.Tensor:
+        leaves = list(output) if isinstance(output, (tuple, list)) else [output]
+        return loss_fn(torch.utils._pytree.tree_unflatten(leaves, out_spec), *inputs)
+
+    return structured
+
+
+def build_local_stages(
+    user: Any,
+    spec: ModelFile,
+    seed: int,
+    gm: fx.GraphModule,
+    pieces: list[Piece],
+    local: list[int],
+    device: torch.device,
+) -> tuple[list[StageModule], nn.Module]:
+    """This rank's stages (indices `local`), with only their parameters allocated (on `device`), and the
+    model they take their modules and weights from."""
+    model = build_model(user, spec, seed, everything_on_meta=False)
+    materialise(model, used_modules(model, [p.graph for p in pieces if p.stage in local]), device, seed)
+    stages = []
+    for i in local:
+        mine = [p for p in pieces if p.stage == i]
+        modules = []
+        for p in mine:
+            retarget_devices(p.graph, device)
+            targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
+            modules.append(fx.GraphModule({t: fetch(model, gm, t, device) for t in targets}, p.graph))
+        stages.append(StageModule(modules, [p.owner for p in mine]))
+    return stages, model

@@ -1,0 +1,82 @@
+"""Plans for the Hugging Face fixtures (tests/fixtures/hf): planned by `planner plan` where the analysis
+handles the model, else built by hand like plans.make_plan (module names as the model defines them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from e2e.plans import _zeros, stage_ranks
+
+from planner.model.graph import ModelSource
+from planner.plan import ClusterSummary, MemoryBreakdown, ParallelConfig, Plan, Predicted, StagePlan, TrainingConfig
+
+HF = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
+
+# Partition units (module names, execution order) of the fixtures' default configs (two blocks each).
+UNITS = {
+    "gpt2": [["transformer.wte", "transformer.wpe", "transformer.drop"], ["transformer.h.0"], ["transformer.h.1"],
+             ["transformer.ln_f", "lm_head"]],
+    "llama": [["model.embed_tokens", "model.rotary_emb"], ["model.layers.0"], ["model.layers.1"],
+              ["model.norm", "lm_head"]],
+    "resnet": [["resnet.embedder"], ["resnet.encoder.stages.0"], ["resnet.encoder.stages.1"],
+               ["resnet.pooler", "classifier"]],
+    "vit": [["vit.embeddings"], ["vit.encoder.layer.0"], ["vit.encoder.layer.1"], ["vit.layernorm", "classifier"]],
+    "bert": [["bert.embeddings"], ["bert.encoder.layer.0"], ["bert.encoder.layer.1"],
+             ["bert.pooler", "dropout", "classifier"]],
+}
+LOSS_FN = {"bert": "loss_fn"}
+
+
+def llama_tp_plan(layers: int = 2) -> dict[str, str]:
+    """Megatron pairs of HF Llama: q/k/v and gate/up column-parallel, o and down row-parallel. HF reshapes
+    heads with -1 (`view(*shape, -1, head_dim)`), so no head-count attribute needs dividing."""
+    plan = {}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        plan.update({f"{p}.self_attn.{n}_proj": "colwise" for n in "qkv"} | {f"{p}.self_attn.o_proj": "rowwise"})
+        plan.update({f"{p}.mlp.gate_proj": "colwise", f"{p}.mlp.up_proj": "colwise", f"{p}.mlp.down_proj": "rowwise"})
+    return plan
+
+
+def hf_plan(
+    model: str,
+    *,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    micro_batch_size: int = 2,
+    num_micro_batches: int = 2,
+    zero_stage: int = 0,
+    tp_plan: dict[str, str] | None = None,
+    tp_head_attrs: dict[str, list[str]] | None = None,
+    lr: float = 1e-3,
+) -> Plan:
+    """A valid Plan for a fixture, its units spread over pp stages (1F1B)."""
+    groups = UNITS[model]
+    bounds = [round(i * len(groups) / pp) for i in range(pp + 1)]
+    ranks = stage_ranks("1f1b", pp, pp)
+    memory = _zeros(MemoryBreakdown)
+    stages = [
+        _zeros(
+            StagePlan, index=i, pp_rank=ranks[i], units=["+".join(g) for g in groups[bounds[i] : bounds[i + 1]]],
+            modules=[m for g in groups[bounds[i] : bounds[i + 1]] for m in g], recompute="none", memory=memory,
+        )
+        for i in range(pp)
+    ]
+    return Plan(
+        planner_version="test",
+        inputs_digest="0" * 64,
+        model=ModelSource(path=str(HF / f"{model}.py"), file_sha256="0" * 64, dtype="fp32", loss_fn=LOSS_FN.get(model)),
+        model_class=model,
+        trace_method="export",
+        cluster=ClusterSummary(name="local", gpu="cpu", nodes=1, gpus_per_node=8),
+        parallel=ParallelConfig(
+            dp=dp, tp=tp, pp=pp, micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches,
+            global_batch_size=dp * micro_batch_size * num_micro_batches, schedule="1f1b", zero_stage=zero_stage,
+        ),
+        tp_plan=tp_plan or {},
+        tp_head_attrs=tp_head_attrs or {},
+        stages=stages,
+        predicted=_zeros(Predicted, iteration_time_s=1.0, samples_per_s=1.0, memory_capacity_bytes=1),
+        training=TrainingConfig(seed=0, lr=lr, steps=3, dtype="fp32"),
+    )

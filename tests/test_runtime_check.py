@@ -1,0 +1,102 @@
+"""The plan-time check (planner.runtime.check, wired into `planner plan`): plans that cannot run are refused
+with the stage, module or rule named, and `planner plan` then exits 2 without writing anything."""
+
+from __future__ import annotations
+
+import pytest
+from e2e.plans import TINY, make_plan
+from typer.testing import CliRunner
+
+from cli.main import app
+from planner.codegen.check import check_plan_runs
+from planner.errors import PlanError
+
+MODEL = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj_in = nn.Linear(16, 64)
+        self.blocks = nn.ModuleList([nn.Linear(64, 64) for _ in range(4)])
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 1)
+        self.scale = torch.ones(64)  # a plain attribute, neither parameter nor buffer: baked into the trace
+
+    def forward(self, x):
+        h = self.proj_in(x)
+        for i, block in enumerate(self.blocks):
+            h = block(h)
+            if {broken} and i == 2:
+                h = h * self.scale
+        return self.head(self.norm(h))
+
+
+def build_model(**kwargs):
+    return Net()
+
+
+def example_inputs(batch_size, **kwargs):
+    return (torch.randn(batch_size, 16),)
+
+
+def loss_fn(output, x):
+    return {loss}
+'''
+
+
+def _plan(tmp_path, broken=False, loss="output.mean()", **pins):
+    path = tmp_path / "net.py"
+    path.write_text(MODEL.format(broken=broken, loss=loss))
+    plan = make_plan("mlp", **pins)
+    return plan.model_copy(update={"model": plan.model.model_copy(update={"path": str(path)})})
+
+
+def test_plans_that_run_pass(tmp_path):
+    assert check_plan_runs(_plan(tmp_path, pp=2)) == "fx"
+    assert check_plan_runs(_plan(tmp_path, dp=2)) == "module"
+    assert check_plan_runs(make_plan("tiny", pp=2, model_args={**TINY["tiny"], "check_length": True})) == "export"
+
+
+def test_a_plain_tensor_attribute_is_fetched_from_the_model(tmp_path):
+    """A tensor attribute (neither parameter nor buffer) is read from the built model, so the plan runs."""
+    assert check_plan_runs(_plan(tmp_path, broken=True, pp=2)) == "fx"
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused(tmp_path):
+    with pytest.raises(PlanError, match="The loss must be a floating-point scalar tensor, got Tensor of shape"):
+        check_plan_runs(_plan(tmp_path, loss="output", pp=2))
+    with pytest.raises(PlanError, match="floating-point scalar"):
+        check_plan_runs(_plan(tmp_path, loss="output", dp=2))
+
+
+def test_tp_that_does_not_divide_is_refused():
+    plan = make_plan("gpt", tp=2, model_args={**TINY["gpt"], "hidden": 66, "heads": 3})
+    plan = plan.model_copy(update={"parallel": plan.parallel.model_copy(update={"tp": 4, "dp": 1})})
+    with pytest.raises(PlanError, match=r"splits blocks.0.attn.q \(colwise, size 66\) over tp=4"):
+        check_plan_runs(plan)
+
+
+def test_planner_plan_exits_2_and_writes_nothing(tmp_path):
+    path = tmp_path / "net.py"
+    path.write_text(MODEL.format(broken=False, loss="output"))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app,
+        ["plan", str(path), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "4",
+         "--dp", "2", "--out", str(out), "--quiet"],
+    )
+    assert result.exit_code == 2, result.output
+    assert "The plan cannot run" in result.output and "floating-point scalar" in result.output
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_tp_on_gpt2s_conv1d_is_refused_at_plan_time():
+    pytest.importorskip("transformers")
+    from e2e.hf_plans import hf_plan
+
+    plan = hf_plan("gpt2", tp=2, dp=2, tp_plan={"transformer.h.0.attn.c_attn": "colwise"})
+    with pytest.raises(PlanError, match=r"transformer.h.0.attn.c_attn, a Conv1D \(colwise\).*Conv1D is neither"):
+        check_plan_runs(plan)

@@ -1,0 +1,205 @@
+"""planner.runtime.stages, called in-process: ownership of graph nodes, cutting a traced graph into the
+plan's stages, and the pieces computing exactly the model's forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from e2e.plans import TINY, make_plan
+from torch import fx, nn
+
+from planner.codegen.render import runtime_objects
+from planner.runtime import Layout, RunError
+from planner.runtime.model import build_model, load_model_file, make_batch, materialise
+from planner.runtime.stages import (
+    StageModule,
+    cut_into_pieces,
+    fetch,
+    module_paths,
+    owner_of,
+    shared_weights,
+    trace,
+    used_modules,
+    with_structure,
+)
+
+CPU = torch.device("cpu")
+
+
+class Tiny(nn.Module):
+    """embed -> two blocks -> head, with module-less code between (a residual add, a scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h * 0.5)
+
+
+def _layout(stages):
+    pp = len(stages)
+    return Layout(pp=pp, dp=1, tp=1, micro_batch_size=2, num_micro_batches=1,
+                  stages=[(i, mods, "none") for i, mods in enumerate(stages)])
+
+
+def test_a_node_belongs_to_the_outermost_planned_module():
+    stage_of = {"blocks.0": 0, "blocks": 1, "head": 1}
+    assert owner_of("blocks.1.attn.q", stage_of) == "blocks"
+    assert owner_of("blocks.0", {"blocks.0": 0}) == "blocks.0"
+    assert owner_of("embed", stage_of) is None
+    gm = fx.symbolic_trace(Tiny())
+    calls = {n.target: module_paths(n) for n in gm.graph.nodes if n.op == "call_module"}
+    assert calls["blocks.1"] == ["blocks.1"] and calls["head"] == ["head"]
+
+
+def test_a_tiny_graph_is_cut_into_stages_that_compute_the_forward():
+    torch.manual_seed(0)
+    model = Tiny()
+    x = torch.randn(2, 4)
+    gm, values, method = trace(model, x)
+    assert method == "fx" and any(isinstance(v, torch.Tensor) for v in values.values())
+    layout = _layout([["embed", "blocks.0"], ["blocks.1", "head"]])
+    pieces = cut_into_pieces(gm, values, layout)
+    assert [(p.stage, p.owner) for p in pieces] == [(0, "embed"), (0, "blocks.0"), (1, "blocks.1"), (1, "head")]
+    # Stage 1's first piece receives only the residual stream, stage 0's last piece sends only it.
+    first_of_1 = [n for n in pieces[2].graph.nodes if n.op == "placeholder"]
+    assert len(first_of_1) == 1
+    assert used_modules(model, [p.graph for p in pieces if p.stage == 1]) == {"blocks.1", "head"}
+    out = (x,)
+    for stage in (0, 1):
+        mine = [p for p in pieces if p.stage == stage]
+        graphs = [
+            fx.GraphModule({n.target: fetch(model, gm, n.target, CPU) for n in p.graph.nodes
+                            if n.op in ("get_attr", "call_module")}, p.graph)
+            for p in mine
+        ]
+        out = StageModule(graphs, [p.owner for p in mine])(*out)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+
+
+def test_stages_out_of_execution_order_are_refused():
+    gm, values, _ = trace(Tiny(), torch.randn(2, 4))
+    with pytest.raises(RunError, match="must follow the model's execution order"):
+        cut_into_pieces(gm, values, _layout([["head", "blocks.0"], ["embed", "blocks.1"]]))
+
+
+def test_a_stage_without_work_is_refused():
+    gm, values, _ = trace(Tiny(), torch.randn(2, 4))
+    with pytest.raises(RunError, match=r"Stages \[1\] run no part of the model"):
+        cut_into_pieces(gm, values, _layout([["embed", "blocks", "head"], ["nothing"]]))
+
+
+CUTS = {
+    "gpt_pp2": lambda: make_plan("gpt", pp=2),
+    "llama_4_stages": lambda: make_plan("llama", pp=2, virtual_stages=2, schedule="interleaved-1f1b"),
+    "mlp_zbv": lambda: make_plan("mlp", pp=2, virtual_stages=2, schedule="zero-bubble"),
+    "tiny_pp3": lambda: make_plan("tiny", pp=3),
+    "tiny_export": lambda: make_plan("tiny", pp=2, model_args={**TINY["tiny"], "check_length": True}),
+    "tiny_tied": lambda: make_plan("tiny", model_args={**TINY["tiny"], "tie": True}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUTS))
+def test_pieces_compute_the_models_forward(name):
+    plan = CUTS[name]()
+    layout, spec, training = runtime_objects(plan)
+    user = load_model_file(spec.path)
+    example = make_batch(user, spec, layout, training.seed, 0, 0)
+    meta_model = build_model(user, spec, training.seed, everything_on_meta=True)
+    gm, values, method = trace(meta_model, example[0].to("meta"))
+    assert method == ("export" if name == "tiny_export" else "fx")
+    pieces = cut_into_pieces(gm, values, layout)
+    assert sorted({p.stage for p in pieces}) == list(range(len(plan.stages)))
+
+    model = build_model(user, spec, training.seed, everything_on_meta=False)
+    materialise(model, {n for n, _ in model.named_modules()}, CPU, training.seed)
+    assert not any(p.is_meta for p in model.parameters())
+    if name == "tiny_tied":
+        assert model.head.weight is model.tok_emb.weight
+    values_in = (example[0],)
+    for i in range(len(plan.stages)):
+        mine = [p for p in pieces if p.stage == i]
+        modules = []
+        for p in mine:
+            targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
+            modules.append(fx.GraphModule({t: fetch(model, gm, t, CPU) for t in targets}, p.graph))
+        out = StageModule(modules, [p.owner for p in mine])(*values_in)
+        if i < len(plan.stages) - 1:
+            assert isinstance(out, tuple) and all(isinstance(t, torch.Tensor) for t in out)
+            values_in = out
+    with torch.no_grad():
+        expected = model(example[0])
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_tied_weights_are_found_and_each_copy_starts_equal():
+    layout, spec, training = runtime_objects(make_plan("tiny", pp=2, model_args={**TINY["tiny"], "tie": True}))
+    user = load_model_file(spec.path)
+    example = make_batch(user, spec, layout, training.seed, 0, 0)
+    gm, values, _ = trace(build_model(user, spec, training.seed, everything_on_meta=True), example[0].to("meta"))
+    pieces = cut_into_pieces(gm, values, layout)
+    assert shared_weights(gm, pieces) == {"tok_emb.weight": [0, 1]}
+    # The last stage's rank materialises only head (and, for the tied weight, its first holder tok_emb):
+    # the copy equals the whole model's, whatever head.reset_parameters() would draw.
+    whole = build_model(user, spec, training.seed, everything_on_meta=False)
+    materialise(whole, {n for n, _ in whole.named_modules()}, CPU, training.seed)
+    last = build_model(user, spec, training.seed, everything_on_meta=False)
+    materialise(last, used_modules(last, [p.graph for p in pieces if p.stage == 1]), CPU, training.seed)
+    torch.testing.assert_close(last.head.weight, whole.tok_emb.weight, rtol=0, atol=0)
+    fresh = build_model(user, spec, training.seed, everything_on_meta=False)
+    materialise(fresh, {"tok_emb"}, CPU, training.seed)
+    torch.testing.assert_close(fresh.tok_emb.weight, whole.tok_emb.weight, rtol=0, atol=0)
+
+
+class TwoInputs(nn.Module):
+    """forward(x, mask) returning a dict: a second (integer) input used after the stage boundary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.a(x)
+        return {"logits": self.b(h) * mask.unsqueeze(-1), "hidden": h}
+
+
+@pytest.mark.parametrize("exported", [False, True])
+def test_extra_inputs_reach_later_stages_and_structured_outputs_come_back(exported):
+    torch.manual_seed(0)
+    model = TwoInputs()
+    x, mask = torch.randn(3, 4), torch.tensor([1, 0, 1])
+    if exported:
+        gm = torch.export.export(model, (x, mask), strict=False).module()
+        values = {}
+        from planner.runtime.stages import ValueRecorder
+
+        recorder = ValueRecorder(gm)
+        recorder.run(x, mask)
+        values = recorder.values
+    else:
+        gm, values, method = trace(model, (x, mask))
+        assert method == "fx"
+    pieces = cut_into_pieces(gm, values, _layout([["a"], ["b"]]))
+    # The mask is sent along with the hidden state to stage 1, which uses it.
+    assert len([n for n in pieces[1].graph.nodes if n.op == "placeholder"]) == 2
+    out = (x, mask)
+    for stage in (0, 1):
+        mine = [p for p in pieces if p.stage == stage]
+        graphs = [
+            fx.GraphModule({n.target: fetch(model, gm, n.target, CPU) for n in p.graph.nodes
+                            if n.op in ("get_attr", "call_module")}, p.graph)
+            for p in mine
+        ]
+        out = StageModule(graphs, [p.owner for p in mine])(*out)
+    seen = []
+    with_structure(lambda output, *inputs: seen.append(output) or torch.zeros(()), pieces[-1].out_spec)(out, x, mask)
+    want = model(x, mask)
+    assert isinstance(seen[0], dict) and set(seen[0]) == {"logits", "hidden"}
+    torch.testing.assert_close(seen[0]["logits"], want["logits"], rtol=0, atol=0)
