@@ -255,7 +255,7 @@ def load_request_model(request: PlanRequest):
 
 
 def analyse(request: PlanRequest) -> ModelGraph:
-    from planner.model.units import analyse_model
+    from planner.model.analysis import analyse_model
 
     return analyse_model(load_request_model(request))
 
