@@ -74,6 +74,7 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                     sizes[arg] = tensor_bytes(val)
 
     params_by_name = dict(model.named_parameters())
+    buffers = tuple(model.buffers())
     names = ModuleNames.of(model)
     root_attrs: dict[int, list[str]] = {}
     for n, u in node_unit.items():
@@ -97,7 +98,7 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
             if sub is None:
                 analysed[sig] = Counts()
             else:
-                analysed[sig] = analyse_callable(sub, args, list(unit_params.values()), seq)
+                analysed[sig] = analyse_callable(sub, args, list(unit_params.values()), seq, buffers)
                 tp_by_sig[sig] = (group, tp_info(sub, args, model, names, constant_inputs(parts, i)))
         c = analysed[sig]
         n_params = sum(p.numel() for p in unit_params.values())

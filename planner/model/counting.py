@@ -172,14 +172,22 @@ def _storage_key(t) -> int:
     return t.untyped_storage()._cdata
 
 
-def analyse_callable(fn, inputs: tuple, params: list, seq_len: int | None) -> Counts:
-    """Run fn(*inputs) forward and backward on meta tensors, counting FLOPs, bytes and saved activations."""
+def analyse_callable(fn, inputs: tuple, params: list, seq_len: int | None, buffers: tuple = ()) -> Counts:
+    """Run fn(*inputs) forward and backward on meta tensors, counting FLOPs, bytes and saved activations.
+
+    Floating inputs are activations and get gradients, except the model's ``buffers`` passed in as inputs
+    (batch norm's running statistics): autograd refuses gradients for those.
+    """
     import torch
 
     counts = Counts()
     param_keys = {_storage_key(p) for p in params}
+    buffer_keys = {_storage_key(b) for b in buffers}
     ins = tuple(
-        t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs
+        t.detach().requires_grad_(True)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and _storage_key(t) not in buffer_keys
+        else t
+        for t in inputs
     )
     sizes: dict[int, int] = {}
 

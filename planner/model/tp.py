@@ -43,12 +43,26 @@ class ModuleNames:
     """Original qualified names of modules and parameters, by object (split_module renames them)."""
 
     modules: dict[int, str]
-    params: dict[int, str]
+    params: dict[int, list[str]]  # every name of a parameter: tied weights have several (wte, lm_head)
+    by_name: dict[str, object] = field(default_factory=dict)  # qualified name -> module
     inputs: dict = field(default_factory=dict)  # placeholder node -> the tensor a unit graph received
 
     @classmethod
     def of(cls, model) -> ModuleNames:
-        return cls({id(m): n for n, m in model.named_modules()}, {id(p): n for n, p in model.named_parameters()})
+        params: dict[int, list[str]] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            params.setdefault(id(p), []).append(n)
+        by_name = dict(model.named_modules(remove_duplicate=False))
+        return cls({id(m): n for n, m in model.named_modules()}, params, by_name)
+
+    def owner(self, param, kind) -> str | None:
+        """Name of the module of type ``kind`` that holds ``param`` as its ``weight``, or None."""
+        for full in self.params.get(id(param), ()):
+            if full.endswith(".weight"):
+                mod_name = full[: -len(".weight")]
+                if isinstance(self.by_name.get(mod_name), kind):
+                    return mod_name
+        return None
 
 
 def _applied_module(node, gm, names: ModuleNames, kind, aten_ops, weight_arg: int) -> str | None:
@@ -70,9 +84,7 @@ def _applied_module(node, gm, names: ModuleNames, kind, aten_ops, weight_arg: in
                 obj = gm
                 for atom in str(w.target).split("."):
                     obj = getattr(obj, atom, None)
-            full = names.params.get(id(obj), "")
-            if full.endswith(".weight"):
-                return full[: -len(".weight")]
+            return names.owner(obj, kind)
     return None
 
 
@@ -115,6 +127,22 @@ def _is_mixing(node) -> bool:
     if "norm" in base:
         return True
     return any(base == m or base.startswith(m + "_") for m in _MIXING)
+
+
+def _ancestor_placeholders(nodes) -> set:
+    """The unit inputs (placeholder nodes) that ``nodes`` are computed from."""
+    found: set = set()
+    seen: set = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            found.add(n)
+        stack.extend(n.all_input_nodes)
+    return found
 
 
 def detect_tp_pairs(
@@ -168,9 +196,11 @@ def detect_tp_pairs(
     for r, cols in by_row.items():
         if r in terminal:  # a row Linear must not itself feed another Linear through the same path
             continue
-        # Every tensor reaching the row's input must come from the columns (or constants such as rotary
-        # tables), not also straight from the unit's input (the residual stream).
+        # Every tensor reaching the row's input must come from the columns, not also straight from the
+        # unit's input the columns read (the residual stream). Other inputs are side data every rank holds
+        # whole: buffers, rotary cos/sin tables and attention masks computed by an earlier unit.
         col_set = set(cols)
+        streams = _ancestor_placeholders(cols)
         ok = True
         stack = list(r.all_input_nodes)
         seen = set()
@@ -186,8 +216,8 @@ def detect_tp_pairs(
             if n.op == "get_attr" or not _is_tensor_node(n):
                 continue  # parameters, buffers and shape arithmetic (x.shape[0]) carry no sharded values
             if n.op == "placeholder":
-                if n.name in constants:
-                    continue  # a buffer or constant read by the unit, not an activation
+                if n.name in constants or n not in streams:
+                    continue  # a buffer, constant or side input (mask, rotary table), not the stream
                 ok = False
                 break
             stack.extend(n.all_input_nodes)
@@ -235,7 +265,7 @@ def tp_info(sub, args: tuple, model, names: ModuleNames, constants: frozenset) -
 
     ShapeProp(sub).propagate(*args)
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    names = ModuleNames(names.modules, names.params, dict(zip(placeholders, args)))
+    names = ModuleNames(names.modules, names.params, names.by_name, dict(zip(placeholders, args)))
     pairs, embeddings = detect_tp_pairs(sub, names, constants)
     info = TPInfo(gemm_dim=_gemm_dim_of(sub))
     for cols, row, row_node in pairs:
