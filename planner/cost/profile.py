@@ -309,21 +309,21 @@ def _split_model(loaded: LoadedModel, model, inputs: tuple, real: tuple) -> _Spl
     from torch.fx.passes.split_module import split_module
 
     from planner.model.grouping import (
-        find_block_container,
+        discover_structure,
         group_units,
         model_input_count,
         run_units_once,
         structure_key,
         unit_name,
-        unit_roots,
     )
     from planner.model.trace import trace_model
 
     n_in = model_input_count(model, len(inputs))
-    roots, blocks = unit_roots(model, find_block_container(model))
+    structure = discover_structure(model)
+    roots, blocks = structure.roots, structure.blocks
 
     def split_and_run(gm) -> _Split:
-        groups, node_unit = group_units(gm, roots, blocks)
+        groups, node_unit = group_units(gm, roots, blocks, structure.stateless)
         parts = split_module(gm, model, lambda n: node_unit[n], keep_original_order=True)
         keys = {i: structure_key(model, g, blocks) for i, g in enumerate(groups)}
         _, captured, sigs = run_units_once(parts, inputs[:n_in], keys)

@@ -9,13 +9,12 @@ from __future__ import annotations
 from planner.model.counting import Counts, analyse_callable, flatten_tensors, tensor_bytes
 from planner.model.graph import ModelGraph, TPPair, Unit
 from planner.model.grouping import (
-    find_block_container,
+    discover_structure,
     group_units,
     model_input_count,
     run_units_once,
     structure_key,
     unit_name,
-    unit_roots,
 )
 from planner.model.load import DTYPE_BYTES, LoadedModel, build_meta_model, meta_inputs
 from planner.model.tp import ModuleNames, TPInfo, constant_inputs, renamer, tp_info
@@ -30,11 +29,11 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
     model = build_meta_model(loaded)
     inputs = meta_inputs(loaded, 1)
     n_in = model_input_count(model, len(inputs))
-    container = find_block_container(model)
-    roots, blocks = unit_roots(model, container)
+    structure = discover_structure(model)
+    roots, blocks = structure.roots, structure.blocks
 
     def split_and_run(gm):
-        groups, node_unit = group_units(gm, roots, blocks)
+        groups, node_unit = group_units(gm, roots, blocks, structure.stateless)
         parts = split_module(gm, model, lambda n: node_unit[n], keep_original_order=True)
         keys = {i: structure_key(model, g, blocks) for i, g in enumerate(groups)}
         out, captured, sigs = run_units_once(parts, inputs[:n_in], keys)
@@ -161,5 +160,6 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
         tokens_per_sample=tokens,
         sample_input_shapes=[list(t.shape) for t in inputs],
         distinct_blocks=len(analysed),
+        structure=structure.found,
         dtype_bytes=dtype_bytes,
     )

@@ -183,8 +183,9 @@ def analyse_callable(fn, inputs: tuple, params: list, seq_len: int | None, buffe
     counts = Counts()
     param_keys = {_storage_key(p) for p in params}
     buffer_keys = {_storage_key(b) for b in buffers}
+    # Non-leaf copies: a unit may update its input in place (ReLU(inplace=True) on a residual stream).
     ins = tuple(
-        t.detach().requires_grad_(True)
+        t.detach().requires_grad_(True).clone()
         if isinstance(t, torch.Tensor) and t.is_floating_point() and _storage_key(t) not in buffer_keys
         else t
         for t in inputs

@@ -95,6 +95,9 @@ class ModelGraph(_Model):
     )
     sample_input_shapes: list[list[int]] = Field(description="shapes of example_inputs(1)")
     distinct_blocks: int = Field(description="number of distinct unit signatures analysed")
+    structure: list[str] = Field(
+        default_factory=list, description="the repeated blocks found and where, e.g. '12 x GPT2Block in transformer.h'"
+    )
     dtype_bytes: int
 
     def unit(self, name: str) -> Unit:

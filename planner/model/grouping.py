@@ -7,40 +7,125 @@ A unit is the smallest piece a pipeline stage takes whole: each repeated block o
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, field
 
 from planner.errors import TraceError
 
 
-def find_block_container(model) -> str | None:
-    """Qualified name of the largest ModuleList/Sequential of two or more same-type modules, or None."""
+@dataclass
+class Structure:
+    """The modules that become partition units, in definition order, and why."""
+
+    roots: list[str]
+    blocks: set[str]
+    found: list[str] = field(default_factory=list)  # e.g. "12 x GPT2Block in transformer.h (ModuleList)"
+    stateless: frozenset[str] = frozenset()  # roots without parameters or buffers (see group_units)
+
+
+# Containers whose members run side by side on the same input (MoE experts), not one after another.
+_PARALLEL_CONTAINERS = ("experts",)
+
+
+def _is_container(mod) -> bool:
     import torch.nn as nn
 
-    best: tuple[int, str] | None = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)):
-            children = list(mod.children())
-            if len(children) >= 2 and len({type(c) for c in children}) == 1:
-                if best is None or len(children) > best[0]:
-                    best = (len(children), name)
-    return best[1] if best else None
+    return isinstance(mod, (nn.ModuleList, nn.ModuleDict, nn.Sequential))
 
 
-def unit_roots(model, container: str | None) -> tuple[list[str], set[str]]:
-    """Modules that become units (in definition order) and the subset that are repeated blocks."""
-    if container is None:
-        return [n for n, _ in model.named_children()], set()
+def _repeated_runs(mod) -> list[list[tuple[str, object]]]:
+    """Maximal runs of two or more consecutive children of a container that share a type."""
+    runs: list[list[tuple[str, object]]] = []
+    for name, child in mod.named_children():
+        if runs and type(runs[-1][-1][1]) is type(child):
+            runs[-1].append((name, child))
+        else:
+            runs.append([(name, child)])
+    return [r for r in runs if len(r) >= 2]
+
+
+def _holds_blocks(mod) -> bool:
+    """Whether a module contains (below itself) a container of repeated, sequential blocks: runs of
+    composite modules (a Sequential of two Linears inside an MLP is not a stack of blocks)."""
+    for name, sub in mod.named_modules():
+        if name and _is_container(sub) and name.split(".")[-1] not in _PARALLEL_CONTAINERS:
+            if any(any(True for _ in c.children()) for run in _repeated_runs(sub) for _, c in run):
+                return True
+    return False
+
+
+def discover_structure(model) -> Structure:
+    """Find the repeated blocks however the model holds them and make the rest units at module boundaries.
+
+    Blocks are the members of runs of same-type children of a ModuleList, ModuleDict or Sequential
+    (the model itself included: a top-level Sequential of stem, blocks, head), however deep they sit: a
+    block that itself holds repeated blocks (ResNet's stages of bottlenecks) is expanded into them, one
+    level deep, and
+    every such container becomes blocks, so encoder and decoder stacks both split. Modules that hold no
+    repeated blocks are units whole; a module with repeated blocks somewhere below is opened up.
+    """
     roots: list[str] = []
-    parts = container.split(".") if container else []
-    prefix = ""
-    mod = model
-    for part in parts:
-        for n, _ in mod.named_children():
-            if n != part:
-                roots.append(f"{prefix}{n}")
-        mod = getattr(mod, part)
-        prefix = f"{prefix}{part}."
-    blocks = [f"{container}.{n}" for n, _ in mod.named_children()]
-    return roots + blocks, set(blocks)
+    blocks: set[str] = set()
+    runs: dict[tuple[str, str, str], int] = {}  # (block type, container pattern, container type) -> count
+
+    def pattern(name: str, nested: list[str]) -> str:
+        parts = name.split(".") if name else []
+        for outer in nested:  # the index of each enclosing block becomes '*'
+            parts[len(outer.split(".")) if outer else 0] = "*"
+        return ".".join(parts) or "(the model)"
+
+    def visit(mod, prefix: str, nested: list[str], inside_block: bool) -> None:
+        def name_of(n: str) -> str:
+            return f"{prefix}.{n}" if prefix else n
+
+        members: set[str] = set()
+        if _is_container(mod) and prefix.split(".")[-1] not in _PARALLEL_CONTAINERS:
+            children = list(mod.named_children())
+            same = len({type(c) for _, c in children}) == 1
+            for run in (_repeated_runs(mod) or ([children] if inside_block and same and children else [])):
+                members.update(n for n, _ in run)
+        for n, child in mod.named_children():
+            full = name_of(n)
+            if n in members:
+                # One level of nesting (stages of blocks); a block's own inner stack (the convolutions of
+                # a residual bottleneck) stays inside it, as its residual connection spans them.
+                if not inside_block and _holds_blocks(child):
+                    visit(child, full, [*nested, prefix], True)
+                    continue
+                roots.append(full)
+                blocks.add(full)
+                key = (type(child).__name__, pattern(prefix, nested), type(mod).__name__)
+                runs[key] = runs.get(key, 0) + 1
+            elif _holds_blocks(child) or (_is_container(child) and _repeated_runs(child)):
+                visit(child, full, nested, inside_block)
+            else:
+                roots.append(full)
+
+    visit(model, "", [], False)
+    if not blocks:
+        roots = _open_single_child(model)
+        found = [f"no repeated blocks: {len(roots)} units at module boundaries ({', '.join(roots)})"]
+    else:
+        found = [
+            f"{n} x {typ} in {where} ({ctype}{', nested' if '*' in where else ''})"
+            for (typ, where, ctype), n in runs.items()
+        ]
+    stateless = frozenset(
+        r for r in roots if not any(True for _ in model.get_submodule(r).parameters())
+        and not any(True for _ in model.get_submodule(r).buffers())
+    )
+    return Structure(roots, blocks, found, stateless)
+
+
+def _open_single_child(model) -> list[str]:
+    """Top-level children as units; a child holding nearly all parameters is opened into its children."""
+    roots = [n for n, _ in model.named_children()]
+    total = sum(p.numel() for p in model.parameters())
+    while True:
+        big = [r for r in roots if sum(p.numel() for p in model.get_submodule(r).parameters()) >= 0.9 * total]
+        if len(big) != 1 or not list(model.get_submodule(big[0]).children()) or total == 0:
+            return roots
+        i = roots.index(big[0])
+        roots[i : i + 1] = [f"{big[0]}.{n}" for n, _ in model.get_submodule(big[0]).named_children()]
 
 
 def _node_module_paths(node) -> list[str]:
@@ -88,9 +173,7 @@ def assign_nodes(gm, roots: list[str]) -> dict:
     return owner
 
 
-def group_units(gm, roots: list[str], blocks: set[str]) -> tuple[list[list[str]], dict]:
-    """Merge roots into contiguous units in execution order; returns (unit root lists, node -> unit index)."""
-    owner = assign_nodes(gm, roots)
+def _spans(gm, owner: dict) -> tuple[list, dict[str, int], dict[str, int]]:
     order = [n for n in gm.graph.nodes if n in owner]
     first: dict[str, int] = {}
     last: dict[str, int] = {}
@@ -100,6 +183,27 @@ def group_units(gm, roots: list[str], blocks: set[str]) -> tuple[list[list[str]]
             continue
         first.setdefault(r, i)
         last[r] = i
+    return order, first, last
+
+
+def group_units(
+    gm, roots: list[str], blocks: set[str], stateless: frozenset[str] = frozenset()
+) -> tuple[list[list[str]], dict]:
+    """Merge roots into contiguous units in execution order; returns (unit root lists, node -> unit index).
+
+    A ``stateless`` root (no parameters, no buffers: a shared dropout or activation) that is called again
+    after other units ran would glue everything between its calls into one unit; it is dropped from the
+    roots instead, so its nodes go with the unit that precedes each call (the module-less rule).
+    """
+    owner = assign_nodes(gm, roots)
+    order, first, last = _spans(gm, owner)
+    reentered = {
+        r for r in stateless if r in first and any(first[r] < first[o] <= last[r] for o in first if o != r)
+    }
+    if reentered:
+        roots = [r for r in roots if r not in reentered]
+        owner = assign_nodes(gm, roots)
+        order, first, last = _spans(gm, owner)
     if not first:
         raise TraceError(
             "The traced model calls none of its submodules, so it cannot be split into pipeline units. "

@@ -8,7 +8,7 @@
 
 from planner.model.analysis import analyse_model
 from planner.model.counting import analyse_callable, flatten_tensors
-from planner.model.grouping import assign_nodes, find_block_container, model_input_count, run_units_once, unit_roots
+from planner.model.grouping import assign_nodes, discover_structure, model_input_count, run_units_once
 from planner.model.tp import detect_tp_pairs
 
 __all__ = [
@@ -16,9 +16,8 @@ __all__ = [
     "analyse_model",
     "assign_nodes",
     "detect_tp_pairs",
-    "find_block_container",
+    "discover_structure",
     "flatten_tensors",
     "model_input_count",
     "run_units_once",
-    "unit_roots",
 ]
