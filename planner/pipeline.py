@@ -212,6 +212,7 @@ def build_plan(
         ),
         parallel=_parallel(best, request.global_batch_size),
         tp_plan=dict(sorted(tp_plan.items())),  # type: ignore[arg-type]
+        structure=graph.structure,
         stages=stages,
         predicted=predicted,
         alternatives=alternatives,

@@ -177,6 +177,9 @@ class Plan(_Model):
     cluster: ClusterSummary
     parallel: ParallelConfig
     tp_plan: dict[str, TPStyle] = Field(default_factory=dict, description="module name -> TP style")
+    structure: list[str] = Field(
+        default_factory=list, description="the repeated blocks found and where, e.g. '12 x GPT2Block in transformer.h'"
+    )
     stages: list[StagePlan]
     predicted: Predicted
     alternatives: list[Alternative] = Field(default_factory=list)

@@ -128,6 +128,8 @@ def summary_panel(plan: Plan, params: int | None = None, timeline: str | Path | 
     args = ", ".join(f"{k}={v!r}" for k, v in sorted(plan.model.model_args.items()))
     grid.add_row("Model", model)
     grid.add_row("Model file", Path(plan.model.path).name + (f" ({args})" if args else ""))
+    if plan.structure:
+        grid.add_row("Units", "; ".join(plan.structure))
     where = f"{c.nodes} node{'s' if c.nodes != 1 else ''} x {c.gpus_per_node} x {c.gpu}"
     if c.name != c.gpu:
         where += f" ({c.name})"
