@@ -182,9 +182,18 @@ def build_plan(
             )
         )
     tp_plan: dict[str, str] = {}
+    head_attrs: dict[str, list[str]] = {}
+    fused: dict[str, int] = {}
+    transposed: set[str] = set()
+    refused: list[str] = []
     if best.cand.tp > 1:
+        # One sharding decision: what the cost model divided by tp (Unit.tp_*) is what the script shards.
         for u in graph.units:
             tp_plan.update(u.tp_styles)
+            head_attrs.update(u.tp_head_attrs)
+            fused.update(u.tp_fused)
+            transposed.update(u.tp_transposed)
+            refused.extend(r for r in u.tp_refused if r not in refused)
     alternatives = []
     for ev in result.ranked[1:]:
         pred, _ = predicted_for(ev, graph, cluster, options, request.global_batch_size)
@@ -212,6 +221,10 @@ def build_plan(
         ),
         parallel=_parallel(best, request.global_batch_size),
         tp_plan=dict(sorted(tp_plan.items())),  # type: ignore[arg-type]
+        tp_head_attrs=dict(sorted(head_attrs.items())),
+        tp_fused=dict(sorted(fused.items())),
+        tp_transposed=sorted(transposed),
+        tp_refused=refused,
         structure=graph.structure,
         stages=stages,
         predicted=predicted,

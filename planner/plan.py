@@ -177,6 +177,21 @@ class Plan(_Model):
     cluster: ClusterSummary
     parallel: ParallelConfig
     tp_plan: dict[str, TPStyle] = Field(default_factory=dict, description="module name -> TP style")
+    tp_head_attrs: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="module -> integer attributes (head counts, split widths) each rank divides by tp before "
+        "sharding, because its forward reshapes by them (view(b, s, self.num_heads, -1))",
+    )
+    tp_fused: dict[str, int] = Field(
+        default_factory=dict, description="colwise module -> chunks of its fused output (q, k, v): each chunk "
+        "is sharded separately"
+    )
+    tp_transposed: list[str] = Field(
+        default_factory=list, description="TP modules whose weight is stored [in, out] (HF Conv1D)"
+    )
+    tp_refused: list[str] = Field(
+        default_factory=list, description="projections tensor parallelism leaves replicated, and why"
+    )
     structure: list[str] = Field(
         default_factory=list, description="the repeated blocks found and where, e.g. '12 x GPT2Block in transformer.h'"
     )

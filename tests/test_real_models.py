@@ -98,3 +98,73 @@ def test_resnet_buffers_and_batch_norm_analyse_on_meta():
     assert all(u.fwd_flops > 0 for u in g.units)
     assert g.units[0].name == "resnet.embedder"
     assert g.units[-1].name.endswith("classifier")
+
+
+def _block(g):
+    return next(u for u in g.units if u.kind == "block")
+
+
+# arch -> (attention column names in the first block, its row) for models whose attention TP shards.
+ATTENTION = {
+    "llama": (["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"], "self_attn.o_proj"),
+    "qwen2": (["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"], "self_attn.o_proj"),
+    "mixtral": (["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"], "self_attn.o_proj"),
+    "bert": (["attention.self.key", "attention.self.query", "attention.self.value"], "attention.output.dense"),
+    "vit": (["attention.k_proj", "attention.q_proj", "attention.v_proj"], "attention.o_proj"),
+    "moduledict_llama": (["attention.wk", "attention.wq", "attention.wv"], "attention.wo"),
+    "gpt2": (["attn.c_attn"], "attn.c_proj"),
+    "headcount_gpt": (["attn.qkv"], "attn.proj"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION))
+def test_attention_is_a_tp_pair(name):
+    u = _block(graph_of(name))
+    cols, row = ATTENTION[name]
+    prefix = u.name + "."
+    assert any(p.column == [prefix + c for c in cols] and p.row == prefix + row for p in u.tp_pairs), u.tp_pairs
+    assert u.tp_shards_attention and not u.tp_refused
+    assert u.tp_styles[prefix + row] == "rowwise"
+
+
+def test_head_count_gpt_divides_its_head_attributes_and_splits_the_fused_qkv():
+    """Issue 10's example: `split(self.dim)` and `view(b, s, self.heads, -1)` on a fused qkv."""
+    u = _block(graph_of("headcount_gpt"))
+    assert u.tp_head_attrs == {f"{u.name}.attn": ["dim", "heads"]}
+    assert u.tp_fused == {f"{u.name}.attn.qkv": 3}
+    assert u.tp_granularity == 8  # the head count: tp must divide it
+    # All but the two LayerNorms (weight + bias) and the row Linears' biases (added once, after the reduce).
+    assert u.tp_shardable_params == u.params - 4 * 64 - 2 * 64
+
+
+def test_a_head_count_no_attribute_holds_refuses_attention_and_is_not_costed_as_sharded():
+    loaded = load_model_file(MODELS / "headcount_gpt.py", {"literal": True}, dtype="fp32")
+    g = analyse_model(loaded)
+    u = _block(g)
+    assert not u.tp_shards_attention
+    assert u.tp_refused and "reshapes by the number 8" in u.tp_refused[0]
+    assert f"{u.name}.attn.qkv" not in u.tp_styles and f"{u.name}.attn.proj" not in u.tp_styles
+    mlp = 64 * 256 + 256 + 256 * 64  # fc weight + bias, out weight: what TP still shards
+    assert u.tp_shardable_params == mlp
+    assert u.tp_shardable_flops < u.matmul_flops - u.attention_flops  # attention's projections stay whole
+
+
+def test_gpt2_conv1d_is_sharded_transposed_with_its_widths_divided():
+    u = _block(graph_of("gpt2"))
+    p = u.name
+    assert u.tp_transposed == sorted(f"{p}.{m}" for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    assert u.tp_head_attrs == {f"{p}.attn": ["split_size"], f"{p}.attn.c_attn": ["nf"], f"{p}.mlp.c_fc": ["nf"]}
+    assert u.tp_fused == {f"{p}.attn.c_attn": 3}
+
+
+def test_t5_position_bias_over_all_heads_refuses_attention():
+    u = _block(graph_of("t5"))
+    assert not u.tp_shards_attention
+    assert any("holds all 4 heads" in r for r in u.tp_refused)
+    assert any(p.row.endswith("DenseReluDense.wo") for p in u.tp_pairs)  # the MLP still shards
+
+
+def test_mixtral_router_stays_replicated():
+    u = _block(graph_of("mixtral"))
+    assert not any("gate" in m or "router" in m for m in u.tp_styles)
+    assert u.tp_shardable_params < u.params  # experts and router are not sharded by TP

@@ -98,7 +98,7 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                 analysed[sig] = Counts()
             else:
                 analysed[sig] = analyse_callable(sub, args, list(unit_params.values()), seq, buffers)
-                tp_by_sig[sig] = (group, tp_info(sub, args, model, names, constant_inputs(parts, i)))
+                tp_by_sig[sig] = (group, tp_info(sub, args, model, names, constant_inputs(parts, i), traced.method))
         c = analysed[sig]
         n_params = sum(p.numel() for p in unit_params.values())
         act = sum(c.saved.values())
@@ -113,11 +113,12 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
             for p in info.pairs
         ]
         styles = {rename(k): v for k, v in info.styles.items()}
-        shard_flops = info.shard_flops + (c.fwd_attention if tp_pairs else 0.0)  # heads split with q/k/v
-        if tp_pairs:
-            # Matmuls between a column and its row Linear (explicit QK^T and AV after the head split) are
-            # split by heads too: everything but the unit's unpaired Linears divides by t.
-            shard_flops = max(shard_flops, c.fwd_matmul - info.unpaired_flops + c.fwd_attention)
+        shard_flops = info.shard_flops
+        if tp_pairs and info.attention:
+            # Attention runs between a sharded q/k/v and its row Linear: split by heads, its explicit
+            # QK^T and AV matmuls too, so everything but the unit's unpaired matmuls divides by t. Where
+            # no pair covers attention (refused, or none found) it stays whole on every rank.
+            shard_flops = max(shard_flops + c.fwd_attention, c.fwd_matmul - info.unpaired_flops + c.fwd_attention)
         if i < len(groups) - 1 and info.gather_bytes:
             styles = {k: v for k, v in styles.items() if v != "colwise_gather"}  # only the model's output
             shard_flops -= info.shard_flops
@@ -149,6 +150,11 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                 uses_flash_attention=c.flash,
                 gemm_dim=info.gemm_dim,
                 tp_granularity=info.granularity,
+                tp_head_attrs={rename(k): v for k, v in info.head_attrs.items()},
+                tp_fused={rename(k): v for k, v in info.fused.items()},
+                tp_transposed=[rename(k) for k in info.transposed],
+                tp_refused=[_rename_text(rename, first_group, group, r) for r in info.refused],
+                tp_shards_attention=bool(tp_pairs) and info.attention,
             )
         )
     return ModelGraph(
@@ -163,3 +169,11 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
         structure=structure.found,
         dtype_bytes=dtype_bytes,
     )
+
+
+def _rename_text(rename, first: list[str], group: list[str], text: str) -> str:
+    """A reason written for a unit's first instance, with this instance's module names."""
+    for a, b in sorted(zip(first, group), key=lambda p: -len(p[0])):
+        if a != b:
+            text = text.replace(a + ".", b + ".").replace(a + " ", b + " ")
+    return text

@@ -128,7 +128,7 @@ def _open_single_child(model) -> list[str]:
         roots[i : i + 1] = [f"{big[0]}.{n}" for n, _ in model.get_submodule(big[0]).named_children()]
 
 
-def _node_module_paths(node) -> list[str]:
+def node_module_paths(node) -> list[str]:
     """Module paths (outer to inner) that a graph node executes under."""
     stack = node.meta.get("nn_module_stack") or {}
     paths = []
@@ -157,7 +157,7 @@ def assign_nodes(gm, roots: list[str]) -> dict:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
         found = None
-        for path in _node_module_paths(node):
+        for path in node_module_paths(node):
             # match the path itself or the root it lies under
             parts = path.split(".")
             for i in range(1, len(parts) + 1):
