@@ -226,6 +226,8 @@ def build_plan(
         tp_transposed=sorted(transposed),
         tp_refused=refused,
         structure=graph.structure,
+        source_spec=graph.source_spec,
+        source_settings=graph.source_settings,
         stages=stages,
         predicted=predicted,
         alternatives=alternatives,

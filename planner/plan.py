@@ -192,6 +192,8 @@ class Plan(_Model):
     tp_refused: list[str] = Field(
         default_factory=list, description="projections tensor parallelism leaves replicated, and why"
     )
+    source_spec: str | None = Field(None, description="model source compiled into model_source.py (hf:NAME)")
+    source_settings: dict[str, Any] = Field(default_factory=dict, description="settings that source applies")
     structure: list[str] = Field(
         default_factory=list, description="the repeated blocks found and where, e.g. '12 x GPT2Block in transformer.h'"
     )

@@ -167,6 +167,8 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
         sample_input_shapes=[list(t.shape) for t in inputs],
         distinct_blocks=len(analysed),
         structure=structure.found,
+        source_spec=getattr(loaded.module, "SOURCE", None) if _compiled(loaded) else None,
+        source_settings=dict(getattr(loaded.module, "SETTINGS", {})) if _compiled(loaded) else {},
         dtype_bytes=dtype_bytes,
     )
 
@@ -177,3 +179,10 @@ def _rename_text(rename, first: list[str], group: list[str], text: str) -> str:
         if a != b:
             text = text.replace(a + ".", b + ".").replace(a + " ", b + " ")
     return text
+
+
+def _compiled(loaded: LoadedModel) -> bool:
+    """Whether the model file is one planner.model.sources wrote (it names its source and settings)."""
+    from planner.model.sources import SOURCE_FILE
+
+    return loaded.source.path.endswith(SOURCE_FILE) and isinstance(getattr(loaded.module, "SOURCE", None), str)

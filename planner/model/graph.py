@@ -115,6 +115,10 @@ class ModelGraph(_Model):
     structure: list[str] = Field(
         default_factory=list, description="the repeated blocks found and where, e.g. '12 x GPT2Block in transformer.h'"
     )
+    source_spec: str | None = Field(None, description="the model source compiled into the model file (hf:NAME)")
+    source_settings: dict[str, Any] = Field(
+        default_factory=dict, description="settings the compiled source applies (use_cache=False, sdpa ...)"
+    )
     dtype_bytes: int
 
     def unit(self, name: str) -> Unit:

@@ -128,6 +128,9 @@ def summary_panel(plan: Plan, params: int | None = None, timeline: str | Path | 
     args = ", ".join(f"{k}={v!r}" for k, v in sorted(plan.model.model_args.items()))
     grid.add_row("Model", model)
     grid.add_row("Model file", Path(plan.model.path).name + (f" ({args})" if args else ""))
+    if plan.source_spec:
+        settings = ", ".join(f"{k}={v}" for k, v in sorted(plan.source_settings.items()))
+        grid.add_row("Model source", plan.source_spec + (f" ({settings}, set by the planner)" if settings else ""))
     if plan.structure:
         grid.add_row("Units", "; ".join(plan.structure))
     if plan.tp_head_attrs:
