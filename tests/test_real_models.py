@@ -19,7 +19,11 @@ HF = MODELS / "hf_tiny.py"
 HF_STRUCTURE = {
     "llama": ["4 x LlamaDecoderLayer in model.layers (ModuleList)"],
     "qwen2": ["4 x Qwen2DecoderLayer in model.layers (ModuleList)"],
-    "mixtral": ["4 x MixtralDecoderLayer in model.layers (ModuleList)"],
+    "mixtral": [
+        "4 x MixtralDecoderLayer in model.layers (ModuleList)",
+        "MoE MixtralSparseMoeBlock in model.layers.0.mlp: 4 experts, top-2, router MixtralTopKRouter (replicated "
+        "under TP)",
+    ],
     "gpt2": ["4 x GPT2Block in transformer.h (ModuleList)"],
     "bert": ["4 x BertLayer in bert.encoder.layer (ModuleList)"],
     "t5": ["2 x T5Block in encoder.block (ModuleList)", "2 x T5Block in decoder.block (ModuleList)"],
@@ -70,7 +74,7 @@ def test_units_found_and_every_parameter_owned_once(name):
     expected = {**HF_STRUCTURE, **FIXTURE_STRUCTURE}[name]
     assert g.structure == expected
     blocks = [u for u in g.units if u.kind == "block"]
-    assert len(blocks) == sum(int(s.split(" x ")[0]) for s in expected)
+    assert len(blocks) == sum(int(s.split(" x ")[0]) for s in expected if " x " in s)
     assert len(g.units) > len(blocks)  # embedding / stem and head are units of their own
     total = _reference_params(name)
     assert g.total_params == total
@@ -263,3 +267,37 @@ def test_module_factory_source(tmp_path, monkeypatch):
     assert json.loads(result.output)["structure"] == ["4 x TransformerBlock in layers (ModuleDict)"]
     bad = _dry_run("module:mypkg.nothing_here:build_model", "--dp", "4")
     assert bad.exit_code == 2 and "cannot be imported" in bad.output
+
+
+def test_deepseek_style_experts_in_a_module_list_are_not_pipeline_blocks():
+    """Experts in a ModuleList run side by side on the same tokens: the decoder layer stays one block."""
+    import torch
+    import torch.nn as nn
+
+    from planner.model.grouping import discover_structure
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.top_k = 2
+            self.gate = nn.Linear(8, 4, bias=False)
+            mlp = [nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 8)) for _ in range(4)]
+            self.experts = nn.ModuleList(mlp)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(8)
+            self.mlp = MoE()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 8)
+            self.layers = nn.ModuleList([Layer() for _ in range(3)])
+
+    with torch.device("meta"):
+        st = discover_structure(Model())
+    assert st.roots == ["embed", "layers.0", "layers.1", "layers.2"]
+    assert st.found == ["3 x Layer in layers (ModuleList)", "MoE MoE in layers.0.mlp: 4 experts, top-2, router Linear "
+                        "(replicated under TP)"]

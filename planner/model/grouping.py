@@ -109,6 +109,7 @@ def discover_structure(model) -> Structure:
             f"{n} x {typ} in {where} ({ctype}{', nested' if '*' in where else ''})"
             for (typ, where, ctype), n in runs.items()
         ]
+    found.extend(_moe_blocks(model, blocks))
     stateless = frozenset(
         r for r in roots if not any(True for _ in model.get_submodule(r).parameters())
         and not any(True for _ in model.get_submodule(r).buffers())
@@ -320,3 +321,47 @@ def model_input_count(model, available: int) -> int:
         elif p.kind == p.VAR_POSITIONAL:
             return available
     return max(1, min(available, required or positional))
+
+
+def _experts_of(mod) -> int:
+    """Number of experts a module named 'experts' holds: a container's children, or the leading dimension
+    of stacked 3-D expert weights (Mixtral's MixtralExperts), else 0."""
+    if _is_container(mod):
+        return len(list(mod.children()))
+    n = getattr(mod, "num_experts", None)
+    if isinstance(n, int) and not isinstance(n, bool):
+        return n
+    dims = {int(p.shape[0]) for p in mod.parameters(recurse=False) if p.dim() == 3}
+    return dims.pop() if len(dims) == 1 else 0
+
+
+def _moe_blocks(model, blocks: set[str]) -> list[str]:
+    """Mixture-of-experts layers in the first block of each type: experts, top-k and router, one line each."""
+    import torch.nn as nn
+
+    lines: list[str] = []
+    seen: set[str] = set()
+    for root in sorted(blocks):
+        block = model.get_submodule(root)
+        if type(block).__name__ in seen:
+            continue
+        seen.add(type(block).__name__)
+        for name, mod in block.named_modules():
+            experts = getattr(mod, "experts", None)
+            if not isinstance(experts, nn.Module) or not _experts_of(experts):
+                continue
+            router = next(
+                (c for n, c in mod.named_children() if n in ("gate", "router") or "Router" in type(c).__name__), None
+            )
+            top_k = next(
+                (v for src in (mod, router) if src is not None for k in ("top_k", "num_experts_per_tok")
+                 if isinstance(v := getattr(src, k, None), int)),
+                None,
+            )
+            where = f"{root}.{name}" if name else root
+            lines.append(
+                f"MoE {type(mod).__name__} in {where}: {_experts_of(experts)} experts"
+                + (f", top-{top_k}" if top_k else "")
+                + (f", router {type(router).__name__} (replicated under TP)" if router is not None else "")
+            )
+    return lines
