@@ -71,6 +71,14 @@ ModelFileArg = Annotated[
         metavar="MODEL_FILE", show_default=False,
     ),
 ]
+HfConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--hf-config", metavar="PATH", rich_help_panel=_MODEL, show_default=False,
+        help="config.json (or its folder) for an hf:NAME model source; default: a local folder NAME or the local "
+        "Hugging Face cache. Nothing is downloaded.",
+    ),
+]
 ModelArgOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -287,10 +295,23 @@ def plan_request(
     micro_batch_size: int | None, schedule: Schedule | None, zero_stage: int | None, recompute: Recompute | None,
     sequence_parallel: bool | None, dtype: DType, build_fn: str, inputs_fn: str, loss_fn: str | None, top_k: int,
     time_limit: float | None, no_overlap: bool, seed: int, lr: float, steps: int, data: str | None = None,
-    measure: bool | None = None, memory_reserve: float | None = None,
+    measure: bool | None = None, memory_reserve: float | None = None, hf_config: Path | None = None,
+    source_dir: Path | None = None,
 ) -> PlanRequest:
-    """The library's PlanRequest from the options `plan` and `dry-run` share; unset pins are searched."""
+    """The library's PlanRequest from the options `plan` and `dry-run` share; unset pins are searched.
+
+    A model source that is not a file (hf:NAME, module:pkg.mod:factory) is compiled into a model file in
+    ``source_dir`` (the plan directory; a temporary folder for dry-run) first.
+    """
+    from planner.model.sources import compile_source, is_source
     from planner.pipeline import PlanRequest
+
+    if is_source(str(model_file)):
+        import tempfile
+
+        args = parse_model_args(model_arg)
+        where = source_dir or Path(tempfile.mkdtemp(prefix="planner-source-"))
+        model_file = compile_source(str(model_file), where, hf_config, int(args.get("seq", 2048)))
 
     pins: dict[str, Any] = {
         "dp": dp, "tp": tp, "pp": pp, "virtual_stages": virtual_stages, "micro_batch_size": micro_batch_size,

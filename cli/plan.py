@@ -32,6 +32,7 @@ from cli._options import (
     GlobalBatchOpt,
     GpuOpt,
     GpusPerNodeOpt,
+    HfConfigOpt,
     InputsFnOpt,
     JsonOpt,
     LossFnOpt,
@@ -85,6 +86,7 @@ def plan(
     gpu: GpuOpt,
     global_batch_size: GlobalBatchOpt,
     model_arg: ModelArgOpt = None,
+    hf_config: HfConfigOpt = None,
     nodes: NodesOpt = 1,
     gpus_per_node: GpusPerNodeOpt = None,
     memory_reserve: MemoryReserveOpt = None,
@@ -127,7 +129,7 @@ def plan(
         global_batch_size=global_batch_size, dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages,
         micro_batch_size=micro_batch_size, schedule=schedule, zero_stage=zero_stage, recompute=recompute,
         sequence_parallel=sequence_parallel, dtype=dtype, build_fn=build_fn, inputs_fn=inputs_fn, loss_fn=loss_fn,
-        data=data, measure=measure, memory_reserve=memory_reserve,
+        data=data, measure=measure, memory_reserve=memory_reserve, hf_config=hf_config, source_dir=out,
         top_k=top_k, time_limit=time_limit, no_overlap=no_overlap, seed=seed, lr=lr, steps=steps,
     )
     quiet = is_quiet(ctx, quiet)

@@ -184,9 +184,18 @@ def build_plan(
             )
         )
     tp_plan: dict[str, str] = {}
+    head_attrs: dict[str, list[str]] = {}
+    fused: dict[str, int] = {}
+    transposed: set[str] = set()
+    refused: list[str] = []
     if best.cand.tp > 1:
+        # One sharding decision: what the cost model divided by tp (Unit.tp_*) is what the script shards.
         for u in graph.units:
             tp_plan.update(u.tp_styles)
+            head_attrs.update(u.tp_head_attrs)
+            fused.update(u.tp_fused)
+            transposed.update(u.tp_transposed)
+            refused.extend(r for r in u.tp_refused if r not in refused)
     alternatives = []
     for ev in result.ranked[1:]:
         pred, _ = predicted_for(ev, graph, cluster, options, request.global_batch_size)
@@ -214,6 +223,13 @@ def build_plan(
         ),
         parallel=_parallel(best, request.global_batch_size),
         tp_plan=dict(sorted(tp_plan.items())),  # type: ignore[arg-type]
+        tp_head_attrs=dict(sorted(head_attrs.items())),
+        tp_fused=dict(sorted(fused.items())),
+        tp_transposed=sorted(transposed),
+        tp_refused=refused,
+        structure=graph.structure,
+        source_spec=graph.source_spec,
+        source_settings=graph.source_settings,
         stages=stages,
         predicted=predicted,
         alternatives=alternatives,
@@ -257,7 +273,7 @@ def load_request_model(request: PlanRequest):
 
 
 def analyse(request: PlanRequest) -> ModelGraph:
-    from planner.model.units import analyse_model
+    from planner.model.analysis import analyse_model
 
     return analyse_model(load_request_model(request))
 

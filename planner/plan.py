@@ -179,7 +179,24 @@ class Plan(_Model):
     parallel: ParallelConfig
     tp_plan: dict[str, TPStyle] = Field(default_factory=dict, description="module name -> TP style")
     tp_head_attrs: dict[str, list[str]] = Field(
-        default_factory=dict, description="module name -> attributes holding head counts, divided by tp per rank"
+        default_factory=dict,
+        description="module -> integer attributes (head counts, split widths) each rank divides by tp before "
+        "sharding, because its forward reshapes by them (view(b, s, self.num_heads, -1))",
+    )
+    tp_fused: dict[str, int] = Field(
+        default_factory=dict, description="colwise module -> chunks of its fused output (q, k, v): each chunk "
+        "is sharded separately"
+    )
+    tp_transposed: list[str] = Field(
+        default_factory=list, description="TP modules whose weight is stored [in, out] (HF Conv1D)"
+    )
+    tp_refused: list[str] = Field(
+        default_factory=list, description="projections tensor parallelism leaves replicated, and why"
+    )
+    source_spec: str | None = Field(None, description="model source compiled into model_source.py (hf:NAME)")
+    source_settings: dict[str, Any] = Field(default_factory=dict, description="settings that source applies")
+    structure: list[str] = Field(
+        default_factory=list, description="the repeated blocks found and where, e.g. '12 x GPT2Block in transformer.h'"
     )
     stages: list[StagePlan]
     predicted: Predicted

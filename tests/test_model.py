@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from planner.errors import ModelLoadError, TraceError
+from planner.model.analysis import analyse_model
 from planner.model.load import load_model_file
-from planner.model.units import analyse_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -16,8 +16,8 @@ from planner.measure.profile import (
     profile_model,
     to_cost_profile,
 )
+from planner.model.analysis import analyse_model
 from planner.model.load import load_model_file
-from planner.model.units import analyse_model
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "sample_models" / "gpt.py"

@@ -113,7 +113,7 @@ def roofline_times(
     if sharded and unit.matmul_flops > 0:
         mm_shard = min(1.0, max(0.0, (unit.tp_shardable_flops - unit.attention_flops) / unit.matmul_flops))
     mm_scale = (1 - mm_shard) + mm_shard / tp if sharded else 1.0
-    attn_scale = 1.0 / tp if sharded else 1.0
+    attn_scale = 1.0 / tp if sharded and unit.tp_shards_attention else 1.0  # refused attention stays whole
     # Elementwise work inside TP regions shards; with sequence parallelism the rest does too.
     mem_scale = 1.0 / tp if (sp and tp > 1) else ((1 - mm_shard) + mm_shard / tp if sharded else 1.0)
     dim = min(unit.gemm_dim, max(1, unit.gemm_dim // tp)) if sharded else unit.gemm_dim

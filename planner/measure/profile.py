@@ -308,26 +308,26 @@ def _split_model(loaded: LoadedModel, model, inputs: tuple, real: tuple) -> _Spl
     """Trace and split as `analyse_model` does, running each distinct unit once on meta."""
     from torch.fx.passes.split_module import split_module
 
-    from planner.model.trace import trace_model
-    from planner.model.units import (
-        _group_units,
-        _structure_key,
-        _unit_name,
-        find_block_container,
+    from planner.model.grouping import (
+        discover_structure,
+        group_units,
         model_input_count,
         run_units_once,
-        unit_roots,
+        structure_key,
+        unit_name,
     )
+    from planner.model.trace import trace_model
 
     n_in = model_input_count(model, len(inputs))
-    roots, blocks = unit_roots(model, find_block_container(model))
+    structure = discover_structure(model)
+    roots, blocks = structure.roots, structure.blocks
 
     def split_and_run(gm) -> _Split:
-        groups, node_unit = _group_units(gm, roots, blocks)
+        groups, node_unit = group_units(gm, roots, blocks, structure.stateless)
         parts = split_module(gm, model, lambda n: node_unit[n], keep_original_order=True)
-        keys = {i: _structure_key(model, g, blocks) for i, g in enumerate(groups)}
+        keys = {i: structure_key(model, g, blocks) for i, g in enumerate(groups)}
         _, captured, sigs = run_units_once(parts, inputs[:n_in], keys)
-        return _Split(parts, groups, [_unit_name(g) for g in groups], captured, sigs, real[:n_in])
+        return _Split(parts, groups, [unit_name(g) for g in groups], captured, sigs, real[:n_in])
 
     return trace_model(model, inputs[:n_in], loaded.source.path, check=split_and_run).checked
 
@@ -542,7 +542,7 @@ def measure_unit(fn, args: tuple, device, repeats: int, warmup: int) -> UnitTimi
     import torch
     import torch.nn as nn
 
-    from planner.model.units import _flatten_tensors
+    from planner.model.counting import flatten_tensors
 
     cuda = device.type == "cuda"
     # Activation inputs' gradients are dropped each time; parameters' accumulate (see above).
@@ -560,7 +560,7 @@ def measure_unit(fn, args: tuple, device, repeats: int, warmup: int) -> UnitTimi
             events[0].record()
             out = fn(*args)
             events[1].record()
-            outs = [o for o in _flatten_tensors(out) if o.requires_grad]
+            outs = [o for o in flatten_tensors(out) if o.requires_grad]
             grads = [torch.ones_like(o) for o in outs]
             events[2].record()
             if outs:
@@ -573,7 +573,7 @@ def measure_unit(fn, args: tuple, device, repeats: int, warmup: int) -> UnitTimi
             t0 = time.perf_counter()
             out = fn(*args)
             t_fwd = time.perf_counter() - t0
-            outs = [o for o in _flatten_tensors(out) if o.requires_grad]
+            outs = [o for o in flatten_tensors(out) if o.requires_grad]
             grads = [torch.ones_like(o) for o in outs]
             t0 = time.perf_counter()
             if outs:

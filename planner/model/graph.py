@@ -74,6 +74,23 @@ class Unit(_Model):
     tp_granularity: int = Field(
         0, description="gcd of the head counts and column widths that TP splits; tp must divide it"
     )
+    tp_head_attrs: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="module -> integer attributes (head counts, split widths) each rank divides by tp before "
+        "its sharded projections run, e.g. {'h.0.attn': ['split_size']}",
+    )
+    tp_fused: dict[str, int] = Field(
+        default_factory=dict, description="column module -> chunks of a fused projection (q, k, v): each is "
+        "sharded on its own so every rank keeps its heads of each"
+    )
+    tp_transposed: list[str] = Field(
+        default_factory=list, description="sharded modules whose weight is stored [in, out] (HF Conv1D): "
+        "colwise shards weight dim 1 and the bias, rowwise weight dim 0"
+    )
+    tp_refused: list[str] = Field(default_factory=list, description="projections left replicated, and why")
+    tp_shards_attention: bool = Field(
+        True, description="a TP pair covers the unit's attention, so its heads (and FLOPs) split by tp"
+    )
     gemm_dim: int = Field(0, description="FLOP-weighted smallest dimension of the unit's Linears (for GEMM efficiency)")
     uses_flash_attention: bool = Field(False, description="attention through scaled_dot_product_attention")
 
@@ -95,6 +112,13 @@ class ModelGraph(_Model):
     )
     sample_input_shapes: list[list[int]] = Field(description="shapes of example_inputs(1)")
     distinct_blocks: int = Field(description="number of distinct unit signatures analysed")
+    structure: list[str] = Field(
+        default_factory=list, description="the repeated blocks found and where, e.g. '12 x GPT2Block in transformer.h'"
+    )
+    source_spec: str | None = Field(None, description="the model source compiled into the model file (hf:NAME)")
+    source_settings: dict[str, Any] = Field(
+        default_factory=dict, description="settings the compiled source applies (use_cache=False, sdpa ...)"
+    )
     dtype_bytes: int
 
     def unit(self, name: str) -> Unit:

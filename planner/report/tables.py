@@ -128,6 +128,18 @@ def summary_panel(plan: Plan, params: int | None = None, timeline: str | Path | 
     args = ", ".join(f"{k}={v!r}" for k, v in sorted(plan.model.model_args.items()))
     grid.add_row("Model", model)
     grid.add_row("Model file", Path(plan.model.path).name + (f" ({args})" if args else ""))
+    if plan.source_spec:
+        settings = ", ".join(f"{k}={v}" for k, v in sorted(plan.source_settings.items()))
+        grid.add_row("Model source", plan.source_spec + (f" ({settings}, set by the planner)" if settings else ""))
+    if plan.structure:
+        grid.add_row("Units", "; ".join(plan.structure))
+    if plan.tp_head_attrs:
+        # One line per module pattern (transformer.h.*.attn), not per block.
+        pattern = {re.sub(r"\.\d+(?=\.|$)", ".*", m): ", ".join(a) for m, a in plan.tp_head_attrs.items()}
+        grid.add_row("TP head attributes", "; ".join(f"{m}: {a} / tp" for m, a in pattern.items()))
+    if plan.tp_refused:
+        more = f" (+{len(plan.tp_refused) - 1} more in plan.json)" if len(plan.tp_refused) > 1 else ""
+        grid.add_row("TP not applied", plan.tp_refused[0] + more)
     where = f"{c.nodes} node{'s' if c.nodes != 1 else ''} x {c.gpus_per_node} x {c.gpu}"
     if c.name != c.gpu:
         where += f" ({c.name})"

@@ -1,0 +1,188 @@
+"""analyse_model: build on meta, trace, group into units and count each distinct unit once.
+
+Each distinct unit (by structure and input shapes) is analysed once: counting.py measures its FLOPs, bytes
+and activations, tp.py its tensor-parallel pairs; grouping.py decides what the units are.
+"""
+
+from __future__ import annotations
+
+from planner.model.counting import Counts, analyse_callable, flatten_tensors, tensor_bytes
+from planner.model.graph import ModelGraph, TPPair, Unit
+from planner.model.grouping import (
+    discover_structure,
+    group_units,
+    model_input_count,
+    run_units_once,
+    structure_key,
+    unit_name,
+)
+from planner.model.load import DTYPE_BYTES, LoadedModel, build_meta_model, meta_inputs
+from planner.model.tp import ModuleNames, TPInfo, constant_inputs, renamer, tp_info
+from planner.model.trace import trace_model
+
+
+def analyse_model(loaded: LoadedModel) -> ModelGraph:
+    """Build on meta, trace, group into units and analyse each distinct unit once."""
+    import torch
+    from torch.fx.passes.split_module import split_module
+
+    model = build_meta_model(loaded)
+    inputs = meta_inputs(loaded, 1)
+    n_in = model_input_count(model, len(inputs))
+    structure = discover_structure(model)
+    roots, blocks = structure.roots, structure.blocks
+
+    def split_and_run(gm):
+        groups, node_unit = group_units(gm, roots, blocks, structure.stateless)
+        parts = split_module(gm, model, lambda n: node_unit[n], keep_original_order=True)
+        keys = {i: structure_key(model, g, blocks) for i, g in enumerate(groups)}
+        out, captured, sigs = run_units_once(parts, inputs[:n_in], keys)
+        return groups, node_unit, parts, out, captured, sigs
+
+    traced = trace_model(model, inputs[:n_in], loaded.source.path, check=split_and_run)
+    groups, node_unit, parts, out, captured, unit_sig = traced.checked
+
+    dtype_bytes = DTYPE_BYTES[loaded.source.dtype]
+    tokens = None
+    first = inputs[0]
+    if not first.is_floating_point() and first.dim() >= 2:
+        tokens = int(first.shape[1])
+
+    # Bytes live across each cut: values produced at or before unit i and used after it.
+    produced: dict = {}
+    last_use: dict = {}
+    sizes: dict = {}
+    for node in parts.graph.nodes:
+        if node.op == "placeholder":
+            produced[node] = -1
+        elif node.op == "call_module" and node.target.startswith("submod_"):
+            produced[node] = int(node.target.split("_")[1])
+        elif node.op == "call_function":  # getitem of a submodule's tuple output
+            src = node.args[0]
+            produced[node] = produced.get(src, -1)
+        for arg in node.all_input_nodes:
+            if node.op == "call_module" and node.target.startswith("submod_"):
+                last_use[arg] = max(last_use.get(arg, -1), int(node.target.split("_")[1]))
+            elif node.op == "output":
+                last_use[arg] = len(groups)
+    for node in parts.graph.nodes:
+        if node.op == "call_module" and node.target.startswith("submod_"):
+            idx = int(node.target.split("_")[1])
+            for arg, val in zip(node.args, captured.get(idx, ())):
+                if isinstance(val, torch.Tensor):
+                    sizes[arg] = tensor_bytes(val)
+
+    params_by_name = dict(model.named_parameters())
+    buffers = tuple(model.buffers())
+    names = ModuleNames.of(model)
+    root_attrs: dict[int, list[str]] = {}
+    for n, u in node_unit.items():
+        if n.op == "get_attr" and str(n.target) in params_by_name:
+            root_attrs.setdefault(u, []).append(str(n.target))
+    units: list[Unit] = []
+    analysed: dict[str, Counts] = {}
+    tp_by_sig: dict[str, tuple[list[str], TPInfo]] = {}
+    seq = tokens
+    for i, group in enumerate(groups):
+        sub = getattr(parts, f"submod_{i}", None)
+        unit_params = {}
+        for r in group:
+            for pn, p in model.get_submodule(r).named_parameters(prefix=r):
+                unit_params[pn] = p
+        for name in root_attrs.get(i, ()):  # root-level parameters fetched by get_attr
+            unit_params.setdefault(name, params_by_name[name])
+        args = captured.get(i, ())
+        sig = unit_sig[i]
+        if sig not in analysed:
+            if sub is None:
+                analysed[sig] = Counts()
+            else:
+                analysed[sig] = analyse_callable(sub, args, list(unit_params.values()), seq, buffers)
+                tp_by_sig[sig] = (group, tp_info(sub, args, model, names, constant_inputs(parts, i), traced.method))
+        c = analysed[sig]
+        n_params = sum(p.numel() for p in unit_params.values())
+        act = sum(c.saved.values())
+        core = sum(v for k, v in c.saved.items() if k in c.attention_core)
+        in_bytes = sum(tensor_bytes(a) for a in args if isinstance(a, torch.Tensor))
+        out_bytes = sum(sizes.get(v, 0) for v, p in produced.items() if p <= i < last_use.get(v, -1))
+
+        first_group, info = tp_by_sig.get(sig, (group, TPInfo()))
+        rename = renamer(first_group, group)
+        tp_pairs = [
+            TPPair(column=[rename(c) for c in p.column], row=rename(p.row), allreduce_bytes=p.allreduce_bytes)
+            for p in info.pairs
+        ]
+        styles = {rename(k): v for k, v in info.styles.items()}
+        shard_flops = info.shard_flops
+        if tp_pairs and info.attention:
+            # Attention runs between a sharded q/k/v and its row Linear: split by heads, its explicit
+            # QK^T and AV matmuls too, so everything but the unit's unpaired matmuls divides by t. Where
+            # no pair covers attention (refused, or none found) it stays whole on every rank.
+            shard_flops = max(shard_flops + c.fwd_attention, c.fwd_matmul - info.unpaired_flops + c.fwd_attention)
+        if i < len(groups) - 1 and info.gather_bytes:
+            styles = {k: v for k, v in styles.items() if v != "colwise_gather"}  # only the model's output
+            shard_flops -= info.shard_flops
+        units.append(
+            Unit(
+                name=unit_name(group),
+                modules=list(group),
+                kind="block" if all(r in blocks for r in group) else "other",
+                signature=sig,
+                params=n_params,
+                param_bytes=sum(p.numel() * p.element_size() for p in unit_params.values()),
+                fwd_flops=c.fwd_flops,
+                bwd_flops=c.bwd_flops,
+                matmul_flops=c.fwd_matmul,
+                attention_flops=c.fwd_attention,
+                memory_bound_bytes=c.fwd_mem_bytes,
+                bwd_matmul_flops=c.bwd_matmul,
+                bwd_attention_flops=c.bwd_attention,
+                bwd_memory_bound_bytes=c.bwd_mem_bytes,
+                activation_bytes=act,
+                attention_core_bytes=core,
+                input_bytes=in_bytes,
+                output_bytes=out_bytes if i < len(groups) - 1 else sum(tensor_bytes(t) for t in flatten_tensors(out)),
+                tp_pairs=tp_pairs,
+                tp_shardable_params=info.shard_params if styles else 0,
+                tp_gather_bytes=info.gather_bytes if i == len(groups) - 1 else 0,
+                tp_shardable_flops=min(shard_flops, c.fwd_flops),
+                tp_styles=styles,
+                uses_flash_attention=c.flash,
+                gemm_dim=info.gemm_dim,
+                tp_granularity=info.granularity,
+                tp_head_attrs={rename(k): v for k, v in info.head_attrs.items()},
+                tp_fused={rename(k): v for k, v in info.fused.items()},
+                tp_transposed=[rename(k) for k in info.transposed],
+                tp_refused=[_rename_text(rename, first_group, group, r) for r in info.refused],
+                tp_shards_attention=bool(tp_pairs) and info.attention,
+            )
+        )
+    return ModelGraph(
+        source=loaded.source,
+        model_class=type(model).__name__,
+        trace_method=traced.method,  # type: ignore[arg-type]
+        units=units,
+        total_params=sum(p.numel() for p in model.parameters()),
+        tokens_per_sample=tokens,
+        sample_input_shapes=[list(t.shape) for t in inputs],
+        distinct_blocks=len(analysed),
+        structure=structure.found,
+        source_spec=getattr(loaded.module, "SOURCE", None) if _compiled(loaded) else None,
+        source_settings=dict(getattr(loaded.module, "SETTINGS", {})) if _compiled(loaded) else {},
+        dtype_bytes=dtype_bytes,
+    )
+
+
+def _rename_text(rename, first: list[str], group: list[str], text: str) -> str:
+    """A reason written for a unit's first instance, with this instance's module names."""
+    for a, b in sorted(zip(first, group), key=lambda p: -len(p[0])):
+        if a != b:
+            text = text.replace(a + ".", b + ".").replace(a + " ", b + " ")
+    return text
+
+
+def _compiled(loaded: LoadedModel) -> bool:
+    """Whether the model file is one planner.model.sources wrote (it names its source and settings)."""
+    from planner.model.sources import SOURCE_FILE
+
+    return loaded.source.path.endswith(SOURCE_FILE) and isinstance(getattr(loaded.module, "SOURCE", None), str)

@@ -1,0 +1,244 @@
+"""Counting one unit's FLOPs, memory-bound bytes and saved activations on the meta device.
+
+Forward and backward run under a dispatch mode that applies torch's own FLOP formulas per op and splits
+matmul, attention and memory-bound work; saved-tensor hooks measure what autograd keeps for backward;
+``scaled_dot_product_attention`` is costed as flash attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# aten ops that only re-describe memory: they move no bytes.
+_VIEW_OPS = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "transpose",
+    "t",
+    "permute",
+    "expand",
+    "slice",
+    "select",
+    "unsqueeze",
+    "squeeze",
+    "detach",
+    "alias",
+    "as_strided",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "unbind",
+    "narrow",
+    "_reshape_alias",
+    "lift_fresh",
+    "empty",
+    "empty_like",
+    "ones_like",
+    "zeros_like",
+    "new_empty",
+    "clone_meta",
+}
+_MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "convolution_backward", "_scaled_mm"}
+_ATTENTION_OPS = {
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+    "_flash_attention_backward",
+    "_efficient_attention_backward",
+}
+
+
+@dataclass
+class Counts:
+    fwd_flops: float = 0.0
+    fwd_matmul: float = 0.0
+    fwd_attention: float = 0.0
+    fwd_mem_bytes: float = 0.0
+    bwd_flops: float = 0.0
+    bwd_matmul: float = 0.0
+    bwd_attention: float = 0.0
+    bwd_mem_bytes: float = 0.0
+    saved: dict[int, int] = field(default_factory=dict)
+    attention_core: set[int] = field(default_factory=set)
+    flash: bool = False
+
+
+def tensor_bytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _make_counter(counts: Counts):
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from torch.utils.flop_counter import flop_registry
+
+    class OpCounter(TorchDispatchMode):
+        """Counts FLOPs (torch's formulas) and memory-bound bytes per op class, forward or backward."""
+
+        phase = "fwd"
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            packet = func._overloadpacket
+            name = packet.__name__
+            flops = 0.0
+            if packet in flop_registry:
+                flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+            fwd = self.phase == "fwd"
+            if flops:
+                if name in _ATTENTION_OPS:
+                    if fwd:
+                        counts.fwd_attention += flops
+                    else:
+                        counts.bwd_attention += flops
+                elif fwd:
+                    counts.fwd_matmul += flops
+                else:
+                    counts.bwd_matmul += flops
+                if fwd:
+                    counts.fwd_flops += flops
+                else:
+                    counts.bwd_flops += flops
+            elif name not in _VIEW_OPS and name not in _MATMUL_OPS:
+                if name == "embedding":
+                    nbytes = 2 * tensor_bytes(out)  # a gather reads only the rows it returns
+                else:
+                    flat, _ = tree_flatten((args, kwargs, out))
+                    nbytes = sum(tensor_bytes(t) for t in flat if isinstance(t, torch.Tensor))
+                if fwd:
+                    counts.fwd_mem_bytes += nbytes
+                else:
+                    counts.bwd_mem_bytes += nbytes
+            return out
+
+    return OpCounter()
+
+
+def _flash_mode(counts: Counts):
+    """Replace scaled_dot_product_attention by a flash-attention stand-in while counting.
+
+    On a GPU, SDPA runs a fused kernel that keeps q, k, v, the output and the log-sum-exp for backward
+    (Dao et al. 2022), not the s x s attention map the meta device's math fallback would save. Its FLOPs
+    are 4*b*h*s_q*s_k*d forward (QK^T and AV) and twice that backward.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class _Flash(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v, _, _ = ctx.saved_tensors
+            flops = 8.0 * q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.shape[-1]
+            counts.bwd_attention += flops
+            counts.bwd_flops += flops
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    class FlashMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                q, k, v = args[:3]
+                if kwargs.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
+                    rep = q.shape[-3] // k.shape[-3]
+                    k = k.repeat_interleave(rep, dim=-3)
+                    v = v.repeat_interleave(rep, dim=-3)
+                flops = 4.0 * q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.shape[-1]
+                counts.fwd_attention += flops
+                counts.fwd_flops += flops
+                counts.flash = True
+                return _Flash.apply(q, k, v)
+            return func(*args, **kwargs)
+
+    return FlashMode()
+
+
+def _storage_key(t) -> int:
+    return t.untyped_storage()._cdata
+
+
+def analyse_callable(fn, inputs: tuple, params: list, seq_len: int | None, buffers: tuple = ()) -> Counts:
+    """Run fn(*inputs) forward and backward on meta tensors, counting FLOPs, bytes and saved activations.
+
+    Floating inputs are activations and get gradients, except the model's ``buffers`` passed in as inputs
+    (batch norm's running statistics): autograd refuses gradients for those.
+    """
+    import torch
+
+    counts = Counts()
+    param_keys = {_storage_key(p) for p in params}
+    buffer_keys = {_storage_key(b) for b in buffers}
+    # Non-leaf copies: a unit may update its input in place (ReLU(inplace=True) on a residual stream).
+    ins = tuple(
+        t.detach().requires_grad_(True).clone()
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and _storage_key(t) not in buffer_keys
+        else t
+        for t in inputs
+    )
+    sizes: dict[int, int] = {}
+
+    def pack(t):
+        key = _storage_key(t)
+        if key not in param_keys:
+            sizes[key] = max(sizes.get(key, 0), t.untyped_storage().nbytes())
+            if seq_len and t.dim() >= 2 and t.shape[-1] == t.shape[-2] == seq_len and seq_len > 1:
+                counts.attention_core.add(key)
+        return t
+
+    counter = _make_counter(counts)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _flash_mode(counts), counter:
+        out = fn(*ins)
+    counts.saved = sizes
+    outs = [o for o in flatten_tensors(out) if o.requires_grad]
+    if outs:
+        counter.phase = "bwd"
+        with counter:
+            torch.autograd.backward(outs, grad_tensors=[torch.ones_like(o) for o in outs])
+    return counts
+
+
+def flatten_tensors(x) -> list:
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    flat, _ = tree_flatten(x)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def val_meta(node):
+    tm = node.meta.get("tensor_meta")
+    if tm is not None:
+        return tm
+    return node.meta.get("val")
+
+
+def nbytes_of_meta(m) -> int:
+    import torch
+
+    if m is None:
+        return 0
+    if isinstance(m, torch.Tensor):
+        return m.numel() * m.element_size()
+    if hasattr(m, "shape") and hasattr(m, "dtype"):
+        numel = 1
+        for d in m.shape:
+            numel *= int(d)
+        return numel * torch.empty((), dtype=m.dtype).element_size()
+    if isinstance(m, (list, tuple)):
+        return sum(nbytes_of_meta(x) for x in m)
+    return 0

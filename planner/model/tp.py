@@ -1,0 +1,669 @@
+"""Tensor-parallel facts of one unit: its column/row Linear pairs, vocab-parallel embeddings and head.
+
+Pairs are found on the unit's traced graph (fx or torch.export) after shape propagation, by following
+each Linear's output through elementwise, view and attention ops to the one Linear it feeds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import gcd
+
+from planner.model.counting import nbytes_of_meta, val_meta
+from planner.model.graph import TPPair
+
+_MIXING = (
+    "layer_norm",
+    "rms_norm",
+    "group_norm",
+    "batch_norm",
+    "norm",
+    "mean",
+    "sum",
+    "var",
+    "std",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "argmax",
+    "logsumexp",
+    "cat",
+    "split",
+    "chunk",
+    "unbind",
+    "cumsum",
+    "sort",
+    "topk",
+)
+
+
+@dataclass
+class ModuleNames:
+    """Original qualified names of modules and parameters, by object (split_module renames them)."""
+
+    modules: dict[int, str]
+    params: dict[int, list[str]]  # every name of a parameter: tied weights have several (wte, lm_head)
+    by_name: dict[str, object] = field(default_factory=dict)  # qualified name -> module
+    inputs: dict = field(default_factory=dict)  # placeholder node -> the tensor a unit graph received
+
+    @classmethod
+    def of(cls, model) -> ModuleNames:
+        params: dict[int, list[str]] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            params.setdefault(id(p), []).append(n)
+        by_name = dict(model.named_modules(remove_duplicate=False))
+        return cls({id(m): n for n, m in model.named_modules()}, params, by_name)
+
+    def owner(self, param, kind) -> str | None:
+        """Name of the module ``kind(module)`` accepts that holds ``param`` as its ``weight``, or None."""
+        for full in self.params.get(id(param), ()):
+            if full.endswith(".weight"):
+                mod_name = full[: -len(".weight")]
+                if kind(self.by_name.get(mod_name)):
+                    return mod_name
+        return None
+
+
+def _applied_module(node, gm, names: ModuleNames, kind, aten_ops, weight_arg: int) -> str | None:
+    """Qualified name of the module of type `kind` a node applies (fx call_module, or an aten op on its
+    weight for graphs from torch.export)."""
+    if node.op == "call_module":
+        try:
+            mod = gm.get_submodule(node.target)
+        except AttributeError:
+            return None
+        return names.modules.get(id(mod)) if kind(mod) else None
+    if node.op == "call_function" and node.target in aten_ops and len(node.args) > weight_arg:
+        w = node.args[weight_arg]
+        op = getattr(w, "op", None)
+        if op in ("get_attr", "placeholder"):
+            if op == "placeholder":  # a weight split_module passed in from the parent graph
+                obj = names.inputs.get(w)
+            else:
+                obj = gm
+                for atom in str(w.target).split("."):
+                    obj = getattr(obj, atom, None)
+            return names.owner(obj, kind)
+    return None
+
+
+def is_conv1d(mod) -> bool:
+    """Hugging Face's Conv1D (GPT-2): a Linear whose weight is stored [in, out], applied with addmm."""
+    w = getattr(mod, "weight", None)
+    return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and w is not None and w.dim() == 2
+
+
+def projection_dims(mod) -> tuple[int, int]:
+    """(input features, output features) of an nn.Linear or a Conv1D."""
+    if is_conv1d(mod):
+        return int(mod.weight.shape[0]), int(mod.weight.shape[1])
+    return int(mod.in_features), int(mod.out_features)
+
+
+def _linear_module(node, gm, names: ModuleNames) -> str | None:
+    """Qualified name of the projection (nn.Linear, or HF Conv1D) a node applies. A router or other module
+    that calls F.linear on its own weight is not one: tensor parallelism leaves it replicated."""
+    import torch
+    import torch.nn as nn
+
+    def is_linear(m) -> bool:
+        return isinstance(m, nn.Linear)
+
+    lin = _applied_module(node, gm, names, is_linear, (torch.ops.aten.linear.default, torch.nn.functional.linear), 1)
+    if lin is None and node.op == "call_function" and node.target in (torch.ops.aten.addmm.default, torch.addmm):
+        lin = _applied_module(node, gm, names, is_conv1d, (node.target,), 2)
+    return lin
+
+
+def _embedding_module(node, gm, names: ModuleNames) -> str | None:
+    import torch
+    import torch.nn as nn
+
+    def is_embedding(m) -> bool:
+        return isinstance(m, nn.Embedding)
+
+    return _applied_module(node, gm, names, is_embedding, (torch.ops.aten.embedding.default,), 0)
+
+
+def _is_tensor_node(node) -> bool:
+    import torch
+
+    m = val_meta(node)
+    return isinstance(m, torch.Tensor) or (hasattr(m, "shape") and hasattr(m, "dtype"))
+
+
+def _is_mixing(node) -> bool:
+    name = getattr(node.target, "__name__", str(node.target))
+    if node.op == "call_module":
+        return True  # a non-Linear module (norm, activation module) is checked by its type below
+    base = name.split(".")[0].lstrip("_")
+    if "norm" in base:
+        return True
+    return any(base == m or base.startswith(m + "_") for m in _MIXING)
+
+
+def _ancestor_placeholders(nodes) -> set:
+    """The unit inputs (placeholder nodes) that ``nodes`` are computed from."""
+    found: set = set()
+    seen: set = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            found.add(n)
+        stack.extend(n.all_input_nodes)
+    return found
+
+
+def _shape(node) -> tuple | None:
+    m = val_meta(node) if hasattr(node, "meta") else None
+    return tuple(int(d) for d in m.shape) if m is not None and hasattr(m, "shape") else None
+
+
+def _op_name(node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0].lstrip("_")
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _reshaped_dim(src: tuple, out: tuple, pos: int) -> int | None:
+    """Where dimension ``pos`` of ``src`` is sharded after a reshape to ``out``: contiguous sharding splits
+    the outermost output dimension that overlaps its span (the heads of (heads, head_dim))."""
+    inner = _prod(src[pos + 1 :])
+    span = inner * src[pos]
+    for j in range(len(out)):
+        lo, hi = _prod(out[j + 1 :]), _prod(out[j:])
+        if lo < span and hi > inner and out[j] > 1:
+            return j
+    return None
+
+
+def _norm_dim(d, rank: int) -> int | None:
+    return d + rank if isinstance(d, int) and d < 0 else (d if isinstance(d, int) else None)
+
+
+_RESHAPES = {"view", "reshape", "unsafe_view", "flatten", "unflatten", "contiguous_view"}
+_TRANSPOSES = {"transpose", "swapaxes", "t"}
+_SPLITS = {"split", "split_with_sizes", "chunk", "tensor_split", "unbind"}
+_ATTENTION_FNS = ("scaled_dot_product", "flash_attention", "efficient_attention")
+_BATCHED_MATMULS = {"matmul", "bmm", "baddbmm", "einsum"}
+_SAFE_MODULES = ("GELU", "ReLU", "SiLU", "Dropout", "Tanh", "Sigmoid", "Identity", "NewGELUActivation",
+                 "GELUActivation", "FastGELUActivation", "QuickGELUActivation", "SiLUActivation")
+
+
+@dataclass
+class _Walk:
+    """What following one column's output found: the row Linears reached and what sharding needs."""
+
+    ends: set = field(default_factory=set)
+    failure: str = ""
+    literals: list = field(default_factory=list)  # (node, value): absolute sizes on the sharded dimension
+    fused: int = 0  # chunks the column's width is split into before its heads (fused q/k/v)
+    attention: bool = False
+    groups: int = 0  # how many pieces the sharded dimension holds where heads are split off (the head count)
+
+
+def _size_args(node) -> list:
+    args = list(node.args[1:])
+    if len(args) == 1 and isinstance(args[0], (list, tuple)):
+        return list(args[0])
+    return args
+
+
+def _walk_column(col, linears: dict, activation_arg: dict, sub, from_columns: set) -> _Walk:
+    """Follow a column Linear's output, tracking which dimension of each tensor is sharded (its width,
+    then its heads), to the row Linears it feeds; fail where an op would mix the sharded dimension."""
+    w = _Walk()
+    stack = [(u, col, len(_shape(col) or ()) - 1) for u in col.users]
+    seen: set = set()
+    while stack and not w.failure:
+        n, src, pos = stack.pop()
+        if (n, src, pos) in seen:
+            continue
+        seen.add((n, src, pos))
+        src_shape = _shape(src) or ()
+        rank = len(src_shape)
+        if n in linears:
+            if activation_arg.get(n) is src and pos == rank - 1:
+                w.ends.add(n)
+            else:
+                w.failure = f"its output reaches {linears[n]} other than as the input features"
+            continue
+        if n.op == "output":
+            w.failure = "its output leaves the unit unreduced"
+            continue
+        out = _shape(n)
+        name = _op_name(n)
+        new: int | None = pos
+        if n.op == "call_module":
+            if type(sub.get_submodule(n.target)).__name__ not in _SAFE_MODULES:
+                w.failure = f"{type(sub.get_submodule(n.target)).__name__} is applied to it"
+        elif name == "getitem":
+            src_meta = val_meta(src)
+            if not isinstance(src_meta, (list, tuple)) and out is not None and out != src_shape:
+                new = _matching_dim(src_shape, out, pos)
+        elif name in _SPLITS:
+            dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)
+            if _norm_dim(dim, rank) == pos:
+                if pos != rank - 1 or w.fused:
+                    w.failure = f"{name} splits it along the sharded dimension"
+                else:
+                    m = val_meta(n)
+                    w.fused = len(m) if isinstance(m, (list, tuple)) else 0
+                    size = n.args[1] if len(n.args) > 1 else None
+                    if isinstance(size, int) and name == "split":
+                        w.literals.append((n, size))
+        elif out is None:
+            new = pos  # a tuple (split) or a non-tensor: its items keep the dimension
+        elif name in _RESHAPES or name == "expand":
+            new = _reshaped_dim(src_shape, out, pos) if name in _RESHAPES else pos
+            if new is not None and not w.groups and len(out) > rank and new < len(out) - 1:
+                w.groups = out[new]
+            sizes = _size_args(n)
+            if new is not None and len(sizes) == len(out) and isinstance(sizes[new], int) and sizes[new] != -1:
+                w.literals.append((n, sizes[new]))
+        elif name in _TRANSPOSES:
+            a = _norm_dim(n.args[1] if len(n.args) > 1 else 0, rank)
+            b = _norm_dim(n.args[2] if len(n.args) > 2 else 1, rank)
+            new = b if pos == a else (a if pos == b else pos)
+        elif name == "permute":
+            dims = [_norm_dim(d, rank) for d in _size_args(n)]
+            new = dims.index(pos) if pos in dims else None
+        elif any(k in name for k in _ATTENTION_FNS):
+            if pos >= rank - 2:
+                w.failure = "attention sees it before its heads are split"
+            w.attention = True
+            new = len(out) - 3
+            # The mask or bias added to the scores must broadcast over heads (T5's position bias does not).
+            w.failure = w.failure or _side_input_conflict(n, src, out, new, from_columns)
+        elif name in _BATCHED_MATMULS:
+            if pos >= rank - 2:
+                w.failure = f"{name} contracts the sharded dimension"
+            w.attention = True
+            new = len(out) - (rank - pos)
+        elif pos == rank - 1 and _is_mixing(n):
+            w.failure = f"{name} mixes the sharded width"
+        else:
+            new = len(out) - (rank - pos) if len(out) >= rank - pos else None
+            w.failure = w.failure or _side_input_conflict(n, src, out, new, from_columns)
+        if new is None and not w.failure:
+            w.failure = f"the sharded dimension cannot be followed through {name}"
+        if not w.failure:
+            stack.extend((u, n, new) for u in n.users)
+    return w
+
+
+def _matching_dim(src: tuple, out: tuple, pos: int) -> int | None:
+    """After indexing, the output dimension that keeps the sharded one: same place from the right, or the
+    only dimension of that size."""
+    back = len(src) - pos
+    if len(out) >= back and out[len(out) - back] == src[pos]:
+        return len(out) - back
+    same = [j for j, d in enumerate(out) if d == src[pos]]
+    return same[0] if len(same) == 1 else None
+
+
+def _side_input_conflict(n, src, out: tuple, new: int | None, from_columns: set) -> str:
+    """A tensor combined elementwise with the sharded one must broadcast along the sharded dimension (a
+    mask, a rotary table) or be sharded itself; a side input holding every head (T5's position bias) is not."""
+    if new is None:
+        return ""
+    for a in n.all_input_nodes:
+        if a is src or a in from_columns:
+            continue
+        shape = _shape(a)
+        if not shape:
+            continue
+        back = len(out) - new
+        if len(shape) >= back and shape[len(shape) - back] > 1:
+            return (
+                f"{_op_name(n)} combines it with {a.name} (shape {list(shape)}), which holds all "
+                f"{shape[len(shape) - back]} heads/columns rather than one rank's share (a position bias over all "
+                "heads, as T5's), so it cannot be split"
+            )
+    return ""
+
+
+def _descendants(nodes) -> set:
+    found: set = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u not in found:
+                found.add(u)
+                stack.append(u)
+    return found
+
+
+@dataclass
+class FoundPair:
+    """A column/row pair found in one unit's graph, with what its sharding needs."""
+
+    columns: list[str]
+    row: str
+    row_node: object
+    literals: list  # (node, value): absolute sizes on the sharded dimension (see tp_info)
+    fused: dict[str, int]  # column -> chunks of a fused projection (q, k, v in one Linear)
+    attention: bool  # the pair's path runs attention (its FLOPs are split by heads too)
+    groups: int  # gcd of the pieces TP splits (head counts, else widths): tp must divide it
+
+
+def _activation_input(node):
+    """The graph node a projection node reads its input features from."""
+    import torch
+
+    if node.op == "call_function" and node.target in (torch.ops.aten.addmm.default, torch.addmm):
+        return node.args[1]
+    return node.args[0] if node.args else None
+
+
+def detect_tp_pairs(sub, names: ModuleNames, constants: frozenset = frozenset()):
+    """Column/row pairs inside one unit's graph: a projection (nn.Linear or HF Conv1D) whose output
+    reaches, through elementwise, view and attention ops that keep its sharded dimension apart, exactly
+    one other projection, which takes its input from those columns only; plus the unit's embeddings
+    (vocab-parallel, rowwise). ``sub`` is the unit's split GraphModule after shape propagation.
+    Returns ([FoundPair], embedding names, reasons why attention-like paths were not paired).
+    """
+    nodes = [n for n in sub.graph.nodes if n.op not in ("get_attr", "placeholder", "output")]
+    linears = {n: name for n in nodes if (name := _linear_module(n, sub, names))}
+    activation_arg = {n: _activation_input(n) for n in linears}
+    embeddings = [name for n in nodes if (name := _embedding_module(n, sub, names))]
+    from_columns = _descendants(linears)
+    walks: dict = {}
+    refused: list[str] = []
+    for a in linears:
+        w = _walk_column(a, linears, activation_arg, sub, from_columns)
+        if not w.failure and len(w.ends) == 1:
+            walks[a] = w
+        elif w.failure and (w.attention or w.fused or w.groups):
+            refused.append(f"{linears[a]} is not sharded: {w.failure}")
+    terminal = {a: next(iter(w.ends)) for a, w in walks.items()}
+    pairs = []
+    by_row: dict = {}
+    for a, r in terminal.items():
+        by_row.setdefault(r, []).append(a)
+    for r, cols in by_row.items():
+        if r in terminal:  # a row Linear must not itself feed another Linear through the same path
+            continue
+        # Every tensor reaching the row's input must come from the columns, not also straight from the
+        # unit's input the columns read (the residual stream). Other inputs are side data every rank holds
+        # whole: buffers, rotary cos/sin tables and attention masks computed by an earlier unit.
+        col_set = set(cols)
+        streams = _ancestor_placeholders(cols)
+        ok = True
+        stack = list(r.all_input_nodes)
+        seen = set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in linears:
+                if n not in col_set:
+                    ok = False
+                continue
+            if n.op == "get_attr" or not _is_tensor_node(n):
+                continue  # parameters, buffers and shape arithmetic (x.shape[0]) carry no sharded values
+            if n.op == "placeholder":
+                if n.name in constants or n not in streams:
+                    continue  # a buffer, constant or side input (mask, rotary table), not the stream
+                ok = False
+                break
+            stack.extend(n.all_input_nodes)
+        if not ok:
+            continue
+        groups = 0
+        for c in cols:
+            w = walks[c]
+            width = (_shape(c) or (0,))[-1]
+            groups = gcd(groups, w.groups or (width // max(1, w.fused or 1)))
+        pairs.append(
+            FoundPair(
+                columns=sorted(linears[c] for c in cols),
+                row=linears[r],
+                row_node=r,
+                literals=[lit for c in cols for lit in walks[c].literals],
+                fused={linears[c]: walks[c].fused for c in cols if walks[c].fused},
+                attention=any(walks[c].attention for c in cols),
+                groups=groups,
+            )
+        )
+    pairs.sort(key=lambda p: p.row)
+    return pairs, embeddings, sorted(set(refused))
+
+
+@dataclass
+class TPInfo:
+    """Tensor-parallel facts of one distinct unit, with module names of its first instance."""
+
+    pairs: list[TPPair] = field(default_factory=list)
+    styles: dict[str, str] = field(default_factory=dict)
+    shard_params: int = 0
+    shard_flops: float = 0.0  # linear FLOPs per sample that TP divides (attention added by the caller)
+    granularity: int = 0
+    gemm_dim: int = 0
+    gather_bytes: int = 0
+    unpaired_flops: float = 0.0  # forward FLOPs per sample of Linears that no TP pair covers
+    head_attrs: dict[str, list[str]] = field(default_factory=dict)  # module -> attributes to divide by tp
+    fused: dict[str, int] = field(default_factory=dict)  # column -> chunks of a fused projection
+    transposed: list[str] = field(default_factory=list)  # sharded Conv1D modules (weight stored [in, out])
+    refused: list[str] = field(default_factory=list)  # why a pair through attention was not sharded
+    attention: bool = False  # some pair's path runs attention: its FLOPs divide by tp
+
+
+# Attribute names that hold a per-rank count or width under TP (heads, the width of a split). Per-head sizes
+# never change with tp, and names like layer_idx are not sizes at all.
+_PER_HEAD = {"head_dim", "head_size", "attention_head_size", "key_value_proj_dim", "d_kv", "kv_channels"}
+_WIDTHS = {"dim", "embed_dim", "hidden_size", "all_head_size", "inner_dim", "n_embd", "d_model", "width", "n_state"}
+
+
+def _size_attr_rank(attr: str) -> int:
+    """0: not a size TP divides; 1: a generic width name; 2: a head count, split size or Conv1D width."""
+    a = attr.lower()
+    if a in _PER_HEAD or a.startswith("_"):
+        return 0
+    if "head" in a or "split" in a or a == "nf":
+        return 2
+    return 1 if a in _WIDTHS else 0
+
+
+def _common_prefix(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    out = []
+    for atoms in zip(*parts):
+        if len(set(atoms)) != 1:
+            break
+        out.append(atoms[0])
+    return ".".join(out)
+
+
+def _head_attrs(pair: FoundPair, names: ModuleNames, method: str) -> tuple[dict[str, list[str]], str]:
+    """The module attributes each rank must divide by tp so the pair's reshapes see the local width.
+
+    Each absolute size on the sharded dimension (``view(b, s, self.heads, -1)``, ``split(self.dim)``,
+    Conv1D's ``nf``) is matched to an integer attribute of the modules the reshape runs in, inside the
+    pair's attention/MLP module. Under torch.export every size is a number, also those read from tensor
+    shapes (correct on each rank as it is): an unmatched size there is one of those. Under fx an
+    unmatched size is a literal in the code: the pair is refused (returns the reason).
+    """
+    from planner.model.grouping import node_module_paths
+
+    scope = _common_prefix([*pair.columns, pair.row]) or ""
+    found: dict[str, set[str]] = {}
+    for node, value in pair.literals:
+        paths = node_module_paths(node)
+        if any(p == pair.row or p.startswith(pair.row + ".") for p in paths):
+            continue  # the row reads its (local) input width from the tensor
+        inside = [p for p in reversed(paths) if p == scope or p.startswith(scope + ".") or not scope]
+        best: list[tuple[int, str, str]] = []
+        for path in inside or [scope]:
+            mod = names.by_name.get(path)
+            for attr, v in sorted(vars(mod).items()) if mod is not None else ():
+                rank = _size_attr_rank(attr)
+                if rank and isinstance(v, int) and not isinstance(v, bool) and v == value:
+                    best.append((rank, path, attr))
+            if best:
+                break
+        if best:
+            top = max(r for r, _, _ in best)
+            for r, path, attr in best:
+                if r == top:
+                    found.setdefault(path, set()).add(attr)
+        elif method == "fx":
+            where = scope or "the unit"
+            return {}, (
+                f"{', '.join(pair.columns)} -> {pair.row} is not sharded: {where} reshapes by the number {value} "
+                f"({node.name}), which no attribute of it holds, so a rank cannot divide it by tp; write -1 for "
+                "that size (x.view(b, s, -1, head_dim)) or keep it in an attribute such as self.num_heads"
+            )
+    return {k: sorted(v) for k, v in sorted(found.items())}, ""
+
+
+def tp_info(sub, args: tuple, model, names: ModuleNames, constants: frozenset, method: str = "fx") -> TPInfo:
+    """Shape-propagate one unit's graph on meta and find its column/row pairs and embeddings."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    ShapeProp(sub).propagate(*args)
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    names = ModuleNames(names.modules, names.params, names.by_name, dict(zip(placeholders, args)))
+    pairs, embeddings, refused = detect_tp_pairs(sub, names, constants)
+    info = TPInfo(gemm_dim=_gemm_dim_of(sub), refused=list(refused))
+    for pair in pairs:
+        attrs, why = _head_attrs(pair, names, method)
+        if why:
+            info.refused.append(why)
+            continue
+        for mod, names_ in attrs.items():
+            info.head_attrs.setdefault(mod, [])
+            info.head_attrs[mod] = sorted(set(info.head_attrs[mod]) | set(names_))
+        info.fused.update(pair.fused)
+        info.attention = info.attention or pair.attention
+        out_bytes = nbytes_of_meta(val_meta(pair.row_node))
+        info.pairs.append(TPPair(column=pair.columns, row=pair.row, allreduce_bytes=out_bytes))
+        tokens = max(1, out_bytes // max(1, projection_dims(model.get_submodule(pair.row))[1] * _elem(pair.row_node)))
+        for name in [*pair.columns, pair.row]:
+            info.styles[name] = "colwise" if name in pair.columns else "rowwise"
+            lin = model.get_submodule(name)
+            if is_conv1d(lin):
+                info.transposed.append(name)
+            bias = lin.bias.numel() if lin.bias is not None and name in pair.columns else 0
+            info.shard_params += lin.weight.numel() + bias
+            fin, fout = projection_dims(lin)
+            info.shard_flops += 2.0 * fin * fout * tokens
+        info.granularity = gcd(info.granularity, pair.groups)
+    for name, node in _output_linears(sub, names):
+        # A Linear whose output leaves the model unmixed (the LM head): vocab-parallel, output gathered.
+        lin = model.get_submodule(name)
+        if is_conv1d(lin):
+            continue
+        info.styles[name] = "colwise_gather"
+        info.gather_bytes += nbytes_of_meta(val_meta(node))
+        info.shard_params += lin.weight.numel() + (lin.bias.numel() if lin.bias is not None else 0)
+        out_bytes = nbytes_of_meta(val_meta(node))
+        fin, fout = projection_dims(lin)
+        tokens = max(1, out_bytes // max(1, fout * _elem(node)))
+        info.shard_flops += 2.0 * fin * fout * tokens
+    for node in sub.graph.nodes:
+        if node.op not in ("call_function", "call_module"):
+            continue
+        name = _linear_module(node, sub, names)
+        weight = _param_weight(node, sub, names)
+        if name in info.styles or (name is None and weight is None):
+            continue
+        # Unsharded matmuls on parameters: unpaired Linears, routers (F.linear on their own weight).
+        fin, fout = projection_dims(model.get_submodule(name)) if name else (weight.shape[-1], weight.shape[0])
+        out_b = nbytes_of_meta(val_meta(node))
+        tok = max(1, out_b // max(1, fout * _elem(node)))
+        info.unpaired_flops += 2.0 * fin * fout * tok
+    for name in embeddings:
+        info.styles[name] = "rowwise"
+        info.shard_params += model.get_submodule(name).weight.numel()
+    info.transposed.sort()
+    return info
+
+
+def _param_weight(node, gm, names: ModuleNames):
+    """The 2-D parameter an F.linear node multiplies by, when it is one (a router's weight), else None."""
+    import torch
+
+    if node.op != "call_function" or node.target not in (torch.ops.aten.linear.default, torch.nn.functional.linear):
+        return None
+    w = node.args[1] if len(node.args) > 1 else None
+    op = getattr(w, "op", None)
+    if op == "placeholder":
+        obj = names.inputs.get(w)
+    elif op == "get_attr":
+        obj = gm
+        for atom in str(w.target).split("."):
+            obj = getattr(obj, atom, None)
+    else:
+        return None
+    return obj if id(obj) in names.params and getattr(obj, "dim", lambda: 0)() == 2 else None
+
+
+def _output_linears(sub, names: ModuleNames) -> list:
+    """Linears whose output reaches the unit's output through shape-preserving ops only, when the unit
+    is the model's last (its output is the model output)."""
+    out = []
+    for node in sub.graph.nodes:
+        name = _linear_module(node, sub, names)
+        if not name:
+            continue
+        users = list(node.users)
+        if users and all(u.op == "output" for u in users):
+            out.append((name, node))
+    return out
+
+
+def constant_inputs(parts, index: int) -> frozenset:
+    """Names of unit `index`'s inputs that are buffers or constants of the model (get_attr upstream)."""
+    sub = getattr(parts, f"submod_{index}")
+    call = next(n for n in parts.graph.nodes if n.op == "call_module" and n.target == f"submod_{index}")
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    return frozenset(ph.name for ph, arg in zip(placeholders, call.args) if getattr(arg, "op", None) == "get_attr")
+
+
+def _elem(node) -> int:
+    import torch
+
+    m = val_meta(node)
+    return torch.empty((), dtype=m.dtype).element_size() if m is not None else 1
+
+
+def renamer(first: list[str], group: list[str]):
+    """Map module names of a unit's first instance to another instance (blocks.0.x -> blocks.7.x)."""
+    pairs = sorted(zip(first, group), key=lambda p: -len(p[0]))
+
+    def rename(name: str) -> str:
+        for a, b in pairs:
+            if name == a or name.startswith(a + "."):
+                return b + name[len(a) :]
+        return name
+
+    return rename
+
+
+def _gemm_dim_of(sub) -> int:
+    """FLOP-weighted mean of min(in, out) over the unit's Linears: how large its GEMMs are."""
+    import torch.nn as nn
+
+    total = weight = 0.0
+    for m in sub.modules():
+        if isinstance(m, nn.Linear) or is_conv1d(m):
+            fin, fout = projection_dims(m)
+            w = float(fin * fout)
+            total += w * min(fin, fout)
+            weight += w
+    return int(total / weight) if weight else 0
