@@ -113,3 +113,16 @@ def test_contract_errors(tmp_path):
         load_model_file(g, batch_fn="nope")
     with pytest.raises(ModelLoadError, match="rejected its arguments"):
         analyse_model(load_model_file(FIXTURES / "tiny_gpt.py", {"hidden": "wide"}))
+
+
+def test_math_attention_building_its_mask_from_q_device_keeps_attention_sharded():
+    # The sample GPT's unfused attention builds its causal mask with device=q.device: following the
+    # `.device` attribute once sent the walk into the mask and refused q/k/v (SC21's 145B row then OOMed).
+    graph = analyse_model(
+        load_model_file(Path(__file__).parents[1] / "sample_models" / "gpt.py",
+                        {"layers": 2, "hidden": 64, "heads": 4, "seq": 16, "attention": "math"})
+    )
+    block = next(u for u in graph.units if u.kind == "block")
+    assert block.tp_styles["blocks.0.attn.q"] == "colwise"
+    assert block.tp_styles["blocks.0.attn.o"] == "rowwise"
+    assert not graph.tp_refused

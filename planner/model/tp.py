@@ -198,6 +198,7 @@ _TRANSPOSES = {"transpose", "swapaxes", "t"}
 _SPLITS = {"split", "split_with_sizes", "chunk", "tensor_split", "unbind"}
 _ATTENTION_FNS = ("scaled_dot_product", "flash_attention", "efficient_attention")
 _BATCHED_MATMULS = {"matmul", "bmm", "baddbmm", "einsum"}
+_METADATA_ATTRS = {"device", "dtype", "is_cuda", "requires_grad", "ndim", "layout"}
 _SAFE_MODULES = ("GELU", "ReLU", "SiLU", "Dropout", "Tanh", "Sigmoid", "Identity", "NewGELUActivation",
                  "GELUActivation", "FastGELUActivation", "QuickGELUActivation", "SiLUActivation")
 
@@ -245,6 +246,8 @@ def _walk_column(col, linears: dict, activation_arg: dict, sub, from_columns: se
             continue
         out = _shape(n)
         name = _op_name(n)
+        if name == "getattr" and len(n.args) > 1 and n.args[1] in _METADATA_ATTRS:
+            continue  # x.device / x.dtype carry no values: what is built from them is not sharded
         new: int | None = pos
         if n.op == "call_module":
             if type(sub.get_submodule(n.target)).__name__ not in _SAFE_MODULES:
