@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 
 from planner.cost import collectives as coll
 from planner.cost.memory import activation_bytes, model_state_bytes_per_param
-from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches, stage_rank
+from planner.cost.placement import stage_rank
+from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph, Unit
+from planner.names import RECOMPUTE_MODES
 
-RECOMPUTE_MODES = ("none", "selective", "full")
 GiB = 2**30
 
 

@@ -48,6 +48,7 @@ from planner.search.bounds import (
     tail_bound,
     tail_coefficients,
 )
+from planner.search.evaluate import evaluate
 
 log = logging.getLogger(__name__)
 OBJ_SCALE = 1e6
@@ -532,8 +533,6 @@ def _count_partition(counts: list[int], run) -> list[list[int]]:
 def _best_start(graph, cluster, cand, costs, options, starts):
     """(partition, recomputation, objective) of the fitting candidate partition with the lowest
     objective under the cost model (first of equals), or None."""
-    from planner.search.search import evaluate
-
     best = None
     for part, rec in starts:
         if cand.v > 1 and len(set(rec)) > 1:

@@ -18,41 +18,29 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from planner.cost.model import (
-    RECOMPUTE_MODES,
     Candidate,
     CostOptions,
     Profile,
-    StageCost,
     UnitCost,
-    iteration_linear,
-    rank_memory,
-    stage_costs,
     unit_cost,
 )
 from planner.errors import InfeasibleError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
+from planner.names import RECOMPUTE_MODES
 from planner.search.bounds import Totals, lower_bounds, simple_bound
+from planner.search.evaluate import Evaluated, evaluate, simulate_evaluated, simulated_time
 from planner.search.ilp import block_run, solve_partition
 from planner.search.space import Pins, enumerate_space
+
+# Evaluated and simulate_evaluated are re-exported: planner.pipeline and the CLI import them from here.
+__all__ = ["Evaluated", "SearchResult", "evaluate", "search", "simulate_evaluated"]
 
 log = logging.getLogger(__name__)
 GiB = 2**30
 ILP_WORKERS = 2  # CBC processes at once
 OOM_BOUND = "out of memory even with full recomputation and perfect balance"
 NOT_TOP_K = "not in the top k: the ILP proved no partition that fits memory beats the k-th plan"
-
-
-@dataclass
-class Evaluated:
-    cand: Candidate
-    partition: list[list[int]]
-    recompute: list[str]
-    stages: list[StageCost]
-    objective: float
-    rank_memory: dict[int, float]
-    status: str = "optimal"
-    sim: object = field(default=None, repr=False, compare=False)  # simulate_evaluated's result, cached
 
 
 @dataclass
@@ -91,21 +79,6 @@ class CostTable:
             out.append(self._by_sig[k])
         self._lists[key] = out
         return out
-
-
-def evaluate(
-    graph: ModelGraph,
-    cluster: ClusterSpec,
-    cand: Candidate,
-    partition: list[list[int]],
-    recompute: list[str],
-    costs: list[UnitCost],
-    options: CostOptions,
-) -> Evaluated:
-    """The cost model's figures for a fixed partition (what the ILP optimises, recomputed directly)."""
-    stages = stage_costs(graph, cluster, cand, partition, recompute, costs, options)
-    obj = iteration_linear(stages, cand, options, cluster, graph.source.dtype)
-    return Evaluated(cand, partition, recompute, stages, obj, rank_memory(stages, cand, options))
 
 
 def search(
@@ -252,7 +225,7 @@ def search(
                     # cannot see how uneven stages of one rank stall each other); keep the balanced
                     # incumbent when the simulator says it is faster.
                     alt = evaluate(graph, cluster, cand, res.start[0], res.start[1], costs, options)
-                    if _simulated(alt) < _simulated(ev):
+                    if simulated_time(alt) < simulated_time(ev):
                         ev = alt
                 ev.status = res.status
                 ranked.append(ev)
@@ -273,24 +246,6 @@ def search(
         status=status,
         gap=max(gaps, default=0.0),
     )
-
-
-def simulate_evaluated(ev: Evaluated):
-    """Discrete-event simulation of an evaluated partition's pipeline (the figure the plan reports)."""
-    from planner.cost.simulate import simulate
-
-    if ev.sim is not None:
-        return ev.sim
-    c = ev.cand
-    fwd = [st.fwd for st in ev.stages]
-    bwd = [max(st.compute, st.zero3_gather) - st.fwd for st in ev.stages]
-    p2p = [st.p2p for st in ev.stages[:-1]] + [0.0]
-    ev.sim = simulate(c.schedule, c.pp, c.m, c.v, fwd, bwd, None, p2p)
-    return ev.sim
-
-
-def _simulated(ev: Evaluated) -> float:
-    return simulate_evaluated(ev).iteration_time
 
 
 def search_modes(graph: ModelGraph) -> tuple[str, ...]:
