@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from planner.errors import PlanError
 from planner.model.graph import ModelSource
-from planner.names import Recompute, Schedule
+from planner.names import Recompute, Schedule, SearchStatus
 
 SCHEMA_VERSION = 1
 
@@ -158,7 +158,7 @@ class SearchStats(_Model):
     candidates: int = 0
     pruned_by_bound: int = 0
     ilps_solved: int = 0
-    status: str = "optimal"
+    status: SearchStatus = "optimal"
     gap: float = 0.0
 
 

@@ -11,6 +11,7 @@ from planner.cost.model import Candidate, CostOptions, StageCost, UnitCost, iter
 from planner.cost.simulate import SimResult, simulate
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
+from planner.names import SearchStatus
 
 
 @dataclass
@@ -21,7 +22,7 @@ class Evaluated:
     stages: list[StageCost]
     objective: float
     rank_memory: dict[int, float]
-    status: str = "optimal"
+    status: SearchStatus = "optimal"
     sim: SimResult | None = field(default=None, repr=False, compare=False)  # simulate_evaluated's, cached
 
 

@@ -27,10 +27,10 @@ from planner.cost.model import (
 from planner.errors import InfeasibleError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
-from planner.names import RECOMPUTE_MODES
-from planner.search.bounds import Totals, lower_bounds, simple_bound
+from planner.names import RECOMPUTE_MODES, SearchStatus
+from planner.search.bounds import BlockBounds, IntervalBounds, Totals, lower_bounds, simple_bound
 from planner.search.evaluate import Evaluated, evaluate, simulate_evaluated, simulated_time
-from planner.search.ilp import block_run, solve_partition
+from planner.search.ilp import ILPResult, block_run, solve_partition
 from planner.search.space import Pins, enumerate_space
 
 # Evaluated and simulate_evaluated are re-exported: planner.pipeline and the CLI import them from here.
@@ -43,6 +43,23 @@ OOM_BOUND = "out of memory even with full recomputation and perfect balance"
 NOT_TOP_K = "not in the top k: the ILP proved no partition that fits memory beats the k-th plan"
 
 
+@dataclass(order=True)
+class QueueItem:
+    """A candidate waiting in the search's queue, ordered by its lower bound (then by its index).
+
+    level 0 has the simple bound, 1 the block bound, 2 the block bound minimised jointly with the tail,
+    or the interval bound of a model that is not transformer-shaped; `bounds` is that BlockBounds /
+    IntervalBounds, which the ILP reuses for its cuts and start."""
+
+    bound: float
+    index: int
+    level: int = field(compare=False)
+    cand: Candidate = field(compare=False)
+    costs: list[UnitCost] = field(compare=False, repr=False)
+    modes: tuple[str, ...] = field(compare=False)
+    bounds: BlockBounds | IntervalBounds | None = field(default=None, compare=False, repr=False)
+
+
 @dataclass
 class SearchResult:
     best: Evaluated
@@ -52,7 +69,7 @@ class SearchResult:
     pruned_by_bound: int
     ilps_solved: int
     seconds: float
-    status: str = "optimal"
+    status: SearchStatus = "optimal"
     gap: float = 0.0  # worst relative gap to the candidate's lower bound of an ILP stopped early
 
 
@@ -116,11 +133,8 @@ def search(
     modes = (pins.recompute,) if pins.recompute else search_modes(graph)
     run = block_run(graph)
     # Lazy bounding: every candidate gets the cheap simple bound; the tighter block bound is computed
-    # only for candidates that reach the front of the queue, which then go back in with it.
-    # (bound, index, level, ...): level 0 has the simple bound, 1 the block bound, 2 the block bound
-    # minimised jointly with the tail, or the interval bound of a model that is not transformer-shaped
-    # (whose BlockBounds / IntervalBounds the ILP reuses for its cuts and start)
-    heap: list[tuple] = []
+    # only for candidates that reach the front of the queue, which then go back in with it (QueueItem).
+    heap: list[QueueItem] = []
     smallest_need: tuple[float, Candidate] | None = None
     totals: dict[tuple, Totals] = {}
     for i, cand in enumerate(space.candidates):
@@ -137,7 +151,7 @@ def search(
             if smallest_need is None or b.memory < smallest_need[0]:
                 smallest_need = (b.memory, cand)
             continue
-        heap.append((b.time, i, 0, cand, costs, cand_modes, None))
+        heap.append(QueueItem(b.time, i, 0, cand, costs, cand_modes))
     heapq.heapify(heap)
     total = len(heap)
 
@@ -145,22 +159,21 @@ def search(
     gaps: list[float] = []
     solved = 0
     pruned = 0
-    status = "optimal"
+    status: SearchStatus = "optimal"
     done = 0
 
-    def solve(item, cutoff):
-        _, _, _, cand, costs, cand_modes, block = item
+    def solve(item: QueueItem, cutoff: float | None) -> ILPResult:
         return solve_partition(
             graph,
             cluster,
-            cand,
-            costs,
-            cand_modes,
+            item.cand,
+            item.costs,
+            item.modes,
             options,
             time_limit=time_limit,
             max_nodes=max_nodes,
             cutoff=cutoff,
-            bounds=block,
+            bounds=item.bounds,
         )
 
     # CBC runs in its own process: the next ILP_WORKERS candidates in bound order are solved side by side
@@ -169,24 +182,27 @@ def search(
     pool = ThreadPoolExecutor(max_workers=ILP_WORKERS)
     try:
         while heap:
-            batch = []
+            batch: list[QueueItem] = []
             cutoff = ranked[top_k].objective if len(ranked) >= top_k + 1 else None
             while heap and len(batch) < ILP_WORKERS:
-                bound, i, level, cand, costs, cand_modes, block = heap[0]
-                if cutoff is not None and bound >= cutoff:
+                item = heap[0]
+                if cutoff is not None and item.bound >= cutoff:
                     break
                 heapq.heappop(heap)
-                if level < 2 and cand.stages > 1:
-                    b = lower_bounds(graph, costs, cand, cluster, options, cand_modes, run, joint=level == 1)
+                if item.level < 2 and item.cand.stages > 1:
+                    b = lower_bounds(
+                        graph, item.costs, item.cand, cluster, options, item.modes, run, joint=item.level == 1
+                    )
                     if not b.feasible:
-                        rejected[(_region(cand), OOM_BOUND)] += 1
+                        rejected[(_region(item.cand), OOM_BOUND)] += 1
                         done += 1
                         continue
-                    nxt = level + 1 if run is not None else 2
-                    item = (max(bound, b.time), i, nxt, cand, costs, cand_modes, b.block or b.interval)
-                    heapq.heappush(heap, item)
+                    nxt = item.level + 1 if run is not None else 2
+                    bounds = b.block or b.interval
+                    bound = max(item.bound, b.time)
+                    heapq.heappush(heap, QueueItem(bound, item.index, nxt, item.cand, item.costs, item.modes, bounds))
                     continue
-                batch.append((bound, i, level, cand, costs, cand_modes, block))
+                batch.append(item)
             if not batch:
                 pruned = len(heap)
                 break
@@ -195,7 +211,8 @@ def search(
             done += len(batch)
             results = list(pool.map(solve, batch, [cutoff] * len(batch)))
             solved += len(batch)
-            for (bound, _i, _lv, cand, costs, _m, _b), res in zip(batch, results, strict=True):
+            for item, res in zip(batch, results, strict=True):
+                bound, cand, costs = item.bound, item.cand, item.costs
                 if res.status == "cutoff":
                     rejected[(_region(cand), NOT_TOP_K)] += 1
                     continue
@@ -206,10 +223,12 @@ def search(
                 if res.status == "infeasible" or res.partition is None:
                     rejected[(_region(cand), "out of memory: no stage partition fits every rank")] += 1
                     continue
+                assert res.objective is not None and res.recompute is not None
                 if res.status in ("time_limit", "node_limit") and res.objective <= bound * (1 + 1e-9):
                     res.status = "optimal"  # stopped early, but the candidate's lower bound proves it
-                if res.status in ("time_limit", "node_limit"):
-                    status = res.status
+                found: SearchStatus = "optimal"
+                if res.status == "time_limit" or res.status == "node_limit":
+                    status = found = res.status
                     gaps.append((res.objective - bound) / res.objective if res.objective else 0.0)
                 ev = evaluate(graph, cluster, cand, res.partition, res.recompute, costs, options)
                 if (
@@ -227,7 +246,7 @@ def search(
                     alt = evaluate(graph, cluster, cand, res.start[0], res.start[1], costs, options)
                     if simulated_time(alt) < simulated_time(ev):
                         ev = alt
-                ev.status = res.status
+                ev.status = found
                 ranked.append(ev)
             ranked.sort(key=lambda e: (e.objective, _key(e.cand)))
             ranked = ranked[: top_k + 1]
