@@ -168,7 +168,7 @@ def unit_cost(
         "full": bwd_c + tb + fwd,
     }
     tp_sharded = bool(unit.tp_pairs) or bool(unit.tp_styles)
-    act = {
+    act: dict[str, float] = {
         mode: activation_bytes(
             unit.activation_bytes,
             unit.attention_core_bytes,
@@ -323,7 +323,10 @@ def pipeline_time_linear(
     if cand.v > 1:
         for s, t in enumerate(stage_total):
             rank_total[stage_rank(cand.schedule, cand.pp, cand.v, s)] += t
-    return pipeline_time(cand, sum(stage_total), max(stage_total), max(rank_total), max(stage_fwd), sum(stage_p2p))
+    out: float = pipeline_time(
+        cand, sum(stage_total), max(stage_total), max(rank_total), max(stage_fwd), sum(stage_p2p)
+    )
+    return out
 
 
 @dataclass

@@ -633,16 +633,14 @@ class IntervalBounds:
     def pipeline(self, cand: Candidate, costs: list[UnitCost]) -> float:
         """Lower bound on the pipeline term without point-to-point time: the stage times sum to the work
         W of their modes, a rank's to at least W / p, the largest stage to at least the bound."""
-        S, p, m = cand.stages, cand.pp, cand.m
+        S, p = cand.stages, cand.pp
         out = INF
         for r, Z in self.stage_max.items():
             if cand.v == 1:
                 W = sum(c.fwd + min(c.bwd[q] for q in self.stage_max) for c in costs)
-                out = min(out, W + (m - 1) * Z)
             else:
                 W = sum(c.fwd + c.bwd[r] for c in costs)
-                last = Z if cand.schedule == "interleaved-1f1b" else sum(c.fwd for c in costs) / S
-                out = min(out, m * W / p + (p - 1) * last)
+            out = min(out, pipeline_time(cand, W, Z, W / p, sum(c.fwd for c in costs) / S, 0.0))
         return out
 
 

@@ -14,6 +14,7 @@ import heapq
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -64,7 +65,7 @@ class QueueItem:
 class SearchResult:
     best: Evaluated
     ranked: list[Evaluated]
-    rejected: Counter
+    rejected: Counter[tuple[str, str]]
     candidates: int
     pruned_by_bound: int
     ilps_solved: int
@@ -80,15 +81,15 @@ class CostTable:
     graph: ModelGraph
     cluster: ClusterSpec
     profile: Profile | None
-    _by_sig: dict = field(default_factory=dict)
-    _lists: dict = field(default_factory=dict)
+    _by_sig: dict[tuple[object, ...], UnitCost] = field(default_factory=dict)
+    _lists: dict[tuple[int, int, bool], list[UnitCost]] = field(default_factory=dict)
 
     def units(self, cand: Candidate) -> list[UnitCost]:
         """The units' costs under the candidate (one shared list per (tp, mbs, sp): do not modify it)."""
         key = (cand.tp, cand.mbs, cand.sp)
         if key in self._lists:
             return self._lists[key]
-        out = []
+        out: list[UnitCost] = []
         for u in self.graph.units:
             k = (u.signature, *key, u.name if u.kind != "block" else "")
             if k not in self._by_sig:
@@ -107,7 +108,7 @@ def search(
     profile: Profile | None = None,
     top_k: int = 5,
     time_limit: float | None = None,
-    progress=None,
+    progress: Callable[[int, int], None] | None = None,
     max_nodes: int | None = 5000,
     prefer_simulated: bool = True,
 ) -> SearchResult:
@@ -136,7 +137,7 @@ def search(
     # only for candidates that reach the front of the queue, which then go back in with it (QueueItem).
     heap: list[QueueItem] = []
     smallest_need: tuple[float, Candidate] | None = None
-    totals: dict[tuple, Totals] = {}
+    totals: dict[tuple[object, ...], Totals] = {}
     for i, cand in enumerate(space.candidates):
         costs = table.units(cand)
         if pins.recompute:
@@ -288,7 +289,7 @@ def _only(c: UnitCost, mode: str) -> UnitCost:
     )
 
 
-def _key(c: Candidate) -> tuple:
+def _key(c: Candidate) -> tuple[object, ...]:
     return (c.pp, c.tp, c.v, -c.mbs, c.schedule, c.zero, c.sp, c.dp)
 
 

@@ -40,7 +40,7 @@ class Pins:
 @dataclass
 class Space:
     candidates: list[Candidate]
-    rejected: Counter = field(default_factory=Counter)  # (region, reason) -> count
+    rejected: Counter[tuple[str, str]] = field(default_factory=Counter)  # (region, reason) -> count
 
 
 def divisors(n: int) -> list[int]:

@@ -25,7 +25,7 @@ from planner.cost.terms import (
 )
 from planner.hardware.spec import ClusterSpec
 from planner.search.bounds import BlockBounds, IntervalBounds
-from planner.search.ilp.forms import CountForm, StageExprs
+from planner.search.ilp.forms import CountForm, Modes, ModeVars, StageExprs
 
 # Memory rows in GiB: byte-sized coefficients (1e10) next to second-sized ones (1e-3) make CBC's presolve
 # declare feasible models infeasible.
@@ -44,9 +44,9 @@ class Maxima:
     F: Any = 0.0  # largest stage forward (zero-bubble)
 
 
-def add_mode_choice(prob: pulp.LpProblem, cand: Candidate, modes: tuple[str, ...]) -> dict[tuple[int, str], Any]:
+def add_mode_choice(prob: pulp.LpProblem, cand: Candidate, modes: Modes) -> ModeVars:
     """y[s, r] binary, sum_r y[s, r] = 1; with several stages per rank y[s, r] = y[0, r]."""
-    mode_vars: dict[tuple[int, str], Any] = {}
+    mode_vars: ModeVars = {}
     for s in range(cand.stages):
         for r in modes:
             mode_vars[s, r] = pulp.LpVariable(f"y_{s}_{r}", cat="Binary")
@@ -78,7 +78,9 @@ def add_stage_maxima(
     return Maxima(T, Z)
 
 
-def add_symmetry_breaking(prob: pulp.LpProblem, form: CountForm, cand: Candidate, ranks: list[int], modes) -> None:
+def add_symmetry_breaking(
+    prob: pulp.LpProblem, form: CountForm, cand: Candidate, ranks: list[int], modes: Modes
+) -> None:
     """Count form, several stages per rank: blocks(a) >= blocks(b) for consecutive block-only stages a < b
     of one rank, neither the rank's first (whose backward hides the gradient sync): swapping their
     contents changes no term."""
@@ -91,7 +93,12 @@ def add_symmetry_breaking(prob: pulp.LpProblem, form: CountForm, cand: Candidate
 
 
 def add_stage_cuts(
-    prob: pulp.LpProblem, mx: Maxima, bounds: BlockBounds | IntervalBounds, cand: Candidate, modes, mode_vars
+    prob: pulp.LpProblem,
+    mx: Maxima,
+    bounds: BlockBounds | IntervalBounds,
+    cand: Candidate,
+    modes: Modes,
+    mode_vars: ModeVars,
 ) -> None:
     """Z >= the bound's least largest stage (per mode with several stages per rank, modes that cannot fit
     memory excluded: y[0, r] = 0)."""
@@ -107,7 +114,7 @@ def add_stage_cuts(
 
 def add_rank_maxima(
     prob: pulp.LpProblem, mx: Maxima, ex: StageExprs, cand: Candidate, ranks: list[int], bb: BlockBounds | None,
-    modes, mode_vars,
+    modes: Modes, mode_vars: ModeVars,
 ) -> None:
     """Interleaved and zero-bubble: Y >= sum_{s on r} T_s, p Y >= sum_s T_s; zero-bubble F >= fwd_s; with
     the block bound's cuts on Y and F."""
@@ -149,7 +156,9 @@ def add_tail(
     return tail
 
 
-def add_joint_cut(prob: pulp.LpProblem, mx: Maxima, tail: Any, bb: BlockBounds, cand: Candidate, modes, mode_vars):
+def add_joint_cut(
+    prob: pulp.LpProblem, mx: Maxima, tail: Any, bb: BlockBounds, cand: Candidate, modes: Modes, mode_vars: ModeVars
+) -> None:
     """The block bound's joint minimum of the maxima terms plus the tail: (m-1) Z + tail >= J (one stage
     per rank), m Y + (p-1) Z|F + tail >= sum_r y[0, r] J_r (several)."""
     if cand.v == 1:

@@ -8,6 +8,7 @@ are linear expressions in the form's variables; everything after them (time, tai
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,8 @@ from planner.model.graph import ModelGraph
 Expr = Any  # pulp.LpAffineExpression or LpVariable (pulp has no type information)
 Partition = list[list[int]]
 Run = tuple[int, int, int]
+Modes = tuple[str, ...]
+ModeVars = dict[tuple[int, str], Any]  # y[s, r]: stage s runs recomputation mode r
 
 
 @dataclass
@@ -66,7 +69,11 @@ def count_partition(counts: list[int], run: Run) -> Partition:
     return part
 
 
-def _set_modes(mode_vars: dict[tuple[int, str], Any], modes: tuple[str, ...], rec: list[str]) -> None:
+def _prefix(xs: Iterable[float]) -> list[float]:
+    return [0.0, *itertools.accumulate(xs)]
+
+
+def _set_modes(mode_vars: ModeVars, modes: Modes, rec: list[str]) -> None:
     for s, chosen in enumerate(rec):
         for r in modes:
             mode_vars[s, r].setInitialValue(1 if r == chosen else 0)
@@ -83,7 +90,13 @@ class CountForm:
     name: str = "count"
 
     def build(
-        self, prob: pulp.LpProblem, graph: ModelGraph, cand: Candidate, costs: list[UnitCost], modes, mode_vars
+        self,
+        prob: pulp.LpProblem,
+        graph: ModelGraph,
+        cand: Candidate,
+        costs: list[UnitCost],
+        modes: Modes,
+        mode_vars: ModeVars,
     ) -> StageExprs:
         start, end, n = self.run
         S, L = cand.stages, end - start + 1
@@ -126,10 +139,10 @@ class CountForm:
                 ex.boundary[s] = b
         return ex
 
-    def blocks(self, s: int, modes) -> Expr:
+    def blocks(self, s: int, modes: Modes) -> Expr:
         return pulp.lpSum(self.cnt[s, m] for m in modes)
 
-    def warm_start(self, part: Partition, rec: list[str], modes, mode_vars) -> bool:
+    def warm_start(self, part: Partition, rec: list[str], modes: Modes, mode_vars: ModeVars) -> bool:
         counts = [sum(1 for u in units if self.run[0] <= u <= self.run[1]) for units in part]
         for s in range(len(part)):
             for r in modes:
@@ -140,7 +153,7 @@ class CountForm:
             self.has_blocks.setInitialValue(1 if counts[0] > 0 else 0)
         return True
 
-    def decode(self, S: int, U: int, modes) -> Partition:
+    def decode(self, S: int, U: int, modes: Modes) -> Partition:
         counts = [int(round(sum(self.cnt[s, r].value() or 0 for r in modes))) for s in range(S)]
         return count_partition(counts, self.run)
 
@@ -155,14 +168,19 @@ class IntervalForm:
     name: str = "interval"
 
     def build(
-        self, prob: pulp.LpProblem, graph: ModelGraph, cand: Candidate, costs: list[UnitCost], modes, mode_vars
+        self,
+        prob: pulp.LpProblem,
+        graph: ModelGraph,
+        cand: Candidate,
+        costs: list[UnitCost],
+        modes: Modes,
+        mode_vars: ModeVars,
     ) -> StageExprs:
         S, U, ivars = cand.stages, len(costs), self.ivars
-        pre = lambda xs: [0.0, *itertools.accumulate(xs)]  # noqa: E731
-        c_fwd = pre(c.fwd for c in costs)
-        c_par = pre(c.params_local for c in costs)
-        c_tot = {r: pre(c.fwd + c.bwd[r] for c in costs) for r in modes}
-        c_act = {r: pre(c.act[r] for c in costs) for r in modes}
+        c_fwd = _prefix(c.fwd for c in costs)
+        c_par = _prefix(c.params_local for c in costs)
+        c_tot = {r: _prefix(c.fwd + c.bwd[r] for c in costs) for r in modes}
+        c_act = {r: _prefix(c.act[r] for c in costs) for r in modes}
         x = self.x = {
             (s, i, j, r): pulp.LpVariable(f"x_{s}_{i}_{j}_{r}", cat="Binary") for s in range(S) for i, j, r in ivars[s]
         }
@@ -186,7 +204,7 @@ class IntervalForm:
                 ex.boundary[s] = pulp.lpSum([v * graph.units[j - 1].output_bytes for i, j, r, v in xs])
         return ex
 
-    def warm_start(self, part: Partition, rec: list[str], modes, mode_vars) -> bool:
+    def warm_start(self, part: Partition, rec: list[str], modes: Modes, mode_vars: ModeVars) -> bool:
         chosen = {(s, units[0], units[-1] + 1, rec[s]) for s, units in enumerate(part)}
         if not chosen <= self.x.keys():
             return False
@@ -195,7 +213,7 @@ class IntervalForm:
         _set_modes(mode_vars, modes, rec)
         return True
 
-    def decode(self, S: int, U: int, modes) -> Partition:
+    def decode(self, S: int, U: int, modes: Modes) -> Partition:
         return [
             next(list(range(i, j)) for i, j, r in self.ivars[s] if (self.x[s, i, j, r].value() or 0) > 0.5)
             for s in range(S)
@@ -212,7 +230,13 @@ class AssignForm:
     name: str = "assign"
 
     def build(
-        self, prob: pulp.LpProblem, graph: ModelGraph, cand: Candidate, costs: list[UnitCost], modes, mode_vars
+        self,
+        prob: pulp.LpProblem,
+        graph: ModelGraph,
+        cand: Candidate,
+        costs: list[UnitCost],
+        modes: Modes,
+        mode_vars: ModeVars,
     ) -> StageExprs:
         S, U = cand.stages, len(costs)
         z = self.z = {(u, s): pulp.LpVariable(f"z_{u}_{s}", cat="Binary") for u in range(U) for s in range(S)}
@@ -248,7 +272,7 @@ class AssignForm:
                 ex.boundary[s] = b
         return ex
 
-    def warm_start(self, part: Partition, rec: list[str], modes, mode_vars) -> bool:
+    def warm_start(self, part: Partition, rec: list[str], modes: Modes, mode_vars: ModeVars) -> bool:
         _set_modes(mode_vars, modes, rec)
         owner = {u: s for s, units in enumerate(part) for u in units}
         for (u, s), var in self.z.items():
@@ -257,7 +281,7 @@ class AssignForm:
             var.setInitialValue(1 if owner[u] == s and rec[s] == r else 0)
         return True
 
-    def decode(self, S: int, U: int, modes) -> Partition:
+    def decode(self, S: int, U: int, modes: Modes) -> Partition:
         return [[u for u in range(U) if (self.z[u, s].value() or 0) > 0.5] for s in range(S)]
 
 

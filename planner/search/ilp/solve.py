@@ -4,6 +4,7 @@ give CBC a start, solve, decode (see the package docstring for the model)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pulp
@@ -27,7 +28,17 @@ from planner.search.bounds import (
 )
 from planner.search.evaluate import evaluate
 from planner.search.ilp import constraints as rows
-from planner.search.ilp.forms import AssignForm, CountForm, Form, IntervalForm, block_run, count_partition
+from planner.search.ilp.forms import (
+    AssignForm,
+    CountForm,
+    Form,
+    IntervalForm,
+    Modes,
+    Partition,
+    Run,
+    block_run,
+    count_partition,
+)
 
 log = logging.getLogger(__name__)
 OBJ_SCALE = 1e6
@@ -180,7 +191,14 @@ def _solve_cbc(
     return None, "optimal"
 
 
-def _single_stage(graph, cluster, cand, costs, modes, options) -> ILPResult:
+def _single_stage(
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    cand: Candidate,
+    costs: list[UnitCost],
+    modes: Modes,
+    options: CostOptions,
+) -> ILPResult:
     """One stage: the partition is forced, so only the recomputation mode is chosen, by evaluation."""
     part = [list(range(len(graph.units)))]
     best = _best_start(graph, cluster, cand, costs, options, [(part, [mode]) for mode in modes])
@@ -189,7 +207,13 @@ def _single_stage(graph, cluster, cand, costs, modes, options) -> ILPResult:
     return ILPResult("optimal", best[2], part, best[1], form="single")
 
 
-def _count_starts(cand, costs, modes, run, extra=()) -> list[tuple[list[int], list[str]]]:
+def _count_starts(
+    cand: Candidate,
+    costs: list[UnitCost],
+    modes: Modes,
+    run: Run,
+    extra: Iterable[tuple[list[int], list[str]]] = (),
+) -> list[tuple[list[int], list[str]]]:
     """Block counts per stage and recomputation per stage to try as CBC's start in the count form.
 
     For each recomputation mode, two balanced block distributions (stage times evened out around the
@@ -200,7 +224,7 @@ def _count_starts(cand, costs, modes, run, extra=()) -> list[tuple[list[int], li
     L, S = end - start + 1, cand.stages
     pre, post = list(range(0, start)), list(range(end + 1, n))
     holds = [bool((s == 0 and pre) or (s == S - 1 and post)) for s in range(S)]
-    tries = []
+    tries: list[tuple[list[int], list[str]]] = []
     for mode in modes:
         blk = costs[start].fwd + costs[start].bwd[mode]
         extra_t = [0.0] * S
@@ -210,19 +234,26 @@ def _count_starts(cand, costs, modes, run, extra=()) -> list[tuple[list[int], li
         timed = [max(0, round((target - e) / blk)) if blk > 0 else L // S for e in extra_t]
         even = [L // S + (1 if s < L % S else 0) for s in range(S)]
         for counts in (timed, even):
-            counts = _fix_total(counts, L, extra_t, blk, holds)
-            if counts is not None:
-                tries.append((counts, [mode] * S))
+            fixed = _fix_total(counts, L, extra_t, blk, holds)
+            if fixed is not None:
+                tries.append((fixed, [mode] * S))
     tries += [
         (list(c), list(r)) for c, r in extra if sum(c) == L and all(c[s] >= (0 if holds[s] else 1) for s in range(S))
     ]
     return tries
 
 
-def _best_start(graph, cluster, cand, costs, options, starts):
+def _best_start(
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    cand: Candidate,
+    costs: list[UnitCost],
+    options: CostOptions,
+    starts: Iterable[tuple[Partition, list[str]]],
+) -> tuple[Partition, list[str], float] | None:
     """(partition, recomputation, objective) of the fitting candidate partition with the lowest
     objective under the cost model (first of equals), or None."""
-    best = None
+    best: tuple[Partition, list[str], float] | None = None
     for part, rec in starts:
         if cand.v > 1 and len(set(rec)) > 1:
             continue
@@ -232,7 +263,7 @@ def _best_start(graph, cluster, cand, costs, options, starts):
     return best
 
 
-def _fix_total(counts, L, extra, blk, holds):
+def _fix_total(counts: list[int], L: int, extra: list[float], blk: float, holds: list[bool]) -> list[int] | None:
     """Adjust block counts to sum to L (every stage without prefix/suffix keeps at least one block),
     taking from / giving to the stages furthest from the mean time; None if impossible."""
     S = len(counts)
