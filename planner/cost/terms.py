@@ -47,24 +47,22 @@ def crosses_nodes(cand: Candidate, cluster: ClusterSpec) -> tuple[bool, bool]:
     return cand.dp * cand.tp > g, cand.dp * cand.tp >= g
 
 
-def p2p_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
-    """(bandwidth, latency) of the link between consecutive pipeline ranks."""
+def _link(cluster: ClusterSpec, inter_node: bool) -> tuple[float, float]:
     topo = cluster.topology
     eff = cluster.gpu.efficiency.network
-    _, pp_inter = crosses_nodes(cand, cluster)
-    if pp_inter:
+    if inter_node:
         return topo.inter_node_bandwidth * eff, topo.inter_node_latency
     return topo.intra_node_bandwidth * eff, topo.intra_node_latency
+
+
+def p2p_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
+    """(bandwidth, latency) of the link between consecutive pipeline ranks."""
+    return _link(cluster, crosses_nodes(cand, cluster)[1])
 
 
 def dp_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
     """(bandwidth, latency) of the data-parallel group's ring."""
-    topo = cluster.topology
-    eff = cluster.gpu.efficiency.network
-    dp_inter, _ = crosses_nodes(cand, cluster)
-    if dp_inter:
-        return topo.inter_node_bandwidth * eff, topo.inter_node_latency
-    return topo.intra_node_bandwidth * eff, topo.intra_node_latency
+    return _link(cluster, crosses_nodes(cand, cluster)[0])
 
 
 # ----------------------------------------------------------------------------------------- time terms
