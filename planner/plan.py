@@ -14,13 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from planner.errors import PlanError
 from planner.model.graph import ModelSource
+from planner.names import Recompute, Schedule, SearchStatus
 
 SCHEMA_VERSION = 1
 
-# zero-bubble is ZBV (torch's ScheduleZBVZeroBubble): two stages per rank placed in a V, so stage i runs
-# on rank i for i < pp and on rank 2*pp-1-i after; the other schedules place stage i on rank i % pp.
-Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
-Recompute = Literal["none", "selective", "full"]
 Source = Literal["measured", "estimated"]
 # colwise_gather: a column-parallel Linear whose output is all-gathered (the vocab-parallel LM head).
 TPStyle = Literal["colwise", "rowwise", "colwise_gather"]
@@ -162,7 +159,7 @@ class SearchStats(_Model):
     candidates: int = 0
     pruned_by_bound: int = 0
     ilps_solved: int = 0
-    status: str = "optimal"
+    status: SearchStatus = "optimal"
     gap: float = 0.0
 
 

@@ -13,50 +13,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.cost import collectives as coll
+from planner.cost.candidate import Candidate, CostOptions, GiB
 from planner.cost.memory import activation_bytes, model_state_bytes_per_param
-from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches, stage_rank
+from planner.cost.placement import stage_rank
+from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches
+from planner.cost.terms import (
+    comm_buffer_bytes,
+    crosses_nodes,
+    dp_link,
+    dp_sync_time,
+    optimizer_step_time,
+    p2p_link,
+    p2p_time,
+    pipeline_time,
+    rank_peak_bytes,
+    sync_overlap_window,
+    zero3_gather_time,
+)
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph, Unit
+from planner.names import RECOMPUTE_MODES
 
-RECOMPUTE_MODES = ("none", "selective", "full")
-GiB = 2**30
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One point of the outer search space (everything but the stage partition and recomputation)."""
-
-    dp: int
-    tp: int
-    pp: int
-    v: int
-    mbs: int
-    m: int
-    schedule: str
-    zero: int
-    sp: bool
-
-    @property
-    def stages(self) -> int:
-        return self.pp * self.v
-
-    def label(self) -> str:
-        sp = "+sp" if self.sp else ""
-        return (
-            f"dp{self.dp} tp{self.tp}{sp} pp{self.pp}"
-            + (f"x{self.v}" if self.v > 1 else "")
-            + f" mbs{self.mbs} m{self.m} {self.schedule} zero{self.zero}"
-        )
-
-
-@dataclass(frozen=True)
-class CostOptions:
-    """Switches of the cost model that are not searched."""
-
-    overlap_dp_comm: bool = True
-    workspace_bytes: float = 1.0 * GiB  # CUDA context, cuBLAS/NCCL workspaces, allocator slack
-    fragmentation: float = 0.05  # allocator fragmentation, as a fraction of the rest
-    ddp_bucket_bytes: float = 25 * 2**20  # torch DDP default bucket; two in flight
+# Re-exported: the terms were defined here before planner.cost.terms; callers still import them from here.
+optimizer_time = optimizer_step_time
+__all__ = ["GiB", "Candidate", "CostOptions", "crosses_nodes", "dp_link", "optimizer_time", "p2p_link", "p2p_time"]
 
 
 @dataclass(frozen=True)
@@ -188,7 +168,7 @@ def unit_cost(
         "full": bwd_c + tb + fwd,
     }
     tp_sharded = bool(unit.tp_pairs) or bool(unit.tp_styles)
-    act = {
+    act: dict[str, float] = {
         mode: activation_bytes(
             unit.activation_bytes,
             unit.attention_core_bytes,
@@ -218,69 +198,10 @@ def unit_cost(
 # ---------------------------------------------------------------------------------------------- layout
 
 
-def crosses_nodes(cand: Candidate, cluster: ClusterSpec) -> tuple[bool, bool]:
-    """(dp groups cross nodes, consecutive pp ranks sit on different nodes) for mesh (pp, dp, tp)."""
-    g = cluster.gpus_per_node
-    return cand.dp * cand.tp > g, cand.dp * cand.tp >= g
-
-
-def p2p_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
-    topo = cluster.topology
-    eff = cluster.gpu.efficiency.network
-    _, pp_inter = crosses_nodes(cand, cluster)
-    if pp_inter:
-        return topo.inter_node_bandwidth * eff, topo.inter_node_latency
-    return topo.intra_node_bandwidth * eff, topo.intra_node_latency
-
-
-def dp_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
-    topo = cluster.topology
-    eff = cluster.gpu.efficiency.network
-    dp_inter, _ = crosses_nodes(cand, cluster)
-    if dp_inter:
-        return topo.inter_node_bandwidth * eff, topo.inter_node_latency
-    return topo.intra_node_bandwidth * eff, topo.intra_node_latency
-
-
-def p2p_time(boundary_bytes: float, cand: Candidate, cluster: ClusterSpec) -> float:
-    """One activation (or gradient) send between consecutive stages, per micro-batch.
-
-    With sequence parallelism the boundary tensor is already split across the TP group, so each rank
-    sends 1/t of it (Narayanan et al. 2021, scatter/gather optimisation).
-    """
-    bw, lat = p2p_link(cand, cluster)
-    nbytes = boundary_bytes * cand.mbs / (cand.tp if cand.sp else 1)
-    return coll.p2p_time(nbytes, bw, lat)
-
-
 def dp_comm_time(params_local: float, cand: Candidate, cluster: ClusterSpec, dtype: str) -> tuple[float, float]:
-    """(per-iteration gradient sync, per-micro-batch ZeRO-3 weight gathers) of one stage's rank.
-
-    ZeRO-0 all-reduces fp32 gradients once per iteration; ZeRO-1 reduce-scatters them and all-gathers
-    the updated weights (same volume); ZeRO-2 keeps only a gradient shard, so with m micro-batches it
-    reduce-scatters after each of them; ZeRO-3 (FSDP) also all-gathers the weights for forward and
-    again for backward of every micro-batch (Rajbhandari et al. 2020, sec. 7).
-    """
-    if cand.dp <= 1:
-        return 0.0, 0.0
-    bw, lat = dp_link(cand, cluster)
-    grad_b = 4.0 * params_local
-    w_b = (4.0 if dtype == "fp32" else 2.0) * params_local
-    if cand.zero == 0:
-        return coll.allreduce_time(grad_b, cand.dp, bw, lat), 0.0
-    sync = coll.reduce_scatter_time(grad_b, cand.dp, bw, lat)
-    if cand.zero == 1:
-        return sync + coll.allgather_time(w_b, cand.dp, bw, lat), 0.0
-    if cand.zero == 2:
-        return cand.m * sync + coll.allgather_time(w_b, cand.dp, bw, lat), 0.0
-    return sync, 2.0 * coll.allgather_time(w_b, cand.dp, bw, lat)
-
-
-def optimizer_time(params_local: float, cand: Candidate, cluster: ClusterSpec, dtype: str) -> float:
-    """Adam step: a memory-bound pass over master weights, gradients and moments (~30 bytes/param)."""
-    per_param = 16.0 * 2 if dtype == "fp32" else 30.0
-    n = params_local / (cand.dp if cand.zero >= 1 else 1)
-    return n * per_param / (cluster.gpu.memory_bandwidth * cluster.gpu.efficiency.memory)
+    """(per-iteration gradient sync, per-micro-batch ZeRO-3 weight gathers) of one stage's rank
+    (`terms.dp_sync_time`, `terms.zero3_gather_time`)."""
+    return dp_sync_time(params_local, cand, cluster, dtype), zero3_gather_time(params_local, cand, cluster, dtype)
 
 
 # ------------------------------------------------------------------------------------- stage figures
@@ -340,12 +261,7 @@ def stage_costs(
         inflight = in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, s)
         act = inflight * sum(c.act[mode] for c in uc)
         sync, gather = dp_comm_time(params, cand, cluster, dtype)
-        buffers = 2.0 * boundary * cand.mbs * 2  # send + receive buffers, activation and gradient
-        if cand.dp > 1 and cand.zero == 0:
-            buffers += 2 * options.ddp_bucket_bytes
-        if cand.zero == 3:
-            # two unsharded units in flight (FSDP prefetch); the largest unit of the model bounds it
-            buffers += 2 * max(c.largest_param_bytes for c in costs)
+        buffers = comm_buffer_bytes(boundary, cand, options, max(c.largest_param_bytes for c in costs))
         out.append(
             StageCost(
                 index=s,
@@ -390,7 +306,7 @@ def rank_memory(stages: list[StageCost], cand: Candidate, options: CostOptions) 
             acts = per_mb * rank_in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, r)
         else:
             acts = sum(s.activations for s in mine)
-        per_rank[r] = (states + acts) * (1 + options.fragmentation) + options.workspace_bytes
+        per_rank[r] = rank_peak_bytes(states, acts, options)
     return per_rank
 
 
@@ -400,24 +316,17 @@ def rank_memory(stages: list[StageCost], cand: Candidate, options: CostOptions) 
 def pipeline_time_linear(
     cand: Candidate, stage_fwd: list[float], stage_total: list[float], stage_p2p: list[float]
 ) -> float:
-    """The search's linear iteration-time model of the pipeline (the ILP minimises exactly this).
-
-    GPipe/1F1B with uneven stages: sum_s t_s + (m-1) max_s t_s (the fill-drain bound used by Alpa and
-    Tarnawski et al. 2020), which equals (m + p - 1) t for uniform stages (Narayanan et al., SC21).
-    Interleaved 1F1B: m max_r T_r + (p-1) max_s t_s, equal to (m + (p-1)/v) T for uniform stages.
-    Zero-bubble (ZBV): m max_r T_r + (p-1) max_s f_s, equal to the ZBV closed form m T + (p-1) t_f/2 for
-    uniform stages with equal F, B, W. Plus one forward and one backward p2p per stage boundary (fill
-    and drain). The reported figure comes from the discrete-event simulator instead.
-    """
-    comm = 2.0 * sum(stage_p2p)
-    if cand.schedule in ("gpipe", "1f1b"):
-        return sum(stage_total) + (cand.m - 1) * max(stage_total) + comm
+    """The search's linear iteration-time model of the pipeline (`terms.pipeline_time` on the stages' sum
+    and maxima; the ILP minimises exactly this). The reported figure comes from the discrete-event
+    simulator instead."""
     rank_total = [0.0] * cand.pp
-    for s, t in enumerate(stage_total):
-        rank_total[stage_rank(cand.schedule, cand.pp, cand.v, s)] += t
-    if cand.schedule == "interleaved-1f1b":
-        return cand.m * max(rank_total) + (cand.pp - 1) * max(stage_total) + comm
-    return cand.m * max(rank_total) + (cand.pp - 1) * max(stage_fwd) + comm
+    if cand.v > 1:
+        for s, t in enumerate(stage_total):
+            rank_total[stage_rank(cand.schedule, cand.pp, cand.v, s)] += t
+    out: float = pipeline_time(
+        cand, sum(stage_total), max(stage_total), max(rank_total), max(stage_fwd), sum(stage_p2p)
+    )
+    return out
 
 
 @dataclass
@@ -441,10 +350,8 @@ def rank_tail_parts(
     if not mine:
         return 0.0, 0.0
     sync = sum(s.dp_sync for s in mine)
-    window = min(mine, key=lambda s: s.index).bwd if options.overlap_dp_comm else 0.0
-    if cand.zero == 2:
-        window *= cand.m  # each micro-batch's reduce-scatter hides behind its own backward
-    return max(0.0, sync - window), optimizer_time(sum(s.params_local for s in mine), cand, cluster, dtype)
+    window = sync_overlap_window(min(mine, key=lambda s: s.index).bwd, cand, options)
+    return max(0.0, sync - window), optimizer_step_time(sum(s.params_local for s in mine), cand, cluster, dtype)
 
 
 def rank_tail(

@@ -1,64 +1,19 @@
-"""Pipeline schedules: stage placement, the rules torch imposes, and closed forms for uniform stages.
+"""Pipeline schedules: closed forms for uniform stages and the in-flight micro-batch counts of each order.
 
-Names follow `planner.plan.Schedule`. Notation: p pipeline ranks, m micro-batches per iteration, v stages
-per rank (p*v stages in all). The closed forms assume uniform stages and free communication; the
-discrete-event simulator in `planner.cost.simulate` agrees with them exactly in that case (tests check it)
-and is what to use for uneven stages or non-zero point-to-point time.
+Names follow `planner.names.Schedule`; placement and the rules torch imposes are in
+`planner.cost.placement`. Notation: p pipeline ranks, m micro-batches per iteration, v stages per rank
+(p*v stages in all). The closed forms assume uniform stages and free communication; the discrete-event
+simulator in `planner.cost.simulate` agrees with them exactly in that case (tests check it) and is what
+to use for uneven stages or non-zero point-to-point time.
 """
 
 from __future__ import annotations
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+from planner.cost.placement import check_stage, raise_if_refused, schedule_violation, stage_rank
+from planner.cost.simulate import simulate
+from planner.names import SCHEDULES
 
-
-def _check_name(schedule: str) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
-
-
-def schedule_violation(schedule: str, p: int, m: int, v: int) -> str | None:
-    """Why torch.distributed.pipelining (or the Plan schema) would refuse this configuration; None if it runs.
-
-    Mirrors the checks of torch's Schedule1F1B (m >= p), ScheduleInterleaved1F1B (m a multiple of
-    max(1, m // p), the number of rounds) and ScheduleZBVZeroBubble (exactly two stages per rank), plus
-    the Plan's rule on virtual stages. Returns a message stating the rule, the values and the fix, so
-    that the search can prune with it and callers can raise it.
-    """
-    _check_name(schedule)
-    if p < 1 or m < 1 or v < 1:
-        return f"p ({p}), m ({m}) and v ({v}) must all be >= 1"
-    if schedule in ("gpipe", "1f1b") and v != 1:
-        return f"schedule {schedule} takes one stage per rank: v must be 1, got {v}"
-    if schedule == "1f1b" and m < p:
-        return (
-            f"1f1b needs at least as many micro-batches as stages (torch Schedule1F1B): m ({m}) < p ({p}); "
-            "raise the number of micro-batches or use gpipe"
-        )
-    if schedule == "interleaved-1f1b":
-        if v < 2:
-            return f"interleaved-1f1b needs v >= 2 stages per rank, got {v}; use 1f1b for one stage per rank"
-        rounds = max(1, m // p)
-        if m % rounds:
-            return (
-                f"interleaved-1f1b needs m to be a multiple of the number of rounds max(1, m // p) = "
-                f"{rounds} (torch ScheduleInterleaved1F1B), got m = {m}, p = {p}; use a multiple of p"
-            )
-    if schedule == "zero-bubble" and v != 2:
-        return f"zero-bubble (ZBV) places exactly two stages per rank in a V: v must be 2, got {v}"
-    return None
-
-
-def stage_rank(schedule: str, p: int, v: int, stage: int) -> int:
-    """The pipeline rank that runs `stage`.
-
-    Loop placement (stage s on rank s % p) for every schedule but zero-bubble, whose V places stage s on
-    rank s for s < p and on rank 2p-1-s after (torch generate_stage_to_rank_mapping, style "loop"/"v").
-    """
-    from planner.runtime.layout import stage_rank as runtime_stage_rank  # the generated script's placement
-
-    _check_name(schedule)
-    _check_stage(p, v, stage)
-    return runtime_stage_rank(schedule, p, stage)
+__all__ = ["SCHEDULES", "schedule_violation", "stage_rank"]
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
@@ -72,7 +27,7 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     idle/ideal, as in the paper; the simulator's `bubble_fraction` is idle/total, b / (1 + b) of this.
     """
     if schedule in ("gpipe", "1f1b"):
-        _raise_if_refused(schedule, p, m, v)
+        raise_if_refused(schedule, p, m, v)
         return (p - 1) / m
     # The others follow from their iteration time; per-stage F : B : W = 1 : 1 : 1 as ZBV assumes.
     t_f, t_b = float(v), 2.0 * v
@@ -97,7 +52,7 @@ def iteration_time_uniform(
     p-1 stage forwards have run. Outside that assumption torch's ZBV order has no simple closed form and
     this returns the simulated uniform case. All derived from torch's orders and checked by the tests.
     """
-    _raise_if_refused(schedule, p, m, v)
+    raise_if_refused(schedule, p, m, v)
     if min(t_f, t_b, t_w) < 0 or t_w > t_b:
         raise ValueError(f"need t_f >= 0 and 0 <= t_w <= t_b, got t_f={t_f}, t_b={t_b}, t_w={t_w}")
     if schedule in ("gpipe", "1f1b"):
@@ -106,9 +61,6 @@ def iteration_time_uniform(
         return (max(m, p) + (min(m, p) - 1) / v) * (t_f + t_b)
     if t_f == t_b - t_w == t_w and m >= 3 * p // 2:
         return m * (t_f + t_b) + (p - 1) * t_f / 2
-    # Imported here: the simulator depends on this module for placement and the schedule rules.
-    from planner.cost.simulate import simulate
-
     n = 2 * p
     return simulate(schedule, p, m, 2, [t_f / 2] * n, [t_b / 2] * n, [t_w / 2] * n).iteration_time
 
@@ -123,8 +75,8 @@ def in_flight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) ->
     from torch's warm-up, (v-1)k + 2(p-1-r) forwards on rank r with k micro-batches per round, see
     `_interleaved_stage_peak`. Equal to the simulator's `peak_in_flight` (checked by the tests).
     """
-    _raise_if_refused(schedule, p, m, v)
-    _check_stage(p, v, stage)
+    raise_if_refused(schedule, p, m, v)
+    check_stage(p, v, stage)
     if schedule == "gpipe":
         return m
     if schedule == "1f1b":
@@ -143,7 +95,7 @@ def rank_in_flight_microbatches(schedule: str, p: int, m: int, v: int, rank: int
     sec. 2.2.2). Zero-bubble: min(2p, m + r + 1, 2m), so 2p half-rank stage activations once m >= 2p - 1,
     the p full-rank ones rank 0 of 1F1B holds, on every rank (derived from torch's ZBV order).
     """
-    _raise_if_refused(schedule, p, m, v)
+    raise_if_refused(schedule, p, m, v)
     if not 0 <= rank < p:
         raise ValueError(f"rank {rank} out of range for p = {p}")
     if schedule == "gpipe":
@@ -186,14 +138,3 @@ def _interleaved_stage_peak(p: int, m: int, v: int, stage: int) -> int:
         backwards = _windows_count(last_fwd - warm, k, v, v - 1 - chunk)
         peak = max(peak, (q + 1) * k - backwards)
     return peak
-
-
-def _check_stage(p: int, v: int, stage: int) -> None:
-    if not 0 <= stage < p * v:
-        raise ValueError(f"stage {stage} out of range for p = {p}, v = {v} ({p * v} stages)")
-
-
-def _raise_if_refused(schedule: str, p: int, m: int, v: int) -> None:
-    violation = schedule_violation(schedule, p, m, v)
-    if violation:
-        raise ValueError(violation)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
-from planner.cost.schedules import schedule_violation, stage_rank
+from planner.cost.placement import schedule_violation, stage_rank
 
 # Action kinds. B is the full backward, or only the input-gradient pass when the schedule splits W off.
 F, B, W = 0, 1, 2

@@ -32,16 +32,21 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.cost.memory import model_state_bytes_per_param
-from planner.cost.model import (
-    Candidate,
-    CostOptions,
-    UnitCost,
-    dp_comm_time,
-    dp_link,
-    optimizer_time,
-    p2p_time,
-)
+from planner.cost.model import Candidate, CostOptions, UnitCost
 from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches, stage_rank
+from planner.cost.terms import (
+    comm_buffer_bytes,
+    dp_sync_time,
+    linear_form,
+    memory_budget,
+    model_state_bytes,
+    optimizer_step_time,
+    p2p_time,
+    pipeline_time,
+    rank_peak_bytes,
+    sync_overlap_window,
+    zero3_gather_time,
+)
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
 
@@ -118,19 +123,13 @@ def simple_bound(tot: Totals, cand: Candidate, cluster: ClusterSpec, dtype: str,
     least the mean of all ranks' bytes."""
     work, fwd, params = tot.work, tot.fwd, tot.params
     S, p, m = cand.stages, cand.pp, cand.m
-    _, gather_one = dp_comm_time(params, cand, cluster, dtype)
-    work = max(work, gather_one)
-    if cand.schedule in ("gpipe", "1f1b"):
-        pipe = work + (m - 1) * work / S
-    elif cand.schedule == "interleaved-1f1b":
-        pipe = m * work / p + (p - 1) * work / S
-    else:
-        pipe = m * work / p + (p - 1) * fwd / S
-    state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
-    states = params * (state.weights + state.gradients + state.optimizer)
+    work = max(work, zero3_gather_time(params, cand, cluster, dtype))
+    # the stage times sum to `work`; the largest stage is at least the mean, and so is the largest rank
+    pipe = pipeline_time(cand, work, work / S, work / p, fwd / S, 0.0)
+    states = model_state_bytes(params, model_state_bytes_per_param(dtype, cand.zero, cand.dp))
     min_inflight = _min_in_flight(cand.schedule, p, m, cand.v)
     acts = min_inflight * tot.act
-    memory = (states + acts) / p * (1 + options.fragmentation) + options.workspace_bytes
+    memory = rank_peak_bytes(states / p, acts / p, options)
     return Bounds(pipe + tail_bound(tot, cand, cluster, dtype, options), memory)
 
 
@@ -176,33 +175,18 @@ def interval_vars(
 
 def gather_coefficients(cand: Candidate, cluster: ClusterSpec, dtype: str) -> tuple[float, float] | None:
     """(g, c): a stage's ZeRO-3 weight gathers per micro-batch take g * params + c, the linear form of
-    `planner.cost.model.dp_comm_time` (all-gather for forward and again for backward); None without
-    ZeRO-3 over more than one replica."""
+    `planner.cost.terms.zero3_gather_time`; None without ZeRO-3 over more than one replica."""
     if cand.zero != 3 or cand.dp <= 1:
         return None
-    bw, lat = dp_link(cand, cluster)
-    w_bytes = 4.0 if dtype == "fp32" else 2.0
-    return 2 * (cand.dp - 1) / cand.dp / bw * w_bytes, 2 * (cand.dp - 1) * lat
+    return linear_form(lambda x: zero3_gather_time(x, cand, cluster, dtype))
 
 
 def tail_coefficients(cand: Candidate, cluster: ClusterSpec, dtype: str) -> tuple[float, float, float]:
     """(a, c, r): one stage's gradient sync is a * params + c and the optimizer step r * params, the linear
-    forms of `planner.cost.model.dp_comm_time` and `optimizer_time` that the ILP uses."""
-    opt_per_param = (32.0 if dtype == "fp32" else 30.0) / (cand.dp if cand.zero >= 1 else 1)
-    opt_rate = opt_per_param / (cluster.gpu.memory_bandwidth * cluster.gpu.efficiency.memory)
-    n = cand.dp
-    if n <= 1:
-        return 0.0, 0.0, opt_rate
-    bw, lat = dp_link(cand, cluster)
-    ring = (n - 1) / n / bw
-    w_bytes = 4.0 if dtype == "fp32" else 2.0
-    if cand.zero == 0:
-        return 2 * ring * 4.0, 2 * (n - 1) * lat, opt_rate
-    if cand.zero == 1:
-        return ring * (4.0 + w_bytes), 2 * (n - 1) * lat, opt_rate
-    if cand.zero == 2:
-        return ring * (4.0 * cand.m + w_bytes), (cand.m + 1) * (n - 1) * lat, opt_rate
-    return ring * 4.0, (n - 1) * lat, opt_rate
+    forms of `planner.cost.terms.dp_sync_time` and `optimizer_step_time`."""
+    opt_rate, _ = linear_form(lambda x: optimizer_step_time(x, cand, cluster, dtype))
+    a, c = linear_form(lambda x: dp_sync_time(x, cand, cluster, dtype))
+    return a, c, opt_rate
 
 
 def _least(vals, ok):
@@ -352,21 +336,14 @@ def _min_in_flight(schedule: str, p: int, m: int, v: int) -> int:
 
 
 def tail_bound(tot: Totals, cand, cluster, dtype, options) -> float:
-    """Mean over ranks of (exposed sync + optimizer step): at most the largest rank's."""
+    """Mean over ranks of (exposed sync + optimizer step): at most the largest rank's. Each of the p
+    ranks pays the sync's latency at least once (the constant of its linear form)."""
     p = cand.pp
     params = tot.params
-    sync_one, _ = dp_comm_time(params, cand, cluster, dtype)
-    if cand.dp > 1:
-        # dp_comm_time pays its latency once; p ranks pay it at least once each
-        _, lat = dp_link(cand, cluster)
-        per_stage_lat = {0: 2, 1: 2, 2: cand.m + 1, 3: 1}[cand.zero] * (cand.dp - 1) * lat
-        sync = sync_one + (p - 1) * per_stage_lat
-    else:
-        sync = 0.0
-    windows = tot.bwd_max if options.overlap_dp_comm else 0.0
-    if cand.zero == 2:
-        windows *= cand.m
-    return (max(0.0, sync - windows) + p * optimizer_time(params / p, cand, cluster, dtype)) / p
+    a_sync, c_sync = linear_form(lambda x: dp_sync_time(x, cand, cluster, dtype))
+    sync = a_sync * params + p * c_sync
+    windows = sync_overlap_window(tot.bwd_max, cand, options)
+    return (max(0.0, sync - windows) + p * optimizer_step_time(params / p, cand, cluster, dtype)) / p
 
 
 def comm_bound(graph: ModelGraph, cand: Candidate, cluster: ClusterSpec, run=None) -> float:
@@ -427,8 +404,7 @@ def _stages(graph, costs, cand, options, run) -> list[_Stage]:
     modes = tuple(costs[start].bwd)
     out_blk = graph.units[start].output_bytes
     smallest = min(out_blk, graph.units[start - 1].output_bytes) if pre else out_blk
-    z3buf = 2 * max(c.largest_param_bytes for c in costs) if cand.zero == 3 else 0.0
-    bucket = 2 * options.ddp_bucket_bytes if (cand.dp > 1 and cand.zero == 0) else 0.0
+    largest = max(c.largest_param_bytes for c in costs)
     stages = []
     for s in range(S):
         holds = (pre if s == 0 else []) + (post if s == S - 1 else [])
@@ -442,7 +418,7 @@ def _stages(graph, costs, cand, options, run) -> list[_Stage]:
                 ext_fwd=sum(c.fwd for c in ext),
                 ext_act={r: sum(c.act[r] for c in ext) for r in modes},
                 ext_params=sum(c.params_local for c in ext),
-                buffers=z3buf + bucket + (4.0 * cand.mbs * smallest if s < S - 1 else 0.0),
+                buffers=comm_buffer_bytes(smallest if s < S - 1 else 0.0, cand, options, largest),
             )
         )
     return stages
@@ -466,8 +442,8 @@ def block_bound(
     blk = costs[start]
     dtype = graph.source.dtype
     state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
-    per_param = state.weights + state.gradients + state.optimizer
-    budget = (cluster.gpu.memory_bytes - options.workspace_bytes) / (1 + options.fragmentation)
+    per_param = model_state_bytes(1.0, state)
+    budget = memory_budget(cluster.gpu.memory_bytes, options)
     stages = _stages(graph, costs, cand, options, run)
     a_sync, c_sync, opt_rate = tail_coefficients(cand, cluster, dtype)
     blocks = np.arange(L + 1)
@@ -478,11 +454,8 @@ def block_bound(
         step."""
         params = ext_params + blocks * blk.params_local
         sync = a_sync * params + n_stages * c_sync if cand.dp > 1 else 0.0 * params
-        if options.overlap_dp_comm:
-            n_first = np.minimum(np.maximum(0, blocks - others_min), first_cap)
-            window = (ext_window + n_first * blk_window) * (m if cand.zero == 2 else 1)
-        else:
-            window = 0.0
+        n_first = np.minimum(np.maximum(0, blocks - others_min), first_cap)
+        window = sync_overlap_window(ext_window + n_first * blk_window, cand, options)
         return np.maximum(0.0, sync - window) + opt_rate * params
 
     # ZeRO-3: a stage's time is at least its weight gathers, linear in its parameters
@@ -660,16 +633,14 @@ class IntervalBounds:
     def pipeline(self, cand: Candidate, costs: list[UnitCost]) -> float:
         """Lower bound on the pipeline term without point-to-point time: the stage times sum to the work
         W of their modes, a rank's to at least W / p, the largest stage to at least the bound."""
-        S, p, m = cand.stages, cand.pp, cand.m
+        S, p = cand.stages, cand.pp
         out = INF
         for r, Z in self.stage_max.items():
             if cand.v == 1:
                 W = sum(c.fwd + min(c.bwd[q] for q in self.stage_max) for c in costs)
-                out = min(out, W + (m - 1) * Z)
             else:
                 W = sum(c.fwd + c.bwd[r] for c in costs)
-                last = Z if cand.schedule == "interleaved-1f1b" else sum(c.fwd for c in costs) / S
-                out = min(out, m * W / p + (p - 1) * last)
+            out = min(out, pipeline_time(cand, W, Z, W / p, sum(c.fwd for c in costs) / S, 0.0))
         return out
 
 
@@ -697,17 +668,14 @@ class IntervalTables:
         mem_ok = {}
         if cand.v == 1:
             state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
-            per_param = state.weights + state.gradients + state.optimizer
-            budget = (cluster.gpu.memory_bytes - options.workspace_bytes) / (1 + options.fragmentation)
-            fixed = (2 * options.ddp_bucket_bytes if (cand.dp > 1 and cand.zero == 0) else 0.0) + (
-                2 * max(c.largest_param_bytes for c in costs) if cand.zero == 3 else 0.0
-            )
+            budget = memory_budget(cluster.gpu.memory_bytes, options)
+            largest = max(c.largest_param_bytes for c in costs)
             out_bytes = np.array([0.0] + [u.output_bytes for u in graph.units])  # [j]: unit j-1's output
             for s in range(S):
                 k = in_flight_microbatches(cand.schedule, p, m, 1, s)
-                buf = 4.0 * cand.mbs * out_bytes[None, :] if s < S - 1 else 0.0
+                buf = comm_buffer_bytes(out_bytes[None, :] if s < S - 1 else 0.0, cand, options, largest)
                 for r in modes:
-                    mem_ok[s, r] = per_param * params + fixed + buf + k * act[r] <= budget
+                    mem_ok[s, r] = model_state_bytes(params, state) + buf + k * act[r] <= budget
         return cls(
             t={r: span(pre([c.fwd + c.bwd[r] for c in costs])) for r in modes},
             fwd=span(pre([c.fwd for c in costs])),

@@ -16,6 +16,7 @@ import itertools
 from planner.cost.model import Candidate, CostOptions, UnitCost, rank_memory, rank_tail_parts, stage_costs
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
+from planner.search.evaluate import evaluate
 
 
 def _partitions(n_units: int, n_stages: int):
@@ -33,8 +34,6 @@ def brute_force_partition(
     options: CostOptions,
 ):
     """(objective, partition, recompute) minimising the cost model over every partition; None if none fits."""
-    from planner.search.search import evaluate
-
     cap = cluster.gpu.memory_bytes
     best = None
     # With several stages per rank the search uses one recomputation mode for all stages (see ilp.py).

@@ -14,27 +14,28 @@ import heapq
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from planner.cost.model import (
-    RECOMPUTE_MODES,
     Candidate,
     CostOptions,
     Profile,
-    StageCost,
     UnitCost,
-    iteration_linear,
-    rank_memory,
-    stage_costs,
     unit_cost,
 )
 from planner.errors import InfeasibleError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
-from planner.search.bounds import Totals, lower_bounds, simple_bound
-from planner.search.ilp import block_run, solve_partition
+from planner.names import RECOMPUTE_MODES, SearchStatus
+from planner.search.bounds import BlockBounds, IntervalBounds, Totals, lower_bounds, simple_bound
+from planner.search.evaluate import Evaluated, evaluate, simulate_evaluated, simulated_time
+from planner.search.ilp import ILPResult, block_run, solve_partition
 from planner.search.space import Pins, enumerate_space
+
+# Evaluated and simulate_evaluated are re-exported: planner.pipeline and the CLI import them from here.
+__all__ = ["Evaluated", "SearchResult", "evaluate", "search", "simulate_evaluated"]
 
 log = logging.getLogger(__name__)
 GiB = 2**30
@@ -44,28 +45,33 @@ RESERVE = "within the memory reserve: fits the GPU but not what the reserve leav
 NOT_TOP_K = "not in the top k: the ILP proved no partition that fits memory beats the k-th plan"
 
 
-@dataclass
-class Evaluated:
-    cand: Candidate
-    partition: list[list[int]]
-    recompute: list[str]
-    stages: list[StageCost]
-    objective: float
-    rank_memory: dict[int, float]
-    status: str = "optimal"
-    sim: object = field(default=None, repr=False, compare=False)  # simulate_evaluated's result, cached
+@dataclass(order=True)
+class QueueItem:
+    """A candidate waiting in the search's queue, ordered by its lower bound (then by its index).
+
+    level 0 has the simple bound, 1 the block bound, 2 the block bound minimised jointly with the tail,
+    or the interval bound of a model that is not transformer-shaped; `bounds` is that BlockBounds /
+    IntervalBounds, which the ILP reuses for its cuts and start."""
+
+    bound: float
+    index: int
+    level: int = field(compare=False)
+    cand: Candidate = field(compare=False)
+    costs: list[UnitCost] = field(compare=False, repr=False)
+    modes: tuple[str, ...] = field(compare=False)
+    bounds: BlockBounds | IntervalBounds | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
 class SearchResult:
     best: Evaluated
     ranked: list[Evaluated]
-    rejected: Counter
+    rejected: Counter[tuple[str, str]]
     candidates: int
     pruned_by_bound: int
     ilps_solved: int
     seconds: float
-    status: str = "optimal"
+    status: SearchStatus = "optimal"
     gap: float = 0.0  # worst relative gap to the candidate's lower bound of an ILP stopped early
 
 
@@ -76,15 +82,15 @@ class CostTable:
     graph: ModelGraph
     cluster: ClusterSpec
     profile: Profile | None
-    _by_sig: dict = field(default_factory=dict)
-    _lists: dict = field(default_factory=dict)
+    _by_sig: dict[tuple[object, ...], UnitCost] = field(default_factory=dict)
+    _lists: dict[tuple[int, int, bool], list[UnitCost]] = field(default_factory=dict)
 
     def units(self, cand: Candidate) -> list[UnitCost]:
         """The units' costs under the candidate (one shared list per (tp, mbs, sp): do not modify it)."""
         key = (cand.tp, cand.mbs, cand.sp)
         if key in self._lists:
             return self._lists[key]
-        out = []
+        out: list[UnitCost] = []
         for u in self.graph.units:
             k = (u.signature, *key, u.name if u.kind != "block" else "")
             if k not in self._by_sig:
@@ -92,21 +98,6 @@ class CostTable:
             out.append(self._by_sig[k])
         self._lists[key] = out
         return out
-
-
-def evaluate(
-    graph: ModelGraph,
-    cluster: ClusterSpec,
-    cand: Candidate,
-    partition: list[list[int]],
-    recompute: list[str],
-    costs: list[UnitCost],
-    options: CostOptions,
-) -> Evaluated:
-    """The cost model's figures for a fixed partition (what the ILP optimises, recomputed directly)."""
-    stages = stage_costs(graph, cluster, cand, partition, recompute, costs, options)
-    obj = iteration_linear(stages, cand, options, cluster, graph.source.dtype)
-    return Evaluated(cand, partition, recompute, stages, obj, rank_memory(stages, cand, options))
 
 
 def search(
@@ -118,7 +109,7 @@ def search(
     profile: Profile | None = None,
     top_k: int = 5,
     time_limit: float | None = None,
-    progress=None,
+    progress: Callable[[int, int], None] | None = None,
     max_nodes: int | None = 5000,
     prefer_simulated: bool = True,
 ) -> SearchResult:
@@ -144,13 +135,10 @@ def search(
     modes = (pins.recompute,) if pins.recompute else search_modes(graph)
     run = block_run(graph)
     # Lazy bounding: every candidate gets the cheap simple bound; the tighter block bound is computed
-    # only for candidates that reach the front of the queue, which then go back in with it.
-    # (bound, index, level, ...): level 0 has the simple bound, 1 the block bound, 2 the block bound
-    # minimised jointly with the tail, or the interval bound of a model that is not transformer-shaped
-    # (whose BlockBounds / IntervalBounds the ILP reuses for its cuts and start)
-    heap: list[tuple] = []
+    # only for candidates that reach the front of the queue, which then go back in with it (QueueItem).
+    heap: list[QueueItem] = []
     smallest_need: tuple[float, Candidate] | None = None
-    totals: dict[tuple, Totals] = {}
+    totals: dict[tuple[object, ...], Totals] = {}
     for i, cand in enumerate(space.candidates):
         costs = table.units(cand)
         if pins.recompute:
@@ -165,7 +153,7 @@ def search(
             if smallest_need is None or b.memory < smallest_need[0]:
                 smallest_need = (b.memory, cand)
             continue
-        heap.append((b.time, i, 0, cand, costs, cand_modes, None))
+        heap.append(QueueItem(b.time, i, 0, cand, costs, cand_modes))
     heapq.heapify(heap)
     total = len(heap)
 
@@ -173,22 +161,21 @@ def search(
     gaps: list[float] = []
     solved = 0
     pruned = 0
-    status = "optimal"
+    status: SearchStatus = "optimal"
     done = 0
 
-    def solve(item, cutoff):
-        _, _, _, cand, costs, cand_modes, block = item
+    def solve(item: QueueItem, cutoff: float | None) -> ILPResult:
         return solve_partition(
             graph,
             cluster,
-            cand,
-            costs,
-            cand_modes,
+            item.cand,
+            item.costs,
+            item.modes,
             options,
             time_limit=time_limit,
             max_nodes=max_nodes,
             cutoff=cutoff,
-            bounds=block,
+            bounds=item.bounds,
         )
 
     # CBC runs in its own process: the next ILP_WORKERS candidates in bound order are solved side by side
@@ -197,24 +184,27 @@ def search(
     pool = ThreadPoolExecutor(max_workers=ILP_WORKERS)
     try:
         while heap:
-            batch = []
+            batch: list[QueueItem] = []
             cutoff = ranked[top_k].objective if len(ranked) >= top_k + 1 else None
             while heap and len(batch) < ILP_WORKERS:
-                bound, i, level, cand, costs, cand_modes, block = heap[0]
-                if cutoff is not None and bound >= cutoff:
+                item = heap[0]
+                if cutoff is not None and item.bound >= cutoff:
                     break
                 heapq.heappop(heap)
-                if level < 2 and cand.stages > 1:
-                    b = lower_bounds(graph, costs, cand, cluster, options, cand_modes, run, joint=level == 1)
+                if item.level < 2 and item.cand.stages > 1:
+                    b = lower_bounds(
+                        graph, item.costs, item.cand, cluster, options, item.modes, run, joint=item.level == 1
+                    )
                     if not b.feasible:
-                        rejected[(_region(cand), OOM_BOUND)] += 1
+                        rejected[(_region(item.cand), OOM_BOUND)] += 1
                         done += 1
                         continue
-                    nxt = level + 1 if run is not None else 2
-                    item = (max(bound, b.time), i, nxt, cand, costs, cand_modes, b.block or b.interval)
-                    heapq.heappush(heap, item)
+                    nxt = item.level + 1 if run is not None else 2
+                    bounds = b.block or b.interval
+                    bound = max(item.bound, b.time)
+                    heapq.heappush(heap, QueueItem(bound, item.index, nxt, item.cand, item.costs, item.modes, bounds))
                     continue
-                batch.append((bound, i, level, cand, costs, cand_modes, block))
+                batch.append(item)
             if not batch:
                 pruned = len(heap)
                 break
@@ -223,7 +213,8 @@ def search(
             done += len(batch)
             results = list(pool.map(solve, batch, [cutoff] * len(batch)))
             solved += len(batch)
-            for (bound, _i, _lv, cand, costs, _m, _b), res in zip(batch, results, strict=True):
+            for item, res in zip(batch, results, strict=True):
+                bound, cand, costs = item.bound, item.cand, item.costs
                 if res.status == "cutoff":
                     rejected[(_region(cand), NOT_TOP_K)] += 1
                     continue
@@ -234,10 +225,12 @@ def search(
                 if res.status == "infeasible" or res.partition is None:
                     rejected[(_region(cand), "out of memory: no stage partition fits every rank")] += 1
                     continue
+                assert res.objective is not None and res.recompute is not None
                 if res.status in ("time_limit", "node_limit") and res.objective <= bound * (1 + 1e-9):
                     res.status = "optimal"  # stopped early, but the candidate's lower bound proves it
-                if res.status in ("time_limit", "node_limit"):
-                    status = res.status
+                found: SearchStatus = "optimal"
+                if res.status == "time_limit" or res.status == "node_limit":
+                    status = found = res.status
                     gaps.append((res.objective - bound) / res.objective if res.objective else 0.0)
                 ev = evaluate(graph, cluster, cand, res.partition, res.recompute, costs, options)
                 if (
@@ -253,9 +246,9 @@ def search(
                     # cannot see how uneven stages of one rank stall each other); keep the balanced
                     # incumbent when the simulator says it is faster.
                     alt = evaluate(graph, cluster, cand, res.start[0], res.start[1], costs, options)
-                    if _simulated(alt) < _simulated(ev):
+                    if simulated_time(alt) < simulated_time(ev):
                         ev = alt
-                ev.status = res.status
+                ev.status = found
                 ranked.append(ev)
             ranked.sort(key=lambda e: (e.objective, _key(e.cand)))
             ranked = ranked[: top_k + 1]
@@ -274,24 +267,6 @@ def search(
         status=status,
         gap=max(gaps, default=0.0),
     )
-
-
-def simulate_evaluated(ev: Evaluated):
-    """Discrete-event simulation of an evaluated partition's pipeline (the figure the plan reports)."""
-    from planner.cost.simulate import simulate
-
-    if ev.sim is not None:
-        return ev.sim
-    c = ev.cand
-    fwd = [st.fwd for st in ev.stages]
-    bwd = [max(st.compute, st.zero3_gather) - st.fwd for st in ev.stages]
-    p2p = [st.p2p for st in ev.stages[:-1]] + [0.0]
-    ev.sim = simulate(c.schedule, c.pp, c.m, c.v, fwd, bwd, None, p2p)
-    return ev.sim
-
-
-def _simulated(ev: Evaluated) -> float:
-    return simulate_evaluated(ev).iteration_time
 
 
 def search_modes(graph: ModelGraph) -> tuple[str, ...]:
@@ -315,7 +290,7 @@ def _only(c: UnitCost, mode: str) -> UnitCost:
     )
 
 
-def _key(c: Candidate) -> tuple:
+def _key(c: Candidate) -> tuple[object, ...]:
     return (c.pp, c.tp, c.v, -c.mbs, c.schedule, c.zero, c.sp, c.dp)
 
 

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from math import gcd
 
 from planner.cost.model import Candidate
-from planner.cost.schedules import schedule_violation
+from planner.cost.placement import schedule_violation
 from planner.errors import ConfigError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
+from planner.names import SCHEDULES
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+SCHEDULE_NAMES = SCHEDULES  # kept for callers of this module; defined in planner.names
 MAX_VIRTUAL_STAGES = 8
 
 
@@ -39,7 +40,7 @@ class Pins:
 @dataclass
 class Space:
     candidates: list[Candidate]
-    rejected: Counter = field(default_factory=Counter)  # (region, reason) -> count
+    rejected: Counter[tuple[str, str]] = field(default_factory=Counter)  # (region, reason) -> count
 
 
 def divisors(n: int) -> list[int]:

@@ -1,0 +1,44 @@
+"""A point of the outer search space and the cost model's fixed switches (a leaf of planner.cost)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 2**30
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the outer search space (everything but the stage partition and recomputation)."""
+
+    dp: int
+    tp: int
+    pp: int
+    v: int
+    mbs: int
+    m: int
+    schedule: str
+    zero: int
+    sp: bool
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.v
+
+    def label(self) -> str:
+        sp = "+sp" if self.sp else ""
+        return (
+            f"dp{self.dp} tp{self.tp}{sp} pp{self.pp}"
+            + (f"x{self.v}" if self.v > 1 else "")
+            + f" mbs{self.mbs} m{self.m} {self.schedule} zero{self.zero}"
+        )
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """Switches of the cost model that are not searched."""
+
+    overlap_dp_comm: bool = True
+    workspace_bytes: float = 1.0 * GiB  # CUDA context, cuBLAS/NCCL workspaces, allocator slack
+    fragmentation: float = 0.05  # allocator fragmentation, as a fraction of the rest
+    ddp_bucket_bytes: float = 25 * 2**20  # torch DDP default bucket; two in flight
+
+

@@ -1,0 +1,223 @@
+"""The cost model's terms, each written once.
+
+Every term is an affine function of its first argument (bytes, parameters or seconds), built from +, -
+and * or / by constants only, so one function evaluates on floats (`planner.cost.model`), on numpy arrays
+(`planner.search.bounds`) and on `pulp.LpAffineExpression`s (the ILP, `planner.search.ilp`). The ILP
+adds only its linearisation of the maxima (epigraph variables); `tests/test_cost_terms.py` evaluates
+each term both ways. Guards such as "no bytes, no latency" apply to plain numbers only
+(`is_nonpositive`); an expression always pays the constant part, as the ILP always has.
+
+Sources: ring collectives and p2p in `planner.cost.collectives`; ZeRO (Rajbhandari et al. 2020, sec. 7);
+pipeline fill/drain (Narayanan et al., SC21; Tarnawski et al. 2020); memory in `planner.cost.memory`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeAlias
+
+from planner.cost import collectives as coll
+from planner.cost.candidate import Candidate, CostOptions
+from planner.cost.memory import StateBytes
+from planner.hardware.spec import ClusterSpec
+
+# float, numpy array or pulp.LpAffineExpression (pulp has no type information)
+Affine: TypeAlias = Any
+
+# Bytes an Adam step reads and writes per parameter: fp32 master weights, gradients and two moments
+# read and written, plus the bf16 copy written (~30); in fp32 training 16 read + 16 written.
+def optimizer_step_bytes_per_param(dtype: str) -> float:
+    return 32.0 if dtype == "fp32" else 30.0
+
+
+# Bytes per parameter of the weights ZeRO-1/2/3 all-gather (the training dtype) and of the gradients
+# reduced (fp32).
+GRAD_BYTES_PER_PARAM = 4.0
+
+
+def weight_bytes_per_param(dtype: str) -> float:
+    return 4.0 if dtype == "fp32" else 2.0
+
+
+# ---------------------------------------------------------------------------------------------- links
+
+
+def crosses_nodes(cand: Candidate, cluster: ClusterSpec) -> tuple[bool, bool]:
+    """(dp groups cross nodes, consecutive pp ranks sit on different nodes) for mesh (pp, dp, tp)."""
+    g = cluster.gpus_per_node
+    return cand.dp * cand.tp > g, cand.dp * cand.tp >= g
+
+
+def _link(cluster: ClusterSpec, inter_node: bool) -> tuple[float, float]:
+    topo = cluster.topology
+    eff = cluster.gpu.efficiency.network
+    if inter_node:
+        return topo.inter_node_bandwidth * eff, topo.inter_node_latency
+    return topo.intra_node_bandwidth * eff, topo.intra_node_latency
+
+
+def p2p_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
+    """(bandwidth, latency) of the link between consecutive pipeline ranks."""
+    return _link(cluster, crosses_nodes(cand, cluster)[1])
+
+
+def dp_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
+    """(bandwidth, latency) of the data-parallel group's ring."""
+    return _link(cluster, crosses_nodes(cand, cluster)[0])
+
+
+# ----------------------------------------------------------------------------------------- time terms
+
+
+def p2p_time(boundary_bytes: Affine, cand: Candidate, cluster: ClusterSpec) -> Affine:
+    """One activation (or gradient) send between consecutive stages, per micro-batch.
+
+    With sequence parallelism the boundary tensor is already split across the TP group, so each rank
+    sends 1/t of it (Narayanan et al. 2021, scatter/gather optimisation).
+    """
+    bw, lat = p2p_link(cand, cluster)
+    nbytes = boundary_bytes * cand.mbs / (cand.tp if cand.sp else 1)
+    return coll.p2p_time(nbytes, bw, lat)
+
+
+def dp_sync_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dtype: str) -> Affine:
+    """Per-iteration gradient sync of a stage holding `params` (tensor-parallel-local) parameters.
+
+    ZeRO-0 all-reduces fp32 gradients once per iteration; ZeRO-1 reduce-scatters them and all-gathers
+    the updated weights (same volume); ZeRO-2 keeps only a gradient shard, so with m micro-batches it
+    reduce-scatters after each of them; ZeRO-3 reduce-scatters once (its gathers: `zero3_gather_time`).
+    """
+    if cand.dp <= 1:
+        return 0.0
+    bw, lat = dp_link(cand, cluster)
+    grad_b = GRAD_BYTES_PER_PARAM * params
+    w_b = weight_bytes_per_param(dtype) * params
+    if cand.zero == 0:
+        return coll.allreduce_time(grad_b, cand.dp, bw, lat)
+    sync = coll.reduce_scatter_time(grad_b, cand.dp, bw, lat)
+    if cand.zero == 1:
+        return sync + coll.allgather_time(w_b, cand.dp, bw, lat)
+    if cand.zero == 2:
+        return cand.m * sync + coll.allgather_time(w_b, cand.dp, bw, lat)
+    return sync
+
+
+def zero3_gather_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dtype: str) -> Affine:
+    """Per-micro-batch ZeRO-3 (FSDP) weight gathers of a stage: all-gather for forward and again for
+    backward (Rajbhandari et al. 2020, sec. 7); 0 without ZeRO-3 over more than one replica."""
+    if cand.dp <= 1 or cand.zero != 3:
+        return 0.0
+    bw, lat = dp_link(cand, cluster)
+    return 2.0 * coll.allgather_time(weight_bytes_per_param(dtype) * params, cand.dp, bw, lat)
+
+
+def optimizer_step_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dtype: str) -> Affine:
+    """Adam step of `params` local parameters: a memory-bound pass over master weights, gradients and
+    moments (`optimizer_step_bytes_per_param`), sharded across dp from ZeRO-1 on."""
+    n = params / (cand.dp if cand.zero >= 1 else 1)
+    return n * optimizer_step_bytes_per_param(dtype) / (cluster.gpu.memory_bandwidth * cluster.gpu.efficiency.memory)
+
+
+def sync_overlap_window(first_stage_bwd: Affine, cand: Candidate, options: CostOptions) -> Affine:
+    """How much of a rank's gradient sync hides behind compute: the backward of its first stage (the
+    last work it runs, DDP bucketing / FSDP reduce-scatter during backward); under ZeRO-2 each
+    micro-batch's reduce-scatter hides behind its own backward."""
+    window = first_stage_bwd if options.overlap_dp_comm else 0.0
+    if cand.zero == 2:
+        window *= cand.m
+    return window
+
+
+def pipeline_time(
+    cand: Candidate, stage_sum: Affine, stage_max: Affine, rank_max: Affine, fwd_max: Affine, p2p_sum: Affine
+) -> Affine:
+    """The search's linear iteration-time model of the pipeline, from the sum and the maxima of the stage
+    times (the ILP passes its epigraph variables for the maxima).
+
+    GPipe/1F1B with uneven stages: sum_s t_s + (m-1) max_s t_s (the fill-drain bound used by Alpa and
+    Tarnawski et al. 2020), which equals (m + p - 1) t for uniform stages (Narayanan et al., SC21).
+    Interleaved 1F1B: m max_r T_r + (p-1) max_s t_s, equal to (m + (p-1)/v) T for uniform stages.
+    Zero-bubble (ZBV): m max_r T_r + (p-1) max_s f_s, equal to the ZBV closed form m T + (p-1) t_f/2 for
+    uniform stages with equal F, B, W. Plus one forward and one backward p2p per stage boundary (fill
+    and drain).
+    """
+    comm = 2.0 * p2p_sum
+    if cand.schedule in ("gpipe", "1f1b"):
+        return stage_sum + (cand.m - 1) * stage_max + comm
+    if cand.schedule == "interleaved-1f1b":
+        return cand.m * rank_max + (cand.pp - 1) * stage_max + comm
+    return cand.m * rank_max + (cand.pp - 1) * fwd_max + comm
+
+
+# --------------------------------------------------------------------------------------- memory terms
+
+
+def model_state_bytes(params: Affine, state: StateBytes) -> Affine:
+    """Weights, gradients and optimizer states of `params` local parameters (`memory.StateBytes`)."""
+    return params * (state.weights + state.gradients + state.optimizer)
+
+
+def comm_buffer_bytes(
+    boundary_bytes: Affine, cand: Candidate, options: CostOptions, largest_param_bytes: float
+) -> Affine:
+    """A stage's communication buffers: send and receive buffers of its outgoing boundary (activation
+    and gradient); two DDP buckets in flight under ZeRO-0; under ZeRO-3 two unsharded units in flight
+    (FSDP prefetch), bounded with the model's largest unit."""
+    buffers = 2.0 * boundary_bytes * cand.mbs * 2
+    if cand.dp > 1 and cand.zero == 0:
+        buffers += 2 * options.ddp_bucket_bytes
+    if cand.zero == 3:
+        buffers += 2 * largest_param_bytes
+    return buffers
+
+
+def rank_peak_bytes(states: Affine, activations: Affine, options: CostOptions) -> Affine:
+    """Peak bytes of a pipeline rank: its states and activations plus fragmentation, plus the workspace."""
+    return (states + activations) * (1 + options.fragmentation) + options.workspace_bytes
+
+
+def memory_budget(capacity: float, options: CostOptions) -> float:
+    """The states + activations a rank may hold: `rank_peak_bytes` <= capacity solved for them."""
+    return (capacity - options.workspace_bytes) / (1 + options.fragmentation)
+
+
+class Linear:
+    """c * x + k in one symbol x: what a term returns when evaluated on `Linear.symbol()`, so that the
+    bounds can read a term's coefficients without building a pulp expression per candidate."""
+
+    __slots__ = ("coef", "const")
+
+    def __init__(self, coef: float, const: float) -> None:
+        self.coef, self.const = coef, const
+
+    @classmethod
+    def symbol(cls) -> Linear:
+        return cls(1.0, 0.0)
+
+    def __add__(self, other: Linear | float) -> Linear:
+        if isinstance(other, Linear):
+            return Linear(self.coef + other.coef, self.const + other.const)
+        return Linear(self.coef, self.const + other)
+
+    __radd__ = __add__
+
+    def __sub__(self, other: Linear | float) -> Linear:
+        return self + other * -1.0
+
+    def __rsub__(self, other: float) -> Linear:
+        return self * -1.0 + other
+
+    def __mul__(self, k: float) -> Linear:
+        return Linear(self.coef * k, self.const * k)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, k: float) -> Linear:
+        return Linear(self.coef / k, self.const / k)
+
+
+def linear_form(term: Any) -> tuple[float, float]:
+    """(coefficient, constant) of an affine term of one argument."""
+    e = term(Linear.symbol())
+    if isinstance(e, Linear):
+        return e.coef, e.const
+    return 0.0, float(e)

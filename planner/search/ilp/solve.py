@@ -1,0 +1,281 @@
+"""Solving one candidate's ILP: choose the encoding, build it from the forms and constraint families,
+give CBC a start, solve, decode (see the package docstring for the model)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import pulp
+
+from planner.cost.memory import model_state_bytes_per_param
+from planner.cost.model import Candidate, CostOptions, UnitCost
+from planner.cost.placement import stage_rank
+from planner.hardware.spec import ClusterSpec
+from planner.model.graph import ModelGraph
+from planner.names import SolveStatus
+from planner.search.bounds import (
+    BlockBounds,
+    IntervalBounds,
+    IntervalTables,
+    Totals,
+    block_bound,
+    comm_bound,
+    interval_bound,
+    interval_vars,
+    tail_bound,
+)
+from planner.search.evaluate import evaluate
+from planner.search.ilp import constraints as rows
+from planner.search.ilp.forms import (
+    AssignForm,
+    CountForm,
+    Form,
+    IntervalForm,
+    Modes,
+    Partition,
+    Run,
+    block_run,
+    count_partition,
+)
+
+log = logging.getLogger(__name__)
+OBJ_SCALE = 1e6
+# The interval form has one binary per (stage, unit interval, mode): used while that stays small.
+MAX_INTERVAL_VARS = 20_000
+
+
+@dataclass
+class ILPResult:
+    status: SolveStatus
+    objective: float | None
+    partition: list[list[int]] | None
+    recompute: list[str] | None
+    gap: float = 0.0
+    form: str = ""
+    # the balanced partition used as CBC's incumbent, when there was one (partition, recompute)
+    start: tuple[list[list[int]], list[str]] | None = None
+
+
+def solve_partition(
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    cand: Candidate,
+    costs: list[UnitCost],
+    modes: tuple[str, ...],
+    options: CostOptions,
+    time_limit: float | None = None,
+    force_form: str | None = None,
+    max_nodes: int | None = None,
+    cutoff: float | None = None,
+    cuts: bool = True,
+    bounds: BlockBounds | IntervalBounds | None = None,
+) -> ILPResult:
+    """Solve the partition + recomputation ILP of one candidate exactly (or to the time limit).
+
+    `cutoff`: only solutions with an objective below it are wanted (the search passes the k-th best plan
+    so far); when none exists the status is "cutoff". `cuts`: add the valid integer bounds of
+    `planner.search.bounds.block_bound` on the maxima (count form), which close most of the LP gap;
+    `bounds`: that function's result when the caller has it already.
+    """
+    U = len(graph.units)
+    S = cand.stages
+    if S > U:
+        return ILPResult("infeasible", None, None, None)
+    if S == 1:
+        return _single_stage(graph, cluster, cand, costs, modes, options)
+    run = block_run(graph)
+    kind = force_form or ("count" if run is not None else None)
+    if kind == "count" and run is None:
+        kind = "assign"
+    dtype = graph.source.dtype
+    ib = None
+    start_sol = None
+    form: Form
+    if kind == "count":
+        assert run is not None
+        form = CountForm(run)
+    else:
+        # Any unit sequence: the interval bound (cut and start), then the intervals an optimal plan can use.
+        given = bounds if isinstance(bounds, IntervalBounds) else None
+        tables = (
+            given.tables if given and given.tables else IntervalTables.of(graph, costs, cand, cluster, options, modes)
+        )
+        if cuts:
+            ib = given or interval_bound(graph, costs, cand, cluster, options, modes, tables)
+            if ib is None:
+                return ILPResult("infeasible", None, None, None, form=kind or "interval")
+            start_sol = _best_start(graph, cluster, cand, costs, options, ib.starts)
+        limits = [v for v in (cutoff, start_sol[2] if start_sol else None) if v is not None]
+        tot_ = Totals.of(costs, modes)
+        work = tot_.work if cand.v == 1 else cand.m * tot_.work / cand.pp
+        rest = work + comm_bound(graph, cand, cluster) + tail_bound(tot_, cand, cluster, dtype, options)
+        ivars = interval_vars(tables, cand, modes, U, min(limits) if limits else None, rest)
+        if not all(ivars.values()):
+            return ILPResult(
+                "cutoff" if cutoff is not None else "infeasible", None, None, None, form=kind or "interval"
+            )
+        if kind is None:
+            kind = "interval" if sum(len(v) for v in ivars.values()) <= MAX_INTERVAL_VARS else "assign"
+        form = IntervalForm(ivars) if kind == "interval" else AssignForm()
+
+    bb = None
+    if isinstance(form, CountForm) and cuts:
+        given_bb = bounds if isinstance(bounds, BlockBounds) else None
+        bb = given_bb or block_bound(graph, costs, cand, cluster, options, modes, form.run)
+        if bb is None:
+            return ILPResult("infeasible", None, None, None, form=form.name)
+
+    prob = pulp.LpProblem("partition", pulp.LpMinimize)
+    mode_vars = rows.add_mode_choice(prob, cand, modes)
+    ex = form.build(prob, graph, cand, costs, modes, mode_vars)
+    ranks = [stage_rank(cand.schedule, cand.pp, cand.v, s) for s in range(S)]
+    mx = rows.add_stage_maxima(prob, ex, cand, cluster, dtype)
+    if isinstance(form, CountForm) and cand.v > 1:
+        rows.add_symmetry_breaking(prob, form, cand, ranks, modes)
+    for cut in (bb, ib):
+        if cut is not None:
+            rows.add_stage_cuts(prob, mx, cut, cand, modes, mode_vars)
+    rows.add_rank_maxima(prob, mx, ex, cand, ranks, bb, modes, mode_vars)
+    tail = rows.add_tail(prob, ex, cand, cluster, options, dtype, ranks, costs)
+    if bb is not None:
+        rows.add_joint_cut(prob, mx, tail, bb, cand, modes, mode_vars)
+    # In microseconds: CBC's absolute tolerances (1e-7 .. 1e-10) would otherwise be coarse next to
+    # iteration times of a few milliseconds, and near-ties could come out in the wrong order.
+    prob += OBJ_SCALE * rows.objective(mx, tail, ex, cand, cluster)
+    state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
+    rows.add_memory(prob, ex, cand, cluster, options, state, ranks, costs)
+
+    if isinstance(form, CountForm):
+        tries = _count_starts(cand, costs, modes, form.run, bb.starts if bb else [])
+        start_sol = _best_start(
+            graph, cluster, cand, costs, options, [(count_partition(c, form.run), r) for c, r in tries]
+        )
+    warm = start_sol is not None and form.warm_start(start_sol[0], start_sol[1], modes, mode_vars)
+    status, res_status = _solve_cbc(prob, time_limit, max_nodes, cutoff, warm)
+    if status is not None:
+        return ILPResult(status, None, None, None, form=form.name)
+    recompute = [next(r for r in modes if (mode_vars[s, r].value() or 0) > 0.5) for s in range(S)]
+    partition = form.decode(S, U, modes)
+    obj = pulp.value(prob.objective) / OBJ_SCALE
+    start = None if start_sol is None else (start_sol[0], start_sol[1])
+    return ILPResult(res_status, float(obj), partition, recompute, form=form.name, start=start)
+
+
+def _solve_cbc(
+    prob: pulp.LpProblem, time_limit: float | None, max_nodes: int | None, cutoff: float | None, warm: bool
+) -> tuple[SolveStatus | None, SolveStatus]:
+    """Run CBC: (the status of a failed solve or None, the status of the solution found)."""
+    # Single-threaded with a node limit: the same inputs always give the same solution (a wall-clock
+    # limit would make the result depend on the machine's load).
+    extra = [f"cutoff {cutoff * OBJ_SCALE * (1 + 1e-9):.17g}"] if cutoff is not None else []
+    solver = pulp.PULP_CBC_CMD(
+        msg=False,
+        timeLimit=time_limit,
+        threads=1,
+        warmStart=warm,
+        maxNodes=max_nodes,
+        gapRel=0.0,
+        gapAbs=0.0,
+        options=extra,
+    )
+    prob.solve(solver)
+    status = pulp.LpStatus[prob.status]
+    if status == "Infeasible":
+        return ("cutoff" if cutoff is not None else "infeasible"), "infeasible"
+    if status != "Optimal":
+        return "not_solved", "not_solved"
+    if getattr(prob, "sol_status", None) == pulp.LpSolutionIntegerFeasible:
+        return None, ("time_limit" if time_limit is not None else "node_limit")
+    return None, "optimal"
+
+
+def _single_stage(
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    cand: Candidate,
+    costs: list[UnitCost],
+    modes: Modes,
+    options: CostOptions,
+) -> ILPResult:
+    """One stage: the partition is forced, so only the recomputation mode is chosen, by evaluation."""
+    part = [list(range(len(graph.units)))]
+    best = _best_start(graph, cluster, cand, costs, options, [(part, [mode]) for mode in modes])
+    if best is None:
+        return ILPResult("infeasible", None, None, None, form="single")
+    return ILPResult("optimal", best[2], part, best[1], form="single")
+
+
+def _count_starts(
+    cand: Candidate,
+    costs: list[UnitCost],
+    modes: Modes,
+    run: Run,
+    extra: Iterable[tuple[list[int], list[str]]] = (),
+) -> list[tuple[list[int], list[str]]]:
+    """Block counts per stage and recomputation per stage to try as CBC's start in the count form.
+
+    For each recomputation mode, two balanced block distributions (stage times evened out around the
+    prefix and suffix; equal block counts, which balances ranks when one rank holds both ends, as in the
+    V schedule), plus `extra` (built from the bound's relaxation).
+    """
+    start, end, n = run
+    L, S = end - start + 1, cand.stages
+    pre, post = list(range(0, start)), list(range(end + 1, n))
+    holds = [bool((s == 0 and pre) or (s == S - 1 and post)) for s in range(S)]
+    tries: list[tuple[list[int], list[str]]] = []
+    for mode in modes:
+        blk = costs[start].fwd + costs[start].bwd[mode]
+        extra_t = [0.0] * S
+        extra_t[0] += sum(costs[u].fwd + costs[u].bwd[mode] for u in pre)
+        extra_t[-1] += sum(costs[u].fwd + costs[u].bwd[mode] for u in post)
+        target = (L * blk + sum(extra_t)) / S
+        timed = [max(0, round((target - e) / blk)) if blk > 0 else L // S for e in extra_t]
+        even = [L // S + (1 if s < L % S else 0) for s in range(S)]
+        for counts in (timed, even):
+            fixed = _fix_total(counts, L, extra_t, blk, holds)
+            if fixed is not None:
+                tries.append((fixed, [mode] * S))
+    tries += [
+        (list(c), list(r)) for c, r in extra if sum(c) == L and all(c[s] >= (0 if holds[s] else 1) for s in range(S))
+    ]
+    return tries
+
+
+def _best_start(
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    cand: Candidate,
+    costs: list[UnitCost],
+    options: CostOptions,
+    starts: Iterable[tuple[Partition, list[str]]],
+) -> tuple[Partition, list[str], float] | None:
+    """(partition, recomputation, objective) of the fitting candidate partition with the lowest
+    objective under the cost model (first of equals), or None."""
+    best: tuple[Partition, list[str], float] | None = None
+    for part, rec in starts:
+        if cand.v > 1 and len(set(rec)) > 1:
+            continue
+        ev = evaluate(graph, cluster, cand, part, rec, costs, options)
+        if max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes and (best is None or ev.objective < best[2]):
+            best = (part, rec, ev.objective)
+    return best
+
+
+def _fix_total(counts: list[int], L: int, extra: list[float], blk: float, holds: list[bool]) -> list[int] | None:
+    """Adjust block counts to sum to L (every stage without prefix/suffix keeps at least one block),
+    taking from / giving to the stages furthest from the mean time; None if impossible."""
+    S = len(counts)
+    counts = [c if holds[s] else max(1, c) for s, c in enumerate(counts)]
+    while sum(counts) != L:
+        times = [extra[s] + counts[s] * blk for s in range(S)]
+        if sum(counts) > L:
+            order = sorted(range(S), key=lambda s: -times[s])
+            s = next((s for s in order if counts[s] > (0 if holds[s] else 1)), None)
+            if s is None:
+                return None
+            counts[s] -= 1
+        else:
+            counts[min(range(S), key=lambda s: times[s])] += 1
+    return counts

@@ -1,0 +1,124 @@
+"""Each cost term of planner/cost/terms.py evaluated two ways: on floats (as the cost model does) and as a
+pulp.LpAffineExpression with its variable fixed (as the ILP does), and its `linear_form` (as the bounds
+read it). The three must agree for every candidate, or the ILP optimises a different model from the one
+the plan reports."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import numpy as np
+import pulp
+import pytest
+from hypothesis import given, settings
+
+from planner.cost import terms
+from planner.cost.candidate import Candidate, CostOptions
+from planner.cost.memory import model_state_bytes_per_param
+from planner.hardware.load import load_cluster
+from planner.names import SCHEDULES
+
+CLUSTERS = {name: load_cluster(name, nodes=4) for name in ("a100-sxm-80gb", "h100-sxm-80gb")}
+OPTIONS = (CostOptions(), CostOptions(overlap_dp_comm=False, fragmentation=0.1, workspace_bytes=2.0 * 2**30))
+
+
+@st.composite
+def candidates(draw) -> Candidate:
+    schedule = draw(st.sampled_from(SCHEDULES))
+    v = {"gpipe": 1, "1f1b": 1, "zero-bubble": 2}.get(schedule) or draw(st.integers(2, 4))
+    tp = draw(st.sampled_from([1, 2, 4, 8]))
+    return Candidate(
+        dp=draw(st.sampled_from([1, 2, 3, 16, 64])),
+        tp=tp,
+        pp=draw(st.integers(1, 8)),
+        v=v,
+        mbs=draw(st.integers(1, 8)),
+        m=draw(st.integers(1, 32)),
+        schedule=schedule,
+        zero=draw(st.integers(0, 3)),
+        sp=draw(st.booleans()) and tp > 1,
+    )
+
+
+def both_ways(term, x: float) -> tuple[float, float, float]:
+    """(term on the float x, the term's expression with its variable fixed at x, its linear form at x)."""
+    var = pulp.LpVariable("x")
+    expr = term(pulp.LpAffineExpression(var))
+    var.setInitialValue(x)
+    as_expr = float(pulp.value(expr)) if isinstance(expr, pulp.LpAffineExpression) else float(expr)
+    coef, const = terms.linear_form(term)
+    return float(term(x)), as_expr, coef * x + const
+
+
+def check(term, x: float) -> None:
+    on_float, on_expr, on_form = both_ways(term, x)
+    assert on_expr == pytest.approx(on_float, rel=1e-12, abs=1e-15)
+    assert on_form == pytest.approx(on_float, rel=1e-12, abs=1e-15)
+    # numpy arrays (the bounds' vectorised form) agree element by element
+    arr = term(np.array([x, 2.0 * x]))
+    assert np.allclose(np.broadcast_to(arr, (2,)), [on_float, float(term(2.0 * x))], rtol=1e-12, atol=1e-15)
+
+
+PROPS = settings(max_examples=150, deadline=None)
+POSITIVE = st.floats(1e3, 1e11)
+
+
+@PROPS
+@given(c=candidates(), x=POSITIVE, gpu=st.sampled_from(sorted(CLUSTERS)), dtype=st.sampled_from(["bf16", "fp32"]))
+def test_time_terms_agree_on_floats_and_expressions(c, x, gpu, dtype):
+    cl = CLUSTERS[gpu]
+    check(lambda b: terms.p2p_time(b, c, cl), x)
+    check(lambda p: terms.dp_sync_time(p, c, cl, dtype), x)
+    check(lambda p: terms.zero3_gather_time(p, c, cl, dtype), x)
+    check(lambda p: terms.optimizer_step_time(p, c, cl, dtype), x)
+
+
+@PROPS
+@given(c=candidates(), x=POSITIVE, o=st.sampled_from(OPTIONS), largest=st.floats(0, 1e10))
+def test_overlap_and_memory_terms_agree_on_floats_and_expressions(c, x, o, largest):
+    state = model_state_bytes_per_param("bf16", c.zero, c.dp)
+    check(lambda t: terms.sync_overlap_window(t, c, o), x * 1e-12)
+    check(lambda p: terms.model_state_bytes(p, state), x)
+    check(lambda b: terms.comm_buffer_bytes(b, c, o, largest), x)
+    check(lambda s: terms.rank_peak_bytes(s, 3.0 * x, o), x)
+    check(lambda a: terms.rank_peak_bytes(2.0 * x, a, o), x)
+
+
+@PROPS
+@given(c=candidates(), ts=st.lists(st.floats(1e-6, 1.0), min_size=5, max_size=5))
+def test_pipeline_term_agrees_with_its_epigraph_form(c, ts):
+    """The ILP passes epigraph variables for the maxima; fixed at the maxima they give the float figure."""
+    total, z, y, f, p2p = ts
+    names = ["sum", "Z", "Y", "F", "p2p"]
+    vars_ = {n: pulp.LpVariable(n) for n in names}
+    expr = terms.pipeline_time(c, *(pulp.LpAffineExpression(vars_[n]) for n in names))
+    for n, t in zip(names, ts, strict=True):
+        vars_[n].setInitialValue(t)
+    assert pulp.value(expr) == pytest.approx(terms.pipeline_time(c, total, z, y, f, p2p), rel=1e-12)
+
+
+def test_guards_apply_to_plain_numbers_only():
+    c = Candidate(dp=8, tp=1, pp=2, v=1, mbs=1, m=4, schedule="1f1b", zero=1, sp=False)
+    cl = CLUSTERS["a100-sxm-80gb"]
+    assert terms.p2p_time(0.0, c, cl) == 0.0  # nothing to send, no latency
+    _, lat = terms.p2p_link(c, cl)
+    assert terms.linear_form(lambda b: terms.p2p_time(b, c, cl))[1] == pytest.approx(lat)
+    # a single replica has no gradient sync, however it is evaluated
+    one = Candidate(dp=1, tp=1, pp=2, v=1, mbs=1, m=4, schedule="1f1b", zero=1, sp=False)
+    assert terms.linear_form(lambda p: terms.dp_sync_time(p, one, cl, "bf16")) == (0.0, 0.0)
+
+
+def test_linear_form_reads_the_latency_of_each_zero_stage():
+    """The sync's constant is the ring's latency count: 2(n-1) for all-reduce and for reduce-scatter +
+    all-gather, (m+1)(n-1) under ZeRO-2, (n-1) under ZeRO-3."""
+    cl = CLUSTERS["h100-sxm-80gb"]
+    n, m = 16, 4
+    for zero, steps in {0: 2 * (n - 1), 1: 2 * (n - 1), 2: (m + 1) * (n - 1), 3: n - 1}.items():
+        c = Candidate(dp=n, tp=1, pp=1, v=1, mbs=1, m=m, schedule="1f1b", zero=zero, sp=False)
+        _, lat = terms.dp_link(c, cl)
+        assert terms.linear_form(lambda p, c=c: terms.dp_sync_time(p, c, cl, "bf16"))[1] == pytest.approx(steps * lat)
+
+
+def test_optimizer_step_bytes_are_written_once():
+    """16 + 16 bytes per parameter in fp32, 30 in mixed precision: the same figure the ILP and bounds use."""
+    assert terms.optimizer_step_bytes_per_param("fp32") == 32.0
+    assert terms.optimizer_step_bytes_per_param("bf16") == 30.0
