@@ -17,7 +17,7 @@ from typing import Any
 import jinja2
 
 from planner.errors import PlanError
-from planner.io import atomic_write_text
+from planner.io import write_output_set
 from planner.plan import Plan
 
 LINE_LENGTH = 110  # the project's ruff line length; generated code stays within it
@@ -196,8 +196,5 @@ def write_scripts(plan: Plan, out_dir: str | Path, plan_path_in_dir: str = "plan
     """Render and write the scripts into `out_dir` (each atomically); returns the paths written."""
     files = render(plan, plan_path_in_dir)  # render everything before writing anything
     out = Path(out_dir)
-    written = []
-    for name, (text, executable) in files.items():
-        atomic_write_text(out / name, text, executable)
-        written.append(out / name)
-    return written
+    write_output_set(out, files, force=True)  # one unit, under the folder's lock
+    return [out / name for name in files]
