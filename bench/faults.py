@@ -61,7 +61,7 @@ def no_leftovers(folder: Path) -> bool:
 
 def _exit_at_import(code: str) -> Callable[[], bool]:
     return lambda: user_error(planner("plan", tiny_with("m.py", code), *CLUSTER, "--out", TMP / "x"),
-                              "m.py, line 2")
+                              "m.py, line 1")
 
 
 def case_build_exit() -> bool:
