@@ -98,3 +98,11 @@ def test_pipeline_hop_across_nodes_uses_the_inter_node_link():
     )
     assert p2p_time(1e6, cand, slow) > 100 * p2p_time(1e6, cand, cluster)
     assert p2p_time(1e6, one_node, slow) == p2p_time(1e6, one_node, cluster)
+
+
+def test_contradicting_pins_name_the_pins():
+    """Issue 13 point 8: pins that exclude each other used to report 'constraints: none'."""
+    with pytest.raises(ConfigError, match="--virtual-stages 3.*zero-bubble.*contradict") as e:
+        enumerate_space(_graph(), load_cluster("a100-sxm4-80gb", 1), 64,
+                        Pins(pp=2, virtual_stages=3, schedule="zero-bubble"))
+    assert "none" not in str(e.value).split("leave")[0]

@@ -289,4 +289,13 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                         f"{world} GPUs). Pin some dimensions (--micro-batch-size, --pp, --tp, "
                                         "--schedule) to narrow it."
                                     )
+    if not space.candidates and not rej:
+        # Every candidate was skipped by a pin, none by a rule: say which pins exclude each other.
+        given = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(pins).items() if v is not None)
+        raise ConfigError(
+            f"The pins {given or '(none)'} leave no configuration on {world} GPUs: they contradict each other "
+            "or the model (gpipe and 1f1b take 1 virtual stage, interleaved-1f1b 2 or more, zero-bubble exactly "
+            "2; pp x virtual stages must not exceed the model's units; the micro-batch size must divide the "
+            "batch per replica). Drop or change one of them."
+        )
     return space
