@@ -19,7 +19,6 @@ from typing import Annotated
 import typer
 
 from cli._options import ForceOpt, PlanPathArg, QuietOpt, is_quiet, stdout_console
-from planner.errors import ConfigError
 
 EMIT_EXAMPLES = [
     "planner emit plan_out/plan.json --out run1",
@@ -61,49 +60,49 @@ def emit(
 
 
 def write_outputs(out_dir: Path, files: Files, force: bool) -> list[Path]:
-    """Write rendered files into out_dir, each atomically, plan.json last (its presence marks a complete set).
+    """Write rendered files into out_dir as one unit (planner.io.write_output_set), under the folder's lock.
 
-    Refuses, unless `force`, when out_dir holds a different plan.json, or (with no plan.json there) any
-    file of the same name with other content: that is someone else's work. An identical plan.json means
-    the same plan, whose files may be rewritten (e.g. by a newer planner's templates).
+    Refused unless `force`: a different plan.json there (another plan's folder), or, with no plan.json
+    there, files of the same names with other content (someone else's work). With the same plan.json,
+    the files its last run wrote are rewritten (e.g. by a newer planner's templates) but a file edited
+    since is kept and named in a note on stderr. Returns every path of the set now in out_dir.
     """
-    from planner.io import atomic_write_text
+    from planner.io import OutputConflictError, write_output_set
 
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"--out {out_dir} is a file, not a folder. Pass a folder path (it is created if needed).")
-    if not force:
-        _check_overwrite(out_dir, files)
-    order = sorted(name for name in files if name != PLAN_FILE) + ([PLAN_FILE] if PLAN_FILE in files else [])
-    written = []
-    for name in order:
-        text, executable = files[name]
-        try:
-            atomic_write_text(out_dir / name, text, executable)
-        except OSError as e:
-            raise ConfigError(
-                f"Cannot write {out_dir / name}: {e.strerror or e}. Check that --out is a writable folder."
-            ) from e
-        written.append(out_dir / name)
-    return written
+    new_plan = files.get(PLAN_FILE, ("", False))[0]
 
-
-def _check_overwrite(out_dir: Path, files: Files) -> None:
-    existing_plan = out_dir / PLAN_FILE
-    if PLAN_FILE in files and existing_plan.exists():
-        if _same_plan(_content(existing_plan), files[PLAN_FILE][0]):
+    def precheck(out: Path, c) -> None:
+        if force or PLAN_FILE not in files:
             return
-        raise ConfigError(
-            f"{existing_plan} already holds a different plan. Pass --force to replace it (and its scripts), or "
-            "choose another folder with --out."
-        )
-    clashes = sorted(
-        name for name, (text, _) in files.items() if (out_dir / name).exists() and _content(out_dir / name) != text
+        existing = out / PLAN_FILE
+        if existing.is_file() and not _same_plan(_content(existing), new_plan):
+            edited = [n for n in c.edited if n != PLAN_FILE]
+            raise OutputConflictError(
+                f"{existing} already holds a different plan"
+                + (f", and {', '.join(edited)} {'was' if len(edited) == 1 else 'were'} edited since planner wrote "
+                   f"{'it' if len(edited) == 1 else 'them'}" if edited else "")
+                + ". Pass --force to replace it (and its scripts"
+                + (", edits included" if edited else "")
+                + "), or choose another folder with --out."
+            )
+        if not existing.is_file() and c.edited:
+            raise OutputConflictError(
+                f"{out} already holds {', '.join(c.edited)} with other content. Pass --force to overwrite, or "
+                "choose another folder with --out."
+            )
+
+    result = write_output_set(
+        out_dir, files, force, keep_edited=True, always=frozenset({PLAN_FILE}), precheck=precheck
     )
-    if clashes:
-        raise ConfigError(
-            f"{out_dir} already holds {', '.join(clashes)} with other content. Pass --force to overwrite, or "
-            "choose another folder with --out."
+    if result.kept:
+        root = out_dir.absolute()
+        names = ", ".join(str(p.relative_to(root)) for p in result.kept)
+        typer.echo(
+            f"Note: kept {names} in {out_dir}: edited since planner wrote it, so it was not regenerated. Pass "
+            "--force to replace it with the generated version.",
+            err=True,
         )
+    return sorted(result.written + result.unchanged + result.kept)
 
 
 def _same_plan(old: str | None, new: str) -> bool:

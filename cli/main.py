@@ -30,7 +30,7 @@ from cli.profile import PROFILE_EXAMPLES, profile
 from cli.report import REPORT_EXAMPLES, report
 from cli.validate import VALIDATE_EXAMPLES, validate
 from planner import __version__
-from planner.errors import PlannerError
+from planner.errors import ModelLoadError, PlannerError
 
 USER_ERROR = 2
 INTERNAL_ERROR = 1
@@ -47,6 +47,14 @@ class _PlannerGroup(TyperGroup):
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise  # typer's (click's) own: --help, usage errors (exit 2), Ctrl-C
+        except SystemExit as e:
+            # click's own exits are typer.Exit (not SystemExit) and the library never exits: this came from
+            # the user's model code outside a guard (planner.model.guard). It must not end planner silently.
+            error = ModelLoadError(
+                f"The model code called sys.exit({e.code!r}) while planner ran it. A model file must not exit "
+                "the process: remove the call (or guard script-only code with `if __name__ == \"__main__\":`)."
+            )
+            raise typer.Exit(report_error(error, settings(ctx).debug)) from e
         except Exception as e:  # noqa: BLE001 - the one place every error is turned into a message
             raise typer.Exit(report_error(e, settings(ctx).debug)) from e
 

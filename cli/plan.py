@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -79,6 +79,15 @@ PLAN_EXAMPLES = [
 
 TIMELINE_FILE = "timeline.svg"
 
+LoadTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        min=0.0, rich_help_panel="Model",
+        help="Seconds that importing, building and tracing the model file may take before it is stopped as a "
+        "hang; 0 for no limit.",
+    ),
+]
+
 
 def plan(
     ctx: typer.Context,
@@ -116,6 +125,7 @@ def plan(
     json: JsonOpt = False,
     quiet: QuietOpt = False,
     timestamp: TimestampOpt = False,
+    load_timeout: LoadTimeoutOpt = 300.0,
 ) -> None:
     """Search the best parallel layout and write it out: plan.json, timeline.svg, train.py and launchers.
 
@@ -124,6 +134,7 @@ def plan(
     --force. With --json the plan document goes to stdout instead of the report; the files are still
     written.
     """
+    check_training_options(lr)
     request = plan_request(
         model_file, model_arg, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node,
         global_batch_size=global_batch_size, dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages,
@@ -133,7 +144,7 @@ def plan(
         top_k=top_k, time_limit=time_limit, no_overlap=no_overlap, seed=seed, lr=lr, steps=steps,
     )
     quiet = is_quiet(ctx, quiet)
-    result_plan, graph, result = run_search(request, show_progress=not quiet)
+    result_plan, graph, result = run_search(request, show_progress=not quiet, load_timeout=load_timeout)
     if timestamp:
         from datetime import datetime, timezone
 
@@ -154,10 +165,38 @@ def plan(
         console.print(f"Wrote {out / PLAN_FILE}, {TIMELINE_FILE} and the scripts; run {out / 'launch.sh'}.")
 
 
-def run_search(request: PlanRequest, show_progress: bool) -> tuple[Plan, ModelGraph, SearchResult]:
-    """plan_model with a spinner and a progress bar on stderr when it is a terminal (nothing otherwise)."""
+def check_training_options(lr: float) -> None:
+    """The generated script's optimizer settings, checked now rather than when the job starts on the cluster."""
+    import math
+
+    from planner.errors import ConfigError
+
+    if not math.isfinite(lr) or lr <= 0:
+        raise ConfigError(
+            f"--lr {lr:g} is not a usable learning rate: AdamW needs a finite number above 0 (torch refuses a "
+            "negative one, and nan or inf would turn every weight into nan). Pass e.g. --lr 1e-4."
+        )
+
+
+def run_search(
+    request: PlanRequest, show_progress: bool, load_timeout: float | None = None
+) -> tuple[Plan, ModelGraph, SearchResult]:
+    """plan_model with a spinner and a progress bar on stderr when it is a terminal (nothing otherwise).
+
+    Importing, building and tracing the model file (the user's code) run under one guard and time limit.
+    """
     from planner.hardware.load import load_cluster
-    from planner.pipeline import analyse, plan_model
+    from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
+    from planner.pipeline import analyse as analyse_unguarded
+    from planner.pipeline import plan_model
+
+    limit = DEFAULT_TIME_LIMIT_S if load_timeout is None else (load_timeout or None)
+
+    def analyse(req: PlanRequest) -> ModelGraph:
+        import torch  # noqa: F401 - before the clock starts: torch's import is not the model's time
+
+        with user_code(req.model_path, f"Tracing {Path(req.model_path).name}", limit):
+            return analyse_unguarded(req)
 
     # A wrong --gpu is reported at once, before the (slower) tracing of the model.
     load_cluster(request.gpu, request.nodes, request.gpus_per_node)

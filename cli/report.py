@@ -12,9 +12,11 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 from cli._options import JsonOpt, PlanPathArg, stdout_console
+from planner.errors import ConfigError
 
 REPORT_EXAMPLES = [
     "planner report plan_out",
@@ -34,12 +36,31 @@ def report(
     from planner.plan import load_plan
 
     plan = load_plan(plan_path)
-    if json:
-        sys.stdout.write(plan.to_json())
-        return
-    from planner.report.tables import plan_report
+    try:
+        if json:
+            sys.stdout.write(plan.to_json())
+            sys.stdout.flush()
+            return
+        from planner.report.tables import plan_report
 
-    folder = plan_path if plan_path.is_dir() else plan_path.parent
-    timeline = folder / "timeline.svg"
-    console = stdout_console()
-    console.print(plan_report(plan, timeline=timeline if timeline.is_file() else None, width=console.width))
+        folder = plan_path if plan_path.is_dir() else plan_path.parent
+        timeline = folder / "timeline.svg"
+        console = stdout_console()
+        console.print(plan_report(plan, timeline=timeline if timeline.is_file() else None, width=console.width))
+        console.file.flush()
+    except OSError as e:  # stdout on a full device (/dev/full), a closed pipe, ...
+        _quiet_stdout()
+        raise ConfigError(
+            f"Cannot write the report to standard output: {e.strerror or e}. Redirect it to a file on a device "
+            "with free space (or to a pipe that stays open)."
+        ) from None
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush does not fail a second time."""
+    import os
+
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)

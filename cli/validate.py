@@ -12,6 +12,7 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import json as jsonlib
 import math
 import os
@@ -87,8 +88,14 @@ def validate(
             f"{_tail(log_path)}\nRaise --timeout or lower --steps."
         )
     if code != 0:
+        try:
+            cause = first_error(log_path.read_text(encoding="utf-8", errors="replace"))
+        except OSError:
+            cause = ""
         raise RunError(
-            f"The training run failed (launch.sh exited with {code}). Last lines of {log_path}:\n{_tail(log_path)}"
+            f"The training run failed (launch.sh exited with {code})"
+            + (f"; the first error was: {cause}" if cause else "")
+            + f". Last lines of {log_path}:\n{_tail(log_path)}"
         )
     step_times, losses, ranks, memory_kind = read_metrics(metrics_path, started)
     measured = step_times[WARMUP_STEPS:]
@@ -141,18 +148,74 @@ def _run(cmd: list[str], cwd: Path, log_path: Path, timeout: float) -> int | Non
             raise
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Terminate the run's process group (torchrun and its workers), then kill what is left."""
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
+def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """Stop the run's whole process tree: SIGTERM, then SIGKILL after `grace` s for whatever is left.
+
+    torchrun's workers may sit in process groups (or sessions) of their own, so killpg on the launcher's
+    group is not enough: every descendant is found through /proc and signalled by pid as well.
+    """
+    tree = _descendants(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        tree |= _descendants(proc.pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 5.0)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.1)
+            if proc.poll() is not None and not any(_alive(p) for p in tree):
+                return
+
+
+def _descendants(root: int) -> set[int]:
+    """Pids of every live descendant of `root` (from /proc; empty where /proc is unavailable)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out: set[int] = set()
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in out:
+                out.add(child)
+                stack.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"  # a zombie is dead, only not yet reaped
+
+
+def first_error(log_text: str) -> str:
+    """The first Python traceback's last line (exception type and message) in a torchrun log, or ''.
+
+    torchrun prints its own summary (ChildFailedError) after the workers' tracebacks; the failing rank's
+    first traceback is the real cause. Rank prefixes ("[rank1]:") are kept so the message names the rank.
+    """
+    lines = log_text.splitlines()
+    for i, line in enumerate(lines):
+        if "Traceback (most recent call last)" not in line:
+            continue
+        prefix = line[: line.index("Traceback")]
+        for later in lines[i + 1:]:
+            body = later[len(prefix):] if later.startswith(prefix) else later
+            if body and not body.startswith((" ", "\t", "Traceback")) and ":" in body:
+                if "ChildFailedError" in body or "torch.distributed.elastic" in body:
+                    break
+                return f"{prefix.strip()} {body.strip()}".strip()
+    return ""
 
 
 def _tail(path: Path, lines: int = TAIL_LINES) -> str:

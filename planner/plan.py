@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -25,6 +25,12 @@ TPStyle = Literal["colwise", "rowwise", "colwise_gather"]
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# A predicted time, rate or fraction: a finite number >= 0 (NaN or inf would print as invalid JSON and
+# mean nothing; a negative time is a corrupted file).
+Figure = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Bytes = Annotated[int, Field(ge=0)]
 
 
 class ParallelConfig(_Model):
@@ -69,12 +75,12 @@ class ParallelConfig(_Model):
 class MemoryBreakdown(_Model):
     """Bytes per GPU held by one stage's rank."""
 
-    weights: int
-    gradients: int
-    optimizer: int
-    activations: int
-    comm_buffers: int
-    workspace: int = Field(description="allocator fragmentation and kernel workspace allowance")
+    weights: Bytes
+    gradients: Bytes
+    optimizer: Bytes
+    activations: Bytes
+    comm_buffers: Bytes
+    workspace: Bytes = Field(description="allocator fragmentation and kernel workspace allowance")
 
     @property
     def total(self) -> int:
@@ -89,11 +95,11 @@ class StagePlan(_Model):
     units: list[str]
     modules: list[str] = Field(description="qualified module names owned by the stage")
     recompute: Recompute = "none"
-    forward_time_s: float = Field(description="per micro-batch, including TP communication")
-    backward_time_s: float = Field(description="per micro-batch, including recomputation and TP comm")
-    p2p_time_s: float = Field(0.0, description="send of activations (fwd) or gradients (bwd), each way")
-    compute_time_s: float = Field(description="forward + backward per micro-batch")
-    memory_bytes: int
+    forward_time_s: Figure = Field(description="per micro-batch, including TP communication")
+    backward_time_s: Figure = Field(description="per micro-batch, including recomputation and TP comm")
+    p2p_time_s: Figure = Field(0.0, description="send of activations (fwd) or gradients (bwd), each way")
+    compute_time_s: Figure = Field(description="forward + backward per micro-batch")
+    memory_bytes: Bytes
     memory: MemoryBreakdown
     source: Source = "estimated"
 
@@ -101,23 +107,23 @@ class StagePlan(_Model):
 class CommBreakdown(_Model):
     """Seconds per iteration spent in each kind of communication (exposed, i.e. not overlapped)."""
 
-    tensor_parallel_s: float = 0.0
-    pipeline_p2p_s: float = 0.0
-    data_parallel_s: float = 0.0
-    data_parallel_exposed_s: float = 0.0
+    tensor_parallel_s: Figure = 0.0
+    pipeline_p2p_s: Figure = 0.0
+    data_parallel_s: Figure = 0.0
+    data_parallel_exposed_s: Figure = 0.0
 
 
 class Predicted(_Model):
-    iteration_time_s: float
-    samples_per_s: float
-    tokens_per_s: float | None = None
-    model_tflops_per_gpu: float = Field(description="model FLOPs (no recomputation) per second per GPU")
-    hardware_tflops_per_gpu: float = Field(description="FLOPs executed per second per GPU, recomputation included")
-    mfu: float
-    peak_memory_bytes: int
-    memory_capacity_bytes: int
-    memory_reserve_bytes: int = Field(0, description="memory per GPU every plan keeps free (CUDA context, NCCL, ...)")
-    bubble_fraction: float
+    iteration_time_s: Figure
+    samples_per_s: Figure
+    tokens_per_s: Figure | None = None
+    model_tflops_per_gpu: Figure = Field(description="model FLOPs (no recomputation) per second per GPU")
+    hardware_tflops_per_gpu: Figure = Field(description="FLOPs executed per second per GPU, recomputation included")
+    mfu: Figure
+    peak_memory_bytes: Bytes
+    memory_capacity_bytes: Bytes
+    memory_reserve_bytes: Bytes = Field(0, description="memory per GPU every plan keeps free (CUDA context, NCCL, ...)")
+    bubble_fraction: Figure
     comm: CommBreakdown = CommBreakdown()
     source: Source = "estimated"
 
@@ -142,16 +148,16 @@ class Rejection(_Model):
 class ClusterSummary(_Model):
     name: str
     gpu: str
-    nodes: int
-    gpus_per_node: int
+    nodes: int = Field(ge=1)
+    gpus_per_node: int = Field(ge=1)
 
 
 class TrainingConfig(_Model):
     """Knobs of the generated training script (not searched)."""
 
     seed: int = 0
-    lr: float = 1e-4
-    steps: int = 10
+    lr: float = Field(1e-4, gt=0, allow_inf_nan=False)
+    steps: int = Field(10, ge=1)
     dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
 
 
@@ -205,13 +211,31 @@ class Plan(_Model):
 
     @model_validator(mode="after")
     def _stages_match(self) -> Plan:
-        if len(self.stages) != self.parallel.num_stages:
-            raise ValueError(f"plan has {len(self.stages)} stages but pp x virtual_stages = {self.parallel.num_stages}")
+        p, c = self.parallel, self.cluster
+        if len(self.stages) != p.num_stages:
+            raise ValueError(f"plan has {len(self.stages)} stages but pp x virtual_stages = {p.num_stages}")
+        gpus = c.nodes * c.gpus_per_node
+        layouts = [("parallel", p)] + [(f"alternatives.{i}", a.parallel) for i, a in enumerate(self.alternatives)]
+        for what, par in layouts:
+            if par.world_size != gpus:
+                raise ValueError(
+                    f"{what}: dp {par.dp} x tp {par.tp} x pp {par.pp} = {par.world_size}, but the cluster has "
+                    f"{c.nodes} node(s) x {c.gpus_per_node} = {gpus} GPUs"
+                )
+        indices = sorted(s.index for s in self.stages)
+        if indices != list(range(len(self.stages))):
+            raise ValueError(f"stage indices {indices} are not 0..{len(self.stages) - 1}, each once")
+        bad = [s.index for s in self.stages if s.pp_rank >= p.pp]
+        if bad:
+            raise ValueError(f"stage(s) {bad} sit on a pp_rank >= pp ({p.pp})")
         return self
 
     def to_json(self) -> str:
-        """Canonical JSON: sorted keys, two-space indent, trailing newline (byte-identical for equal plans)."""
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=2) + "\n"
+        """Canonical JSON: sorted keys, two-space indent, trailing newline (byte-identical for equal plans).
+
+        Strict JSON: a NaN or infinity (which the validators keep out) raises instead of printing `NaN`.
+        """
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=2, allow_nan=False) + "\n"
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -234,7 +258,8 @@ def load_plan(path: str | Path) -> Plan:
             "Regenerate the plan with this planner (`planner plan ...`)."
         )
     try:
-        return Plan.model_validate(raw)
+        # strict: JSON types as written (`tp: true` or `"steps": "10"` are errors, not coerced)
+        return Plan.model_validate(raw, strict=True)
     except RecursionError:
         raise PlanError(f"{p} is nested too deeply to be a plan. Regenerate it with `planner plan`.") from None
     except ValidationError as e:

@@ -19,7 +19,7 @@ from typing import Any
 import jinja2
 
 from planner.errors import PlanError
-from planner.io import atomic_write_files
+from planner.io import write_output_set
 from planner.plan import Plan
 from planner.runtime.digest import digest_of, runtime_files
 from planner.runtime.errors import LayoutError
@@ -289,5 +289,5 @@ def write_scripts(plan: Plan, out_dir: str | Path, plan_path_in_dir: str = "plan
     paths written."""
     files = render(plan, plan_path_in_dir)  # render everything before writing anything
     out = Path(out_dir)
-    atomic_write_files({out / name: content for name, content in files.items()})
+    write_output_set(out, files, force=True)  # one unit, under the folder's lock
     return [out / name for name in files]

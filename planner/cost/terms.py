@@ -42,9 +42,15 @@ def weight_bytes_per_param(dtype: str) -> float:
 
 
 def crosses_nodes(cand: Candidate, cluster: ClusterSpec) -> tuple[bool, bool]:
-    """(dp groups cross nodes, consecutive pp ranks sit on different nodes) for mesh (pp, dp, tp)."""
+    """(dp groups cross nodes, some pair of consecutive pp ranks sits on different nodes) for mesh (pp, dp, tp).
+
+    pp rank r holds global ranks [r*dp*tp, (r+1)*dp*tp): when dp*tp is smaller than a node, several pp ranks
+    share one and the hop out of the node's last one crosses to the next node as soon as the pipeline spans
+    more than one node (dp*tp*pp > gpus per node). Every micro-batch passes every hop, so that slowest hop
+    is the pipeline's link.
+    """
     g = cluster.gpus_per_node
-    return cand.dp * cand.tp > g, cand.dp * cand.tp >= g
+    return cand.dp * cand.tp > g, cand.pp > 1 and cand.dp * cand.tp * cand.pp > g
 
 
 def _link(cluster: ClusterSpec, inter_node: bool) -> tuple[float, float]:

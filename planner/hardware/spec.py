@@ -93,7 +93,8 @@ class GPUSpec(_Strict):
     aliases: list[str] = Field(default_factory=list, description="other names that resolve to this spec")
     vendor: str
     peak_tflops: dict[DType, PositiveFloat] = Field(description="dense peak TFLOP/s per dtype")
-    memory_gib: PositiveFloat
+    # Bounded: 1e300 GiB would overflow the byte count (OverflowError) instead of being a clear spec error.
+    memory_gib: PositiveFloat = Field(le=2**20, allow_inf_nan=False, description="GiB per GPU (at most 1 PiB)")
     memory_bandwidth_gbps: PositiveFloat = Field(description="GB/s")
     topology: TopologySpec = Field(description="the usual node this GPU ships in")
     efficiency: Efficiencies = Efficiencies()

@@ -6,19 +6,20 @@ a 175B-parameter model costs no memory; only ``example_inputs(1)`` is materialis
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.util
 import inspect
 import sys
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from planner.errors import ModelLoadError
 from planner.model.graph import ModelSource
+from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code, where_in
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -32,6 +33,9 @@ class LoadedModel:
     build: Callable[..., Any]
     example_inputs: Callable[..., Any]
     loss_fn: Callable[..., Any] | None
+    time_limit: float | None = DEFAULT_TIME_LIMIT_S  # seconds for each guarded call into the user's code
+    input_ids: dict[int, int] = field(default_factory=dict)  # id(meta input tensor) -> its index
+    input_refs: list[tuple] = field(default_factory=list)  # keeps those tensors alive so ids stay unique
 
 
 def torch_dtype(name: str):
@@ -41,12 +45,8 @@ def torch_dtype(name: str):
 
 
 def _user_frame(exc: BaseException, path: Path) -> str:
-    """'line N: code' of the deepest frame of the traceback that lies in the user's file, or ''."""
-    where = ""
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if Path(frame.filename).resolve() == path:
-            where = f"{path.name}, line {frame.lineno}: {(frame.line or '').strip()}"
-    return where
+    """'file, line N: code' of the deepest traceback frame in the user's file (or its folder), or ''."""
+    return where_in(exc, path)
 
 
 def file_digest(path: Path) -> str:
@@ -61,9 +61,19 @@ def load_model_file(
     loss_fn: str | None = None,
     dtype: str = "bf16",
     batch_fn: str | None = None,
+    time_limit: float | None = DEFAULT_TIME_LIMIT_S,
 ) -> LoadedModel:
-    """Import a model file and check it defines the contract's functions."""
+    """Import a model file and check it defines the contract's functions and accepts the model args.
+
+    time_limit: seconds the import (and later each build / example-inputs call) may take; None for none.
+    """
+    import torch  # noqa: F401 - imported before the time limit starts: it is the planner's cost, not the model's
     p = Path(path).expanduser()
+    if p.is_dir():
+        raise ModelLoadError(
+            f"Model file {str(path)!r} is a directory. Pass the path of the Python file inside it that defines "
+            "build_model(**kwargs) and example_inputs(batch_size, **kwargs), e.g. sample_models/gpt.py."
+        )
     if not p.is_file():
         raise ModelLoadError(
             f"Model file {str(path)!r} does not exist. Pass the path of a Python file that defines "
@@ -84,7 +94,11 @@ def load_model_file(
     sys.path.insert(0, str(p.parent))
     try:
         sys.modules[name] = module
-        spec.loader.exec_module(module)
+        with user_code(p, f"Importing {p}", time_limit):
+            spec.loader.exec_module(module)
+    except ModelLoadError:
+        sys.modules.pop(name, None)
+        raise
     except Exception as e:  # noqa: BLE001 - any error in user code becomes a load error
         sys.modules.pop(name, None)
         where = _user_frame(e, p)
@@ -127,12 +141,50 @@ def load_model_file(
         model_args=dict(sorted((model_args or {}).items())),
         dtype=dtype,  # type: ignore[arg-type]
     )
-    return LoadedModel(source=source, module=module, build=build, example_inputs=inputs, loss_fn=loss)
+    _check_model_args(p, source.model_args, [(build_fn, build, 0), (inputs_fn, inputs, 1)])
+    return LoadedModel(
+        source=source, module=module, build=build, example_inputs=inputs, loss_fn=loss, time_limit=time_limit
+    )
 
 
-def _call_user(fn: Callable[..., Any], what: str, path: str, *args: Any, **kwargs: Any) -> Any:
+def _check_model_args(path: Path, args: dict[str, Any], fns: list[tuple[str, Callable[..., Any], int]]) -> None:
+    """Refuse a --model-arg that a function without **kwargs does not take (a typo would plan the default).
+
+    fns: (name, function, leading positional parameters the planner passes itself, e.g. batch_size).
+    """
+    for fn_name, fn, skip in fns:
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            continue  # a builtin or C function: nothing to check against
+        if any(q.kind is inspect.Parameter.VAR_KEYWORD for q in params):
+            continue
+        names = [
+            q.name for q in params[skip:]
+            if q.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        ]
+        unknown = sorted(k for k in args if k not in names)
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ModelLoadError(
+                f"--model-arg {key!r} is not a parameter of {fn_name}() in {path.name} (it takes: "
+                f"{', '.join(names) or 'no keyword arguments'}).{hint} Fix the key, or give {fn_name} a **kwargs "
+                "parameter if it should accept and ignore other arguments."
+            )
+
+
+def _call_user(
+    fn: Callable[..., Any], what: str, path: str, args: tuple, kwargs: dict[str, Any],
+    time_limit: float | None = DEFAULT_TIME_LIMIT_S,
+) -> Any:
+    """fn(*args, **kwargs) under the guard: an exit, signal or hang as well as an exception is a ModelLoadError."""
     try:
-        return fn(*args, **kwargs)
+        with user_code(path, what, time_limit):
+            return fn(*args, **kwargs)
+    except ModelLoadError:
+        raise
     except TypeError as e:
         raise ModelLoadError(
             f"{what} rejected its arguments: {e}. Check the --model-arg names against the function's parameters "
@@ -148,16 +200,68 @@ def _call_user(fn: Callable[..., Any], what: str, path: str, *args: Any, **kwarg
 
 
 def build_meta_model(loaded: LoadedModel):
-    """Build the model on the meta device in the training dtype: no weight is allocated."""
+    """Build the model on the meta device in the training dtype: no weight is allocated.
+
+    Each module that needs floating inputs (Linear, convolutions, norms) checks, the first time it runs, that
+    it is not fed an integer tensor: on meta that computes silently, on a GPU the script would fail.
+    """
     import torch
 
     with torch.device("meta"):
-        model = _call_user(loaded.build, f"{loaded.source.build_fn}()", loaded.source.path, **loaded.source.model_args)
+        model = _call_user(
+            loaded.build, f"{loaded.source.build_fn}()", loaded.source.path, (), loaded.source.model_args,
+            loaded.time_limit,
+        )
     if not isinstance(model, torch.nn.Module):
         raise ModelLoadError(
             f"{loaded.source.build_fn}() returned {type(model).__name__}, not a torch.nn.Module. Return the model."
         )
-    return model.to(torch_dtype(loaded.source.dtype))
+    model = model.to(torch_dtype(loaded.source.dtype))
+    _check_input_dtypes(model, loaded)
+    return model
+
+
+def _float_input_modules() -> tuple[type, ...]:
+    from torch import nn
+
+    kinds: list[type] = [nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.LayerNorm, nn.GroupNorm,
+                         nn.modules.batchnorm._NormBase, nn.MultiheadAttention]
+    if hasattr(nn, "RMSNorm"):
+        kinds.append(nn.RMSNorm)
+    return tuple(kinds)
+
+
+def _check_input_dtypes(model, loaded: LoadedModel) -> None:
+    """One-shot forward pre-hooks: an integer tensor reaching a float-only module is a ModelLoadError."""
+    import torch
+
+    kinds = _float_input_modules()
+    handles: dict[str, Any] = {}
+
+    def hook(name: str):
+        def check(module, args):
+            x = next((a for a in args if isinstance(a, (torch.Tensor, torch.fx.Proxy))), None)
+            if x is None or isinstance(x, torch.fx.Proxy):
+                return  # symbolic tracing: no dtype yet; the meta run after it is checked
+            if name in handles:
+                handles.pop(name).remove()  # one check per module: no cost on later (e.g. profiled) calls
+            if not (x.is_floating_point() or x.is_complex()):
+                # The id map knows the meta inputs the planner passes; the trace keeps them alive.
+                index = loaded.input_ids.get(id(x))
+                what = (f"input {index} of {loaded.source.inputs_fn}()" if index is not None
+                        else "a tensor computed from the inputs")
+                raise ModelLoadError(
+                    f"{what} ({str(x.dtype).removeprefix('torch.')}, shape {list(x.shape)}) is fed to "
+                    f"{name or 'the model'} ({type(module).__name__}), which needs floating-point input: the "
+                    "generated script would fail there on the GPU. Return float tensors from "
+                    f"{loaded.source.inputs_fn}() for that input (or pass token ids through an nn.Embedding "
+                    "first)."
+                )
+        return check
+
+    for name, module in model.named_modules():
+        if isinstance(module, kinds):
+            handles[name] = module.register_forward_pre_hook(hook(name))
 
 
 def example_batch(loaded: LoadedModel, batch_size: int) -> tuple:
@@ -168,8 +272,9 @@ def example_batch(loaded: LoadedModel, batch_size: int) -> tuple:
         loaded.example_inputs,
         f"{loaded.source.inputs_fn}({batch_size})",
         loaded.source.path,
-        batch_size,
-        **loaded.source.model_args,
+        (batch_size,),
+        loaded.source.model_args,
+        loaded.time_limit,
     )
     if isinstance(out, torch.Tensor):
         out = (out,)
@@ -185,7 +290,11 @@ def meta_inputs(loaded: LoadedModel, batch_size: int = 1) -> tuple:
     """example_inputs on the meta device; floating inputs cast to the training dtype."""
 
     dt = torch_dtype(loaded.source.dtype)
-    return tuple(
+    out = tuple(
         t.to(device="meta", dtype=dt) if t.is_floating_point() else t.to(device="meta")
         for t in example_batch(loaded, batch_size)
     )
+    # Remembered by identity so that the dtype check can name the input (the tuple outlives the check).
+    loaded.input_ids.update({id(t): i for i, t in enumerate(out)})
+    loaded.input_refs.append(out)
+    return out

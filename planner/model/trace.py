@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import TraceError
+from planner.errors import ModelLoadError, PlannerError, TraceError
 from planner.model.load import _user_frame
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ def trace_model(model, inputs: tuple, model_path: str, check=None) -> Traced:
     try:
         gm = symbolic_trace(model)
         return Traced(gm=gm, method="fx", checked=check(gm))
+    except ModelLoadError:
+        raise  # the model breaks the contract (e.g. int inputs into a Linear): no tracer will fix that
     except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
         where = _user_frame(e, Path(model_path))
         fx_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" + (f" at {where}" if where else "")
@@ -83,14 +85,23 @@ def trace_model(model, inputs: tuple, model_path: str, check=None) -> Traced:
         levels = [lg.level for lg in quiet]
         for lg in quiet:
             lg.setLevel(logging.ERROR)
+        # torch.export logs its own ERROR with a traceback on failure (before our message): silence all logging
+        # for the call, not only the loggers above.
+        disabled = logging.root.manager.disable
+        logging.disable(logging.CRITICAL)
         try:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 ep = torch.export.export(model, tuple(inputs), strict=False)
         finally:
+            logging.disable(disabled)
             for lg, level in zip(quiet, levels):
                 lg.setLevel(level)
         gm = ep.module()
         return Traced(gm=gm, method="export", fx_error=fx_error, checked=check(gm))
+    except PlannerError:
+        # The planner's own check of the traced graph (no submodules called, ...) or a contract error: that is
+        # the real cause, not the tracer's ability to follow control flow.
+        raise
     except Exception as e:  # noqa: BLE001
         where = _user_frame(e, Path(model_path))
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""

@@ -43,8 +43,96 @@ class Space:
     rejected: Counter[tuple[str, str]] = field(default_factory=Counter)  # (region, reason) -> count
 
 
+# Bounds on the search's inputs: far above any real job, low enough that every loop below stays small.
+MAX_GLOBAL_BATCH = 10**15
+MAX_WORLD_SIZE = 2**20  # GPUs in the cluster (a million: beyond today's largest jobs by ~10x)
+MAX_CANDIDATES = 200_000  # outer-search candidates; each costs a bound and maybe an ILP
+# Micro-batches per replica: the schedule simulation and the generated script step through each one, so
+# m is bounded (Megatron-LM's largest published runs use a few hundred).
+MAX_MICRO_BATCHES = 4096
+
+
+_MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # deterministic Miller-Rabin below 3.3 * 10**24
+
+
+def _is_prime(n: int) -> bool:
+    """Miller-Rabin with the first twelve prime bases: exact for every n < 3.3 * 10**24."""
+    if n < 2:
+        return False
+    for p in _MR_BASES:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in _MR_BASES:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def _pollard_rho(n: int) -> int:
+    """A non-trivial factor of the odd composite n (Pollard's rho, Floyd cycle; fixed seeds: deterministic)."""
+    for c in range(1, n):
+        x = y = 2
+        d = 1
+        while d == 1:
+            x = (x * x + c) % n
+            y = (y * y + c) % n
+            y = (y * y + c) % n
+            d = gcd(abs(x - y), n)
+        if d != n:
+            return d
+    raise ArithmeticError(f"no factor found for {n}")  # unreachable for a composite n
+
+
+def prime_factors(n: int) -> dict[int, int]:
+    """{prime: exponent} of n >= 1: small primes by trial division, the rest by Pollard's rho."""
+    if n < 1:
+        raise ValueError(f"prime_factors needs n >= 1, got {n}")
+    out: dict[int, int] = {}
+    for p in range(2, 1000):
+        while n % p == 0:
+            out[p] = out.get(p, 0) + 1
+            n //= p
+    stack = [n] if n > 1 else []
+    while stack:
+        m = stack.pop()
+        if _is_prime(m):
+            out[m] = out.get(m, 0) + 1
+        else:
+            f = _pollard_rho(m)
+            stack += [f, m // f]
+    return dict(sorted(out.items()))
+
+
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """All divisors of n in increasing order, built from its prime factorisation (not by scanning 1..n)."""
+    divs = [1]
+    for p, e in prime_factors(n).items():
+        divs = [d * p**k for d in divs for k in range(e + 1)]
+    return sorted(divs)
+
+
+def check_bounds(world: int, global_batch: int) -> None:
+    """Refuse inputs that would make the search space unreasonably large, with the bound and the fix."""
+    if global_batch > MAX_GLOBAL_BATCH:
+        raise ConfigError(
+            f"--global-batch-size {global_batch} is above the planner's limit of {MAX_GLOBAL_BATCH:.0e} samples "
+            "per step (no training job comes near it). Pass the samples per optimizer step over all replicas."
+        )
+    if world > MAX_WORLD_SIZE:
+        raise ConfigError(
+            f"The cluster has {world} GPUs, above the planner's limit of {MAX_WORLD_SIZE}. Check --nodes and "
+            "--gpus-per-node."
+        )
 
 
 def tp_limit(graph: ModelGraph) -> int:
@@ -60,6 +148,7 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
     """All candidates consistent with the cluster, the batch and the pins; rejections counted by reason."""
     world = cluster.world_size
     gpn = cluster.gpus_per_node
+    check_bounds(world, global_batch)
     n_units = len(graph.units)
     space = Space(candidates=[])
     rej = space.rejected
@@ -112,6 +201,15 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                 if pins.micro_batch_size is not None and mbs != pins.micro_batch_size:
                     continue
                 m = per_replica // mbs
+                if m > MAX_MICRO_BATCHES:
+                    rej[
+                        (
+                            f"dp={dp} mbs<={per_replica // MAX_MICRO_BATCHES}",
+                            f"more than {MAX_MICRO_BATCHES} micro-batches per replica (the schedule steps through "
+                            "each one); a larger micro-batch size is needed",
+                        )
+                    ] += 1
+                    continue
                 for schedule in SCHEDULE_NAMES:
                     if pins.schedule is not None and schedule != pins.schedule:
                         continue
@@ -185,4 +283,20 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                     ] += 1
                                     continue
                                 space.candidates.append(Candidate(dp, tp, pp, v, mbs, m, schedule, zero, sp))
+                                if len(space.candidates) > MAX_CANDIDATES:
+                                    raise ConfigError(
+                                        f"The search space holds more than {MAX_CANDIDATES} candidates (global "
+                                        f"batch {global_batch} has {len(divisors(global_batch))} divisors, "
+                                        f"{world} GPUs). Pin some dimensions (--micro-batch-size, --pp, --tp, "
+                                        "--schedule) to narrow it."
+                                    )
+    if not space.candidates and not rej:
+        # Every candidate was skipped by a pin, none by a rule: say which pins exclude each other.
+        given = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(pins).items() if v is not None)
+        raise ConfigError(
+            f"The pins {given or '(none)'} leave no configuration on {world} GPUs: they contradict each other "
+            "or the model (gpipe and 1f1b take 1 virtual stage, interleaved-1f1b 2 or more, zero-bubble exactly "
+            "2; pp x virtual stages must not exceed the model's units; the micro-batch size must divide the "
+            "batch per replica). Drop or change one of them."
+        )
     return space

@@ -115,7 +115,7 @@ def make_plan(
         ),
         model_class=CLASSES.get(model, model),
         trace_method="fx",
-        cluster=ClusterSummary(name="local", gpu=gpu, nodes=1, gpus_per_node=8),
+        cluster=ClusterSummary(name="local", gpu=gpu, nodes=1, gpus_per_node=dp * tp * pp),
         parallel=ParallelConfig(
             dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages, micro_batch_size=micro_batch_size,
             num_micro_batches=num_micro_batches, global_batch_size=dp * micro_batch_size * num_micro_batches,

@@ -1,0 +1,192 @@
+"""Running the user's model code so that no exit, signal or hang of it can end or stall the planner.
+
+A model file is the user's code and runs in this process (spawning a second Python would cost as much as
+the whole plan). While it runs, `user_code()`:
+
+- turns `SystemExit` (sys.exit, exit(), quit()) and a `KeyboardInterrupt` the code raises itself into a
+  `ModelLoadError` naming the file and line;
+- replaces `os._exit` (and `posix._exit`) by a function that raises instead of ending the process;
+- catches SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 (whoever sends them) as an error at the line that was
+  running; a real Ctrl-C (SIGINT) still interrupts the planner;
+- arms a wall-clock limit with `signal.setitimer` (main thread only), so a hang becomes an error too;
+- sends what the code prints to stderr, so that `--json` on stdout stays one document;
+
+and restores every signal handler, the timer, `os._exit` and stdout afterwards. Guards nest: an inner one
+(e.g. build_model inside a guarded trace) shares the outer one's timer and only adds its own description.
+Ordinary exceptions pass through unchanged: the caller words those (it knows which contract was broken).
+What cannot be caught in-process (SIGKILL, os.abort, a hang inside C code that never checks for signals)
+is out of reach of any guard short of a subprocess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+from planner.errors import ModelLoadError
+
+DEFAULT_TIME_LIMIT_S = 300.0  # import + build + trace of a 175B model on meta takes seconds; 5 min is a hang
+
+# Signals that would end the process by default; while user code runs each one becomes an error instead.
+_CAUGHT = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2") if hasattr(signal, name)
+)
+
+
+class _Escape(BaseException):
+    """Raised inside user code to unwind it: an exit, a signal or the time limit."""
+
+    def __init__(self, what: str, timeout: bool = False) -> None:
+        super().__init__(what)
+        self.what = what
+        self.timeout = timeout
+
+
+class _Guard:
+    """The state of the outermost active guard (signals are process-wide, so there is at most one)."""
+
+    def __init__(self, time_limit: float | None) -> None:
+        self.time_limit = time_limit
+        self.interrupted = False  # a real SIGINT arrived (as opposed to user code raising KeyboardInterrupt)
+
+
+_active: _Guard | None = None
+
+
+def _fake_exit(code: int = 0) -> None:
+    raise _Escape(f"called os._exit({code!r})")
+
+
+def _on_signal(signum: int, frame) -> None:
+    raise _Escape(f"received signal {signal.Signals(signum).name}")
+
+
+def _on_alarm(signum: int, frame) -> None:
+    limit = _active.time_limit if _active is not None else None
+    raise _Escape(f"did not finish within the {limit:g} s time limit (a hang?)", timeout=True)
+
+
+def _on_sigint(signum: int, frame) -> None:
+    if _active is not None:
+        _active.interrupted = True
+    raise KeyboardInterrupt
+
+
+def where_in(exc: BaseException, path: Path) -> str:
+    """'file.py, line N: code' of the deepest traceback frame in the model file (or its folder), or ''."""
+    path = path.resolve()
+    folder = path.parent
+    best = ""
+    best_in_file = ""
+    for frame in traceback.extract_tb(exc.__traceback__):
+        f = Path(frame.filename)
+        try:
+            f = f.resolve()
+        except OSError:
+            continue
+        text = f"{f.name}, line {frame.lineno}: {(frame.line or '').strip()}"
+        if f == path:
+            best_in_file = text
+        elif f.parent == folder:
+            best = text
+    return best_in_file or best
+
+
+@contextlib.contextmanager
+def user_code(path: str | Path, what: str, time_limit: float | None = DEFAULT_TIME_LIMIT_S) -> Iterator[None]:
+    """Run the block as the user's code `what` (e.g. "importing gpt.py", "build_model()") from `path`.
+
+    time_limit: seconds for the block (None or 0: none); ignored inside another guard, whose limit holds.
+    """
+    global _active
+    file = Path(path)
+    if _active is not None:  # nested: the outer guard owns the signals and the timer
+        try:
+            yield
+        except _Escape as e:
+            raise _error(file, what, e) from None
+        except SystemExit as e:
+            raise _error(file, what, _exit_escape(e)) from None
+        return
+    if time_limit is not None and (not math.isfinite(time_limit) or time_limit < 0):
+        raise ModelLoadError(f"The model time limit must be a non-negative number of seconds, got {time_limit!r}.")
+    guard = _Guard(time_limit or None)
+    main = threading.current_thread() is threading.main_thread()
+    saved_handlers = {}
+    saved_timer = None
+    saved_exit = os._exit
+    posix = sys.modules.get("posix")
+    saved_posix_exit = getattr(posix, "_exit", None)
+    _active = guard
+    try:
+        if main:
+            # Snapshot every handler: the user's code may install its own, which must not outlive it.
+            for sig in signal.valid_signals():
+                try:
+                    saved_handlers[sig] = signal.getsignal(sig)
+                except (OSError, ValueError):
+                    continue
+            for sig in _CAUGHT:
+                signal.signal(sig, _on_signal)
+            signal.signal(signal.SIGINT, _on_sigint)
+            if guard.time_limit:
+                signal.signal(signal.SIGALRM, _on_alarm)
+                saved_timer = signal.setitimer(signal.ITIMER_REAL, guard.time_limit)
+        os._exit = _fake_exit
+        if posix is not None and saved_posix_exit is not None:
+            posix._exit = _fake_exit
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    except _Escape as e:
+        raise _error(file, what, e) from None
+    except SystemExit as e:
+        raise _error(file, what, _exit_escape(e)) from None
+    except KeyboardInterrupt as e:
+        if guard.interrupted:
+            raise
+        raise _error(file, what, _Escape("raised KeyboardInterrupt").with_traceback(e.__traceback__)) from None
+    finally:
+        if main:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        os._exit = saved_exit
+        if posix is not None and saved_posix_exit is not None:
+            posix._exit = saved_posix_exit
+        if main:
+            for sig, handler in saved_handlers.items():
+                if handler is None:
+                    continue  # installed from C; Python cannot put it back
+                try:
+                    if signal.getsignal(sig) is not handler:
+                        signal.signal(sig, handler)
+                except (OSError, ValueError):
+                    continue
+            if saved_timer is not None and saved_timer[0] > 0:
+                signal.setitimer(signal.ITIMER_REAL, *saved_timer)
+        _active = None
+
+
+def _exit_escape(e: SystemExit) -> _Escape:
+    esc = _Escape(f"called sys.exit({e.code!r})")
+    return esc.with_traceback(e.__traceback__)
+
+
+def _error(file: Path, what: str, e: _Escape) -> ModelLoadError:
+    where = where_in(e, file) if file.suffix == ".py" else ""
+    at = f" at {where}" if where else f" in {file}"
+    if e.timeout:
+        fix = ("Make it return (no waiting on input, the network or a lock), or raise --load-timeout if the model "
+               "really needs longer.")
+    else:
+        fix = "Remove that call, or guard script-only code with `if __name__ == \"__main__\":`."
+    return ModelLoadError(
+        f"{what} {e.what}{at}. A model file must define its functions and return: it must not exit the process, "
+        f"wait forever or rely on signals while it is imported or its build_model / example_inputs / forward run. "
+        f"{fix}"
+    )
