@@ -296,21 +296,25 @@ def plan_request(
     sequence_parallel: bool | None, dtype: DType, build_fn: str, inputs_fn: str, loss_fn: str | None, top_k: int,
     time_limit: float | None, no_overlap: bool, seed: int, lr: float, steps: int, data: str | None = None,
     measure: bool | None = None, memory_reserve: float | None = None, hf_config: Path | None = None,
-    source_dir: Path | None = None,
 ) -> PlanRequest:
     """The library's PlanRequest from the options `plan` and `dry-run` share; unset pins are searched.
 
-    A model source that is not a file (hf:NAME, module:pkg.mod:factory) is compiled into a model file in
-    ``source_dir`` (the plan directory; a temporary folder for dry-run) first.
+    A model source that is not a file (hf:NAME, module:pkg.mod:factory) is compiled into a model file in a
+    temporary folder first (see `compiled_source_files`).
     """
     from planner.model.sources import compile_source, is_source
     from planner.pipeline import PlanRequest
 
     if is_source(str(model_file)):
+        import atexit
+        import shutil
         import tempfile
 
         args = parse_model_args(model_arg)
-        where = source_dir or Path(tempfile.mkdtemp(prefix="planner-source-"))
+        # Compiled into a private folder, never straight into --out: `plan` adds model_source.py (and the
+        # config it reads) to the output set, which is written as one unit after the search.
+        where = Path(tempfile.mkdtemp(prefix="planner-source-"))
+        atexit.register(shutil.rmtree, where, True)
         model_file = compile_source(str(model_file), where, hf_config, int(args.get("seq", 2048)))
 
     pins: dict[str, Any] = {
@@ -327,3 +331,17 @@ def plan_request(
         global_batch_size=global_batch_size, pins={k: v for k, v in pins.items() if v is not None}, top_k=top_k,
         overlap_dp_comm=not no_overlap, seed=seed, lr=lr, steps=steps, memory_reserve_gib=memory_reserve, **limit,
     )
+
+
+def compiled_source_files(model_path: str) -> dict[str, tuple[str, bool]]:
+    """The files a compiled model source consists of (model_source.py and the config beside it), to write
+    into the plan folder; empty for a user's own model file."""
+    from planner.model.sources import CONFIG_FILE, SOURCE_FILE
+
+    path = Path(model_path)
+    if path.name != SOURCE_FILE or not path.parent.name.startswith("planner-source-"):
+        return {}
+    files = {SOURCE_FILE: (path.read_text(encoding="utf-8"), False)}
+    if (path.parent / CONFIG_FILE).is_file():
+        files[CONFIG_FILE] = ((path.parent / CONFIG_FILE).read_text(encoding="utf-8"), False)
+    return files

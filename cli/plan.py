@@ -58,6 +58,7 @@ from cli._options import (
     TpOpt,
     VirtualStagesOpt,
     ZeroStageOpt,
+    compiled_source_files,
     is_quiet,
     plan_request,
     stderr_console,
@@ -140,7 +141,7 @@ def plan(
         global_batch_size=global_batch_size, dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages,
         micro_batch_size=micro_batch_size, schedule=schedule, zero_stage=zero_stage, recompute=recompute,
         sequence_parallel=sequence_parallel, dtype=dtype, build_fn=build_fn, inputs_fn=inputs_fn, loss_fn=loss_fn,
-        data=data, measure=measure, memory_reserve=memory_reserve, hf_config=hf_config, source_dir=out,
+        data=data, measure=measure, memory_reserve=memory_reserve, hf_config=hf_config,
         top_k=top_k, time_limit=time_limit, no_overlap=no_overlap, seed=seed, lr=lr, steps=steps,
     )
     quiet = is_quiet(ctx, quiet)
@@ -151,9 +152,20 @@ def plan(
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         result_plan = result_plan.model_copy(update={"created_at": created})
     from planner.codegen.check import check_plan_runs
+    from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
 
-    check_plan_runs(result_plan)  # a plan the script cannot run exits 2 here, before anything is written
-    files = render_outputs(result_plan, result)
+    # A plan the script cannot run exits 2 here, before anything is written. The check runs the model's
+    # code again, so under the same guard (exits, hangs, prints kept off stdout) as the tracing.
+    limit = DEFAULT_TIME_LIMIT_S if load_timeout is None else (load_timeout or None)
+    with user_code(request.model_path, "Checking that the plan runs", limit):
+        check_plan_runs(result_plan)
+    source_files = compiled_source_files(request.model_path)
+    if source_files:  # hf:/module: sources: the compiled model file travels with the plan
+        from planner.model.sources import SOURCE_FILE
+
+        model = result_plan.model.model_copy(update={"path": str((out / SOURCE_FILE).absolute())})
+        result_plan = result_plan.model_copy(update={"model": model})
+    files = {**source_files, **render_outputs(result_plan, result)}
     write_outputs(out, files, force)
     if json:
         sys.stdout.write(files[PLAN_FILE][0])

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from planner.cost.model import Candidate, p2p_link, p2p_time
-from planner.errors import ConfigError
+from planner.errors import ConfigError, InfeasibleError
 from planner.hardware.load import load_cluster
 from planner.search import space
 from planner.search.space import Pins, check_bounds, divisors, enumerate_space, prime_factors
@@ -102,7 +102,7 @@ def test_pipeline_hop_across_nodes_uses_the_inter_node_link():
 
 def test_contradicting_pins_name_the_pins():
     """Issue 13 point 8: pins that exclude each other used to report 'constraints: none'."""
-    with pytest.raises(ConfigError, match="--virtual-stages 3.*zero-bubble.*contradict") as e:
+    with pytest.raises(InfeasibleError, match="--virtual-stages 3.*zero-bubble.*contradict") as e:
         enumerate_space(_graph(), load_cluster("a100-sxm4-80gb", 1), 64,
                         Pins(pp=2, virtual_stages=3, schedule="zero-bubble"))
     assert "none" not in str(e.value).split("leave")[0]

@@ -34,7 +34,10 @@ def full_space(graph, cluster, batch, dp=None):
         for zero in range(4):
             for sp in (False, True):
                 pins = Pins(dp=dp, schedule=schedule, zero_stage=zero, sequence_parallel=sp)
-                out |= set(enumerate_space(graph, cluster, batch, pins).candidates)
+                try:
+                    out |= set(enumerate_space(graph, cluster, batch, pins).candidates)
+                except InfeasibleError:  # these pins leave nothing (e.g. sequence parallelism without tp)
+                    pass
     return sorted(out, key=repr)
 
 

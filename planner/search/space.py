@@ -13,7 +13,7 @@ from math import gcd
 
 from planner.cost.model import Candidate
 from planner.cost.placement import schedule_violation
-from planner.errors import ConfigError
+from planner.errors import ConfigError, InfeasibleError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
 from planner.names import SCHEDULES
@@ -293,10 +293,10 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
     if not space.candidates and not rej:
         # Every candidate was skipped by a pin, none by a rule: say which pins exclude each other.
         given = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(pins).items() if v is not None)
-        raise ConfigError(
+        raise InfeasibleError(
             f"The pins {given or '(none)'} leave no configuration on {world} GPUs: they contradict each other "
             "or the model (gpipe and 1f1b take 1 virtual stage, interleaved-1f1b 2 or more, zero-bubble exactly "
-            "2; pp x virtual stages must not exceed the model's units; the micro-batch size must divide the "
-            "batch per replica). Drop or change one of them."
+            "2; pp x virtual stages must not exceed the model's units; sequence parallelism needs tp > 1; the "
+            "micro-batch size must divide the batch per replica). Drop or change one of them."
         )
     return space

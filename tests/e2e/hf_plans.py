@@ -69,7 +69,7 @@ def hf_plan(
         model=ModelSource(path=str(HF / f"{model}.py"), file_sha256="0" * 64, dtype="fp32", loss_fn=LOSS_FN.get(model)),
         model_class=model,
         trace_method="export",
-        cluster=ClusterSummary(name="local", gpu="cpu", nodes=1, gpus_per_node=8),
+        cluster=ClusterSummary(name="local", gpu="cpu", nodes=1, gpus_per_node=dp * tp * pp),
         parallel=ParallelConfig(
             dp=dp, tp=tp, pp=pp, micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches,
             global_batch_size=dp * micro_batch_size * num_micro_batches, schedule="1f1b", zero_stage=zero_stage,
