@@ -203,8 +203,8 @@ def compress_mapping(mapping: dict[str, Any]) -> dict[str, Any]:
         numbers = [n for n, _ in members]
         values = {json.dumps(mapping[name], sort_keys=True) for _, name in members}
         if len(members) >= 3 and len(values) == 1 and numbers == list(range(numbers[0], numbers[-1] + 1)):
-            key = ".".join(p for p in (head, f"{{{numbers[0]}-{numbers[-1]}}}", tail) if p)
-            out[key] = mapping[members[0][1]]
+            pattern = ".".join(p for p in (head, f"{{{numbers[0]}-{numbers[-1]}}}", tail) if p)
+            out[pattern] = mapping[members[0][1]]
             merged.update(name for _, name in members)
     out.update({name: value for name, value in mapping.items() if name not in merged})
     return dict(sorted(out.items(), key=lambda kv: _natural_key(expand_names(kv[0])[0])))

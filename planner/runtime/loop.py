@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -30,6 +31,7 @@ from .model import build_model, input_count, load_model_file, make_batch, materi
 from .parallel import parallelize, plan_sequence_parallel
 from .schedule import MicroBatchLoss, build_schedule
 from .stages import (
+    LocalStage,
     ModelStage,
     Piece,
     build_local_stages,
@@ -211,6 +213,7 @@ def accumulate(
     total = torch.zeros((), device=batches[0][0].device)
     for i, batch in enumerate(batches):
         # Gradients are reduced across dp once, after the last micro-batch.
+        assert isinstance(stage, FSDPModule), "parallelize() applies FSDP2 or replicate to every stage"
         stage.set_requires_gradient_sync(i == n - 1)
         mb_loss = loss_fn(stage(*batch[:n_inputs]), *batch)
         (mb_loss / n).backward()
@@ -258,7 +261,7 @@ def run(
     # 1. Trace and cut (pipelines, sequence parallelism) or take the model as it is; 2. build this rank's
     # stages; 3. parallelise each: TP, checkpointing, FSDP/replicate.
     local = layout.stages_on(pp_rank)
-    stages: list[nn.Module]
+    stages: list[LocalStage]
     tied = None
     sp_styles: dict[str, ParallelStyle] = {}
     if uses_graph(layout):
@@ -309,6 +312,7 @@ def run(
             tuple(t.to(device) for t in make_batch(user, spec, layout, training.seed, step, first + i))
             for i in range(n)
         ]
+        step_loss: torch.Tensor | None
         if schedule is None:
             step_loss = accumulate(stages[0], layout, batches, loss_fn, n_inputs)
         else:
@@ -326,6 +330,7 @@ def run(
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
         if reports:
+            assert step_loss is not None, "the reporting rank runs the last stage, which has the loss"
             record = {"step": step + 1, "loss": step_loss.item(), "grad_norm": norm.item()}
             record["step_time_s"] = elapsed
             line = f"step {step + 1:>5}  loss {record['loss']:.6f}  grad norm {record['grad_norm']:.4f}"
