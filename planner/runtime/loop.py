@@ -56,7 +56,8 @@ def log0(message: str) -> None:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def init_distributed(layout: Layout, device_arg: str, script: str) -> tuple[torch.device, DeviceMesh]:
@@ -129,7 +130,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 
 
-def write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write to a temporary file, then rename: readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -366,7 +367,12 @@ def run(
 
 
 def write_metrics(
-    path: Path, layout: Layout, history: list[dict], ranks: list[dict], device: torch.device, method: str
+    path: Path,
+    layout: Layout,
+    history: list[dict[str, Any]],
+    ranks: list[dict[str, Any]],
+    device: torch.device,
+    method: str,
 ) -> None:
     """metrics.json: the layout, every rank's peak memory, and per step loss, gradient norm and speed."""
     write_json(

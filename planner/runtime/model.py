@@ -35,7 +35,7 @@ def load_model_file(path: str) -> Any:
     return module
 
 
-def accepts(fn: Callable, name: str) -> bool:
+def accepts(fn: Callable[..., Any], name: str) -> bool:
     """Whether `fn` takes a keyword argument `name` (explicitly or through **kwargs)."""
     params = inspect.signature(fn).parameters.values()
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)

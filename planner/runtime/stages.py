@@ -250,7 +250,7 @@ def cut_into_pieces(gm: fx.GraphModule, values: dict[fx.Node, Any], layout: Layo
                 )
             env[v] = graph.placeholder(v.name)
 
-        def value(n: fx.Node, graph: fx.Graph = graph, env: dict = env) -> fx.Node:
+        def value(n: fx.Node, graph: fx.Graph = graph, env: dict[fx.Node, fx.Node] = env) -> fx.Node:
             if n not in env:
                 if n not in recomputed:
                     raise RuntimeError(f"internal error: {n.name} is not forwarded to this piece")
