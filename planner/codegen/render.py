@@ -20,6 +20,7 @@ import jinja2
 
 from planner.errors import PlanError
 from planner.io import atomic_write_files
+from planner.names import SCHEDULES
 from planner.plan import Plan
 from planner.runtime.digest import digest_of, runtime_files
 from planner.runtime.errors import LayoutError
@@ -274,6 +275,7 @@ def render(plan: Plan, plan_path_in_dir: str = "plan.json") -> dict[str, tuple[s
         "nodes": nodes,
         "per_node": per_node,
         "device_flag": "--device cpu" if cpu else "--device cuda",
+        "schedules": " | ".join(SCHEDULES),
         "job_name": re.sub(r"[^A-Za-z0-9_.-]", "_", f"planner-{plan.model_class}")[:64],
     }
     out: dict[str, tuple[str, bool]] = {}
