@@ -41,7 +41,7 @@ def brute_force_partition(
     cap = cluster.gpu.memory_bytes
     best: ReferenceResult | None = None
     # With several stages per rank the search uses one recomputation mode for all stages (see ilp.py).
-    if cand.v > 1:
+    if cand.virtual_stages > 1:
         choices = [(mode,) * cand.stages for mode in modes]
     else:
         choices = list(itertools.product(modes, repeat=cand.stages))
@@ -64,7 +64,7 @@ def dp_partition(
     options: CostOptions,
 ) -> ReferenceResult | None:
     """Exact optimum for GPipe/1F1B (one stage per rank) by bottleneck/tail enumeration plus DP."""
-    if cand.v != 1 or cand.schedule not in ("gpipe", "1f1b"):
+    if cand.virtual_stages != 1 or cand.schedule not in ("gpipe", "1f1b"):
         raise ValueError("dp_partition handles one stage per rank (gpipe, 1f1b)")
     U, S = len(graph.units), cand.stages
     cap = cluster.gpu.memory_bytes
@@ -102,7 +102,7 @@ def dp_partition(
                                 f[s + 1][j] = (val, (i, mode))
             if f[S][U][0] == INF:
                 continue
-            obj = f[S][U][0] + (cand.m - 1) * B + Q
+            obj = f[S][U][0] + (cand.num_micro_batches - 1) * B + Q
             if best is None or obj < best[0] - 1e-12:
                 part: list[list[int]] = []
                 rec: list[str] = []
