@@ -279,12 +279,12 @@ def candidate(row: Row, sp: bool) -> Candidate:
         dp=row.dp,
         tp=row.t,
         pp=row.p,
-        v=row.v,
-        mbs=row.mbs,
-        m=row.m,
+        virtual_stages=row.v,
+        micro_batch_size=row.mbs,
+        num_micro_batches=row.m,
         schedule=row.schedule,
-        zero=0,
-        sp=sp,
+        zero_stage=0,
+        sequence_parallel=sp,
     )
 
 

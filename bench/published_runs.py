@@ -20,6 +20,7 @@ from planner.cost.model import CostOptions
 from planner.hardware.load import load_cluster
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
+from planner.names import Recompute, Schedule
 from planner.pipeline import PlanRequest, analyse, build_plan, pins_from
 from planner.plan import Plan
 from planner.search.search import search
@@ -54,10 +55,10 @@ class Layout(_Strict):
     v: PositiveInt = 1
     mbs: PositiveInt
     global_batch: PositiveInt
-    recompute: Literal["none", "selective", "full"]
+    recompute: Recompute
     sp: bool
     zero: Literal[0, 1, 2, 3]
-    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+    schedule: Schedule
     overlap_dp_comm: bool = Field(description="False: gradients reduced after the last backward (Megatron 'local' DDP)")
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from planner.errors import ConfigError
+from planner.names import RECOMPUTE_MODES, SCHEDULES
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -33,17 +34,15 @@ _TRAINING = "Generated training script"
 _OUTPUT = "Output"
 
 
-class Schedule(str, Enum):
-    gpipe = "gpipe"
-    one_f_one_b = "1f1b"
-    interleaved = "interleaved-1f1b"
-    zero_bubble = "zero-bubble"
+def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A str Enum for typer whose members are named and valued by `values` (Schedule["1f1b"].value == "1f1b")."""
+    return Enum(name, [(v, v) for v in values], type=str, module=__name__)
 
 
-class Recompute(str, Enum):
-    none = "none"
-    selective = "selective"
-    full = "full"
+# Built from the one list of names (planner.names, defined in planner.runtime.names): a new schedule or
+# recomputation mode is an option value without an edit here.
+Schedule = _choices("Schedule", SCHEDULES)
+Recompute = _choices("Recompute", RECOMPUTE_MODES)
 
 
 class DType(str, Enum):

@@ -1,24 +1,21 @@
-"""Names shared by every layer: schedules, recomputation modes, solver statuses (a leaf, no imports).
+"""Names shared by every layer: schedules, recomputation modes, solver statuses (a leaf, no planner imports).
 
-The Plan schema (`planner.plan`), the cost model and the search all take these names from here. The
-generated script cannot import the planner, so planner/codegen's template keeps its own copy (checked by
-its tests), as does the CLI's option enum (`cli/_options.py`).
+The Plan schema (`planner.plan`), the cost model and the search all take these names from here. Schedules
+and recomputation modes are defined once, in `planner.runtime.names` (the generated script runs a copy of
+the runtime where the planner is not installed), and re-exported here; the CLI's option enums
+(`cli/_options.py`) are built from them.
 """
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal
 
-# zero-bubble is ZBV (torch's ScheduleZBVZeroBubble): two stages per rank placed in a V, so stage i runs
-# on rank i for i < pp and on rank 2*pp-1-i after; the other schedules place stage i on rank i % pp.
-Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
-Recompute = Literal["none", "selective", "full"]
+from planner.runtime.names import RECOMPUTE_MODES, SCHEDULES, Recompute, Schedule
+
+__all__ = ["RECOMPUTE_MODES", "SCHEDULES", "Recompute", "Schedule", "SearchStatus", "SolveStatus"]
 
 # What one ILP ended with (planner.search.ilp.solve_partition): "cutoff" when no plan beats the cutoff it
 # was given, "not_solved" when it stopped at its limit before finding any plan.
 SolveStatus = Literal["optimal", "infeasible", "cutoff", "time_limit", "node_limit", "not_solved"]
 # What a whole search (and each plan it ranks) ended with: exact, or stopped early at a limit.
 SearchStatus = Literal["optimal", "time_limit", "node_limit"]
-
-SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
-RECOMPUTE_MODES: tuple[Recompute, ...] = get_args(Recompute)

@@ -90,7 +90,7 @@ def predicted_for(
     per_gpu = flops / iteration / world
     peak = cluster.gpu.peak_flops(graph.source.dtype)
     samples = global_batch / iteration
-    tp_comm = sum(s.tp_comm for s in ev.stages) * ev.cand.m / max(1, ev.cand.pp)
+    tp_comm = sum(s.tp_comm for s in ev.stages) * ev.cand.num_micro_batches / max(1, ev.cand.pp)
     dp_total = max((sum(s.dp_sync for s in ev.stages if s.rank == r) for r in range(ev.cand.pp)), default=0.0)
     predicted = Predicted(
         iteration_time_s=iteration,
@@ -141,13 +141,13 @@ def _parallel(ev: Evaluated, global_batch: int) -> ParallelConfig:
         dp=c.dp,
         tp=c.tp,
         pp=c.pp,
-        virtual_stages=c.v,
-        micro_batch_size=c.mbs,
-        num_micro_batches=c.m,
+        virtual_stages=c.virtual_stages,
+        micro_batch_size=c.micro_batch_size,
+        num_micro_batches=c.num_micro_batches,
         global_batch_size=global_batch,
         schedule=c.schedule,
-        zero_stage=c.zero,
-        sequence_parallel=c.sp,
+        zero_stage=c.zero_stage,
+        sequence_parallel=c.sequence_parallel,
     )
 
 

@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 from e2e.plans import FILES, TINY, make_plan
 
-from planner.codegen.render import compress_mapping, compress_names, py_literal, render, runtime_objects, write_scripts
+from planner.codegen.render import (
+    LINE_LENGTH,
+    compress_mapping,
+    compress_names,
+    py_literal,
+    render,
+    runtime_objects,
+    write_scripts,
+)
 from planner.errors import PlanError
 from planner.runtime.digest import package_digest, runtime_files
 from planner.runtime.layout import expand_names
@@ -69,7 +77,7 @@ def test_rendered_train_py_is_ruff_clean(name, tmp_path):
         capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert max(len(line) for line in (tmp_path / "train.py").read_text().splitlines()) <= 110
+    assert max(len(line) for line in (tmp_path / "train.py").read_text().splitlines()) <= LINE_LENGTH
 
 
 def test_constants_carry_the_plan():
@@ -199,7 +207,7 @@ def test_codegen_does_not_import_the_solver():
 def test_py_literal_round_trips_and_wraps(value):
     text = py_literal(value, indent=10)
     assert ast.literal_eval(text.replace('float("inf")', "1e999")) == value
-    assert all(len(line) <= 110 for line in text.splitlines())
+    assert all(len(line) <= LINE_LENGTH for line in text.splitlines())
 
 
 def test_py_literal_refuses_objects():
@@ -266,4 +274,11 @@ def test_compressed_names_expand_back(names):
 def test_train_py_stays_short_for_deep_models():
     plan = make_plan("gpt", pp=16, tp=8, model_args={**TINY["gpt"], "layers": 96})  # GPT-3 175B's layout
     text = render(plan)["train.py"][0]
-    assert len(text.splitlines()) < 120 and max(len(line) for line in text.splitlines()) <= 110
+    assert len(text.splitlines()) < 120 and max(len(line) for line in text.splitlines()) <= LINE_LENGTH
+
+
+def test_one_line_length():
+    """render.LINE_LENGTH (what generated code is wrapped to) is the project's ruff line length."""
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert config["tool"]["ruff"]["line-length"] == LINE_LENGTH

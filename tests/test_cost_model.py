@@ -62,7 +62,10 @@ make_graph = synthetic.make_graph
 
 
 def cand(**kw) -> Candidate:
-    base = dict(dp=1, tp=1, pp=1, v=1, mbs=1, m=1, schedule="1f1b", zero=0, sp=False)
+    base = dict(
+        dp=1, tp=1, pp=1, virtual_stages=1, micro_batch_size=1, num_micro_batches=1, schedule="1f1b", zero_stage=0,
+        sequence_parallel=False,
+    )
     base.update(kw)
     return Candidate(**base)
 
@@ -277,9 +280,9 @@ def test_dp_comm_time_by_zero_stage(cluster, zero):
     rs = 3 / 4 * grads / bw + 3 * lat
     ag = 3 / 4 * weights / bw + 3 * lat
     expected = {0: (ar, 0.0), 1: (rs + ag, 0.0), 2: (m * rs + ag, 0.0), 3: (rs, 2 * ag)}[zero]
-    got = dp_comm_time(p, cand(dp=dp, m=m, zero=zero), cluster, "bf16")
+    got = dp_comm_time(p, cand(dp=dp, num_micro_batches=m, zero_stage=zero), cluster, "bf16")
     assert got == pytest.approx(expected)
-    assert dp_comm_time(p, cand(dp=1, m=m, zero=zero), cluster, "bf16") == (0.0, 0.0)
+    assert dp_comm_time(p, cand(dp=1, num_micro_batches=m, zero_stage=zero), cluster, "bf16") == (0.0, 0.0)
 
 
 def test_dp_comm_crosses_nodes_uses_inter_node_link(cluster):
@@ -296,7 +299,7 @@ def test_dp_comm_crosses_nodes_uses_inter_node_link(cluster):
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_linear_uniform_1f1b(schedule):
     p, m, t = 4, 8, 1.5
-    c = cand(pp=p, m=m, schedule=schedule)
+    c = cand(pp=p, num_micro_batches=m, schedule=schedule)
     p2p = [0.1, 0.2, 0.05]
     got = pipeline_time_linear(c, [t / 3] * p, [t] * p, p2p)
     assert got == pytest.approx((m + p - 1) * t + 2 * sum(p2p))
@@ -304,7 +307,7 @@ def test_pipeline_linear_uniform_1f1b(schedule):
 
 def test_pipeline_linear_uniform_interleaved():
     p, v, m, T = 2, 2, 4, 2.0
-    c = cand(pp=p, v=v, m=m, schedule="interleaved-1f1b")
+    c = cand(pp=p, virtual_stages=v, num_micro_batches=m, schedule="interleaved-1f1b")
     got = pipeline_time_linear(c, [T / v / 3] * (p * v), [T / v] * (p * v), [0.0] * (p * v - 1))
     assert got == pytest.approx((m + (p - 1) / v) * T)
 
@@ -327,7 +330,10 @@ def test_more_data_parallelism_never_raises_rank_memory(cluster, specs, pp, tp, 
     part = even_partition(len(specs), pp)
     prev = None
     for dp in (1, 2, 4, 8):
-        c = cand(dp=dp, tp=tp, pp=pp, mbs=mbs, m=4, schedule=schedule, zero=zero, sp=sp)
+        c = cand(
+            dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_micro_batches=4, schedule=schedule, zero_stage=zero,
+            sequence_parallel=sp,
+        )
         mem = run_eval(graph, cluster, c, part).rank_memory
         if prev is not None:
             for r in mem:
@@ -340,7 +346,12 @@ def test_more_data_parallelism_never_raises_rank_memory(cluster, specs, pp, tp, 
 def test_more_data_parallelism_never_raises_rank_memory_gpt(cluster, gpt, zero, pp):
     part = even_partition(len(gpt.units), pp)
     mems = [
-        run_eval(gpt, cluster, cand(dp=dp, tp=2, pp=pp, mbs=2, m=4, zero=zero, sp=True), part).rank_memory
+        run_eval(
+            gpt,
+            cluster,
+            cand(dp=dp, tp=2, pp=pp, micro_batch_size=2, num_micro_batches=4, zero_stage=zero, sequence_parallel=True),
+            part,
+        ).rank_memory
         for dp in (1, 2, 4, 8, 16)
     ]
     for a, b in zip(mems, mems[1:]):
@@ -361,7 +372,7 @@ def test_more_tensor_parallelism_never_raises_state_bytes(cluster, specs, pp, dp
     part = even_partition(len(specs), pp)
     prev = None
     for tp in (1, 2, 4, 8):
-        c = cand(dp=dp, tp=tp, pp=pp, m=2, zero=zero, sp=sp)
+        c = cand(dp=dp, tp=tp, pp=pp, num_micro_batches=2, zero_stage=zero, sequence_parallel=sp)
         stages = run_eval(graph, cluster, c, part).stages
         now = [(s.weights, s.optimizer, s.gradients) for s in stages]
         if prev is not None:
@@ -398,7 +409,16 @@ def test_bubble_shrinks_with_more_microbatches(schedule, p, v):
 def test_recomputation_trades_time_for_memory(cluster, specs, pp, tp, sp, mbs, schedule):
     graph = graph_from(specs)
     part = even_partition(len(specs), pp)
-    c = cand(dp=2, tp=tp, pp=pp, mbs=mbs, m=4, schedule=schedule, zero=1, sp=sp)
+    c = cand(
+        dp=2,
+        tp=tp,
+        pp=pp,
+        micro_batch_size=mbs,
+        num_micro_batches=4,
+        schedule=schedule,
+        zero_stage=1,
+        sequence_parallel=sp,
+    )
     ev = {mode: run_eval(graph, cluster, c, part, mode) for mode in RECOMPUTE_MODES}
     for s in range(pp):
         none, sel, full = (ev[mode].stages[s] for mode in RECOMPUTE_MODES)
@@ -409,7 +429,7 @@ def test_recomputation_trades_time_for_memory(cluster, specs, pp, tp, sp, mbs, s
 
 
 def test_recomputation_trades_time_for_memory_gpt(cluster, gpt):
-    c = cand(dp=2, tp=2, pp=2, mbs=2, m=4, zero=1)
+    c = cand(dp=2, tp=2, pp=2, micro_batch_size=2, num_micro_batches=4, zero_stage=1)
     part = even_partition(len(gpt.units), 2)
     ev = {mode: run_eval(gpt, cluster, c, part, mode) for mode in RECOMPUTE_MODES}
     for s in range(2):
@@ -450,7 +470,7 @@ def test_iteration_time_never_decreases_with_more_flops(cluster, specs, which, k
     i = which % len(specs)
     bigger = make_graph([_scale_flops(u, k) if j == i else u for j, u in enumerate(graph.units)])
     part = even_partition(len(specs), pp)
-    c = cand(dp=dp, tp=tp, pp=pp, m=4, schedule=schedule, zero=zero)
+    c = cand(dp=dp, tp=tp, pp=pp, num_micro_batches=4, schedule=schedule, zero_stage=zero)
     before = run_eval(graph, cluster, c, part, mode).objective
     after = run_eval(bigger, cluster, c, part, mode).objective
     assert after >= before * (1 - 1e-12), (before, after)
@@ -483,7 +503,7 @@ MONOTONE_BUG = (
 )
 def test_iteration_time_more_flops_counterexamples(cluster, zero, schedule, pp, v, units):
     base = [make_unit(f"u{i}", params=p, flops=f, sig=f"s{i}") for i, (p, f) in enumerate(units)]
-    c = cand(dp=16, pp=pp, v=v, m=4, schedule=schedule, zero=zero)
+    c = cand(dp=16, pp=pp, virtual_stages=v, num_micro_batches=4, schedule=schedule, zero_stage=zero)
     part = [[i] for i in range(len(units))]
     objs = [
         run_eval(make_graph([_scale_flops(base[0], k), *base[1:]]), cluster, c, part).objective for k in (1, 2, 4, 5, 8)

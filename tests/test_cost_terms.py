@@ -30,12 +30,12 @@ def candidates(draw) -> Candidate:
         dp=draw(st.sampled_from([1, 2, 3, 16, 64])),
         tp=tp,
         pp=draw(st.integers(1, 8)),
-        v=v,
-        mbs=draw(st.integers(1, 8)),
-        m=draw(st.integers(1, 32)),
+        virtual_stages=v,
+        micro_batch_size=draw(st.integers(1, 8)),
+        num_micro_batches=draw(st.integers(1, 32)),
         schedule=schedule,
-        zero=draw(st.integers(0, 3)),
-        sp=draw(st.booleans()) and tp > 1,
+        zero_stage=draw(st.integers(0, 3)),
+        sequence_parallel=draw(st.booleans()) and tp > 1,
     )
 
 
@@ -75,7 +75,7 @@ def test_time_terms_agree_on_floats_and_expressions(c, x, gpu, dtype):
 @PROPS
 @given(c=candidates(), x=POSITIVE, o=st.sampled_from(OPTIONS), largest=st.floats(0, 1e10))
 def test_overlap_and_memory_terms_agree_on_floats_and_expressions(c, x, o, largest):
-    state = model_state_bytes_per_param("bf16", c.zero, c.dp)
+    state = model_state_bytes_per_param("bf16", c.zero_stage, c.dp)
     check(lambda t: terms.sync_overlap_window(t, c, o), x * 1e-12)
     check(lambda p: terms.model_state_bytes(p, state), x)
     check(lambda b: terms.comm_buffer_bytes(b, c, o, largest), x)
@@ -97,13 +97,33 @@ def test_pipeline_term_agrees_with_its_epigraph_form(c, ts):
 
 
 def test_guards_apply_to_plain_numbers_only():
-    c = Candidate(dp=8, tp=1, pp=2, v=1, mbs=1, m=4, schedule="1f1b", zero=1, sp=False)
+    c = Candidate(
+        dp=8,
+        tp=1,
+        pp=2,
+        virtual_stages=1,
+        micro_batch_size=1,
+        num_micro_batches=4,
+        schedule="1f1b",
+        zero_stage=1,
+        sequence_parallel=False,
+    )
     cl = CLUSTERS["a100-sxm-80gb"]
     assert terms.p2p_time(0.0, c, cl) == 0.0  # nothing to send, no latency
     _, lat = terms.p2p_link(c, cl)
     assert terms.linear_form(lambda b: terms.p2p_time(b, c, cl))[1] == pytest.approx(lat)
     # a single replica has no gradient sync, however it is evaluated
-    one = Candidate(dp=1, tp=1, pp=2, v=1, mbs=1, m=4, schedule="1f1b", zero=1, sp=False)
+    one = Candidate(
+        dp=1,
+        tp=1,
+        pp=2,
+        virtual_stages=1,
+        micro_batch_size=1,
+        num_micro_batches=4,
+        schedule="1f1b",
+        zero_stage=1,
+        sequence_parallel=False,
+    )
     assert terms.linear_form(lambda p: terms.dp_sync_time(p, one, cl, "bf16")) == (0.0, 0.0)
 
 
@@ -113,7 +133,17 @@ def test_linear_form_reads_the_latency_of_each_zero_stage():
     cl = CLUSTERS["h100-sxm-80gb"]
     n, m = 16, 4
     for zero, steps in {0: 2 * (n - 1), 1: 2 * (n - 1), 2: (m + 1) * (n - 1), 3: n - 1}.items():
-        c = Candidate(dp=n, tp=1, pp=1, v=1, mbs=1, m=m, schedule="1f1b", zero=zero, sp=False)
+        c = Candidate(
+            dp=n,
+            tp=1,
+            pp=1,
+            virtual_stages=1,
+            micro_batch_size=1,
+            num_micro_batches=m,
+            schedule="1f1b",
+            zero_stage=zero,
+            sequence_parallel=False,
+        )
         _, lat = terms.dp_link(c, cl)
         assert terms.linear_form(lambda p, c=c: terms.dp_sync_time(p, c, cl, "bf16"))[1] == pytest.approx(steps * lat)
 

@@ -157,3 +157,33 @@ def test_cost_model_and_solver_never_import_torch_distributed():
         if dep.startswith("torch.distributed")
     ]
     assert not wrong, wrong
+
+
+def test_schedule_names_are_defined_once():
+    """planner.runtime.names is the one definition (a leaf importing only typing); planner.names re-exports
+    it, the runtime's Layout validates against it and the CLI's option enums are built from it."""
+    leaf = ROOT / "planner" / "runtime" / "names.py"
+    assert imports_of(leaf) <= {"__future__", "__future__.annotations", "typing", "typing.Literal", "typing.get_args"}
+
+    from cli._options import Recompute, Schedule
+    from planner import names
+    from planner.runtime import layout
+    from planner.runtime import names as runtime_names
+
+    assert names.SCHEDULES is runtime_names.SCHEDULES and names.Schedule is runtime_names.Schedule
+    assert names.RECOMPUTE_MODES is runtime_names.RECOMPUTE_MODES and names.Recompute is runtime_names.Recompute
+    assert layout.SCHEDULES is runtime_names.SCHEDULES and layout.RECOMPUTE_MODES is runtime_names.RECOMPUTE_MODES
+    assert tuple(s.value for s in Schedule) == runtime_names.SCHEDULES
+    assert tuple(r.value for r in Recompute) == runtime_names.RECOMPUTE_MODES
+    # No other module spells the list out.
+    spelled = '"gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"'
+    copies = [m for m, p in project_modules().items() if spelled in p.read_text() and p != leaf]
+    assert not copies, copies
+
+
+def test_the_names_leaf_imports_without_torch():
+    import subprocess
+
+    code = "import sys, planner.names; sys.exit(1 if 'torch' in sys.modules else 0)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, "importing planner.names imported torch\n" + done.stderr

@@ -12,7 +12,7 @@ from torch.distributed.pipelining import (
 )
 
 from planner.runtime import Layout, stage_rank
-from planner.runtime.layout import SCHEDULES
+from planner.runtime.names import SCHEDULES
 from planner.runtime.schedule import SCHEDULE_CLASSES, MicroBatchLoss, build_schedule
 
 

@@ -20,12 +20,15 @@ import jinja2
 
 from planner.errors import PlanError
 from planner.io import write_output_set
+from planner.names import SCHEDULES
 from planner.plan import Plan
 from planner.runtime.digest import digest_of, runtime_files
 from planner.runtime.errors import LayoutError
 from planner.runtime.layout import Layout, ModelFile, Stage, Training, expand_names
 
-LINE_LENGTH = 110  # the project's ruff line length; generated code stays within it
+# The project's one line length: [tool.ruff] line-length in pyproject.toml says the same (tests/test_codegen.py
+# checks that they agree), and generated code stays within it.
+LINE_LENGTH = 120
 
 _env = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).with_name("templates")),
@@ -203,8 +206,8 @@ def compress_mapping(mapping: dict[str, Any]) -> dict[str, Any]:
         numbers = [n for n, _ in members]
         values = {json.dumps(mapping[name], sort_keys=True) for _, name in members}
         if len(members) >= 3 and len(values) == 1 and numbers == list(range(numbers[0], numbers[-1] + 1)):
-            key = ".".join(p for p in (head, f"{{{numbers[0]}-{numbers[-1]}}}", tail) if p)
-            out[key] = mapping[members[0][1]]
+            pattern = ".".join(p for p in (head, f"{{{numbers[0]}-{numbers[-1]}}}", tail) if p)
+            out[pattern] = mapping[members[0][1]]
             merged.update(name for _, name in members)
     out.update({name: value for name, value in mapping.items() if name not in merged})
     return dict(sorted(out.items(), key=lambda kv: _natural_key(expand_names(kv[0])[0])))
@@ -274,6 +277,7 @@ def render(plan: Plan, plan_path_in_dir: str = "plan.json") -> dict[str, tuple[s
         "nodes": nodes,
         "per_node": per_node,
         "device_flag": "--device cpu" if cpu else "--device cuda",
+        "schedules": " | ".join(SCHEDULES),
         "job_name": re.sub(r"[^A-Za-z0-9_.-]", "_", f"planner-{plan.model_class}")[:64],
     }
     out: dict[str, tuple[str, bool]] = {}

@@ -12,23 +12,23 @@ class Candidate:
     dp: int
     tp: int
     pp: int
-    v: int
-    mbs: int
-    m: int
+    virtual_stages: int
+    micro_batch_size: int
+    num_micro_batches: int
     schedule: str
-    zero: int
-    sp: bool
+    zero_stage: int
+    sequence_parallel: bool
 
     @property
     def stages(self) -> int:
-        return self.pp * self.v
+        return self.pp * self.virtual_stages
 
     def label(self) -> str:
-        sp = "+sp" if self.sp else ""
+        sp = "+sp" if self.sequence_parallel else ""
         return (
             f"dp{self.dp} tp{self.tp}{sp} pp{self.pp}"
-            + (f"x{self.v}" if self.v > 1 else "")
-            + f" mbs{self.mbs} m{self.m} {self.schedule} zero{self.zero}"
+            + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
+            + f" mbs{self.micro_batch_size} m{self.num_micro_batches} {self.schedule} zero{self.zero_stage}"
         )
 
 

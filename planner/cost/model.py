@@ -147,10 +147,10 @@ def unit_cost(
     unit: Unit, cand: Candidate, cluster: ClusterSpec, dtype: str, profile: Profile | None = None
 ) -> UnitCost:
     """Per-micro-batch time and memory of one unit under a candidate, for every recomputation mode."""
-    fwd_c, bwd_c, core_c = roofline_times(unit, cand.mbs, cand.tp, cand.sp, cluster, dtype)
+    fwd_c, bwd_c, core_c = roofline_times(unit, cand.micro_batch_size, cand.tp, cand.sequence_parallel, cluster, dtype)
     source = "estimated"
     if profile is not None:
-        hit = profile.times.get((unit.signature, cand.mbs, cand.tp))
+        hit = profile.times.get((unit.signature, cand.micro_batch_size, cand.tp))
         if hit is not None:
             fwd_c, bwd_c, source = hit.fwd, hit.bwd, hit.source
             core_c = fwd_c * (unit.attention_flops / unit.fwd_flops if unit.fwd_flops else 0.0)
@@ -158,7 +158,7 @@ def unit_cost(
             fwd_c *= profile.efficiency_scale
             bwd_c *= profile.efficiency_scale
             core_c *= profile.efficiency_scale
-    tf, tb = tp_comm_times(unit, cand.mbs, cand.tp, cand.sp, cluster)
+    tf, tb = tp_comm_times(unit, cand.micro_batch_size, cand.tp, cand.sequence_parallel, cluster)
     fwd = fwd_c + tf
     bwd = {
         "none": bwd_c + tb,
@@ -173,11 +173,11 @@ def unit_cost(
             unit.activation_bytes,
             unit.attention_core_bytes,
             unit.input_bytes,
-            cand.mbs,
+            cand.micro_batch_size,
             mode,
             cand.tp,
             tp_sharded,
-            cand.sp,
+            cand.sequence_parallel,
         )
         for mode in RECOMPUTE_MODES
     }
@@ -248,17 +248,17 @@ def stage_costs(
 ) -> list[StageCost]:
     """Per-stage time and memory of a partition (memory per rank when a rank holds several stages)."""
     dtype = graph.source.dtype
-    state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
+    state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
     out: list[StageCost] = []
     for s, (units, mode) in enumerate(zip(partition, recompute)):
-        rank = stage_rank(cand.schedule, cand.pp, cand.v, s)
+        rank = stage_rank(cand.schedule, cand.pp, cand.virtual_stages, s)
         uc = [costs[u] for u in units]
         params = sum(c.params_local for c in uc)
         fwd = sum(c.fwd for c in uc)
         bwd = sum(c.bwd[mode] for c in uc)
         boundary = graph.units[units[-1]].output_bytes if s < len(partition) - 1 else 0
         p2p = p2p_time(boundary, cand, cluster) if s < len(partition) - 1 else 0.0
-        inflight = in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, s)
+        inflight = in_flight_microbatches(cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, s)
         act = inflight * sum(c.act[mode] for c in uc)
         sync, gather = dp_comm_time(params, cand, cluster, dtype)
         buffers = comm_buffer_bytes(boundary, cand, options, max(c.largest_param_bytes for c in costs))
@@ -298,12 +298,20 @@ def rank_memory(stages: list[StageCost], cand: Candidate, options: CostOptions) 
     for r in range(cand.pp):
         mine = [s for s in stages if s.rank == r]
         states = sum(s.weights + s.gradients + s.optimizer + s.comm_buffers for s in mine)
-        if cand.v > 1:
+        if cand.virtual_stages > 1:
             per_mb = max(
-                s.activations / max(1, in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, s.index))
+                s.activations
+                / max(
+                    1,
+                    in_flight_microbatches(
+                        cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, s.index
+                    ),
+                )
                 for s in mine
             )
-            acts = per_mb * rank_in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, r)
+            acts = per_mb * rank_in_flight_microbatches(
+                cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, r
+            )
         else:
             acts = sum(s.activations for s in mine)
         per_rank[r] = rank_peak_bytes(states, acts, options)
@@ -320,9 +328,9 @@ def pipeline_time_linear(
     and maxima; the ILP minimises exactly this). The reported figure comes from the discrete-event
     simulator instead."""
     rank_total = [0.0] * cand.pp
-    if cand.v > 1:
+    if cand.virtual_stages > 1:
         for s, t in enumerate(stage_total):
-            rank_total[stage_rank(cand.schedule, cand.pp, cand.v, s)] += t
+            rank_total[stage_rank(cand.schedule, cand.pp, cand.virtual_stages, s)] += t
     out: float = pipeline_time(
         cand, sum(stage_total), max(stage_total), max(rank_total), max(stage_fwd), sum(stage_p2p)
     )

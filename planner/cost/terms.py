@@ -81,7 +81,7 @@ def p2p_time(boundary_bytes: Affine, cand: Candidate, cluster: ClusterSpec) -> A
     sends 1/t of it (Narayanan et al. 2021, scatter/gather optimisation).
     """
     bw, lat = p2p_link(cand, cluster)
-    nbytes = boundary_bytes * cand.mbs / (cand.tp if cand.sp else 1)
+    nbytes = boundary_bytes * cand.micro_batch_size / (cand.tp if cand.sequence_parallel else 1)
     return coll.p2p_time(nbytes, bw, lat)
 
 
@@ -97,20 +97,20 @@ def dp_sync_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dtype: s
     bw, lat = dp_link(cand, cluster)
     grad_b = GRAD_BYTES_PER_PARAM * params
     w_b = weight_bytes_per_param(dtype) * params
-    if cand.zero == 0:
+    if cand.zero_stage == 0:
         return coll.allreduce_time(grad_b, cand.dp, bw, lat)
     sync = coll.reduce_scatter_time(grad_b, cand.dp, bw, lat)
-    if cand.zero == 1:
+    if cand.zero_stage == 1:
         return sync + coll.allgather_time(w_b, cand.dp, bw, lat)
-    if cand.zero == 2:
-        return cand.m * sync + coll.allgather_time(w_b, cand.dp, bw, lat)
+    if cand.zero_stage == 2:
+        return cand.num_micro_batches * sync + coll.allgather_time(w_b, cand.dp, bw, lat)
     return sync
 
 
 def zero3_gather_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dtype: str) -> Affine:
     """Per-micro-batch ZeRO-3 (FSDP) weight gathers of a stage: all-gather for forward and again for
     backward (Rajbhandari et al. 2020, sec. 7); 0 without ZeRO-3 over more than one replica."""
-    if cand.dp <= 1 or cand.zero != 3:
+    if cand.dp <= 1 or cand.zero_stage != 3:
         return 0.0
     bw, lat = dp_link(cand, cluster)
     return 2.0 * coll.allgather_time(weight_bytes_per_param(dtype) * params, cand.dp, bw, lat)
@@ -119,7 +119,7 @@ def zero3_gather_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dty
 def optimizer_step_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dtype: str) -> Affine:
     """Adam step of `params` local parameters: a memory-bound pass over master weights, gradients and
     moments (`optimizer_step_bytes_per_param`), sharded across dp from ZeRO-1 on."""
-    n = params / (cand.dp if cand.zero >= 1 else 1)
+    n = params / (cand.dp if cand.zero_stage >= 1 else 1)
     return n * optimizer_step_bytes_per_param(dtype) / (cluster.gpu.memory_bandwidth * cluster.gpu.efficiency.memory)
 
 
@@ -128,8 +128,8 @@ def sync_overlap_window(first_stage_bwd: Affine, cand: Candidate, options: CostO
     last work it runs, DDP bucketing / FSDP reduce-scatter during backward); under ZeRO-2 each
     micro-batch's reduce-scatter hides behind its own backward."""
     window = first_stage_bwd if options.overlap_dp_comm else 0.0
-    if cand.zero == 2:
-        window *= cand.m
+    if cand.zero_stage == 2:
+        window *= cand.num_micro_batches
     return window
 
 
@@ -148,10 +148,10 @@ def pipeline_time(
     """
     comm = 2.0 * p2p_sum
     if cand.schedule in ("gpipe", "1f1b"):
-        return stage_sum + (cand.m - 1) * stage_max + comm
+        return stage_sum + (cand.num_micro_batches - 1) * stage_max + comm
     if cand.schedule == "interleaved-1f1b":
-        return cand.m * rank_max + (cand.pp - 1) * stage_max + comm
-    return cand.m * rank_max + (cand.pp - 1) * fwd_max + comm
+        return cand.num_micro_batches * rank_max + (cand.pp - 1) * stage_max + comm
+    return cand.num_micro_batches * rank_max + (cand.pp - 1) * fwd_max + comm
 
 
 # --------------------------------------------------------------------------------------- memory terms
@@ -168,10 +168,10 @@ def comm_buffer_bytes(
     """A stage's communication buffers: send and receive buffers of its outgoing boundary (activation
     and gradient); two DDP buckets in flight under ZeRO-0; under ZeRO-3 two unsharded units in flight
     (FSDP prefetch), bounded with the model's largest unit."""
-    buffers = 2.0 * boundary_bytes * cand.mbs * 2
-    if cand.dp > 1 and cand.zero == 0:
+    buffers = 2.0 * boundary_bytes * cand.micro_batch_size * 2
+    if cand.dp > 1 and cand.zero_stage == 0:
         buffers += 2 * options.ddp_bucket_bytes
-    if cand.zero == 3:
+    if cand.zero_stage == 3:
         buffers += 2 * largest_param_bytes
     return buffers
 

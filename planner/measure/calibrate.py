@@ -22,6 +22,7 @@ with a `# source:` comment saying how it was measured) that `--gpu FILE` accepts
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -146,7 +147,7 @@ def bench_gemms(
     for m, k, n in shapes:
         a = torch.randn(m, k, device=device, dtype=tdt)
         b = torch.randn(k, n, device=device, dtype=tdt)
-        secs = timer(lambda a=a, b=b: torch.mm(a, b), repeats, warmup)
+        secs = timer(functools.partial(torch.mm, a, b), repeats, warmup)
         out.append(Measurement("gemm", f"{m}x{k}x{n}", secs, 2 * m * k * n / secs / peak, float(min(m, k, n))))
     return out
 
@@ -370,8 +371,8 @@ def calibrate(
         "memory": _clamp(mem.efficiency, "memory", notes),
     }
     if world >= 2:
-        sizes = [2**20, 2**24] if cpu or quick else [2**20, 2**26, 2**28]
-        colls = bench_collectives(spec, device, world, sizes, repeats)
+        message_sizes = [2**20, 2**24] if cpu or quick else [2**20, 2**26, 2**28]
+        colls = bench_collectives(spec, device, world, message_sizes, repeats)
         cal.measurements += colls
         top = max((c for c in colls if c.kind == "all_reduce"), key=lambda c: c.dim)
         notes["network"] = (

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -329,7 +329,8 @@ def _split_model(loaded: LoadedModel, model, inputs: tuple, real: tuple) -> _Spl
         _, captured, sigs = run_units_once(parts, inputs[:n_in], keys)
         return _Split(parts, groups, [unit_name(g) for g in groups], captured, sigs, real[:n_in])
 
-    return trace_model(model, inputs[:n_in], loaded.source.path, check=split_and_run).checked
+    # Traced.checked is what `check` returned: split_and_run's _Split.
+    return cast(_Split, trace_model(model, inputs[:n_in], loaded.source.path, check=split_and_run).checked)
 
 
 def _graph_signatures(loaded: LoadedModel) -> dict[str, str]:

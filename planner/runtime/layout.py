@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import LayoutError
+from .names import RECOMPUTE_MODES, SCHEDULES
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-RECOMPUTE = ("none", "selective", "full")
 TP_STYLES = ("colwise", "rowwise", "colwise_gather")
 DTYPES = ("fp32", "bf16", "fp16")
 _FIX = "Re-plan (planner plan ...) or correct the constant at the top of train.py."
@@ -137,9 +136,9 @@ class Layout:
         for i, stage in enumerate(self.stages):
             if not stage.modules:
                 raise LayoutError(f"Stage {i} owns no modules: every stage needs at least one. {_FIX}")
-            if stage.recompute not in RECOMPUTE:
+            if stage.recompute not in RECOMPUTE_MODES:
                 raise LayoutError(
-                    f"Stage {i} has recompute {stage.recompute!r}: expected one of {', '.join(RECOMPUTE)}. {_FIX}"
+                    f"Stage {i} has recompute {stage.recompute!r}: expected one of {', '.join(RECOMPUTE_MODES)}. {_FIX}"
                 )
             want = stage_rank(self.schedule, self.pp, i)
             if stage.pp_rank != want:

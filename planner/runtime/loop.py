@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -30,6 +31,7 @@ from .model import build_model, input_count, load_model_file, make_batch, materi
 from .parallel import parallelize, plan_sequence_parallel
 from .schedule import MicroBatchLoss, build_schedule
 from .stages import (
+    LocalStage,
     ModelStage,
     Piece,
     build_local_stages,
@@ -54,7 +56,8 @@ def log0(message: str) -> None:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def init_distributed(layout: Layout, device_arg: str, script: str) -> tuple[torch.device, DeviceMesh]:
@@ -127,7 +130,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 
 
-def write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write to a temporary file, then rename: readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -211,6 +214,7 @@ def accumulate(
     total = torch.zeros((), device=batches[0][0].device)
     for i, batch in enumerate(batches):
         # Gradients are reduced across dp once, after the last micro-batch.
+        assert isinstance(stage, FSDPModule), "parallelize() applies FSDP2 or replicate to every stage"
         stage.set_requires_gradient_sync(i == n - 1)
         mb_loss = loss_fn(stage(*batch[:n_inputs]), *batch)
         (mb_loss / n).backward()
@@ -258,7 +262,7 @@ def run(
     # 1. Trace and cut (pipelines, sequence parallelism) or take the model as it is; 2. build this rank's
     # stages; 3. parallelise each: TP, checkpointing, FSDP/replicate.
     local = layout.stages_on(pp_rank)
-    stages: list[nn.Module]
+    stages: list[LocalStage]
     tied = None
     sp_styles: dict[str, ParallelStyle] = {}
     if uses_graph(layout):
@@ -309,6 +313,7 @@ def run(
             tuple(t.to(device) for t in make_batch(user, spec, layout, training.seed, step, first + i))
             for i in range(n)
         ]
+        step_loss: torch.Tensor | None
         if schedule is None:
             step_loss = accumulate(stages[0], layout, batches, loss_fn, n_inputs)
         else:
@@ -326,6 +331,7 @@ def run(
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
         if reports:
+            assert step_loss is not None, "the reporting rank runs the last stage, which has the loss"
             record = {"step": step + 1, "loss": step_loss.item(), "grad_norm": norm.item()}
             record["step_time_s"] = elapsed
             line = f"step {step + 1:>5}  loss {record['loss']:.6f}  grad norm {record['grad_norm']:.4f}"
@@ -361,7 +367,12 @@ def run(
 
 
 def write_metrics(
-    path: Path, layout: Layout, history: list[dict], ranks: list[dict], device: torch.device, method: str
+    path: Path,
+    layout: Layout,
+    history: list[dict[str, Any]],
+    ranks: list[dict[str, Any]],
+    device: torch.device,
+    method: str,
 ) -> None:
     """metrics.json: the layout, every rank's peak memory, and per step loss, gradient norm and speed."""
     write_json(

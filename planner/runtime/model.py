@@ -35,7 +35,7 @@ def load_model_file(path: str) -> Any:
     return module
 
 
-def accepts(fn: Callable, name: str) -> bool:
+def accepts(fn: Callable[..., Any], name: str) -> bool:
     """Whether `fn` takes a keyword argument `name` (explicitly or through **kwargs)."""
     params = inspect.signature(fn).parameters.values()
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
@@ -98,10 +98,10 @@ def parameters_on_meta() -> Iterator[None]:
     """
     register = nn.Module.register_parameter
 
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type != "meta":
             param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
+        register(self, name, param)
 
     nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
     try:

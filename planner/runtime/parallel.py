@@ -4,6 +4,7 @@ activation checkpointing, then FSDP2 / replicate over the data-parallel ranks.""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,12 +24,19 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .errors import RunError
 from .layout import Layout
-from .stages import StageModule, contains_tensor, has_module, module_paths
+from .stages import LocalStage, contains_tensor, has_module, module_paths
 
-try:  # FSDP2's replicate: DDP semantics that compose with TP and pipelining (recent torch)
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-except ImportError:
-    replicate = None
+
+def _find_replicate() -> Callable[..., object] | None:
+    """FSDP2's replicate: DDP semantics that compose with TP and pipelining (recent torch), else None."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+    except ImportError:
+        return None
+    return replicate
+
+
+replicate = _find_replicate()
 
 
 # Sequence parallelism: which values are split along the sequence between the TP regions.
@@ -83,7 +91,9 @@ class SumGradientOverTP(nn.Module):
         self.mesh = mesh
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return SumGradient.apply(weight, self.mesh.get_group())
+        # torch leaves autograd.Function.apply unannotated (untyped_calls_exclude does not reach a subclass's).
+        summed: torch.Tensor = SumGradient.apply(weight, self.mesh.get_group())  # type: ignore[no-untyped-call]
+        return summed
 
 
 def inside(paths: list[str], module: str) -> bool:
@@ -117,12 +127,13 @@ def plan_sequence_parallel(
         (entering a TP region) or "sum-grad" (a weight used on slices)."""
         if (kind, arg) not in converted:
             name = f"sequence_parallel_{len(converted)}"
-            module = {
+            makers: dict[str, Callable[[], nn.Module]] = {
                 "slice": lambda: ToSequenceShard(mesh),
                 "gather": lambda: FromSequenceShard(mesh, as_dtensor=False),
                 "gather-dtensor": lambda: FromSequenceShard(mesh, as_dtensor=True),
                 "sum-grad": lambda: SumGradientOverTP(mesh),
-            }[kind]()
+            }
+            module = makers[kind]()
             gm.add_module(name, module)
             with gm.graph.inserting_before(node):
                 new = gm.graph.call_module(name, (arg,))
@@ -209,7 +220,7 @@ def parallel_style(style: str, module: nn.Module) -> ParallelStyle:
 
 
 def apply_tp(
-    stage: StageModule, tp_mesh: DeviceMesh, layout: Layout, sp_styles: dict[str, ParallelStyle]
+    stage: LocalStage, tp_mesh: DeviceMesh, layout: Layout, sp_styles: dict[str, ParallelStyle]
 ) -> None:
     """Shard the TP plan's modules: column-parallel Linears (split outputs) feeding row-parallel ones (split
     inputs), vocabulary-parallel embeddings and LM head.
@@ -323,7 +334,7 @@ class Recompute(nn.Module):
         return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
 
 
-def apply_ac(stage: StageModule, recompute: str, schedule: str) -> None:
+def apply_ac(stage: LocalStage, recompute: str, schedule: str) -> None:
     if recompute not in ("full", "selective"):
         raise ValueError(f"Unknown recompute policy {recompute!r}: expected none, selective or full.")
     # Selective checkpointing allows one backward per region, but zero-bubble splits each backward in two
@@ -335,7 +346,7 @@ def apply_ac(stage: StageModule, recompute: str, schedule: str) -> None:
 
 
 def apply_data_parallel(
-    stage: StageModule, dp_mesh: DeviceMesh, device: torch.device, layout: Layout, dtype: str
+    stage: LocalStage, dp_mesh: DeviceMesh, device: torch.device, layout: Layout, dtype: str
 ) -> None:
     """FSDP2 over the dp ranks (ZeRO stage 1-3), or replicate (0: DDP semantics on FSDP2's machinery).
 
@@ -375,7 +386,7 @@ def apply_data_parallel(
 
 
 def parallelize(
-    stage: StageModule,
+    stage: LocalStage,
     mesh: DeviceMesh,
     layout: Layout,
     recompute: str,

@@ -9,8 +9,8 @@ plan's TP names apply to them.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
 
 import torch
 from torch import fx, nn
@@ -250,7 +250,7 @@ def cut_into_pieces(gm: fx.GraphModule, values: dict[fx.Node, Any], layout: Layo
                 )
             env[v] = graph.placeholder(v.name)
 
-        def value(n: fx.Node, graph: fx.Graph = graph, env: dict = env) -> fx.Node:
+        def value(n: fx.Node, graph: fx.Graph = graph, env: dict[fx.Node, fx.Node] = env) -> fx.Node:
             if n not in env:
                 if n not in recomputed:
                     raise RuntimeError(f"internal error: {n.name} is not forwarded to this piece")
@@ -340,7 +340,7 @@ class StageModule(nn.Module):
     last stage of an exported graph returns the output's leaves, since torch's pipeline stages return
     tensors; with_structure() rebuilds the structure for the loss.)"""
 
-    def __init__(self, pieces: list[nn.Module], owners: list[str | None]) -> None:
+    def __init__(self, pieces: Sequence[nn.Module], owners: list[str | None]) -> None:
         super().__init__()
         self.pieces = nn.ModuleList(pieces)
         self.owners = owners
@@ -385,6 +385,10 @@ class ModelStage(nn.Module):
 
     def tp_roots(self) -> list[nn.Module]:
         return [self.model]
+
+
+# What parallelize() takes: a stage cut from a traced graph, or the model as written.
+LocalStage: TypeAlias = StageModule | ModelStage
 
 
 def retarget_devices(graph: fx.Graph, device: torch.device) -> None:

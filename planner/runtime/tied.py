@@ -5,6 +5,8 @@ equal updates and stay equal."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -39,7 +41,7 @@ class TiedWeights:
         layout: Layout,
         mesh: DeviceMesh,
         model: nn.Module,
-        stages: list[nn.Module],
+        stages: Sequence[nn.Module],
         local: list[int],
     ) -> None:
         # (group, [(module, attribute) holding this rank's copy], whether this rank's stage is the first user)

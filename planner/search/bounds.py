@@ -122,12 +122,12 @@ def simple_bound(tot: Totals, cand: Candidate, cluster: ClusterSpec, dtype: str,
     mean over ranks of exposed gradient sync plus the optimizer step. Memory: the busiest rank holds at
     least the mean of all ranks' bytes."""
     work, fwd, params = tot.work, tot.fwd, tot.params
-    S, p, m = cand.stages, cand.pp, cand.m
+    S, p, m = cand.stages, cand.pp, cand.num_micro_batches
     work = max(work, zero3_gather_time(params, cand, cluster, dtype))
     # the stage times sum to `work`; the largest stage is at least the mean, and so is the largest rank
     pipe = pipeline_time(cand, work, work / S, work / p, fwd / S, 0.0)
-    states = model_state_bytes(params, model_state_bytes_per_param(dtype, cand.zero, cand.dp))
-    min_inflight = _min_in_flight(cand.schedule, p, m, cand.v)
+    states = model_state_bytes(params, model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp))
+    min_inflight = _min_in_flight(cand.schedule, p, m, cand.virtual_stages)
     acts = min_inflight * tot.act
     memory = rank_peak_bytes(states / p, acts / p, options)
     return Bounds(pipe + tail_bound(tot, cand, cluster, dtype, options), memory)
@@ -141,10 +141,10 @@ def interval_vars(
     on the optimum: a feasible plan's objective, or the cutoff) and `rest` (a lower bound on the
     objective's other terms: work, point-to-point and tail), the stage time (the forward for zero-bubble)
     stays within what the limit leaves for the largest stage. An optimal plan uses no other interval."""
-    S, p, m = cand.stages, cand.pp, cand.m
+    S, p, m = cand.stages, cand.pp, cand.num_micro_batches
     cap = INF
     if limit is not None:
-        coef = m - 1 if cand.v == 1 else p - 1
+        coef = m - 1 if cand.virtual_stages == 1 else p - 1
         if coef > 0:
             cap = (limit - rest) / coef
             cap += 1e-9 * max(abs(cap), abs(limit))
@@ -158,7 +158,7 @@ def interval_vars(
                     size = tables.fwd[i, j] if cand.schedule == "zero-bubble" else tables.t[r][i, j]
                     if size > cap:
                         continue
-                    if cand.v == 1 and not tables.mem_ok[s, r][i, j]:
+                    if cand.virtual_stages == 1 and not tables.mem_ok[s, r][i, j]:
                         continue
                     keep.append((i, j, r))
         out[s] = keep
@@ -176,7 +176,7 @@ def interval_vars(
 def gather_coefficients(cand: Candidate, cluster: ClusterSpec, dtype: str) -> tuple[float, float] | None:
     """(g, c): a stage's ZeRO-3 weight gathers per micro-batch take g * params + c, the linear form of
     `planner.cost.terms.zero3_gather_time`; None without ZeRO-3 over more than one replica."""
-    if cand.zero != 3 or cand.dp <= 1:
+    if cand.zero_stage != 3 or cand.dp <= 1:
         return None
     return linear_form(lambda x: zero3_gather_time(x, cand, cluster, dtype))
 
@@ -378,7 +378,7 @@ class BlockBounds:
     def total(self) -> float:
         """Lower bound on `iteration_linear` without point-to-point time (pipeline plus tail)."""
         c = self.cand
-        if c.v == 1:
+        if c.virtual_stages == 1:
             return self.work + min(self.joint.values())
         return min(self.joint[r] for r in self.rank_max)
 
@@ -412,7 +412,7 @@ def _stages(graph, costs, cand, options, run) -> list[_Stage]:
         stages.append(
             _Stage(
                 index=s,
-                rank=stage_rank(cand.schedule, cand.pp, cand.v, s),
+                rank=stage_rank(cand.schedule, cand.pp, cand.virtual_stages, s),
                 min_blocks=0 if holds else 1,
                 ext_time={r: sum(c.fwd + c.bwd[r] for c in ext) for r in modes},
                 ext_fwd=sum(c.fwd for c in ext),
@@ -438,10 +438,10 @@ def block_bound(
     largest stage forward, per recomputation mode); None if no integer block distribution fits memory."""
     start, end, _ = run
     L = end - start + 1
-    S, p, m, v = cand.stages, cand.pp, cand.m, cand.v
+    S, p, m, v = cand.stages, cand.pp, cand.num_micro_batches, cand.virtual_stages
     blk = costs[start]
     dtype = graph.source.dtype
-    state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
+    state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
     per_param = model_state_bytes(1.0, state)
     budget = memory_budget(cluster.gpu.memory_bytes, options)
     stages = _stages(graph, costs, cand, options, run)
@@ -636,7 +636,7 @@ class IntervalBounds:
         S, p = cand.stages, cand.pp
         out = INF
         for r, Z in self.stage_max.items():
-            if cand.v == 1:
+            if cand.virtual_stages == 1:
                 W = sum(c.fwd + min(c.bwd[q] for q in self.stage_max) for c in costs)
             else:
                 W = sum(c.fwd + c.bwd[r] for c in costs)
@@ -657,7 +657,7 @@ class IntervalTables:
 
     @classmethod
     def of(cls, graph, costs, cand, cluster, options, modes) -> IntervalTables:
-        U, S, p, m = len(costs), cand.stages, cand.pp, cand.m
+        U, S, p, m = len(costs), cand.stages, cand.pp, cand.num_micro_batches
         dtype = graph.source.dtype
         pre = lambda xs: np.concatenate([[0.0], np.cumsum(xs)])  # noqa: E731
         span = lambda c: c[None, :] - c[:, None]  # span[i, j] = sum over units i..j-1  # noqa: E731
@@ -666,8 +666,8 @@ class IntervalTables:
         gc = gather_coefficients(cand, cluster, dtype)
         gather = gc[0] * params + gc[1] if gc is not None else np.zeros_like(params)
         mem_ok = {}
-        if cand.v == 1:
-            state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
+        if cand.virtual_stages == 1:
+            state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
             budget = memory_budget(cluster.gpu.memory_bytes, options)
             largest = max(c.largest_param_bytes for c in costs)
             out_bytes = np.array([0.0] + [u.output_bytes for u in graph.units])  # [j]: unit j-1's output
@@ -713,7 +713,7 @@ def interval_bound(
         for s in range(S):
             f = np.zeros_like(valid)
             for r in only:
-                f |= (t[r] <= Z * (1 + 1e-12)) & (mem_ok[s, r] if cand.v == 1 else True)
+                f |= (t[r] <= Z * (1 + 1e-12)) & (mem_ok[s, r] if cand.virtual_stages == 1 else True)
             fits[s] = f & valid & (gather <= Z * (1 + 1e-12))
         rows = [np.zeros(U + 1, dtype=bool)]
         rows[0][0] = True
@@ -736,12 +736,12 @@ def interval_bound(
         rec = []
         for s in range(S):
             i, j = cuts[s], cuts[s + 1]
-            ok = [r for r in only if t[r][i, j] <= Z * (1 + 1e-12) and (cand.v > 1 or mem_ok[s, r][i, j])]
+            ok = [r for r in only if t[r][i, j] <= Z * (1 + 1e-12) and (cand.virtual_stages > 1 or mem_ok[s, r][i, j])]
             rec.append(min(ok, key=lambda r: t[r][i, j]))
         return part, rec
 
     out = IntervalBounds(tables=tb)
-    if cand.v == 1:
+    if cand.virtual_stages == 1:
         Z = least(modes)
         if Z is None:
             return None
@@ -756,7 +756,7 @@ def interval_bound(
         if not out.stage_max:
             return None
     for r in modes:
-        if len(out.starts) and cand.v == 1:
+        if len(out.starts) and cand.virtual_stages == 1:
             Zr = least((r,))
             if Zr is not None:
                 out.starts.append(partition(Zr, (r,)))

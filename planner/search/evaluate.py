@@ -49,7 +49,7 @@ def simulate_evaluated(ev: Evaluated) -> SimResult:
     fwd = [st.fwd for st in ev.stages]
     bwd = [max(st.compute, st.zero3_gather) - st.fwd for st in ev.stages]
     p2p = [st.p2p for st in ev.stages[:-1]] + [0.0]
-    ev.sim = simulate(c.schedule, c.pp, c.m, c.v, fwd, bwd, None, p2p)
+    ev.sim = simulate(c.schedule, c.pp, c.num_micro_batches, c.virtual_stages, fwd, bwd, None, p2p)
     return ev.sim
 
 

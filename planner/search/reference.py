@@ -12,14 +12,18 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 from planner.cost.model import Candidate, CostOptions, UnitCost, rank_memory, rank_tail_parts, stage_costs
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
 from planner.search.evaluate import evaluate
 
+# (objective, partition, recompute per stage)
+ReferenceResult = tuple[float, list[list[int]], list[str]]
 
-def _partitions(n_units: int, n_stages: int):
+
+def _partitions(n_units: int, n_stages: int) -> Iterator[list[list[int]]]:
     for cuts in itertools.combinations(range(1, n_units), n_stages - 1):
         bounds = (0, *cuts, n_units)
         yield [list(range(bounds[i], bounds[i + 1])) for i in range(n_stages)]
@@ -32,12 +36,12 @@ def brute_force_partition(
     costs: list[UnitCost],
     modes: tuple[str, ...],
     options: CostOptions,
-):
+) -> ReferenceResult | None:
     """(objective, partition, recompute) minimising the cost model over every partition; None if none fits."""
     cap = cluster.gpu.memory_bytes
-    best = None
+    best: ReferenceResult | None = None
     # With several stages per rank the search uses one recomputation mode for all stages (see ilp.py).
-    if cand.v > 1:
+    if cand.virtual_stages > 1:
         choices = [(mode,) * cand.stages for mode in modes]
     else:
         choices = list(itertools.product(modes, repeat=cand.stages))
@@ -58,15 +62,15 @@ def dp_partition(
     costs: list[UnitCost],
     modes: tuple[str, ...],
     options: CostOptions,
-):
+) -> ReferenceResult | None:
     """Exact optimum for GPipe/1F1B (one stage per rank) by bottleneck/tail enumeration plus DP."""
-    if cand.v != 1 or cand.schedule not in ("gpipe", "1f1b"):
+    if cand.virtual_stages != 1 or cand.schedule not in ("gpipe", "1f1b"):
         raise ValueError("dp_partition handles one stage per rank (gpipe, 1f1b)")
     U, S = len(graph.units), cand.stages
     cap = cluster.gpu.memory_bytes
     values_b: set[float] = set()
     values_q: set[float] = set()
-    table = {}
+    table: dict[tuple[int, int, int, str], tuple[float, float, float, bool]] = {}
     for s in range(S):
         for i in range(U):
             for j in range(i + 1, U + 1):
@@ -76,12 +80,13 @@ def dp_partition(
                     if mem <= cap:
                         values_b.add(t)
                         values_q.add(tail)
-    best = None
+    best: ReferenceResult | None = None
     for B in sorted(values_b):
         for Q in sorted(values_q):
             # f[s][j]: min sum of (T + 2 p2p) placing units 0..j-1 in stages 0..s-1
             INF = float("inf")
-            f = [[(INF, None)] * (U + 1) for _ in range(S + 1)]
+            # each entry: (value, (first unit, recomputation) of the last stage placed, or None)
+            f: list[list[tuple[float, tuple[int, str] | None]]] = [[(INF, None)] * (U + 1) for _ in range(S + 1)]
             f[0][0] = (0.0, None)
             for s in range(S):
                 for i in range(U):
@@ -97,11 +102,15 @@ def dp_partition(
                                 f[s + 1][j] = (val, (i, mode))
             if f[S][U][0] == INF:
                 continue
-            obj = f[S][U][0] + (cand.m - 1) * B + Q
+            obj = f[S][U][0] + (cand.num_micro_batches - 1) * B + Q
             if best is None or obj < best[0] - 1e-12:
-                part, rec, j = [], [], U
+                part: list[list[int]] = []
+                rec: list[str] = []
+                j = U
                 for s in range(S, 0, -1):
-                    i, mode = f[s][j][1]
+                    prev = f[s][j][1]
+                    assert prev is not None  # f[s][j] is finite, so a stage ends there
+                    i, mode = prev
                     part.append(list(range(i, j)))
                     rec.append(mode)
                     j = i
@@ -109,7 +118,17 @@ def dp_partition(
     return best
 
 
-def _stage(graph, cluster, cand, costs, options, i, j, s, mode):
+def _stage(
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    cand: Candidate,
+    costs: list[UnitCost],
+    options: CostOptions,
+    i: int,
+    j: int,
+    s: int,
+    mode: str,
+) -> tuple[float, float, float, float]:
     """Units i..j-1 as stage s: (time with ZeRO-3 gathers, doubled p2p, tail, rank memory), as the cost
     model counts them. The other stages of the placeholder partition do not affect stage s's figures."""
     part = [[0] for _ in range(cand.stages)]

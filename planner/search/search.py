@@ -87,7 +87,7 @@ class CostTable:
 
     def units(self, cand: Candidate) -> list[UnitCost]:
         """The units' costs under the candidate (one shared list per (tp, mbs, sp): do not modify it)."""
-        key = (cand.tp, cand.mbs, cand.sp)
+        key = (cand.tp, cand.micro_batch_size, cand.sequence_parallel)
         if key in self._lists:
             return self._lists[key]
         out: list[UnitCost] = []
@@ -144,7 +144,7 @@ def search(
         if pins.recompute:
             costs = [_only(c, pins.recompute) for c in costs]
         cand_modes = tuple(m for m in modes if not (cand.schedule == "zero-bubble" and m == "selective")) or modes
-        tkey = (cand.tp, cand.mbs, cand.sp, cand_modes)
+        tkey = (cand.tp, cand.micro_batch_size, cand.sequence_parallel, cand_modes)
         if tkey not in totals:
             totals[tkey] = Totals.of(costs, cand_modes)
         b = simple_bound(totals[tkey], cand, cluster, dtype, options)
@@ -234,7 +234,7 @@ def search(
                     gaps.append((res.objective - bound) / res.objective if res.objective else 0.0)
                 ev = evaluate(graph, cluster, cand, res.partition, res.recompute, costs, options)
                 if (
-                    cand.v > 1
+                    cand.virtual_stages > 1
                     and res.start is not None
                     and (res.start[0], res.start[1])
                     != (
@@ -291,7 +291,7 @@ def _only(c: UnitCost, mode: str) -> UnitCost:
 
 
 def _key(c: Candidate) -> tuple[object, ...]:
-    return (c.pp, c.tp, c.v, -c.mbs, c.schedule, c.zero, c.sp, c.dp)
+    return (c.pp, c.tp, c.virtual_stages, -c.micro_batch_size, c.schedule, c.zero_stage, c.sequence_parallel, c.dp)
 
 
 def _region(c: Candidate) -> str:

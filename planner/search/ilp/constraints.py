@@ -51,7 +51,7 @@ def add_mode_choice(prob: pulp.LpProblem, cand: Candidate, modes: Modes) -> Mode
         for r in modes:
             mode_vars[s, r] = pulp.LpVariable(f"y_{s}_{r}", cat="Binary")
         prob += pulp.lpSum(mode_vars[s, r] for r in modes) == 1
-        if cand.v > 1 and s > 0:
+        if cand.virtual_stages > 1 and s > 0:
             # Several stages per rank: one recomputation mode for all of them (the per-stage choice
             # multiplies equivalent optima that CBC cannot prune on interleaved and V schedules).
             for r in modes:
@@ -64,7 +64,7 @@ def add_stage_maxima(
 ) -> Maxima:
     """T_s >= tot_s, T_s >= gather_s (ZeRO-3), Z >= T_s, and the aggregate cut S Z >= sum_s T_s."""
     S = cand.stages
-    has_gather = cand.zero == 3 and cand.dp > 1
+    has_gather = cand.zero_stage == 3 and cand.dp > 1
     T = [pulp.LpVariable(f"T_{s}", lowBound=0) for s in range(S)]
     for s in range(S):
         prob += T[s] >= ex.tot[s]
@@ -103,7 +103,7 @@ def add_stage_cuts(
     """Z >= the bound's least largest stage (per mode with several stages per rank, modes that cannot fit
     memory excluded: y[0, r] = 0)."""
     allowed = bounds.rank_max if isinstance(bounds, BlockBounds) else bounds.stage_max
-    if cand.v == 1:
+    if cand.virtual_stages == 1:
         prob += mx.Z >= min(bounds.stage_max.values()) * RELAX
         return
     for r in modes:
@@ -161,11 +161,11 @@ def add_joint_cut(
 ) -> None:
     """The block bound's joint minimum of the maxima terms plus the tail: (m-1) Z + tail >= J (one stage
     per rank), m Y + (p-1) Z|F + tail >= sum_r y[0, r] J_r (several)."""
-    if cand.v == 1:
-        prob += (cand.m - 1) * mx.Z + tail >= min(bb.joint.values()) * RELAX
+    if cand.virtual_stages == 1:
+        prob += (cand.num_micro_batches - 1) * mx.Z + tail >= min(bb.joint.values()) * RELAX
         return
     last = mx.Z if cand.schedule == "interleaved-1f1b" else mx.F
-    prob += cand.m * mx.Y + (cand.pp - 1) * last + tail >= pulp.lpSum(
+    prob += cand.num_micro_batches * mx.Y + (cand.pp - 1) * last + tail >= pulp.lpSum(
         mode_vars[0, r] * bb.joint[r] * RELAX for r in modes if r in bb.joint
     )
 
@@ -193,12 +193,17 @@ def add_memory(
             + comm_buffer_bytes(ex.boundary[s] if s < S - 1 else 0.0, cand, options, largest)
             for s in mine
         )
-        if cand.v == 1:
+        if cand.virtual_stages == 1:
             s = mine[0]
-            acts = in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, s) * ex.act[s]
+            acts = (
+                in_flight_microbatches(cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, s)
+                * ex.act[s]
+            )
         else:
             A = pulp.LpVariable(f"act_{r}", lowBound=0)
             for s in mine:
                 prob += A >= ex.act[s]
-            acts = rank_in_flight_microbatches(cand.schedule, cand.pp, cand.m, cand.v, r) * A
+            acts = (
+                rank_in_flight_microbatches(cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, r) * A
+            )
         prob += rank_peak_bytes(states, acts, options) * MEM_SCALE <= cap * MEM_SCALE

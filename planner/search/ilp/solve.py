@@ -109,7 +109,7 @@ def solve_partition(
             start_sol = _best_start(graph, cluster, cand, costs, options, ib.starts)
         limits = [v for v in (cutoff, start_sol[2] if start_sol else None) if v is not None]
         tot_ = Totals.of(costs, modes)
-        work = tot_.work if cand.v == 1 else cand.m * tot_.work / cand.pp
+        work = tot_.work if cand.virtual_stages == 1 else cand.num_micro_batches * tot_.work / cand.pp
         rest = work + comm_bound(graph, cand, cluster) + tail_bound(tot_, cand, cluster, dtype, options)
         ivars = interval_vars(tables, cand, modes, U, min(limits) if limits else None, rest)
         if not all(ivars.values()):
@@ -130,9 +130,9 @@ def solve_partition(
     prob = pulp.LpProblem("partition", pulp.LpMinimize)
     mode_vars = rows.add_mode_choice(prob, cand, modes)
     ex = form.build(prob, graph, cand, costs, modes, mode_vars)
-    ranks = [stage_rank(cand.schedule, cand.pp, cand.v, s) for s in range(S)]
+    ranks = [stage_rank(cand.schedule, cand.pp, cand.virtual_stages, s) for s in range(S)]
     mx = rows.add_stage_maxima(prob, ex, cand, cluster, dtype)
-    if isinstance(form, CountForm) and cand.v > 1:
+    if isinstance(form, CountForm) and cand.virtual_stages > 1:
         rows.add_symmetry_breaking(prob, form, cand, ranks, modes)
     for cut in (bb, ib):
         if cut is not None:
@@ -144,7 +144,7 @@ def solve_partition(
     # In microseconds: CBC's absolute tolerances (1e-7 .. 1e-10) would otherwise be coarse next to
     # iteration times of a few milliseconds, and near-ties could come out in the wrong order.
     prob += OBJ_SCALE * rows.objective(mx, tail, ex, cand, cluster)
-    state = model_state_bytes_per_param(dtype, cand.zero, cand.dp)
+    state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
     rows.add_memory(prob, ex, cand, cluster, options, state, ranks, costs)
 
     if isinstance(form, CountForm):
@@ -255,7 +255,7 @@ def _best_start(
     objective under the cost model (first of equals), or None."""
     best: tuple[Partition, list[str], float] | None = None
     for part, rec in starts:
-        if cand.v > 1 and len(set(rec)) > 1:
+        if cand.virtual_stages > 1 and len(set(rec)) > 1:
             continue
         ev = evaluate(graph, cluster, cand, part, rec, costs, options)
         if max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes and (best is None or ev.objective < best[2]):
