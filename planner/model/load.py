@@ -148,10 +148,13 @@ def _call_user(fn: Callable[..., Any], what: str, path: str, *args: Any, **kwarg
 
 
 def build_meta_model(loaded: LoadedModel):
-    """Build the model on the meta device in the training dtype: no weight is allocated."""
+    """Build the model on the meta device in the training dtype: no weight is allocated, and no initialiser
+    runs on a meta tensor (it would write nothing, and importing what it runs on costs seconds)."""
     import torch
 
-    with torch.device("meta"):
+    from planner.runtime.model import no_init_on_meta
+
+    with torch.device("meta"), no_init_on_meta():
         model = _call_user(loaded.build, f"{loaded.source.build_fn}()", loaded.source.path, **loaded.source.model_args)
     if not isinstance(model, torch.nn.Module):
         raise ModelLoadError(
