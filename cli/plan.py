@@ -139,9 +139,7 @@ def plan(
 
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         result_plan = result_plan.model_copy(update={"created_at": created})
-    from planner.codegen.check import check_plan_runs
-
-    check_plan_runs(result_plan)  # a plan the script cannot run exits 2 here, before anything is written
+    check_plan(result_plan)  # a plan the script cannot run exits 2 here, before anything is written
     files = render_outputs(result_plan, result)
     write_outputs(out, files, force)
     if json:
@@ -152,6 +150,24 @@ def plan(
         console = stdout_console()
         console.print(plan_report(result_plan, graph.total_params, out / TIMELINE_FILE, width=console.width))
         console.print(f"Wrote {out / PLAN_FILE}, {TIMELINE_FILE} and the scripts; run {out / 'launch.sh'}.")
+
+
+def check_plan(plan: Plan) -> None:
+    """The plan-time check, skipped when the same check (this plan, model files, runtime) passed before."""
+    import hashlib
+
+    from planner.codegen.check import check_plan_runs
+    from planner.model.cache import analysis_key, cache_enabled, check_passed, record_check_pass
+    from planner.runtime.digest import digest_of, runtime_files
+
+    if not cache_enabled():
+        check_plan_runs(plan)
+        return
+    parts = [analysis_key(plan.model), digest_of(runtime_files()), plan.model_dump_json(exclude={"created_at"})]
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    if not check_passed(key):
+        check_plan_runs(plan)
+        record_check_pass(key)
 
 
 def run_search(request: PlanRequest, show_progress: bool) -> tuple[Plan, ModelGraph, SearchResult]:
