@@ -284,8 +284,8 @@ def analyse(request: PlanRequest, cache: bool | None = None) -> ModelGraph:
     key = analysis_key(loaded.source) if cache else ""
     if cache:
         graph = read_cached(key)
-        if graph is not None and graph.source == loaded.source:
-            return graph
+        if graph is not None and graph.source.model_copy(update={"path": loaded.source.path}) == loaded.source:
+            return graph.model_copy(update={"source": loaded.source})  # the same file elsewhere
     from planner.model.analysis import analyse_model
 
     graph = analyse_model(loaded)

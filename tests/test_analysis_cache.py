@@ -104,3 +104,16 @@ def test_the_check_is_skipped_only_after_it_passed(model, monkeypatch, tmp_path)
     result = CliRunner().invoke(app, base + ["--out", str(tmp_path / "out2"), "--dp", "2", "--pp", "1"])
     assert result.exit_code == 0, result.output
     assert checks == [1, 1]  # another plan: checked
+
+
+def test_the_same_file_elsewhere_hits_with_its_own_path(model, monkeypatch, tmp_path):
+    """A source compiled into each plan directory (hf:NAME) is the same file at another path: it hits, and
+    the graph names the path it was loaded from."""
+    calls = _traced(monkeypatch)
+    first = analyse(_request(model))
+    other = tmp_path / "elsewhere"
+    shutil.copytree(model.parent, other)
+    moved = analyse(_request(other / "gpt.py"))
+    assert calls == [1]
+    assert moved.source.path == str((other / "gpt.py").resolve())
+    assert moved.model_copy(update={"source": first.source}) == first

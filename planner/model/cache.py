@@ -1,12 +1,13 @@
 """The analysis cache: a ModelGraph on disk, keyed by a digest of everything the analysis read, so that
 re-planning the same model skips building, tracing and counting.
 
-The key covers the model file's bytes and path, the .py and .json files beside it (sibling imports, a
-compiled source's config.json), the function names, --model-arg values and dtype, the planner's version and
-the source of planner.model (the analysis itself), and the torch and transformers versions (what tracing and
+The key covers the model file's bytes (not its path: a source compiled into each plan directory hits, and
+the graph takes the path it was loaded from), the .py and .json files beside it (sibling imports, a compiled
+source's config.json), the function names, --model-arg values and dtype, the planner's version and the
+source of planner.model (the analysis itself), and the torch and transformers versions (what tracing and
 Hugging Face models depend on). Files live in ``$PLANNER_CACHE_DIR/analysis`` (default
 ``~/.cache/planner/analysis``); ``PLANNER_NO_CACHE=1`` bypasses the cache. An unreadable or mismatched entry
-is ignored (and rewritten).
+is ignored (and rewritten). The plan-time check's passes are remembered beside it (``checks/``).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def analysis_key(source: ModelSource) -> str:
     blob = json.dumps(
         {
             "schema": SCHEMA,
-            "source": source.model_dump(mode="json"),
+            "source": source.model_dump(mode="json", exclude={"path"}),  # the file's bytes are in it
             "beside": _files_digest(beside),
             "planner": __version__,
             "planner.model": _files_digest(list(here.glob("*.py"))),
