@@ -156,6 +156,7 @@ def check_plan(plan: Plan) -> None:
     """The plan-time check, skipped when the same check (this plan, model files, runtime) passed before."""
     import hashlib
 
+    import planner.codegen
     from planner.codegen.check import check_plan_runs
     from planner.model.cache import analysis_key, cache_enabled, check_passed, record_check_pass
     from planner.runtime.digest import digest_of, runtime_files
@@ -163,7 +164,13 @@ def check_plan(plan: Plan) -> None:
     if not cache_enabled():
         check_plan_runs(plan)
         return
-    parts = [analysis_key(plan.model), digest_of(runtime_files()), plan.model_dump_json(exclude={"created_at"})]
+    codegen = Path(planner.codegen.__file__).parent  # the plan -> layout conversion
+    parts = [
+        analysis_key(plan.model),
+        digest_of(runtime_files()),
+        digest_of({f.name: f.read_bytes() for f in sorted(codegen.glob("*.py"))}),
+        plan.model_dump_json(exclude={"created_at"}),
+    ]
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()
     if not check_passed(key):
         check_plan_runs(plan)
