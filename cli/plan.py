@@ -151,14 +151,13 @@ def plan(
 
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         result_plan = result_plan.model_copy(update={"created_at": created})
-    from planner.codegen.check import check_plan_runs
     from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
 
     # A plan the script cannot run exits 2 here, before anything is written. The check runs the model's
     # code again, so under the same guard (exits, hangs, prints kept off stdout) as the tracing.
     limit = DEFAULT_TIME_LIMIT_S if load_timeout is None else (load_timeout or None)
     with user_code(request.model_path, "Checking that the plan runs", limit):
-        check_plan_runs(result_plan)
+        check_plan(result_plan)
     source_files = compiled_source_files(request.model_path)
     if source_files:  # hf:/module: sources: the compiled model file travels with the plan
         from planner.model.sources import SOURCE_FILE
@@ -188,6 +187,31 @@ def check_training_options(lr: float) -> None:
             f"--lr {lr:g} is not a usable learning rate: AdamW needs a finite number above 0 (torch refuses a "
             "negative one, and nan or inf would turn every weight into nan). Pass e.g. --lr 1e-4."
         )
+
+
+def check_plan(plan: Plan) -> None:
+    """The plan-time check, skipped when the same check (this plan, model files, runtime) passed before."""
+    import hashlib
+
+    import planner.codegen
+    from planner.codegen.check import check_plan_runs
+    from planner.model.cache import analysis_key, cache_enabled, check_passed, record_check_pass
+    from planner.runtime.digest import digest_of, runtime_files
+
+    if not cache_enabled():
+        check_plan_runs(plan)
+        return
+    codegen = Path(planner.codegen.__file__).parent  # the plan -> layout conversion
+    parts = [
+        analysis_key(plan.model),
+        digest_of(runtime_files()),
+        digest_of({f.name: f.read_bytes() for f in sorted(codegen.glob("*.py"))}),
+        plan.model_dump_json(exclude={"created_at"}),
+    ]
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    if not check_passed(key):
+        check_plan_runs(plan)
+        record_check_pass(key)
 
 
 def run_search(

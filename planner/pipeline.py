@@ -272,10 +272,26 @@ def load_request_model(request: PlanRequest):
     )
 
 
-def analyse(request: PlanRequest) -> ModelGraph:
+def analyse(request: PlanRequest, cache: bool | None = None) -> ModelGraph:
+    """The model's graph: from the analysis cache when the same model was analysed before (same file, files
+    beside it, arguments, dtype, planner and torch), else built, traced and analysed, then cached.
+    ``cache=None``: unless PLANNER_NO_CACHE is set (planner.model.cache)."""
+    from planner.model.cache import analysis_key, cache_enabled, read_cached, write_cached
+
+    loaded = load_request_model(request)
+    if cache is None:
+        cache = cache_enabled()
+    key = analysis_key(loaded.source) if cache else ""
+    if cache:
+        graph = read_cached(key)
+        if graph is not None and graph.source.model_copy(update={"path": loaded.source.path}) == loaded.source:
+            return graph.model_copy(update={"source": loaded.source})  # the same file elsewhere
     from planner.model.analysis import analyse_model
 
-    return analyse_model(load_request_model(request))
+    graph = analyse_model(loaded)
+    if cache:
+        write_cached(key, graph)
+    return graph
 
 
 def _should_measure(request: PlanRequest, cluster: ClusterSpec) -> bool:

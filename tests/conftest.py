@@ -1,5 +1,6 @@
 """Shared pytest setup."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -7,3 +8,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+# Tests analyse models afresh: the analysis cache (planner.model.cache) is on only where a test turns it on.
+os.environ.setdefault("PLANNER_NO_CACHE", "1")

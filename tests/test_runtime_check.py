@@ -100,3 +100,43 @@ def test_tp_on_gpt2s_conv1d_is_refused_at_plan_time():
     plan = hf_plan("gpt2", tp=2, dp=2, tp_plan={"transformer.h.0.attn.c_attn": "colwise"})
     with pytest.raises(PlanError, match=r"transformer.h.0.attn.c_attn, a Conv1D \(colwise\).*Conv1D is neither"):
         check_plan_runs(plan)
+
+
+def _runs(monkeypatch) -> list[int]:
+    """Record the owner of each piece the check runs."""
+    from torch import fx
+
+    runs: list[str] = []
+    call = fx.GraphModule.__call__
+
+    def counted(self, *values):
+        runs.append(next(n.target for n in self.graph.nodes if n.op == "call_module"))
+        return call(self, *values)
+
+    monkeypatch.setattr(fx.GraphModule, "__call__", counted)
+    return runs
+
+
+@pytest.mark.parametrize("pp", [2, 3, 6])
+def test_identical_blocks_run_once(tmp_path, monkeypatch, pp):
+    """Pieces of identical blocks given inputs of the same shapes run once, within a stage and across
+    stages: proj_in, blocks.0 (blocks.1-3 reuse its outputs), norm, head; the backward runs through them."""
+    runs = _runs(monkeypatch)
+    assert check_plan_runs(_plan(tmp_path, pp=pp)) == "fx"
+    assert runs == ["proj_in", "blocks.0", "norm", "head"]
+
+
+def test_a_stage_differing_only_in_its_module_still_runs(tmp_path, monkeypatch):
+    """blocks.2 has the graph and input shapes of blocks.1 but a narrower Linear (64 -> 32): it runs, and so
+    does blocks.3, fed 32 features; only blocks.1 reuses blocks.0's outputs."""
+    runs = _runs(monkeypatch)
+    path = tmp_path / "net.py"
+    text = MODEL.replace(
+        "nn.ModuleList([nn.Linear(64, 64) for _ in range(4)])",
+        "nn.ModuleList([nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(32, 64)])",
+    )
+    path.write_text(text.format(broken=False, loss="output.mean()"))
+    plan = make_plan("mlp", pp=6)
+    plan = plan.model_copy(update={"model": plan.model.model_copy(update={"path": str(path)})})
+    assert check_plan_runs(plan) == "fx"
+    assert runs == ["proj_in", "blocks.0", "blocks.2", "blocks.3", "norm", "head"]

@@ -207,7 +207,10 @@ def build_meta_model(loaded: LoadedModel):
     """
     import torch
 
-    with torch.device("meta"):
+    from planner.runtime.model import no_init_on_meta
+
+    # No initialiser runs on a meta tensor: it would write nothing, and what it runs costs seconds to import.
+    with torch.device("meta"), no_init_on_meta():
         model = _call_user(
             loaded.build, f"{loaded.source.build_fn}()", loaded.source.path, (), loaded.source.model_args,
             loaded.time_limit,

@@ -110,11 +110,50 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
+# torch.nn.init's in-place initialisers. On a meta tensor they write nothing, but running them costs: each
+# goes through torch._refs, whose random ops import torch._dynamo (seconds) on first use.
+INITIALISERS = (
+    "constant_", "dirac_", "eye_", "kaiming_normal_", "kaiming_uniform_", "normal_", "ones_", "orthogonal_",
+    "sparse_", "trunc_normal_", "uniform_", "xavier_normal_", "xavier_uniform_", "zeros_",
+)
+_FAN_CHECKED = ("kaiming_normal_", "kaiming_uniform_", "xavier_normal_", "xavier_uniform_")
+
+
+@contextlib.contextmanager
+def no_init_on_meta() -> Iterator[None]:
+    """Within the block, torch.nn.init's initialisers return a meta tensor untouched (there is nothing to
+    write), keeping the shape checks that fail for real (fan-in of a 1-d tensor); any other tensor is
+    initialised as usual. Code that bound an initialiser before the block (from torch.nn.init import
+    normal_) is not affected: it runs, just slower."""
+    init = nn.init
+    originals = {name: getattr(init, name) for name in INITIALISERS if hasattr(init, name)}
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def initialiser(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
+                if name in _FAN_CHECKED:
+                    init._calculate_fan_in_and_fan_out(tensor)
+                return tensor
+            return fn(tensor, *args, **kwargs)
+
+        initialiser.__wrapped__ = fn  # type: ignore[attr-defined]
+        return initialiser
+
+    for name, fn in originals.items():
+        setattr(init, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(init, name, fn)
+
+
 def build_model(user: Any, spec: ModelFile, seed: int, everything_on_meta: bool) -> nn.Module:
-    """The user's model: all on meta (for tracing), or parameters on meta and buffers real (for weights)."""
+    """The user's model: all on meta (for tracing), or parameters on meta and buffers real (for weights).
+    Initialisers do not run on meta tensors (no_init_on_meta): materialise() initialises the weights."""
     torch.manual_seed(seed)  # a constructor that draws random numbers draws the same ones on every rank
     build = getattr(user, spec.build_fn)
-    with torch.device("meta") if everything_on_meta else parameters_on_meta():
+    with torch.device("meta") if everything_on_meta else parameters_on_meta(), no_init_on_meta():
         model = build(**spec.model_args)
     if not isinstance(model, nn.Module):
         raise RunError(f"{spec.build_fn}() returned {type(model).__name__}, not a torch.nn.Module: return the model.")

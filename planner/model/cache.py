@@ -1,0 +1,118 @@
+"""The analysis cache: a ModelGraph on disk, keyed by a digest of everything the analysis read, so that
+re-planning the same model skips building, tracing and counting.
+
+The key covers the model file's bytes (not its path: a source compiled into each plan directory hits, and
+the graph takes the path it was loaded from), the .py and .json files beside it (sibling imports, a compiled
+source's config.json), the function names, --model-arg values and dtype, the planner's version and the
+source of planner.model (the analysis itself), and the torch and transformers versions (what tracing and
+Hugging Face models depend on). Files live in ``$PLANNER_CACHE_DIR/analysis`` (default
+``~/.cache/planner/analysis``); ``PLANNER_NO_CACHE=1`` bypasses the cache. An unreadable or mismatched entry
+is ignored (and rewritten). The plan-time check's passes are remembered beside it (``checks/``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from importlib import metadata
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from planner import __version__
+from planner.io import atomic_write_text
+from planner.model.graph import ModelGraph, ModelSource
+
+CACHE_DIR_ENV = "PLANNER_CACHE_DIR"  # shared with the profile cache (planner.measure.profile)
+NO_CACHE_ENV = "PLANNER_NO_CACHE"
+SCHEMA = 1
+
+
+def cache_enabled() -> bool:
+    return os.environ.get(NO_CACHE_ENV, "").strip().lower() in ("", "0", "false", "no")
+
+
+def analysis_cache_dir(cache_dir: str | Path | None = None) -> Path:
+    """``cache_dir``, else $PLANNER_CACHE_DIR/analysis, else ~/.cache/planner/analysis."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    root = os.environ.get(CACHE_DIR_ENV)
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "planner") / "analysis"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _files_digest(paths: list[Path]) -> dict[str, str]:
+    out = {}
+    for p in sorted(paths):
+        try:
+            out[p.name] = hashlib.sha256(p.read_bytes()).hexdigest()
+        except OSError:
+            out[p.name] = "unreadable"
+    return out
+
+
+def analysis_key(source: ModelSource) -> str:
+    """The digest of everything the analysis of ``source`` depends on."""
+    model = Path(source.path)
+    beside = [p for p in model.parent.iterdir() if p.is_file() and p.suffix in (".py", ".json")]
+    here = Path(__file__).resolve().parent
+    blob = json.dumps(
+        {
+            "schema": SCHEMA,
+            "source": source.model_dump(mode="json", exclude={"path"}),  # the file's bytes are in it
+            "beside": _files_digest(beside),
+            "planner": __version__,
+            "planner.model": _files_digest(list(here.glob("*.py"))),
+            "torch": _version("torch"),
+            "transformers": _version("transformers"),
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def read_cached(key: str, cache_dir: str | Path | None = None) -> ModelGraph | None:
+    """The cached graph for ``key``, or None (absent, unreadable, or not this key's)."""
+    path = analysis_cache_dir(cache_dir) / f"{key}.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("key") != key or data.get("schema") != SCHEMA:
+            return None
+        return ModelGraph.model_validate(data["graph"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ValidationError):
+        return None
+
+
+def write_cached(key: str, graph: ModelGraph, cache_dir: str | Path | None = None) -> None:
+    """Store ``graph`` under ``key``; a cache that cannot be written is skipped."""
+    path = analysis_cache_dir(cache_dir) / f"{key}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({"schema": SCHEMA, "key": key, "graph": graph.model_dump(mode="json")}))
+    except OSError:
+        pass
+
+
+def check_passed(key: str, cache_dir: str | Path | None = None) -> bool:
+    """Whether the plan-time check passed before for ``key`` (a digest of the plan, the model's analysis key
+    and the runtime's sources: the same check would run on the same inputs)."""
+    root = analysis_cache_dir(cache_dir).parent if cache_dir is None else Path(cache_dir)
+    try:
+        return (root / "checks" / key).read_text(encoding="utf-8").strip() == key
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def record_check_pass(key: str, cache_dir: str | Path | None = None) -> None:
+    root = analysis_cache_dir(cache_dir).parent if cache_dir is None else Path(cache_dir)
+    try:
+        atomic_write_text(root / "checks" / key, key + "\n")
+    except OSError:
+        pass
