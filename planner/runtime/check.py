@@ -106,7 +106,8 @@ def _describe(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return ("tensor", tuple(obj.shape), obj.dtype, obj.requires_grad, obj.device.type)
     if isinstance(obj, nn.Module):
-        tensors: list[tuple[Any, ...]] = [(n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in obj.named_parameters()]
+        params = obj.named_parameters()
+        tensors: list[tuple[Any, ...]] = [(n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in params]
         tensors += [(n, tuple(t.shape), t.dtype) for n, t in obj.named_buffers()]
         return ("module", type(obj), repr(obj), tuple(tensors), obj.training)
     return (type(obj), repr(obj))
