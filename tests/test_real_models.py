@@ -176,6 +176,9 @@ def test_mixtral_router_stays_replicated():
 
 # --- planning them: dry-run for 4 CPU ranks, and the hf: source -----------------------------------------------
 
+# Models whose TP pairs the analysis finds but the script's torch parallel styles cannot shard (planner/search
+# /space.py runtime_tp_refusal): GPT-2's Conv1D, and a fused qkv Linear.
+TP_NOT_RUNNABLE = {"gpt2": "cannot shard transformer.h.0.attn.c_attn (a Conv1D", "headcount_gpt": "fused projection"}
 PINS = {"dp4": ["--dp", "4"], "pp2xdp2": ["--pp", "2", "--dp", "2"], "tp2xdp2": ["--tp", "2", "--dp", "2"]}
 CNNS = {"resnet", "sequential_cnn"}
 
@@ -208,6 +211,11 @@ def test_dry_run_with_pins_for_four_cpu_ranks(name, pins):
         # Convolutions have no column/row pairs: the planner says so instead of reporting a tp it does not do.
         assert result.exit_code == 2, result.output
         assert "tensor" in result.output.lower()
+        return
+    if pins == "tp2xdp2" and name in TP_NOT_RUNNABLE:
+        # Found and costed, but the generated script cannot shard it yet: refused at plan time, with the module.
+        assert result.exit_code == 2, result.output
+        assert TP_NOT_RUNNABLE[name] in " ".join(result.output.split()), result.output
         return
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output)
@@ -301,3 +309,19 @@ def test_deepseek_style_experts_in_a_module_list_are_not_pipeline_blocks():
     assert st.roots == ["embed", "layers.0", "layers.1", "layers.2"]
     assert st.found == ["3 x Layer in layers (ModuleList)", "MoE MoE in layers.0.mlp: 4 experts, top-2, router Linear "
                         "(replicated under TP)"]
+
+
+def test_tp_in_a_traced_stage_is_refused_when_only_export_traces():
+    """HF Llama traces only with torch.export: TP runs on the model as written (pp 1, no sequence
+    parallelism), and a pipeline with tp is refused with the reason instead of failing at the plan-time check."""
+    import json
+
+    cfg = MODELS / "hf_llama_config"
+    src = ["hf:meta-llama/Llama-3.1-8B", "--hf-config", str(cfg), "--model-arg", "seq=32"]
+    free = _dry_run(*src, "--tp", "2", "--dp", "2")
+    assert free.exit_code == 0, free.output
+    par = json.loads(free.output)["parallel"]
+    assert (par["tp"], par["pp"], par["sequence_parallel"]) == (2, 1, False)
+    piped = _dry_run(*src, "--tp", "2", "--pp", "2")
+    assert piped.exit_code == 2
+    assert "only torch.export could trace the model" in " ".join(piped.output.split())

@@ -170,6 +170,8 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
             "Make the product equal the GPU count or leave one degree free."
         )
     max_tp = tp_limit(graph)
+    tp_refusal = runtime_tp_refusal(graph)
+    traced_tp_refusal = runtime_traced_tp_refusal(graph)
     blocks = sum(1 for u in graph.units if u.kind == "block")
     has_tp = any(u.tp_pairs for u in graph.units)
     for tp in divisors(world):
@@ -273,7 +275,15 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                             for sp in (False, True) if tp > 1 else (False,):
                                 if pins.sequence_parallel is not None and sp != pins.sequence_parallel:
                                     continue
-                                if pins.sequence_parallel is None and tp > 1 and not sp:
+                                # The generated script must be able to run what is costed (issue 10): refuse
+                                # what its tensor parallelism cannot shard, with the reason.
+                                if tp > 1 and tp_refusal:
+                                    rej[(f"tp={tp}", tp_refusal)] += 1
+                                    continue
+                                if tp > 1 and (pp > 1 or sp) and traced_tp_refusal:
+                                    rej[(f"tp={tp} with {'pp' if pp > 1 else 'sp'}", traced_tp_refusal)] += 1
+                                    continue
+                                if pins.sequence_parallel is None and tp > 1 and not sp and not traced_tp_refusal:
                                     rej[
                                         (
                                             f"tp={tp} without sp",
@@ -300,3 +310,39 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
             "micro-batch size must divide the batch per replica). Drop or change one of them."
         )
     return space
+
+
+def runtime_tp_refusal(graph: ModelGraph) -> str | None:
+    """Why the generated script cannot apply tensor parallelism to this model at all; None if it can.
+
+    Fused projections (one Linear computing q, k and v) and HF's Conv1D (weight stored [in, out]) need a
+    sharding torch's ColwiseParallel / RowwiseParallel does not do: sharding them plainly would train wrong.
+    """
+    fused = sorted(m for u in graph.units for m in u.tp_fused)
+    transposed = sorted(m for u in graph.units for m in u.tp_transposed)
+    if transposed:
+        return (
+            f"the script's tensor parallelism cannot shard {transposed[0]} (a Conv1D, weight stored [in, out]: "
+            "torch's parallel styles take nn.Linear)"
+        )
+    if fused:
+        return (
+            f"the script's tensor parallelism cannot shard the fused projection {fused[0]} chunk by chunk "
+            "(q, k, v in one Linear); split it into separate Linears to use tp"
+        )
+    return None
+
+
+def runtime_traced_tp_refusal(graph: ModelGraph) -> str | None:
+    """Why tensor parallelism cannot run in a traced (pipelined or sequence-parallel) stage; None if it can.
+
+    With pp = 1 and no sequence parallelism the script runs the model as written and shards its modules; a
+    pipeline stage or sequence parallelism runs the traced graph, which needs the torch.fx trace (the
+    modules are in it) and no head counts read in forward (the graph has them baked in).
+    """
+    if graph.trace_method != "fx":
+        return "only torch.export could trace the model, so a traced stage has no modules to shard"
+    heads = sorted(m for u in graph.units for m in u.tp_head_attrs)
+    if heads:
+        return f"{heads[0]} reads its head count in forward, which a traced stage has baked into its graph"
+    return None
