@@ -65,7 +65,7 @@ def test_too_many_candidates_is_a_clear_error(monkeypatch):
 
 def test_micro_batches_per_replica_are_capped():
     result = enumerate_space(_graph(), load_cluster("a100-sxm4-80gb", 1), 10**6, Pins(dp=8))
-    assert result.candidates and all(c.m <= space.MAX_MICRO_BATCHES for c in result.candidates)
+    assert result.candidates and all(c.num_micro_batches <= space.MAX_MICRO_BATCHES for c in result.candidates)
     assert any("micro-batches per replica" in why for _, why in result.rejected)
 
 
