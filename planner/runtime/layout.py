@@ -40,6 +40,12 @@ def stage_rank(schedule: str, pp: int, stage: int) -> int:
     return stage if stage < pp else 2 * pp - 1 - stage
 
 
+def runs_traced_graph(pp: int, tp: int, sequence_parallel: bool) -> bool:
+    """Whether the script cuts a traced graph (pipeline stages, or the rewrite sequence parallelism needs)
+    rather than running the user's model as written; the planner's search asks the same question."""
+    return pp > 1 or (sequence_parallel and tp > 1)
+
+
 @dataclass(frozen=True)
 class Stage:
     """One pipeline stage: the pp rank holding it, the modules it owns (qualified names), its recompute."""

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .errors import RunError
-from .layout import Layout, ModelFile, Training
+from .layout import Layout, ModelFile, Training, runs_traced_graph
 from .loss import default_loss
 from .model import build_model, input_count, load_model_file, make_batch, materialise
 from .parallel import parallelize, plan_sequence_parallel
@@ -154,7 +154,7 @@ def parse_args(argv: Sequence[str] | None, description: str, steps: int, metrics
 def uses_graph(layout: Layout) -> bool:
     """Whether the run cuts a traced graph: for pipeline stages, or to rewrite it for sequence parallelism.
     Otherwise the one stage is the user's model itself (ModelStage), as written."""
-    return layout.pp_enabled or layout.sp_enabled
+    return runs_traced_graph(layout.pp, layout.tp, layout.sequence_parallel)
 
 
 def trace_and_cut(

@@ -17,6 +17,7 @@ from planner.errors import ConfigError, InfeasibleError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
 from planner.names import SCHEDULES
+from planner.runtime.layout import runs_traced_graph
 
 SCHEDULE_NAMES = SCHEDULES  # kept for callers of this module; defined in planner.names
 MAX_VIRTUAL_STAGES = 8
@@ -280,7 +281,7 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                 if tp > 1 and tp_refusal:
                                     rej[(f"tp={tp}", tp_refusal)] += 1
                                     continue
-                                if tp > 1 and (pp > 1 or sp) and traced_tp_refusal:
+                                if tp > 1 and runs_traced_graph(pp, tp, sp) and traced_tp_refusal:
                                     rej[(f"tp={tp} with {'pp' if pp > 1 else 'sp'}", traced_tp_refusal)] += 1
                                     continue
                                 if pins.sequence_parallel is None and tp > 1 and not sp and not traced_tp_refusal:
