@@ -332,15 +332,16 @@ def plan_request(
     )
 
 
-def compiled_source_files(model_path: str) -> dict[str, tuple[str, bool]]:
-    """The files a compiled model source consists of (model_source.py and the config beside it), to write
-    into the plan folder; empty for a user's own model file."""
-    from planner.model.sources import CONFIG_FILE, SOURCE_FILE
+def compiled_source_files(model_file: str | Path, model_path: str) -> dict[str, tuple[str, bool]]:
+    """The files a compiled model source (hf:NAME, module:...) consists of, read from where `plan_request`
+    compiled it (`model_path`): model_source.py and the config beside it, to write into the plan folder.
+    Empty for a user's own model file."""
+    from planner.model.sources import CONFIG_FILE, is_source
 
-    path = Path(model_path)
-    if path.name != SOURCE_FILE or not path.parent.name.startswith("planner-source-"):
+    if not is_source(str(model_file)):
         return {}
-    files = {SOURCE_FILE: (path.read_text(encoding="utf-8"), False)}
+    path = Path(model_path)
+    files = {path.name: (path.read_text(encoding="utf-8"), False)}
     if (path.parent / CONFIG_FILE).is_file():
         files[CONFIG_FILE] = ((path.parent / CONFIG_FILE).read_text(encoding="utf-8"), False)
     return files

@@ -158,7 +158,7 @@ def plan(
     limit = DEFAULT_TIME_LIMIT_S if load_timeout is None else (load_timeout or None)
     with user_code(request.model_path, "Checking that the plan runs", limit):
         check_plan(result_plan)
-    source_files = compiled_source_files(request.model_path)
+    source_files = compiled_source_files(model_file, request.model_path)
     if source_files:  # hf:/module: sources: the compiled model file travels with the plan
         from planner.model.sources import SOURCE_FILE
 
