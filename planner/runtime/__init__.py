@@ -5,7 +5,7 @@ ownership, stage cutting, stage-to-rank placement, deterministic initialisation)
 
 Modules, by job:
   layout.py    the validated Layout (degrees, stages, TP plan), ModelFile and Training built from train.py's
-               constants; derived facts as properties
+               constants (or its layout.json, for module lists too long to read there); derived facts
   model.py     importing the model file, building on meta, materialising a rank's weights, batches
   stages.py    tracing (torch.fx, torch.export as the fallback) and cutting the graph into stages
   parallel.py  TP / sequence parallelism, activation checkpointing, FSDP2 / replicate, in torchtitan's order
@@ -45,6 +45,8 @@ from __future__ import annotations
 # Only the torch-free parts here: the planner reads layout rules and digests without importing torch; the
 # training run is `from planner_runtime.loop import run`.
 from .errors import LayoutError, RunError
-from .layout import Layout, ModelFile, Stage, Training, stage_rank
+from .layout import Layout, ModelFile, Stage, Training, read_layout_file, stage_rank
 
-__all__ = ["Layout", "LayoutError", "ModelFile", "RunError", "Stage", "Training", "stage_rank"]
+__all__ = [
+    "Layout", "LayoutError", "ModelFile", "RunError", "Stage", "Training", "read_layout_file", "stage_rank",
+]

@@ -220,3 +220,28 @@ class Layout:
             "num_micro_batches": self.num_micro_batches,
             "global_batch_size": self.samples_per_step,
         }
+
+
+def read_layout_file(path: Any, digest: str) -> tuple[list[Any], dict[str, str], dict[str, list[str]]]:
+    """STAGES, TP_PLAN and TP_HEAD_ATTRS from the layout.json that `planner emit` writes beside train.py
+    when the plan's module lists are too long to read as constants there; refused if its sha256 differs from
+    the one train.py records (an edited or foreign file would train something the plan did not cost)."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    file = Path(path)
+    try:
+        data = file.read_bytes()
+    except OSError as e:
+        raise LayoutError(
+            f"{file} cannot be read ({e.strerror}): train.py takes its stages from it. Regenerate the scripts "
+            "with `planner emit plan.json --out DIR`."
+        ) from None
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise LayoutError(
+            f"{file} differs from the one this train.py was generated with: the stages must match the plan. "
+            "Regenerate the scripts with `planner emit plan.json --out DIR`, or restore the file."
+        )
+    layout = json.loads(data)
+    return [tuple(s) for s in layout["stages"]], dict(layout["tp_plan"]), dict(layout["tp_head_attrs"])
