@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .errors import RunError
-from .experts import shard_experts
+from .experts import ExpertParallel, shard_experts
 from .layout import Layout, ModelFile, Training, runs_traced_graph
 from .loss import default_loss
 from .model import build_model, input_count, load_model_file, make_batch, materialise
@@ -309,8 +309,7 @@ def run(
     for i, stage in zip(local, stages, strict=True):
         parallelize(stage, mesh, layout, layout.stages[i].recompute, device, sp_styles, training.dtype, ep_mesh)
     if ep_mesh is not None:
-        ids = {id(p) for stage in stages for m in stage.modules() if type(m).__name__ == "ExpertParallel"
-               for p in m.parameters()}
+        ids = {id(p) for s in stages for m in s.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
         expert_params = (ids, ep_mesh["ep"].get_group())
     params = [p for stage in stages for p in stage.parameters()]
     optimizer = torch.optim.AdamW(params, lr=training.lr)

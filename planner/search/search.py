@@ -291,7 +291,9 @@ def _only(c: UnitCost, mode: str) -> UnitCost:
 
 
 def _key(c: Candidate) -> tuple[object, ...]:
-    return (c.pp, c.tp, c.virtual_stages, -c.micro_batch_size, c.schedule, c.zero_stage, c.sequence_parallel, c.dp, c.ep)
+    return (
+        c.pp, c.tp, c.virtual_stages, -c.micro_batch_size, c.schedule, c.zero_stage, c.sequence_parallel, c.dp, c.ep
+    )
 
 
 def _region(c: Candidate) -> str:
