@@ -77,17 +77,20 @@ class SearchResult:
 
 @dataclass
 class CostTable:
-    """Unit costs per (tp, mbs, sp), computed once per distinct unit signature."""
+    """Unit costs per (tp, mbs, sp) (and, under expert parallelism, per (ep, dp, zero), which set the
+    experts' share of the states and the all-to-all), computed once per distinct unit signature."""
 
     graph: ModelGraph
     cluster: ClusterSpec
     profile: Profile | None
     _by_sig: dict[tuple[object, ...], UnitCost] = field(default_factory=dict)
-    _lists: dict[tuple[int, int, bool], list[UnitCost]] = field(default_factory=dict)
+    _lists: dict[tuple[object, ...], list[UnitCost]] = field(default_factory=dict)
 
     def units(self, cand: Candidate) -> list[UnitCost]:
         """The units' costs under the candidate (one shared list per (tp, mbs, sp): do not modify it)."""
-        key = (cand.tp, cand.micro_batch_size, cand.sequence_parallel)
+        key: tuple[object, ...] = (cand.tp, cand.micro_batch_size, cand.sequence_parallel)
+        if cand.ep > 1:
+            key += (cand.ep, cand.dp, cand.zero_stage)
         if key in self._lists:
             return self._lists[key]
         out: list[UnitCost] = []
