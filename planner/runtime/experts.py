@@ -33,7 +33,7 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single with uneven splits; its gradient is the exchange with the splits swapped."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
     ) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
@@ -42,7 +42,7 @@ class _AllToAll(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
@@ -53,12 +53,12 @@ class _ScaleGrad(torch.autograd.Function):
     """Identity forward; backward multiplies the gradient by `scale`."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad * ctx.scale, None
 
 
@@ -93,9 +93,9 @@ class ExpertParallel(nn.Module):
                 out = out.index_add(0, rows, f(x.index_select(0, rows)).to(out.dtype))
             return out
         ones = torch.ones((x.shape[0], 1), dtype=x.dtype, device=x.device)
-        out = self.local(x, expert.unsqueeze(1), ones)
+        stacked: torch.Tensor = self.local(x, expert.unsqueeze(1), ones)
         # The stacked module skips experts no token chose: keep every weight in the graph (adds 0).
-        return out + sum(p.reshape(-1)[:1].sum() for p in self.local.parameters()) * 0.0
+        return stacked + sum(p.reshape(-1)[:1].sum() for p in self.local.parameters()) * 0.0
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         k = top_k_index.shape[-1]
@@ -107,16 +107,18 @@ class ExpertParallel(nn.Module):
         send = torch.bincount(dest, minlength=self.ep)
         in_splits = [int(x) for x in send.tolist()]
         out_splits = _exchange_counts(send, self.group)
-        x = _AllToAll.apply(hidden.index_select(0, token), out_splits, in_splits, self.group)
+        x: torch.Tensor = _AllToAll.apply(  # type: ignore[no-untyped-call]
+            hidden.index_select(0, token), out_splits, in_splits, self.group
+        )
         local_expert = torch.empty(sum(out_splits), dtype=expert.dtype, device=expert.device)
         dist.all_to_all_single(local_expert, (expert % self.per_rank).contiguous(), out_splits, in_splits,
                                group=self.group)
         # FSDP averages the experts' gradients over their dp/ep replicas; the rest of the model's over all dp
         # ranks. Scaling the gradient by 1/ep inside the experts (and back by ep on their input) makes theirs
         # the same mean over dp, without a custom divide factor (PREMUL_SUM, which Gloo lacks).
-        x = _ScaleGrad.apply(x, float(self.ep))
-        y = _ScaleGrad.apply(self._run_local(x, local_expert), 1.0 / self.ep)
-        y = _AllToAll.apply(y, in_splits, out_splits, self.group)
+        x = _ScaleGrad.apply(x, float(self.ep))  # type: ignore[no-untyped-call]
+        y: torch.Tensor = _ScaleGrad.apply(self._run_local(x, local_expert), 1.0 / self.ep)  # type: ignore[no-untyped-call]
+        y = _AllToAll.apply(y, in_splits, out_splits, self.group)  # type: ignore[no-untyped-call]
         w = top_k_weights.reshape(-1)[order].unsqueeze(1)
         return hidden.new_zeros(hidden.shape).index_add(0, token, (y * w).to(hidden.dtype))
 

@@ -147,7 +147,9 @@ def search(
         if pins.recompute:
             costs = [_only(c, pins.recompute) for c in costs]
         cand_modes = tuple(m for m in modes if not (cand.schedule == "zero-bubble" and m == "selective")) or modes
-        tkey = (cand.tp, cand.micro_batch_size, cand.sequence_parallel, cand_modes)
+        tkey: tuple[object, ...] = (cand.tp, cand.micro_batch_size, cand.sequence_parallel, cand_modes)
+        if cand.ep > 1:  # the unit costs differ per (ep, dp, zero) then (CostTable)
+            tkey += (cand.ep, cand.dp, cand.zero_stage)
         if tkey not in totals:
             totals[tkey] = Totals.of(costs, cand_modes)
         b = simple_bound(totals[tkey], cand, cluster, dtype, options)
@@ -300,7 +302,7 @@ def _key(c: Candidate) -> tuple[object, ...]:
 
 
 def _region(c: Candidate) -> str:
-    return f"dp={c.dp} tp={c.tp} pp={c.pp}"
+    return f"dp={c.dp} tp={c.tp} pp={c.pp}" + (f" ep={c.ep}" if c.ep > 1 else "")
 
 
 def _nothing_fits(
