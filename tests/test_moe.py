@@ -278,3 +278,37 @@ def test_layout_validates_ep():
         layout(experts={})
     with pytest.raises(LayoutError, match="without tensor parallelism"):
         layout(dp=2, tp=2)
+
+
+def test_report_shows_ep_only_where_a_layout_has_it():
+    import io
+
+    from e2e.plans import make_plan
+    from rich.console import Console
+
+    from planner.plan import Alternative
+    from planner.report.tables import alternatives_table, comm_table, degrees
+
+    def text(renderable) -> str:
+        console = Console(file=io.StringIO(), width=200, record=True, color_system=None)
+        console.print(renderable)
+        return console.export_text()
+
+    dense = make_plan("gpt", dp=2)
+    assert "expert parallel" not in text(comm_table(dense))
+    moe_par = dense.parallel.model_copy(update={"ep": 2})
+    comm = dense.predicted.comm.model_copy(update={"expert_parallel_s": 0.25})
+    moe = dense.model_copy(
+        update={
+            "parallel": moe_par,
+            "experts": {"blocks.0.mlp.experts": 4},
+            "predicted": dense.predicted.model_copy(update={"comm": comm}),
+            "alternatives": [Alternative(parallel=dense.parallel, recompute=["none"], predicted=dense.predicted)],
+        }
+    )
+    def header(plan) -> list[str]:
+        return next(line for line in text(alternatives_table(plan)).splitlines() if "dp/tp/pp/v" in line).split()
+
+    assert "ep" in header(moe) and "ep" not in header(dense)
+    assert "expert parallel (MoE all-to-all)" in text(comm_table(moe))
+    assert degrees(moe_par).startswith("dp 2 (ep 2) / tp 1")
