@@ -17,6 +17,7 @@ from planner.model.grouping import (
     unit_name,
 )
 from planner.model.load import DTYPE_BYTES, LoadedModel, build_meta_model, meta_inputs
+from planner.model.moe import correct_counts, ep_granularity, expert_storages, unit_moe_layers
 from planner.model.tp import ModuleNames, TPInfo, constant_inputs, renamer, tp_info
 from planner.model.trace import trace_model
 
@@ -93,11 +94,14 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
             unit_params.setdefault(name, params_by_name[name])
         args = captured.get(i, ())
         sig = unit_sig[i]
+        moe = unit_moe_layers(model, group)
         if sig not in analysed:
             if sub is None:
                 analysed[sig] = Counts()
             else:
-                analysed[sig] = analyse_callable(sub, args, list(unit_params.values()), seq, buffers)
+                tagged = frozenset(expert_storages(model, moe))
+                analysed[sig] = analyse_callable(sub, args, list(unit_params.values()), seq, buffers, tagged)
+                correct_counts(analysed[sig], moe, seq or 1)  # routed expert work, counted from the structure
                 tp_by_sig[sig] = (group, tp_info(sub, args, model, names, constant_inputs(parts, i), traced.method))
         c = analysed[sig]
         n_params = sum(p.numel() for p in unit_params.values())
@@ -148,6 +152,10 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                 tp_shardable_flops=min(shard_flops, c.fwd_flops),
                 tp_styles=styles,
                 uses_flash_attention=c.flash,
+                expert_params=sum(m.expert_params for m in moe),
+                experts={m.experts: m.num_experts for m in moe},
+                ep_granularity=ep_granularity(moe),
+                moe_dispatch_bytes=sum(m.dispatch_bytes(seq or 1, dtype_bytes) for m in moe),
                 gemm_dim=info.gemm_dim,
                 tp_granularity=info.granularity,
                 tp_head_attrs={rename(k): v for k, v in info.head_attrs.items()},

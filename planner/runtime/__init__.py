@@ -12,6 +12,7 @@ Modules, by job:
   schedule.py  the torch.distributed.pipelining schedule and the last stage's loss
   loss.py      the default loss
   loop.py      process group and mesh, the training step, metrics.json
+  experts.py   expert parallelism: each rank's slice of the experts, all-to-all token dispatch/combine
   tied.py      weights shared by several pipeline stages: a copy per stage, gradients summed over them
   check.py     the plan-time check: one micro-batch, stage by stage, on the meta device
   digest.py    the digest train.py checks before importing its copy of this package

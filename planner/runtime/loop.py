@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .errors import RunError
+from .experts import ExpertParallel, shard_experts
 from .layout import Layout, ModelFile, Training, runs_traced_graph
 from .loss import default_loss
 from .model import build_model, input_count, load_model_file, make_batch, materialise
@@ -100,24 +101,34 @@ def grad_norm(
     pp_group: dist.ProcessGroup,
     device: torch.device,
     skip: set[int] | None = None,
+    experts: tuple[set[int], dist.ProcessGroup] | None = None,
 ) -> torch.Tensor:
     """L2 norm of the whole model's gradient (all stages, all shards): what gradient clipping would see.
 
     Sharded gradients (DTensors) are reduced over their mesh; stages add up over the pp ranks. `skip`: ids
-    of parameters counted elsewhere (the later copies of a tied weight).
+    of parameters counted elsewhere (the later copies of a tied weight). `experts`: ids of the expert
+    parameters and the ep group: each ep rank holds other experts, so their squares add up over it.
     """
+    expert_ids, ep_group = experts if experts is not None else (set(), None)
     by_layout: dict[Any, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None and id(p) not in (skip or ()):
             g = p.grad
             key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else None
-            by_layout.setdefault(key, []).append(g)
+            by_layout.setdefault((id(p) in expert_ids, key), []).append(g)
     total = torch.zeros((), device=device)
-    for grads in by_layout.values():
+    expert_total = torch.zeros((), device=device)
+    for (is_expert, _), grads in sorted(by_layout.items(), key=lambda kv: kv[0][0]):
         norm = torch.nn.utils.get_total_norm(grads)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        total += norm.float() ** 2
+        if is_expert:
+            expert_total += norm.float() ** 2
+        else:
+            total += norm.float() ** 2
+    if ep_group is not None:
+        dist.all_reduce(expert_total, group=ep_group)
+        total += expert_total
     if layout.pp_enabled:
         dist.all_reduce(total, group=pp_group)
     return total.sqrt()
@@ -278,8 +289,28 @@ def run(
         materialise(model, {n for n, _ in model.named_modules()}, device, training.seed)
         stages, method = [ModelStage(model, list(layout.stages[0].modules))], "module"
     n_inputs = input_count(model, len(example))
+    # Expert parallelism (the model as written, pp = tp = 1): this rank keeps its slice of each experts
+    # module, before FSDP/replicate wraps them over the replicas of that slice.
+    ep_mesh, expert_params = None, None
+    if layout.ep_enabled:
+        ep_mesh = init_device_mesh(
+            device.type, (layout.pp, layout.dp // layout.ep, layout.ep, layout.tp),
+            mesh_dim_names=("pp", "dp_replica", "ep", "tp"),
+        )
+        ep_rank, ep_group = ep_mesh["ep"].get_local_rank(), ep_mesh["ep"].get_group()
+        for stage in stages:
+            assert isinstance(stage, ModelStage), "expert parallelism runs the model as written"
+            sharded = shard_experts(stage.model, layout.experts, layout.ep, ep_rank, ep_group)
+            if len(sharded) != len(layout.experts):
+                raise RunError(
+                    f"EXPERTS names {len(layout.experts)} experts module(s), the model has {len(sharded)} of them. "
+                    "Re-plan (planner plan ...)."
+                )
     for i, stage in zip(local, stages, strict=True):
-        parallelize(stage, mesh, layout, layout.stages[i].recompute, device, sp_styles, training.dtype)
+        parallelize(stage, mesh, layout, layout.stages[i].recompute, device, sp_styles, training.dtype, ep_mesh)
+    if ep_mesh is not None:
+        ids = {id(p) for s in stages for m in s.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
+        expert_params = (ids, ep_mesh["ep"].get_group())
     params = [p for stage in stages for p in stage.parameters()]
     optimizer = torch.optim.AdamW(params, lr=training.lr)
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
@@ -320,7 +351,9 @@ def run(
             step_loss = pipeline_step(schedule, layout, loss, batches, has_first, has_last, n_inputs)
         if tied is not None:
             tied.sum_gradients()
-        norm = grad_norm(params, layout, mesh["pp"].get_group(), device, tied.later_copies() if tied else None)
+        norm = grad_norm(
+            params, layout, mesh["pp"].get_group(), device, tied.later_copies() if tied else None, expert_params
+        )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step_loss is not None:

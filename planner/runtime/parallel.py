@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .errors import RunError
+from .experts import ExpertParallel
 from .layout import Layout
 from .stages import LocalStage, contains_tensor, has_module, module_paths
 
@@ -345,8 +346,25 @@ def apply_ac(stage: LocalStage, recompute: str, schedule: str) -> None:
             stage.replace_unit(i, Recompute(unit, selective=selective))
 
 
+def apply_expert_data_parallel(
+    stage: LocalStage, replica_mesh: DeviceMesh, layout: Layout, mp: MixedPrecisionPolicy, reshard: bool
+) -> None:
+    """FSDP2 (or replicate) of each expert-parallel slice over the dp/ep ranks holding the same experts,
+    as torchtitan does for its experts: their gradients are averaged over those replicas only (the
+    all-to-all's backward already summed the other ep ranks' tokens in; `ExpertParallel` scales them by
+    1/ep so that the result is the mean over dp)."""
+    for m in stage.modules():
+        if isinstance(m, ExpertParallel):
+            if layout.zero_stage == 0:
+                assert replicate is not None  # checked by the caller
+                replicate(m, mesh=replica_mesh, mp_policy=mp)
+            else:
+                fully_shard(m, mesh=replica_mesh, mp_policy=mp, reshard_after_forward=reshard)
+
+
 def apply_data_parallel(
-    stage: LocalStage, dp_mesh: DeviceMesh, device: torch.device, layout: Layout, dtype: str
+    stage: LocalStage, dp_mesh: DeviceMesh, device: torch.device, layout: Layout, dtype: str,
+    replica_mesh: DeviceMesh | None = None,
 ) -> None:
     """FSDP2 over the dp ranks (ZeRO stage 1-3), or replicate (0: DDP semantics on FSDP2's machinery).
 
@@ -364,6 +382,8 @@ def apply_data_parallel(
                 f"ZERO_STAGE 0 needs FSDP2 replicate, which torch {torch.__version__} lacks: upgrade torch, "
                 "or set ZERO_STAGE = 1 above (the same training, with weights sharded across dp)."
             )
+        if replica_mesh is not None:
+            apply_expert_data_parallel(stage, replica_mesh, layout, mp, False)
         replicate(stage, mesh=dp_mesh, mp_policy=mp)
         return
     # ZeRO-3 frees gathered weights after forward and gathers them again for backward; ZeRO-1/2 keep them
@@ -371,6 +391,8 @@ def apply_data_parallel(
     # split backward computes weight gradients after FSDP's post-backward, and resharding in between
     # loses them (torch.distributed.pipelining with reshard_after_forward=True gives wrong gradients).
     reshard = layout.zero_stage == 3 and layout.schedule != "zero-bubble"
+    if replica_mesh is not None:
+        apply_expert_data_parallel(stage, replica_mesh, layout, mp, reshard)
     # One FSDP unit per piece (a block's weights are gathered just for it), then the stage for the rest;
     # pieces sharing a weight (tied) are left to the stage unit, since a weight belongs to one unit.
     owners: dict[int, int] = {}
@@ -393,10 +415,14 @@ def parallelize(
     device: torch.device,
     sp_styles: dict[str, ParallelStyle],
     dtype: str,
+    ep_mesh: DeviceMesh | None = None,
 ) -> None:
-    """TP, then activation checkpointing, then (compile: not used) FSDP/replicate, as in torchtitan."""
+    """TP, then activation checkpointing, then (compile: not used) FSDP/replicate, as in torchtitan; the
+    expert-parallel slices (already cut, `experts.shard_experts`) get their own FSDP over `ep_mesh`'s
+    dp_replica dimension first."""
     if layout.tp_enabled:
         apply_tp(stage, mesh["tp"], layout, sp_styles)
     if recompute != "none":
         apply_ac(stage, recompute, layout.schedule)
-    apply_data_parallel(stage, mesh["dp"], device, layout, dtype)
+    replica = ep_mesh["dp_replica"] if ep_mesh is not None else None
+    apply_data_parallel(stage, mesh["dp"], device, layout, dtype, replica)

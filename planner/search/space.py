@@ -36,6 +36,7 @@ class Pins:
     zero_stage: int | None = None
     sequence_parallel: bool | None = None
     recompute: str | None = None
+    ep: int | None = None
 
 
 @dataclass
@@ -170,6 +171,7 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
             f"--dp {pins.dp} x --tp {pins.tp} x --pp {pins.pp} = {prod}, but the cluster has {world} GPUs. "
             "Make the product equal the GPU count or leave one degree free."
         )
+    check_ep_pin(graph, pins)
     max_tp = tp_limit(graph)
     tp_refusal = runtime_tp_refusal(graph)
     traced_tp_refusal = runtime_traced_tp_refusal(graph)
@@ -293,7 +295,8 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                         )
                                     ] += 1
                                     continue
-                                space.candidates.append(Candidate(dp, tp, pp, v, mbs, m, schedule, zero, sp))
+                                for ep in ep_degrees(graph, dp, tp, pp, sp, pins, rej):
+                                    space.candidates.append(Candidate(dp, tp, pp, v, mbs, m, schedule, zero, sp, ep))
                                 if len(space.candidates) > MAX_CANDIDATES:
                                     raise ConfigError(
                                         f"The search space holds more than {MAX_CANDIDATES} candidates (global "
@@ -311,6 +314,65 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
             "micro-batch size must divide the batch per replica). Drop or change one of them."
         )
     return space
+
+
+def ep_granularity(graph: ModelGraph) -> int:
+    """gcd of the expert counts of every MoE layer (0: the model has no experts); ep must divide it."""
+    g = 0
+    for u in graph.units:
+        if u.ep_granularity:
+            g = gcd(g, u.ep_granularity)
+    return g
+
+
+def ep_degrees(
+    graph: ModelGraph, dp: int, tp: int, pp: int, sp: bool, pins: Pins, rej: Counter[tuple[str, str]]
+) -> list[int]:
+    """Expert-parallel degrees for one (dp, tp, pp, sp): divisors of dp that divide every MoE layer's
+    expert count (each rank of an ep group holds whole experts), where the generated script can run them.
+    Without experts only ep = 1; a pin keeps just its value (checked in `check_ep_pin`)."""
+    experts = ep_granularity(graph)
+    out = []
+    for ep in divisors(gcd(dp, experts)) if experts else [1]:
+        if pins.ep is not None and ep != pins.ep:
+            continue
+        if ep > 1 and tp > 1:
+            rej[(f"ep={ep} tp={tp}", "the generated script shards experts only without tensor parallelism")] += 1
+            continue
+        if ep > 1 and runs_traced_graph(pp, tp, sp):
+            rej[
+                (
+                    f"ep={ep} pp={pp}",
+                    "the generated script swaps in the expert-parallel experts on the model as written; a "
+                    "pipeline stage runs a traced graph in which the experts are inlined",
+                )
+            ] += 1
+            continue
+        out.append(ep)
+    return out
+
+
+def check_ep_pin(graph: ModelGraph, pins: Pins) -> None:
+    """A pinned --ep the model or the pinned dp cannot take: a ConfigError naming the rule and the fix."""
+    if pins.ep is None or pins.ep == 1:
+        return
+    experts = ep_granularity(graph)
+    if not experts:
+        raise ConfigError(
+            f"--ep {pins.ep} asks for expert parallelism, but the model has no mixture-of-experts layers "
+            "(a module holding an `experts` module and a top-k). Drop --ep."
+        )
+    if experts % pins.ep:
+        raise ConfigError(
+            f"--ep {pins.ep} does not divide the model's expert count ({experts}, the gcd over its MoE layers): "
+            f"each rank must hold whole experts. Pick a divisor of {experts}: "
+            f"{', '.join(map(str, divisors(experts)))}."
+        )
+    if pins.dp is not None and pins.dp % pins.ep:
+        raise ConfigError(
+            f"--ep {pins.ep} does not divide --dp {pins.dp}: experts are sharded over a sub-group of the "
+            "data-parallel ranks. Pick ep dividing dp."
+        )
 
 
 def runtime_tp_refusal(graph: ModelGraph) -> str | None:
