@@ -110,8 +110,11 @@ class Fit:
         return math.sqrt(sum(e * e for e in errs) / len(errs)) if errs else 0.0
 
 
-def fit_efficiencies(base: Efficiencies, terms: list[Term], min_share: float = MIN_SHARE) -> Fit:
-    """Least squares in relative error over the terms, eff bounded to [EFF_FLOOR, 1]."""
+def fit_efficiencies(
+    base: Efficiencies, terms: list[Term], min_share: float = MIN_SHARE, hold: dict[str, str] | None = None
+) -> Fit:
+    """Least squares in relative error over the terms, eff bounded to [EFF_FLOOR, 1]; ``hold``: efficiencies
+    kept at the base's value whatever the terms say, each with the reason."""
     terms = [t for t in terms if t.measured_s > 0 and math.isfinite(t.measured_s)]
     fit = Fit(base, base, terms)
     if not terms:
@@ -119,6 +122,9 @@ def fit_efficiencies(base: Efficiencies, terms: list[Term], min_share: float = M
         return fit
     free: list[str] = []
     for k in FITTED:
+        if hold and k in hold:
+            fit.kept[k] = hold[k]
+            continue
         shares = [t.coef.get(k, 0.0) / getattr(base, k) / max(t.predicted(base), 1e-300) for t in terms]
         users = sum(s >= min_share for s in shares)
         if users:
