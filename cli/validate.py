@@ -136,9 +136,15 @@ def validate(
     if session is not None:
         result = session.finish(started, note)
         if json:
-            sys.stdout.write(jsonlib.dumps(result.document(), indent=2, sort_keys=True) + "\n")
+            document = {**result.document(), "measured_step_times_s": measured,
+                        "predicted_iteration_time_s": plan.predicted.iteration_time_s}
+            sys.stdout.write(jsonlib.dumps(document, indent=2, sort_keys=True) + "\n")
         elif not quiet:
-            result.print(stdout_console())
+            from planner.report.tables import validation_table
+
+            console_out = stdout_console()
+            console_out.print(validation_table(plan, measured, ranks, memory_kind))
+            result.print(console_out)
         return
     if json:
         document = {
@@ -365,14 +371,13 @@ class RefitSession:
 
     def command(self, metrics_path: Path) -> list[str]:
         """torchrun with the probe in place of train.py (one node: launch.sh's own rule)."""
-        par, world = self.plan.parallel, self.plan.parallel.world_size
+        world = self.plan.parallel.world_size
         if self.plan.cluster.nodes > 1:
             raise ConfigError(
                 f"--refit runs the plan on this machine, but it spans {self.plan.cluster.nodes} nodes. Plan the "
                 "model for one node (--nodes 1) to refit, then use the refit spec for the large plan."
             )
-        device = "cpu" if self.plan.cluster.gpu.lower() == "cpu" else "cuda"
-        del par
+        device = "cpu" if self.plan.cluster.gpu.lower() == "cpu" else "cuda"  # codegen's launch.sh rule
         return [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
             "-m", "planner.measure.probe", "train.py", "--device", device,

@@ -180,10 +180,19 @@ def test_refit_from_a_run_moves_the_wrong_efficiency_and_predicts_the_run_better
     stages = {t["stage"] for t in doc["terms"] if t["kind"] == "forward"}
     assert stages == {0, 1}
     assert all(t["measured_s"] > 0 and t["samples"] >= 1 for t in doc["terms"])
-    # the wrong spec predicts every term far too fast; the measurements pull matmul and network down
+    # The wrong spec predicts every term far too fast. The collectives depend on the network efficiency
+    # alone (tp 1), so it is identified however noisy the machine: the refit pulls it far down. matmul and
+    # memory share the stage terms of a model this small (both scale with the stage), so only their joint
+    # effect is checked: the stage terms' predictions improve.
     assert doc["rms_error_before"] > 0.5
-    assert "matmul" in doc["fitted"] and doc["efficiency"]["matmul"] < 0.5 * doc["base_efficiency"]["matmul"]
+    assert "network" in doc["fitted"] and doc["efficiency"]["network"] < 0.5 * doc["base_efficiency"]["network"]
     assert doc["rms_error_after"] < 0.6 * doc["rms_error_before"]
+    compute = [t for t in doc["terms"] if t["kind"] in ("forward", "backward")]
+
+    def err(key):
+        return sum(abs(t[key] / t["measured_s"] - 1) for t in compute)
+
+    assert err("refit_predicted_s") < 0.6 * err("predicted_s")
     # the written spec, loaded from its file, predicts the same run's terms better than the wrong one
     refit_spec, wrong_spec = load_spec(out), load_spec(wrong_path)
     assert refit_spec.name == "cpu-wrong-refit"

@@ -18,6 +18,9 @@ The collectives are re-run after the steps rather than caught inside them: FSDP2
 theirs asynchronously from C++ hooks, where no Python timer can see when each one ends; the same
 groups, backend and sizes give the time each would take alone.
 
+Not timed: the zero-bubble (ZBV) schedule's separate weight-gradient pass (``backward_weight_one_chunk``), so
+its stages' backward reads low; the other schedules run the whole backward in ``backward_one_chunk``.
+
 Timing: CUDA events on a GPU (not exercised here: no GPU in CI, the path is code-reviewed only),
 ``time.perf_counter`` on a CPU. This module imports only the standard library and torch, like the runtime.
 """
