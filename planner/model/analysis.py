@@ -27,6 +27,9 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
     import torch
     from torch.fx.passes.split_module import split_module
 
+    from planner.runtime.meta import meta_without_dynamo
+
+    meta_without_dynamo()  # meta elementwise kernels would import torch._dynamo (planner.runtime.meta)
     model = build_meta_model(loaded)
     inputs = meta_inputs(loaded, 1)
     n_in = model_input_count(model, len(inputs))

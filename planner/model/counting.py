@@ -127,6 +127,9 @@ def _make_counter(counts: Counts, tagged: frozenset[int] = frozenset()):
                     counts.bwd_mem_bytes += nbytes
             return out
 
+    from planner.runtime.meta import meta_without_dynamo
+
+    meta_without_dynamo(OpCounter.__torch_dispatch__)  # torch wraps a mode's dispatch to import torch._dynamo
     return OpCounter()
 
 

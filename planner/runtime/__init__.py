@@ -15,6 +15,7 @@ Modules, by job:
   experts.py   expert parallelism: each rank's slice of the experts, all-to-all token dispatch/combine
   tied.py      weights shared by several pipeline stages: a copy per stage, gradients summed over them
   check.py     the plan-time check: one micro-batch, stage by stage, on the meta device
+  meta.py      running on the meta device without importing torch._dynamo (planning and the check)
   digest.py    the digest train.py checks before importing its copy of this package
 
 What the run does with the models people have:

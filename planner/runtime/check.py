@@ -16,6 +16,7 @@ from .errors import RunError
 from .layout import Layout, ModelFile, Training
 from .loop import trace_and_cut, uses_graph
 from .loss import default_loss
+from .meta import meta_without_dynamo
 from .model import build_model, input_count, load_model_file, make_batch, materialise
 from .parallel import check_tp
 from .stages import StageModule, fetch, shared_weights, with_structure
@@ -40,6 +41,7 @@ def _failing_as(what: str) -> Iterator[None]:
 def check_plan_runs(layout: Layout, spec: ModelFile, training: Training) -> str:
     """Raise RunError naming the stage, module or rule if the plan cannot run; else return how it would run
     ("module": the model as written, or the tracing method of the pipeline's graph)."""
+    meta_without_dynamo()  # the check runs on meta: no torch._dynamo import for its elementwise kernels
     user = load_model_file(spec.path)
     loss_fn: Callable[..., torch.Tensor] = getattr(user, spec.loss_fn) if spec.loss_fn else default_loss
     example = make_batch(user, spec, layout, training.seed, 0, 0)

@@ -13,14 +13,13 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -30,7 +29,6 @@ from .layout import Layout, ModelFile, Training, runs_traced_graph
 from .loss import default_loss
 from .model import build_model, input_count, load_model_file, make_batch, materialise
 from .parallel import parallelize, plan_sequence_parallel
-from .schedule import MicroBatchLoss, build_schedule
 from .stages import (
     LocalStage,
     ModelStage,
@@ -42,6 +40,9 @@ from .stages import (
     with_structure,
 )
 from .tied import TiedWeights
+
+if TYPE_CHECKING:
+    from .schedule import MicroBatchLoss
 
 # FSDP2 warns when a stage returns a view (e.g. gathered logits), in case the caller modifies it in place;
 # the pipeline schedule and the loss only read stage outputs.
@@ -261,6 +262,12 @@ def run(
     description: str = "Train the planned model.",
 ) -> None:
     """Train as the plan says; `script` is the train.py path (metrics.json goes next to it by default)."""
+    # Imported here, not at the top: torch.distributed.pipelining imports torch._dynamo, which the planner's
+    # plan-time check (planner.runtime.check uses trace_and_cut from this module) does not need.
+    from torch.distributed.pipelining import PipelineStage
+
+    from .schedule import MicroBatchLoss, build_schedule
+
     script = Path(script).resolve()
     args = parse_args(argv, description, training.steps, script.with_name("metrics.json"))
     device, mesh = init_distributed(layout, args.device, script.name)
