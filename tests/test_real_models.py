@@ -325,3 +325,13 @@ def test_tp_in_a_traced_stage_is_refused_when_only_export_traces():
     piped = _dry_run(*src, "--tp", "2", "--pp", "2")
     assert piped.exit_code == 2
     assert "only torch.export could trace the model" in " ".join(piped.output.split())
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2"])
+def test_unit_input_is_what_crosses_the_boundary_not_the_weights(name):
+    """torch.export lifts parameters into the graph's inputs: a block's input_bytes (what full recompute
+    keeps) is the activation entering it, as the previous unit's output_bytes says, not its weights."""
+    g = graph_of(name)
+    for prev, unit in zip(g.units, g.units[1:]):
+        assert unit.input_bytes == prev.output_bytes, (unit.name, unit.input_bytes, prev.output_bytes)
+        assert unit.input_bytes < unit.param_bytes or unit.kind != "block"

@@ -78,6 +78,7 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
 
     params_by_name = dict(model.named_parameters())
     buffers = tuple(model.buffers())
+    state_ids = {id(t) for t in (*params_by_name.values(), *buffers)}
     names = ModuleNames.of(model)
     root_attrs: dict[int, list[str]] = {}
     for n, u in node_unit.items():
@@ -110,7 +111,9 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
         n_params = sum(p.numel() for p in unit_params.values())
         act = sum(c.saved.values())
         core = sum(v for k, v in c.saved.items() if k in c.attention_core)
-        in_bytes = sum(tensor_bytes(a) for a in args if isinstance(a, torch.Tensor))
+        # What enters per sample: torch.export lifts parameters and buffers into inputs, which are not
+        # activations (full recompute keeps the unit's input, not its weights).
+        in_bytes = sum(tensor_bytes(a) for a in args if isinstance(a, torch.Tensor) and id(a) not in state_ids)
         out_bytes = sum(sizes.get(v, 0) for v, p in produced.items() if p <= i < last_use.get(v, -1))
 
         first_group, info = tp_by_sig.get(sig, (group, TPInfo()))
