@@ -140,3 +140,53 @@ def test_a_stage_differing_only_in_its_module_still_runs(tmp_path, monkeypatch):
     plan = plan.model_copy(update={"model": plan.model.model_copy(update={"path": str(path)})})
     assert check_plan_runs(plan) == "fx"
     assert runs == ["proj_in", "blocks.0", "blocks.2", "blocks.3", "norm", "head"]
+
+
+BIG = '''
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+
+class Net(nn.Module):
+    """268M parameters (checked on meta, too large for the CPU rerun); forward branches on values."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj_in = nn.Linear(16, 8192)
+        self.blocks = nn.ModuleList([nn.Linear(8192, 8192) for _ in range(4)])
+        self.norm = nn.LayerNorm(8192)
+        self.head = nn.Linear(8192, 1)
+
+    def forward(self, x):
+        h = self.proj_in(x)
+        if {guard}bool((x[:, -1] == 0).all()):  # a data-dependent branch, as HF's packed-sequence check
+            h = h * 2
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def build_model(**kwargs):
+    return Net()
+
+
+def example_inputs(batch_size, **kwargs):
+    return (torch.randn(batch_size, 16),)
+'''
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_large_model_branching_on_values_only_outside_tracing_passes(tmp_path, guarded):
+    """Hugging Face models call .item() in forward unless they are being traced (`is_tracing`): on plain meta
+    tensors that fails, yet the model runs on the cluster; the check reruns it on fake tensors (what
+    torch.export traces with). A model that branches on values even while traced is still refused."""
+    path = tmp_path / "big.py"
+    path.write_text(BIG.format(guard="not isinstance(x, FakeTensor) and " if guarded else ""))
+    plan = make_plan("mlp", dp=1)
+    plan = plan.model_copy(update={"model": plan.model.model_copy(update={"path": str(path), "loss_fn": None})})
+    if guarded:
+        assert check_plan_runs(plan) == "module"
+    else:
+        with pytest.raises(PlanError, match="fails on the meta device"):
+            check_plan_runs(plan)

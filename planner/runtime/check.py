@@ -174,6 +174,8 @@ def _run_model(
         raise
     except Exception as e:  # noqa: BLE001 - retried for real below when small enough
         if sum(p.numel() for p in meta_model.parameters()) > SMALL:
+            if _runs_on_fake_tensors(meta_model, example, n_inputs, loss_fn):
+                return
             first = str(e).strip().splitlines()[0][:400] if str(e).strip() else ""
             raise RunError(
                 f"The model ({type(meta_model).__name__}) with its loss fails on the meta device "
@@ -186,6 +188,30 @@ def _run_model(
         loss = loss_fn(model(*example[:n_inputs]), *example)
         _check_loss(loss)
         loss.backward()
+
+
+def _runs_on_fake_tensors(
+    meta_model: nn.Module, example: tuple[torch.Tensor, ...], n_inputs: int, loss_fn: Callable[..., torch.Tensor]
+) -> bool:
+    """Whether forward, loss and backward run under FakeTensorMode: a large model whose forward branches on
+    values where it sees real tensors but skips that branch while tracing (Hugging Face's packed-sequence
+    check calls .item() unless `is_tracing`) fails on plain meta tensors yet runs on the cluster. Fake tensors
+    are what torch.export traces with, so this is the meta run with the model's own tracing paths."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            meta = tuple(t.to("meta") for t in example)
+            loss = loss_fn(meta_model(*meta[:n_inputs]), *meta)
+            _check_loss(loss)
+            loss.backward()
+    except RunError:
+        raise
+    except Exception:  # noqa: BLE001 - the meta run's error is the one reported
+        return False
+    finally:
+        meta_model.zero_grad(set_to_none=True)  # no fake gradients left on the meta model
+    return True
 
 
 def _check_loss(loss: Any) -> None:
