@@ -257,3 +257,20 @@ def test_batch_norm_running_stats_of_pipeline_stages_equal_one_process(name):
             elif bname.endswith("num_batches_tracked"):
                 assert int(value) == 0, f"stage {stage} updated {bname}, which another stage owns"
         assert checked > 0
+
+
+def test_a_sending_stage_sends_contiguous_tensors():
+    """Point-to-point sends need contiguous tensors; T5's encoder output reached its stage boundary as a view
+    (found training T5 pp2 x dp2: `input tensor has to be contiguous` at launch)."""
+
+    class Transposes(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x.transpose(0, 1), x
+
+    x = torch.randn(3, 4)
+    assert not Transposes()(x)[0].is_contiguous()
+    sent = StageModule([Transposes()], [None], sends=True)(x)
+    assert all(t.is_contiguous() for t in sent)
+    torch.testing.assert_close(sent[0], x.t(), rtol=0, atol=0)
+    kept = StageModule([Transposes()], [None])(x)  # the last stage hands its output to the loss as it is
+    assert not kept[0].is_contiguous()
