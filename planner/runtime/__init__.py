@@ -30,9 +30,16 @@ What the run does with the models people have:
   its `logits` (next-token cross-entropy for integer token inputs, else the mean). Intermediate stage
   boundaries carry tuples of tensors (an exported graph's structures are flat there).
 - Buffers updated in forward (batch norm's running statistics) belong to the module that owns them, so
-  each pipeline stage updates its own modules' buffers; under data parallelism they stay per replica
-  (neither averaged nor broadcast), as with DDP's broadcast_buffers=False: every replica normalises with
-  its own micro-batches' statistics, and eval-time statistics are those of replica 0's data.
+  each pipeline stage updates its own modules' buffers (a traced graph keeps the in-place update inside
+  the owner's nodes; no stage touches another's), once per micro-batch and in micro-batch order, since
+  every schedule runs a stage's forwards in that order: with dp 1 a pipeline's buffers after training
+  equal one process's over the same micro-batches (tests/test_runtime_stages.py checks this). Under data
+  parallelism they stay per replica (neither averaged nor broadcast), as with DDP's
+  broadcast_buffers=False: every replica normalises with its own micro-batches' statistics (in training
+  mode batch norm uses the batch's, so losses and gradients equal one process's), and eval-time
+  statistics are those of replica 0's micro-batches, not the global batch's.
+- A stage that sends sends contiguous tensors (point-to-point needs them; a view such as a transposed
+  encoder output is copied).
 - A weight used by two stages (GPT-2's wte / lm_head) lives in both: each copy starts from the value its
   first holder module gives it, and the copies' gradients are summed over the stages' ranks before the
   optimizer step (Megatron-LM's embedding group), so they stay equal. Copies on the same pp rank (the

@@ -340,14 +340,19 @@ class StageModule(nn.Module):
     last stage of an exported graph returns the output's leaves, since torch's pipeline stages return
     tensors; with_structure() rebuilds the structure for the loss.)"""
 
-    def __init__(self, pieces: Sequence[nn.Module], owners: list[str | None]) -> None:
+    def __init__(self, pieces: Sequence[nn.Module], owners: list[str | None], sends: bool = False) -> None:
         super().__init__()
         self.pieces = nn.ModuleList(pieces)
         self.owners = owners
+        self.sends = sends  # not the last stage: its outputs go to the next stage over the network
 
     def forward(self, *values: Any) -> Any:
         for piece in self.pieces:
             values = piece(*values)
+        if self.sends:
+            # Point-to-point sends and receives need contiguous tensors, and a stage's output can be a view
+            # (T5's encoder output after a transpose, a slice): send a contiguous copy (a no-op otherwise).
+            values = tuple(v.contiguous() if isinstance(v, torch.Tensor) else v for v in values)
         return values
 
     def units(self) -> list[nn.Module]:
@@ -437,6 +442,7 @@ def build_local_stages(
     model = build_model(user, spec, seed, everything_on_meta=False)
     materialise(model, used_modules(model, [p.graph for p in pieces if p.stage in local]), device, seed)
     stages = []
+    last = max(p.stage for p in pieces)
     for i in local:
         mine = [p for p in pieces if p.stage == i]
         modules = []
@@ -444,5 +450,5 @@ def build_local_stages(
             retarget_devices(p.graph, device)
             targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
             modules.append(fx.GraphModule({t: fetch(model, gm, t, device) for t in targets}, p.graph))
-        stages.append(StageModule(modules, [p.owner for p in mine]))
+        stages.append(StageModule(modules, [p.owner for p in mine], sends=i < last))
     return stages, model
