@@ -130,6 +130,8 @@ def _constants(plan: Plan) -> dict[str, str]:
         "STAGES": stages,
         "TP_PLAN": compress_mapping(dict(plan.tp_plan)),
         "TP_HEAD_ATTRS": compress_mapping({k: list(v) for k, v in plan.tp_head_attrs.items()}),
+        "TP_FUSED": compress_mapping(dict(plan.tp_fused)),
+        "TP_TRANSPOSED": compress_names(list(plan.tp_transposed)),
         "SEED": t.seed,
         "LR": float(t.lr),
         "STEPS": t.steps,
@@ -152,6 +154,7 @@ def runtime_objects(plan: Plan) -> tuple[Layout, ModelFile, Training]:
             Stage(s.pp_rank, tuple(s.modules), s.recompute) for s in sorted(plan.stages, key=lambda s: s.index)
         ),
         tp_plan=dict(plan.tp_plan), tp_head_attrs={k: tuple(v) for k, v in plan.tp_head_attrs.items()},
+        tp_fused=dict(plan.tp_fused), tp_transposed=tuple(plan.tp_transposed),
     )
     model = ModelFile(m.path, m.build_fn, m.inputs_fn, m.loss_fn, m.batch_fn, dict(m.model_args))
     return layout, model, Training(seed=t.seed, lr=float(t.lr), steps=t.steps, dtype=t.dtype)

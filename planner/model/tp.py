@@ -263,6 +263,13 @@ def _walk_column(col, linears: dict, activation_arg: dict, sub, from_columns: se
                     w.failure = f"{name} splits it along the sharded dimension"
                 else:
                     m = val_meta(n)
+                    widths = [int(t.shape[pos]) for t in m] if isinstance(m, (list, tuple)) else []
+                    if len(set(widths)) > 1:
+                        # The runtime shards a fused projection in equal chunks (each rank its share of each).
+                        w.failure = (
+                            f"{name} splits it into unequal chunks {widths} (a fused projection tp shards only "
+                            "in equal chunks, as q, k, v of the same width)"
+                        )
                     w.fused = len(m) if isinstance(m, (list, tuple)) else 0
                     size = n.args[1] if len(n.args) > 1 else None
                     if isinstance(size, int) and name == "split":

@@ -99,6 +99,8 @@ class Layout:
     global_batch_size: int | None = None  # None: dp * num_micro_batches * micro_batch_size
     tp_plan: dict[str, str] = field(default_factory=dict)  # module -> colwise | rowwise | colwise_gather
     tp_head_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # module -> head-count attributes
+    tp_fused: dict[str, int] = field(default_factory=dict)  # colwise module -> equal chunks of its output (q, k, v)
+    tp_transposed: tuple[str, ...] = ()  # TP modules whose weight is stored [in, out] (HF Conv1D)
 
     def __post_init__(self) -> None:
         # Stages may come as plain lists/tuples from the plan's constants.
@@ -112,6 +114,9 @@ class Layout:
         object.__setattr__(self, "tp_plan", tp_plan)
         heads = {n: tuple(v) for k, v in self.tp_head_attrs.items() for n in expand_names(k)}
         object.__setattr__(self, "tp_head_attrs", heads)
+        fused = {n: chunks for k, chunks in self.tp_fused.items() for n in expand_names(k)}
+        object.__setattr__(self, "tp_fused", fused)
+        object.__setattr__(self, "tp_transposed", tuple(n for k in self.tp_transposed for n in expand_names(k)))
         for name in ("pp", "dp", "tp", "virtual_stages", "micro_batch_size", "num_micro_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
