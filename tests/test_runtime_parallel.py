@@ -172,51 +172,98 @@ def test_fused_and_transposed_shards_reproduce_the_unsharded_output(conv):
     torch.testing.assert_close(total + whole.attn.proj.bias.detach(), want, rtol=1e-5, atol=1e-6)
 
 
-def _tp_worker(rank: int, init: str, conv: bool, results: str) -> None:
+def _tp_worker(rank: int, init: str, results: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
-    from planner.runtime.parallel import apply_tp
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        torch.manual_seed(0)
-        whole = nn.Module()
-        whole.attn = SplitAttention(conv)
-        sharded = copy.deepcopy(whole)
-        x = torch.randn(2, 5, 8, requires_grad=True)
-        x2 = x.detach().clone().requires_grad_(True)
-        want = whole.attn(x)
-        (want * torch.arange(want.numel()).view_as(want).sin()).sum().backward()
         mesh = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
-        stage = ModelStage(sharded, ["attn"])
-        apply_tp(stage, mesh["tp"], _attention_layout(conv, 2), {})
-        assert isinstance(sharded.attn.qkv.weight, DTensor)
-        got = sharded.attn(x2)
-        (got * torch.arange(got.numel()).view_as(got).sin()).sum().backward()
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(x2.grad, x.grad, rtol=1e-5, atol=1e-6)
-        order = chunk_shard_order(24, 3, 2)
-        col = 1 if conv else 0
-        for name in ("qkv.weight", "qkv.bias", "proj.weight", "proj.bias"):
-            ref = whole.attn.get_parameter(name).grad
-            grad = sharded.attn.get_parameter(name).grad
-            full = grad.full_tensor() if isinstance(grad, DTensor) else grad
-            if name.startswith("qkv"):  # the fused column holds its features chunk-reordered
-                ref = ref.index_select(col if name.endswith("weight") else 0, order)
-            torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-6, msg=name)
+        for conv in (False, True):
+            _check_attention_shards(mesh, conv)
+        _check_tied_weights_stay_tied(mesh)
         if rank == 0:
             Path(results).write_text("ok")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("conv", [False, True], ids=["fused-linear", "conv1d"])
-def test_apply_tp_on_two_gloo_ranks_matches_one_process(conv, tmp_path):
-    """apply_tp itself (fused reorder + ColwiseParallel, ShardedConv1D): output, input and weight gradients."""
+def _check_attention_shards(mesh, conv: bool) -> None:
+    """SplitAttention sharded by apply_tp equals the whole one: output, input gradient, weight gradients."""
+    from torch.distributed.tensor import DTensor
+
+    from planner.runtime.parallel import apply_tp
+
+    torch.manual_seed(0)
+    whole = nn.Module()
+    whole.attn = SplitAttention(conv)
+    sharded = copy.deepcopy(whole)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    want = whole.attn(x)
+    (want * torch.arange(want.numel()).view_as(want).sin()).sum().backward()
+    stage = ModelStage(sharded, ["attn"])
+    apply_tp(stage, mesh["tp"], _attention_layout(conv, 2), {})
+    assert isinstance(sharded.attn.qkv.weight, DTensor)
+    got = sharded.attn(x2)
+    (got * torch.arange(got.numel()).view_as(got).sin()).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-5, atol=1e-6)
+    order = chunk_shard_order(24, 3, 2)
+    col = 1 if conv else 0
+    for name in ("qkv.weight", "qkv.bias", "proj.weight", "proj.bias"):
+        ref = whole.attn.get_parameter(name).grad
+        grad = sharded.attn.get_parameter(name).grad
+        full = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        if name.startswith("qkv"):  # the fused column holds its features chunk-reordered
+            ref = ref.index_select(col if name.endswith("weight") else 0, order)
+        torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight  # GPT-2's wte / lm_head
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(idx))
+
+
+def _check_tied_weights_stay_tied(mesh) -> None:
+    """The vocab-parallel embedding and LM head share one sharded weight, so they train as one."""
+    torch.manual_seed(1)
+    whole = TiedLM()
+    idx = torch.randint(0, 16, (2, 5))
+    want = whole(idx)
+    want.square().sum().backward()
+    lm = copy.deepcopy(whole)
+    layout = Layout(pp=1, dp=1, tp=2, micro_batch_size=1, num_micro_batches=1, stages=[(0, ["emb", "head"])],
+                    tp_plan={"emb": "rowwise", "head": "colwise_gather"})
+    from planner.runtime.parallel import apply_tp
+
+    apply_tp(ModelStage(lm, ["emb", "head"]), mesh["tp"], layout, {})
+    assert lm.head.weight is lm.emb.weight and len(list(lm.parameters())) == 1
+    got = lm(idx)
+    got.square().sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lm.emb.weight.grad.full_tensor(), whole.emb.weight.grad, rtol=1e-5, atol=1e-6)
+    # Split two ways (features for one, vocabulary for the other), the copies could not stay one weight.
+    split = copy.deepcopy(whole)
+    layout = Layout(pp=1, dp=1, tp=2, micro_batch_size=1, num_micro_batches=1, stages=[(0, ["emb", "head"])],
+                    tp_plan={"emb": "colwise", "head": "colwise_gather"})
+    with pytest.raises(RunError, match="are one tied weight, but TP_PLAN splits them differently"):
+        apply_tp(ModelStage(split, ["emb", "head"]), mesh["tp"], layout, {})
+
+
+def test_apply_tp_on_two_gloo_ranks_matches_one_process(tmp_path):
+    """apply_tp itself, fused qkv Linear (chunk reorder + ColwiseParallel) and Conv1D (ShardedConv1D): output,
+    input and weight gradients; and tied embedding / LM head weights. Forked: the children share the imports."""
     import torch.multiprocessing as mp
 
     results = tmp_path / "ok"
-    mp.spawn(_tp_worker, args=(f"file://{tmp_path / 'rendezvous'}", conv, str(results)), nprocs=2, join=True)
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.start_processes(_tp_worker, args=(init, str(results)), nprocs=2, join=True, start_method="fork")
     assert results.read_text() == "ok"

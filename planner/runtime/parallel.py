@@ -358,6 +358,14 @@ def apply_tp(
         plan.update({n: s for n, s in sp_styles.items() if n not in layout.tp_plan and has_module(piece, n)})
         if plan:
             tied = tied_holders(piece)
+            # A module of the same type holding a tied copy of a sharded weight (T5 / BART's shared and
+            # encoder.embed_tokens) runs with the same style: the copies stay one weight, split alike.
+            for holders in tied:
+                styled = next((m for m, _ in holders if m in plan), None)
+                for mod_name, _ in holders:
+                    if styled and mod_name and mod_name not in plan:
+                        if type(piece.get_submodule(mod_name)) is type(piece.get_submodule(styled)):
+                            plan[mod_name] = plan[styled]
             parallelize_module(piece, tp_mesh, plan)
             retie(piece, tied)
 
@@ -373,23 +381,25 @@ def tied_holders(root: nn.Module) -> list[list[tuple[str, str]]]:
 
 def retie(root: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
     """Make tied weights one parameter again after sharding: parallelize_module replaces each module's
-    weight by its own DTensor, which would train the copies apart. The copies must be split alike (the
-    vocab-parallel embedding and LM head both split the vocabulary)."""
+    weight by its own DTensor, which would train the copies apart. Sharded copies must be split alike (the
+    vocab-parallel embedding and LM head both split the vocabulary); an unsharded holder outside the TP
+    plan (BERT's cls.predictions.bias, tied to the decoder's) holds the sharded parameter too."""
     for holders in tied:
-        (first_mod, first_name), *rest = holders
-        first = getattr(root.get_submodule(first_mod), first_name)
-        for mod_name, name in rest:
-            module = root.get_submodule(mod_name)
-            other = getattr(module, name)
-            if other is first:
-                continue
-            layouts = [tuple(t.placements) if isinstance(t, DTensor) else None for t in (first, other)]
-            if layouts[0] != layouts[1]:
+        params = [getattr(root.get_submodule(m), n) for m, n in holders]
+        sharded = [(h, p) for h, p in zip(holders, params) if isinstance(p, DTensor)]
+        if not sharded:
+            continue
+        (first_mod, first_name), first = sharded[0]
+        for (mod_name, name), other in sharded[1:]:
+            if other is not first and tuple(other.placements) != tuple(first.placements):
                 raise RunError(
                     f"{first_mod}.{first_name} and {mod_name}.{name} are one tied weight, but TP_PLAN splits them "
-                    f"differently ({layouts[0]} vs {layouts[1]}). Re-plan with the same style for both or neither."
+                    f"differently ({tuple(first.placements)} vs {tuple(other.placements)}). Re-plan with the same "
+                    "style for both or neither."
                 )
-            setattr(module, name, first)
+        for (mod_name, name), other in zip(holders, params):
+            if other is not first:
+                setattr(root.get_submodule(mod_name), name, first)
 
 
 def check_tp(roots: list[nn.Module], layout: Layout) -> None:
