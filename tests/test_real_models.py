@@ -389,3 +389,14 @@ def test_tp_in_a_traced_stage_is_refused_when_only_export_traces():
     piped = _dry_run(*src, "--tp", "2", "--pp", "2")
     assert piped.exit_code == 2
     assert "only torch.export could trace the model" in " ".join(piped.output.split())
+
+
+def test_a_traced_stage_refuses_tp_on_conv1d_and_head_counts_but_the_model_as_written_does_not():
+    from planner.search.space import runtime_traced_tp_refusal
+
+    g = graph_of("gpt2")
+    assert "only torch.export" in runtime_traced_tp_refusal(g)
+    fx_traced = g.model_copy(update={"trace_method": "fx"})
+    assert "is a Conv1D, which a traced stage has inlined" in runtime_traced_tp_refusal(fx_traced)
+    assert "reads its head count in forward" in runtime_traced_tp_refusal(graph_of("headcount_gpt"))
+    assert runtime_traced_tp_refusal(graph_of("moduledict_llama")) is None
