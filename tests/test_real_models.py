@@ -400,3 +400,13 @@ def test_a_traced_stage_refuses_tp_on_conv1d_and_head_counts_but_the_model_as_wr
     assert "is a Conv1D, which a traced stage has inlined" in runtime_traced_tp_refusal(fx_traced)
     assert "reads its head count in forward" in runtime_traced_tp_refusal(graph_of("headcount_gpt"))
     assert runtime_traced_tp_refusal(graph_of("moduledict_llama")) is None
+
+
+def test_an_embedding_that_computes_its_own_indices_stays_replicated():
+    """BART's learned positions look up `arange(...) + offset` inside their forward: a vocab-parallel split
+    masks only the indices a module is called with, so they stay whole (GPT-2's wpe, called with its
+    position ids, is split)."""
+    emb = next(u for u in graph_of("bart").units if "embed_positions" in u.name)
+    assert not any("embed_positions" in m for m in emb.tp_styles)
+    assert any("computes its indices in its own forward" in r for r in emb.tp_refused), emb.tp_refused
+    assert "transformer.wpe" in graph_of("gpt2").units[0].tp_styles
