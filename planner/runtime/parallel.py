@@ -360,12 +360,19 @@ def apply_tp(
             tied = tied_holders(piece)
             # A module of the same type holding a tied copy of a sharded weight (T5 / BART's shared and
             # encoder.embed_tokens) runs with the same style: the copies stay one weight, split alike.
+            # A Linear tied to a vocab-parallel embedding (BART's lm_head, followed by a bias add) is the
+            # vocab-parallel LM head, its logits gathered: the same split of the same weight.
             for holders in tied:
                 styled = next((m for m, _ in holders if m in plan), None)
                 for mod_name, _ in holders:
-                    if styled and mod_name and mod_name not in plan:
-                        if type(piece.get_submodule(mod_name)) is type(piece.get_submodule(styled)):
-                            plan[mod_name] = plan[styled]
+                    if not styled or not mod_name or mod_name in plan:
+                        continue
+                    holder, source = piece.get_submodule(mod_name), piece.get_submodule(styled)
+                    if type(holder) is type(source):
+                        plan[mod_name] = plan[styled]
+                    elif isinstance(holder, nn.Linear) and isinstance(source, nn.Embedding):
+                        if layout.tp_plan.get(styled) == "rowwise":
+                            plan[mod_name] = parallel_style("colwise_gather", holder)
             parallelize_module(piece, tp_mesh, plan)
             retie(piece, tied)
 
@@ -398,8 +405,14 @@ def retie(root: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
                     "style for both or neither."
                 )
         for (mod_name, name), other in zip(holders, params):
+            holder = root.get_submodule(mod_name)
+            if other is not first and isinstance(holder, (nn.Linear, nn.Embedding)) and not isinstance(other, DTensor):
+                raise RunError(
+                    f"{mod_name}.{name} is tied to {first_mod}.{first_name}, which TP_PLAN shards, but it computes "
+                    "with the whole weight. Re-plan with tp=1, or shard neither."
+                )
             if other is not first:
-                setattr(root.get_submodule(mod_name), name, first)
+                setattr(holder, name, first)
 
 
 def check_tp(roots: list[nn.Module], layout: Layout) -> None:
