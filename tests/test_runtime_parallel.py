@@ -260,10 +260,11 @@ def _check_tied_weights_stay_tied(mesh) -> None:
 
 def test_apply_tp_on_two_gloo_ranks_matches_one_process(tmp_path):
     """apply_tp itself, fused qkv Linear (chunk reorder + ColwiseParallel) and Conv1D (ShardedConv1D): output,
-    input and weight gradients; and tied embedding / LM head weights. Forked: the children share the imports."""
+    input and weight gradients; and tied embedding / LM head weights.
+    Spawned: a fork of a pytest-xdist worker can hang in gloo."""
     import torch.multiprocessing as mp
 
     results = tmp_path / "ok"
     init = f"file://{tmp_path / 'rendezvous'}"
-    mp.start_processes(_tp_worker, args=(init, str(results)), nprocs=2, join=True, start_method="fork")
+    mp.spawn(_tp_worker, args=(init, str(results)), nprocs=2, join=True)
     assert results.read_text() == "ok"
