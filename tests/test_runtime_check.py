@@ -93,13 +93,17 @@ def test_planner_plan_exits_2_and_writes_nothing(tmp_path):
     assert not out.exists() or not any(out.iterdir())
 
 
-def test_tp_on_gpt2s_conv1d_is_refused_at_plan_time():
+def test_tp_on_a_conv1d_the_plan_does_not_mark_transposed_is_refused_at_plan_time():
+    """The script shards GPT-2's Conv1D transposed only where the plan says its weight is [in, out]."""
     pytest.importorskip("transformers")
     from e2e.hf_plans import hf_plan
 
     plan = hf_plan("gpt2", tp=2, dp=2, tp_plan={"transformer.h.0.attn.c_attn": "colwise"})
-    with pytest.raises(PlanError, match=r"transformer.h.0.attn.c_attn, a Conv1D \(colwise\).*Conv1D is neither"):
+    with pytest.raises(PlanError, match=r"transformer.h.0.attn.c_attn, a Conv1D, but the plan does not list it in "):
         check_plan_runs(plan)
+    plan = plan.model_copy(update={"tp_transposed": ["transformer.h.0.attn.c_attn"]})
+    plan = plan.model_copy(update={"tp_fused": {"transformer.h.0.attn.c_attn": 3}})
+    check_plan_runs(plan)
 
 
 def _runs(monkeypatch) -> list[int]:

@@ -175,6 +175,8 @@ def _constants(plan: Plan, layout_digest: str | None = None) -> dict[str, str]:
         "LAYOUT_DIGEST": layout_digest,
         "EP": p.ep,
         "EXPERTS": compress_mapping(dict(plan.experts)),
+        "TP_FUSED": compress_mapping(dict(plan.tp_fused)),
+        "TP_TRANSPOSED": compress_names(list(plan.tp_transposed)),
         "SEED": t.seed,
         "LR": float(t.lr),
         "STEPS": t.steps,
@@ -198,6 +200,7 @@ def runtime_objects(plan: Plan) -> tuple[Layout, ModelFile, Training]:
         ),
         tp_plan=dict(plan.tp_plan), tp_head_attrs={k: tuple(v) for k, v in plan.tp_head_attrs.items()},
         ep=p.ep, experts=dict(plan.experts),
+        tp_fused=dict(plan.tp_fused), tp_transposed=tuple(plan.tp_transposed),
     )
     model = ModelFile(m.path, m.build_fn, m.inputs_fn, m.loss_fn, m.batch_fn, dict(m.model_args))
     return layout, model, Training(seed=t.seed, lr=float(t.lr), steps=t.steps, dtype=t.dtype)

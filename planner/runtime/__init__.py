@@ -47,6 +47,13 @@ What the run does with the models people have:
 - TP_HEAD_ATTRS: module attributes holding head counts are divided by tp before parallelize_module (as
   torchtitan does `attn.n_heads //= tp`); only for the model as written, since a traced graph has the
   counts baked in.
+- TP_FUSED: a column projection computing q, k and v in one output has its output features reordered
+  (parallel.chunk_shard_order) so that a plain Shard gives each rank its heads' slice of every chunk; the
+  sharded parameter is that fixed permutation of the model's (training does not see it; a checkpoint of
+  the sharded weight holds the reordered rows). Only equal chunks: a GQA qkv stays replicated.
+- TP_TRANSPOSED: HF's Conv1D (weight [in, out]) is replaced by parallel.ShardedConv1D, splitting weight
+  dim 1 (colwise) or 0 (rowwise), parameters keeping their names; not in a traced stage (fx inlines it).
+- Tied weights (GPT-2's wte / lm_head, both vocabulary-parallel) are one parameter again after sharding.
 """
 
 from __future__ import annotations

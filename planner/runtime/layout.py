@@ -101,6 +101,8 @@ class Layout:
     tp_head_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # module -> head-count attributes
     ep: int = 1  # expert parallelism: experts sharded over groups of ep consecutive dp ranks
     experts: dict[str, int] = field(default_factory=dict)  # MoE experts module -> number of experts
+    tp_fused: dict[str, int] = field(default_factory=dict)  # colwise module -> equal chunks of its output (q, k, v)
+    tp_transposed: tuple[str, ...] = ()  # TP modules whose weight is stored [in, out] (HF Conv1D)
 
     def __post_init__(self) -> None:
         # Stages may come as plain lists/tuples from the plan's constants.
@@ -115,6 +117,9 @@ class Layout:
         heads = {n: tuple(v) for k, v in self.tp_head_attrs.items() for n in expand_names(k)}
         object.__setattr__(self, "tp_head_attrs", heads)
         object.__setattr__(self, "experts", {n: c for k, c in self.experts.items() for n in expand_names(k)})
+        fused = {n: chunks for k, chunks in self.tp_fused.items() for n in expand_names(k)}
+        object.__setattr__(self, "tp_fused", fused)
+        object.__setattr__(self, "tp_transposed", tuple(n for k in self.tp_transposed for n in expand_names(k)))
         for name in ("pp", "dp", "tp", "virtual_stages", "micro_batch_size", "num_micro_batches", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -173,7 +173,6 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
         )
     check_ep_pin(graph, pins)
     max_tp = tp_limit(graph)
-    tp_refusal = runtime_tp_refusal(graph)
     traced_tp_refusal = runtime_traced_tp_refusal(graph)
     blocks = sum(1 for u in graph.units if u.kind == "block")
     has_tp = any(u.tp_pairs for u in graph.units)
@@ -279,10 +278,7 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                 if pins.sequence_parallel is not None and sp != pins.sequence_parallel:
                                     continue
                                 # The generated script must be able to run what is costed (issue 10): refuse
-                                # what its tensor parallelism cannot shard, with the reason.
-                                if tp > 1 and tp_refusal:
-                                    rej[(f"tp={tp}", tp_refusal)] += 1
-                                    continue
+                                # what its tensor parallelism cannot shard in a traced stage, with the reason.
                                 if tp > 1 and runs_traced_graph(pp, tp, sp) and traced_tp_refusal:
                                     rej[(f"tp={tp} with {'pp' if pp > 1 else 'sp'}", traced_tp_refusal)] += 1
                                     continue
@@ -375,27 +371,6 @@ def check_ep_pin(graph: ModelGraph, pins: Pins) -> None:
         )
 
 
-def runtime_tp_refusal(graph: ModelGraph) -> str | None:
-    """Why the generated script cannot apply tensor parallelism to this model at all; None if it can.
-
-    Fused projections (one Linear computing q, k and v) and HF's Conv1D (weight stored [in, out]) need a
-    sharding torch's ColwiseParallel / RowwiseParallel does not do: sharding them plainly would train wrong.
-    """
-    fused = sorted(m for u in graph.units for m in u.tp_fused)
-    transposed = sorted(m for u in graph.units for m in u.tp_transposed)
-    if transposed:
-        return (
-            f"the script's tensor parallelism cannot shard {transposed[0]} (a Conv1D, weight stored [in, out]: "
-            "torch's parallel styles take nn.Linear)"
-        )
-    if fused:
-        return (
-            f"the script's tensor parallelism cannot shard the fused projection {fused[0]} chunk by chunk "
-            "(q, k, v in one Linear); split it into separate Linears to use tp"
-        )
-    return None
-
-
 def runtime_traced_tp_refusal(graph: ModelGraph) -> str | None:
     """Why tensor parallelism cannot run in a traced (pipelined or sequence-parallel) stage; None if it can.
 
@@ -405,6 +380,10 @@ def runtime_traced_tp_refusal(graph: ModelGraph) -> str | None:
     """
     if graph.trace_method != "fx":
         return "only torch.export could trace the model, so a traced stage has no modules to shard"
+    transposed = sorted(m for u in graph.units for m in u.tp_transposed)
+    if transposed:
+        # fx traces through HF's Conv1D (not a torch.nn leaf): its addmm is in the graph, not the module.
+        return f"{transposed[0]} is a Conv1D, which a traced stage has inlined as an addmm on its weight"
     heads = sorted(m for u in graph.units for m in u.tp_head_attrs)
     if heads:
         return f"{heads[0]} reads its head count in forward, which a traced stage has baked into its graph"
