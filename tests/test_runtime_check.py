@@ -4,7 +4,9 @@ with the stage, module or rule named, and `planner plan` then exits 2 without wr
 from __future__ import annotations
 
 import pytest
+import torch
 from e2e.plans import TINY, make_plan
+from torch import nn
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -194,3 +196,100 @@ def test_a_large_model_branching_on_values_only_outside_tracing_passes(tmp_path,
     else:
         with pytest.raises(PlanError, match="fails on the meta device"):
             check_plan_runs(plan)
+
+
+RECOMPUTED = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.calls = 0
+
+    def forward(self, h):
+        self.calls += 1
+        if {once} and self.calls > 1:
+            raise RuntimeError("this block cannot run twice")
+        return self.lin(h)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj_in = nn.Linear(16, 64)
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x):
+        # Reads a child module's attribute, as HF ViT does (embeddings.patch_embeddings.projection.weight).
+        h = self.proj_in(x).to(self.blocks[0].lin.weight.dtype)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def build_model(**kwargs):
+    return Net()
+
+
+def example_inputs(batch_size, **kwargs):
+    return (torch.randn(batch_size, 16),)
+
+
+def loss_fn(output, x):
+    return output.mean()
+'''
+
+
+def _recomputed_plan(tmp_path, once: bool, recompute: str):
+    path = tmp_path / "recomputed.py"
+    path.write_text(RECOMPUTED.format(once=once))
+    plan = make_plan("mlp", dp=2, recompute=recompute)
+    return plan.model_copy(update={"model": plan.model.model_copy(update={"path": str(path)})})
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_checkpointed_units_stay_the_models_own_modules(tmp_path, recompute):
+    """Activation checkpointing hooks each unit in place (torch's composable checkpoint): the model's own
+    attribute reads of a checkpointed child keep working, and the unit keeps its type."""
+    from planner.runtime.parallel import apply_ac
+    from planner.runtime.stages import ModelStage
+
+    assert check_plan_runs(_recomputed_plan(tmp_path, once=False, recompute=recompute)) == "module"
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    apply_ac(ModelStage(model, ["0", "2"]), recompute, "1f1b")
+    assert type(model[0]) is nn.Linear and [n for n, _ in model.named_parameters()][0] == "0.weight"
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    assert model[0].weight.grad is not None
+
+
+def test_the_check_recomputes_as_the_run_does(tmp_path):
+    """A block that cannot run twice passes without recomputation and is refused with it: the check applies
+    the run's checkpointing, whose backward runs the block again."""
+    assert check_plan_runs(_recomputed_plan(tmp_path, once=True, recompute="none")) == "module"
+    with pytest.raises(PlanError, match="cannot run twice"):
+        check_plan_runs(_recomputed_plan(tmp_path, once=True, recompute="full"))
+
+
+def test_a_graph_with_integer_histc_is_refused_for_cpu_runs_only():
+    """transformers' MoE experts pick histc's dtype from the device: traced on meta, the graph holds the
+    GPU's int32 histc, which the CPU lacks; a pipeline on CPU ranks is refused with that reason."""
+    from planner.runtime.stages import trace, unsupported_on
+
+    class Counts(nn.Module):
+        def forward(self, x):
+            ids = x.argmax(-1)
+            counts = torch.histc(ids.int() if ids.device.type != "cpu" else ids.float(), bins=4, min=0, max=3)
+            return x * counts.sum()
+
+    gm, values, _ = trace(Counts(), (torch.randn(2, 4, device="meta"),))
+    why = unsupported_on(gm, values, "cpu")
+    assert why is not None and "torch.histc on torch.int32" in why
+    assert unsupported_on(gm, values, "cuda") is None
+    gm, values, _ = trace(Counts(), (torch.randn(2, 4),))
+    assert unsupported_on(gm, values, "cpu") is None

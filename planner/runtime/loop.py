@@ -37,6 +37,7 @@ from .stages import (
     cut_into_pieces,
     shared_weights,
     trace,
+    unsupported_on,
     with_structure,
 )
 from .tied import TiedWeights
@@ -177,13 +178,20 @@ def trace_and_cut(
     example: tuple[torch.Tensor, ...],
     tp_mesh: DeviceMesh | None,
     log: Callable[[str], None] = lambda _: None,
+    device_type: str = "cuda",
 ) -> tuple[fx.GraphModule, list[Piece], dict[str, ParallelStyle], str]:
     """Trace the model on the meta device and cut it into pieces, each in one stage (the same on every
-    rank: every rank cuts the whole model, then builds only its own stages)."""
+    rank: every rank cuts the whole model, then builds only its own stages), for a run on `device_type`."""
     meta_model = build_model(user, spec, seed, everything_on_meta=True)
     inputs = tuple(t.to("meta") for t in example[: input_count(meta_model, len(example))])
     meta_input = inputs[0]
     gm, values, method = trace(meta_model, inputs, log)
+    why = unsupported_on(gm, values, device_type)
+    if why is not None:
+        raise RunError(
+            f"A pipeline cannot run this model on the {device_type.upper()}: {why}. Re-plan with pp=1 (the model "
+            "as written runs the CPU's own path), or run on GPUs."
+        )
     if layout.tp_enabled and layout.tp_head_attrs:
         raise RunError(
             "TP_HEAD_ATTRS changes head counts the model reads in forward, which a traced pipeline stage has "
@@ -285,7 +293,8 @@ def run(
     sp_styles: dict[str, ParallelStyle] = {}
     if uses_graph(layout):
         gm, pieces, sp_styles, method = trace_and_cut(
-            user, spec, layout, training.seed, example, mesh["tp"] if layout.tp_enabled else None, log0
+            user, spec, layout, training.seed, example, mesh["tp"] if layout.tp_enabled else None, log0,
+            device.type,
         )
         built, model = build_local_stages(user, spec, training.seed, gm, pieces, local, device)
         stages = list(built)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch.distributed._composable import checkpoint as checkpoint_in_place
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -20,7 +21,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .errors import RunError
 from .experts import ExpertParallel
@@ -504,33 +505,25 @@ def recompute_attention_core(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Ch
     return CheckpointPolicy.PREFER_RECOMPUTE if op in ATTENTION_CORE else CheckpointPolicy.MUST_SAVE
 
 
-class Recompute(nn.Module):
-    """Activation checkpointing around one piece (one block): keep its inputs, recompute in backward.
-
-    "full" recomputes the whole block; "selective" keeps everything but the attention core.
-    """
-
-    def __init__(self, inner: nn.Module, selective: bool) -> None:
-        super().__init__()
-        self.inner = inner
-        self.selective = selective
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.selective:
-            context = functools.partial(create_selective_checkpoint_contexts, recompute_attention_core)
-            return checkpoint(self.inner, *args, use_reentrant=False, context_fn=context, **kwargs)
-        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
-
-
 def apply_ac(stage: LocalStage, recompute: str, schedule: str) -> None:
+    """Activation checkpointing of each unit (one block) that holds parameters: keep its inputs, recompute it
+    in backward. "full" recomputes the whole block; "selective" keeps everything but the attention core.
+
+    torch's composable checkpoint hooks the module in place instead of wrapping it: the model still holds
+    its own module, so code that reads a child's attributes (HF ViT reads `embeddings.patch_embeddings`)
+    or checks its type keeps working, and parameter names do not change."""
     if recompute not in ("full", "selective"):
         raise ValueError(f"Unknown recompute policy {recompute!r}: expected none, selective or full.")
     # Selective checkpointing allows one backward per region, but zero-bubble splits each backward in two
     # (input gradients, then weight gradients): there, recompute everything instead.
     selective = recompute == "selective" and schedule != "zero-bubble"
-    for i, unit in enumerate(stage.units()):
+    for unit in stage.units():
         if any(True for _ in unit.parameters()):
-            stage.replace_unit(i, Recompute(unit, selective=selective))
+            if selective:
+                context = functools.partial(create_selective_checkpoint_contexts, recompute_attention_core)
+                checkpoint_in_place(unit, context_fn=context)
+            else:
+                checkpoint_in_place(unit)
 
 
 def apply_expert_data_parallel(

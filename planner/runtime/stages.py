@@ -359,9 +359,6 @@ class StageModule(nn.Module):
         """What activation checkpointing and FSDP wrap one by one: the pieces."""
         return list(self.pieces)
 
-    def replace_unit(self, index: int, module: nn.Module) -> None:
-        self.pieces[index] = module
-
     def tp_roots(self) -> list[nn.Module]:
         """Modules under which the TP plan's (original) module names resolve."""
         return list(self.pieces)
@@ -384,16 +381,30 @@ class ModelStage(nn.Module):
     def units(self) -> list[nn.Module]:
         return [self.model.get_submodule(n) for n in self.names]
 
-    def replace_unit(self, index: int, module: nn.Module) -> None:
-        parent, _, child = self.names[index].rpartition(".")
-        setattr(self.model.get_submodule(parent) if parent else self.model, child, module)
-
     def tp_roots(self) -> list[nn.Module]:
         return [self.model]
 
 
 # What parallelize() takes: a stage cut from a traced graph, or the model as written.
 LocalStage: TypeAlias = StageModule | ModelStage
+
+
+def unsupported_on(gm: fx.GraphModule, values: dict[fx.Node, Any], device_type: str) -> str | None:
+    """Why the traced graph cannot run on `device_type`, if it cannot: tracing on the meta device records the
+    branches a model takes for a non-CPU device, and some of them call kernels the CPU lacks (transformers'
+    grouped-mm MoE experts count tokens per expert with torch.histc on int32 unless the device is the CPU)."""
+    if device_type != "cpu":
+        return None
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "histc" in str(node.target):
+            source = node.args[0] if node.args else None
+            value = values.get(source) if isinstance(source, fx.Node) else None
+            if isinstance(value, torch.Tensor) and not value.is_floating_point():
+                return (
+                    f"the traced graph computes torch.histc on {value.dtype} (node {node.name}), the path the model "
+                    "takes for GPUs when traced on the meta device, and the CPU has no integer histc"
+                )
+    return None
 
 
 def retarget_devices(graph: fx.Graph, device: torch.device) -> None:
