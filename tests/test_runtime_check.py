@@ -254,7 +254,7 @@ def _recomputed_plan(tmp_path, once: bool, recompute: str):
 
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 def test_checkpointed_units_stay_the_models_own_modules(tmp_path, recompute):
-    """Activation checkpointing hooks each unit in place (torch's composable checkpoint): the model's own
+    """Activation checkpointing runs each unit's own forward under checkpoint, in place: the model's own
     attribute reads of a checkpointed child keep working, and the unit keeps its type."""
     from planner.runtime.parallel import apply_ac
     from planner.runtime.stages import ModelStage

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.distributed._composable import checkpoint as checkpoint_in_place
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -21,7 +20,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .errors import RunError
 from .experts import ExpertParallel
@@ -505,13 +504,26 @@ def recompute_attention_core(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Ch
     return CheckpointPolicy.PREFER_RECOMPUTE if op in ATTENTION_CORE else CheckpointPolicy.MUST_SAVE
 
 
-def apply_ac(stage: LocalStage, recompute: str, schedule: str) -> None:
-    """Activation checkpointing of each unit (one block) that holds parameters: keep its inputs, recompute it
-    in backward. "full" recomputes the whole block; "selective" keeps everything but the attention core.
+def checkpoint_in_place(unit: nn.Module, selective: bool) -> None:
+    """Activation checkpointing of `unit` without replacing it: its own forward runs under torch's checkpoint.
+    The model still holds its module, so code reading a child's attributes (HF ViT reads
+    `embeddings.patch_embeddings`) or checking its type keeps working, and parameter names do not change.
+    (torch's composable checkpoint does the same with hooks, but cannot recompute twice, as zero-bubble's
+    split backward does.) FSDP's hooks stay outside the checkpointed region, as with a wrapper module."""
+    inner = unit.forward  # the class's forward, bound
 
-    torch's composable checkpoint hooks the module in place instead of wrapping it: the model still holds
-    its own module, so code that reads a child's attributes (HF ViT reads `embeddings.patch_embeddings`)
-    or checks its type keeps working, and parameter names do not change."""
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if selective:
+            context = functools.partial(create_selective_checkpoint_contexts, recompute_attention_core)
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=context, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    unit.forward = forward
+
+
+def apply_ac(stage: LocalStage, recompute: str, schedule: str) -> None:
+    """Checkpoint each unit (one block) that holds parameters: keep its inputs, recompute it in backward.
+    "full" recomputes the whole block; "selective" keeps everything but the attention core."""
     if recompute not in ("full", "selective"):
         raise ValueError(f"Unknown recompute policy {recompute!r}: expected none, selective or full.")
     # Selective checkpointing allows one backward per region, but zero-bubble splits each backward in two
@@ -519,11 +531,7 @@ def apply_ac(stage: LocalStage, recompute: str, schedule: str) -> None:
     selective = recompute == "selective" and schedule != "zero-bubble"
     for unit in stage.units():
         if any(True for _ in unit.parameters()):
-            if selective:
-                context = functools.partial(create_selective_checkpoint_contexts, recompute_attention_core)
-                checkpoint_in_place(unit, context_fn=context)
-            else:
-                checkpoint_in_place(unit)
+            checkpoint_in_place(unit, selective)
 
 
 def apply_expert_data_parallel(
