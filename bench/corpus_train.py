@@ -7,9 +7,9 @@ difference over 3 steps and the largest relative gradient-norm difference.
 
 CI plans and checks all of this matrix and trains the cases no other e2e file trains
 (tests/e2e/test_corpus_e2e.py; test_hf_e2e.py, test_tp_e2e.py and test_moe_e2e.py train the rest of the
-corpus); this script trains all of it. Each plan runs in-process (the CLI), each launch.sh under torchrun with 4 processes on the CPU
-(gloo); the single-process reference is trained once per model (the same global batch and seed for every
-layout). A benchmark: it prints, it asserts nothing.
+corpus); this script trains all of it. Each plan runs in-process (the CLI), each launch.sh under torchrun
+with 4 processes on the CPU (gloo); the single-process reference is trained once per model (the same
+global batch and seed for every layout). A benchmark: it prints, it asserts nothing.
 """
 
 from __future__ import annotations
