@@ -42,6 +42,13 @@ class BufferTracer(fx.Tracer):
 
     proxy_buffer_attributes = True
 
+    def __init__(self, leaves: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.leaves = leaves  # qualified names of modules kept as one call (expert-parallel experts)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
+
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         self._names: dict[int, str] = {}
         if isinstance(root, nn.Module):
@@ -80,21 +87,34 @@ def bind_defaults(gm: fx.GraphModule, n_inputs: int) -> None:
 
 
 def trace(
-    model: nn.Module, inputs: tuple[torch.Tensor, ...], log: Callable[[str], None] = lambda _: None
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    log: Callable[[str], None] = lambda _: None,
+    leaves: frozenset[str] = frozenset(),
 ) -> tuple[fx.GraphModule, dict[fx.Node, Any], str]:
     """Symbolic trace of forward(*inputs) (keeps module calls, so TP plan names apply); torch.export if that
-    fails. Returns the graph, each node's value on the meta inputs, and the method ("fx" or "export")."""
+    fails. Returns the graph, each node's value on the meta inputs, and the method ("fx" or "export").
+
+    `leaves`: modules the graph must call as they are (one call_module node, their code not inlined), so that
+    the script can swap them afterwards: the experts under expert parallelism. torch.export inlines every
+    module, so with leaves a failed symbolic trace is an error, not a fallback."""
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     try:
         forward_params = list(inspect.signature(model.forward).parameters.values())[len(inputs) :]
         concrete = {p.name: p.default for p in forward_params if p.default is not inspect.Parameter.empty}
-        gm = fx.GraphModule(model, BufferTracer().trace(model, concrete or None), type(model).__name__)
+        gm = fx.GraphModule(model, BufferTracer(leaves).trace(model, concrete or None), type(model).__name__)
         bind_defaults(gm, len(inputs))
         method = "fx"
         recorder = ValueRecorder(gm)
         recorder.run(*inputs)  # a symbolic trace can succeed yet bake in a wrong shape path
     except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
+        if leaves:
+            raise RunError(
+                f"Expert parallelism in a pipeline needs the model traced by torch.fx with its experts modules "
+                f"kept as calls, and torch.fx failed ({type(e).__name__}: {e}). Re-plan with pp=1 (experts "
+                "parallel on the model as written) or ep=1, or make the model traceable by torch.fx."
+            ) from e
         log(f"torch.fx symbolic tracing failed ({type(e).__name__}: {e}); using torch.export")
         gm = torch.export.export(model, tuple(inputs), strict=False).module()
         method = "export"

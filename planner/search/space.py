@@ -321,26 +321,39 @@ def ep_granularity(graph: ModelGraph) -> int:
     return g
 
 
+# Why ep > 1 with tp > 1 is refused, and what running it would take.
+EP_TP_REFUSAL = (
+    "the generated script shards experts only without tensor parallelism; ep with tp would need either the "
+    "experts' FFN weights sharded by tp inside each expert (torchtitan's expert tensor parallelism: a (ep, tp) "
+    "mesh, the routed tokens gathered over tp before the all-to-all over ep and reduce-scattered after it) or "
+    "the attention over tp and the experts over ep x tp ranks (the all-to-all over that larger group), with "
+    "cost terms for either; neither is implemented, so use tp = 1 with ep, or ep = 1 with tp"
+)
+
+
 def ep_degrees(
     graph: ModelGraph, dp: int, tp: int, pp: int, sp: bool, pins: Pins, rej: Counter[tuple[str, str]]
 ) -> list[int]:
     """Expert-parallel degrees for one (dp, tp, pp, sp): divisors of dp that divide every MoE layer's
-    expert count (each rank of an ep group holds whole experts), where the generated script can run them.
-    Without experts only ep = 1; a pin keeps just its value (checked in `check_ep_pin`)."""
+    expert count (each rank of an ep group holds whole experts), where the generated script can run them:
+    tp = 1, and with a pipeline a torch.fx trace (each stage keeps its experts as module calls and swaps
+    them for its slices; the ep group is ep consecutive ranks of the stage's dp group). Without experts only
+    ep = 1; a pin keeps just its value (checked in `check_ep_pin`)."""
     experts = ep_granularity(graph)
     out = []
     for ep in divisors(gcd(dp, experts)) if experts else [1]:
         if pins.ep is not None and ep != pins.ep:
             continue
         if ep > 1 and tp > 1:
-            rej[(f"ep={ep} tp={tp}", "the generated script shards experts only without tensor parallelism")] += 1
+            rej[(f"ep={ep} tp={tp}", EP_TP_REFUSAL)] += 1
             continue
-        if ep > 1 and runs_traced_graph(pp, tp, sp):
+        if ep > 1 and runs_traced_graph(pp, tp, sp) and graph.trace_method != "fx":
             rej[
                 (
                     f"ep={ep} pp={pp}",
-                    "the generated script swaps in the expert-parallel experts on the model as written; a "
-                    "pipeline stage runs a traced graph in which the experts are inlined",
+                    "a pipeline stage swaps its experts modules for their expert-parallel slices, which needs "
+                    "them as module calls in a torch.fx trace; only torch.export could trace the model, and it "
+                    "inlines them",
                 )
             ] += 1
             continue
