@@ -184,6 +184,11 @@ class Layout:
                 f"EP ({self.ep}) runs without tensor parallelism (TP = 1): the experts' slices are not TP-sharded; "
                 f"this plan has TP {self.tp}. {_FIX}"
             )
+        if self.pp > 1 and self.schedule == "zero-bubble":
+            raise LayoutError(
+                f"EP ({self.ep}) cannot run under the zero-bubble schedule: its split backward frees the "
+                f"experts' all-to-all saved tensors after the input-gradient pass. Use 1f1b. {_FIX}"
+            )
         if self.mesh_dims != ("pp", "dp", "tp"):
             raise LayoutError(f"EP needs MESH_DIMS ('pp', 'dp', 'tp'), got {list(self.mesh_dims)}. {_FIX}")
         if not self.experts:

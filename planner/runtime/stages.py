@@ -96,8 +96,9 @@ def trace(
     fails. Returns the graph, each node's value on the meta inputs, and the method ("fx" or "export").
 
     `leaves`: modules the graph must call as they are (one call_module node, their code not inlined), so that
-    the script can swap them afterwards: the experts under expert parallelism. torch.export inlines every
-    module, so with leaves a failed symbolic trace is an error, not a fallback."""
+    the script can swap them afterwards: the experts under expert parallelism. torch.fx keeps them as leaf
+    modules; torch.export inlines every module, so there each is exported as one opaque op
+    (`_export_keeping`) that is then turned back into a call of the module."""
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     try:
@@ -109,18 +110,82 @@ def trace(
         recorder = ValueRecorder(gm)
         recorder.run(*inputs)  # a symbolic trace can succeed yet bake in a wrong shape path
     except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
-        if leaves:
-            raise RunError(
-                f"Expert parallelism in a pipeline needs the model traced by torch.fx with its experts modules "
-                f"kept as calls, and torch.fx failed ({type(e).__name__}: {e}). Re-plan with pp=1 (experts "
-                "parallel on the model as written) or ep=1, or make the model traceable by torch.fx."
-            ) from e
         log(f"torch.fx symbolic tracing failed ({type(e).__name__}: {e}); using torch.export")
-        gm = torch.export.export(model, tuple(inputs), strict=False).module()
+        gm = _export_keeping(model, tuple(inputs), leaves) if leaves else torch.export.export(
+            model, tuple(inputs), strict=False
+        ).module()
         method = "export"
         recorder = ValueRecorder(gm)
         recorder.run(*inputs)
     return gm, recorder.values, method
+
+
+@torch.library.custom_op("planner_runtime::module_call", mutates_args=())
+def _module_call(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, name: str) -> torch.Tensor:
+    """Stands for the module `name` called as experts(hidden, top_k_index, top_k_weights) -> hidden's shape,
+    while torch.export traces; `_export_keeping` replaces it by the module call. Never run."""
+    raise RunError(f"internal error: the placeholder for {name} was left in the graph")
+
+
+@_module_call.register_fake
+def _(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, name: str) -> torch.Tensor:
+    return torch.empty_like(hidden)
+
+
+class _ShapeOf(nn.Module):
+    """The meta graph's stand-in for an experts module kept as a call: the output's shape and dtype."""
+
+    def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(hidden)
+
+
+def _export_keeping(model: nn.Module, inputs: tuple[torch.Tensor, ...], leaves: frozenset[str]) -> fx.GraphModule:
+    """torch.export of `model` with each module of `leaves` left as one call_module node: while exporting,
+    each is replaced by an opaque custom op (its shape from a fake kernel), which is then swapped for a call
+    of the module. The traced graph holds a stand-in of the right output shape there (running the model's
+    experts on meta can take a GPU-only kernel); each stage fetches the real module by name
+    (`build_local_stages`), and expert parallelism swaps it for this rank's slice."""
+    owned = dict(model.named_modules())
+    missing = sorted(leaves - owned.keys())
+    if missing:
+        raise RunError(f"EXPERTS names modules the model lacks: {missing[:5]}. Re-plan the model.")
+    saved = {}
+    for name in leaves:
+        mod = owned[name]
+        saved[name] = mod.__dict__.get("forward")
+
+        def call(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, _name: str = name) -> torch.Tensor:
+            return torch.ops.planner_runtime.module_call(hidden, index, weights, _name)
+
+        mod.forward = call  # type: ignore[method-assign]
+    try:
+        gm = torch.export.export(model, inputs, strict=False).module()
+    finally:
+        for name, forward in saved.items():
+            if forward is None:
+                del owned[name].forward
+            else:
+                owned[name].forward = forward  # type: ignore[method-assign]
+    op = torch.ops.planner_runtime.module_call.default
+    kept: dict[str, nn.Module] = {}
+    gm._kept = kept  # type: ignore[assignment]
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is op:
+            hidden, index, weights, name = node.args
+            gm.add_submodule(name, _ShapeOf())  # over the plain holder of its weights export may have made
+            kept[name] = gm.get_submodule(name)
+            with gm.graph.inserting_before(node):
+                call_node = gm.graph.call_module(name, (hidden, index, weights))
+            call_node.meta = dict(node.meta)
+            node.replace_all_uses_with(call_node)
+            gm.graph.erase_node(node)
+    # The kept modules' weights are read inside them now, not by the graph.
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and not node.users and any(node.target.startswith(f"{n}.") for n in leaves):
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
 
 
 def module_paths(node: fx.Node) -> list[str]:
@@ -321,7 +386,10 @@ def has_module(root: nn.Module, name: str) -> bool:
 
 def fetch(model: nn.Module, gm: fx.GraphModule, target: str, device: torch.device) -> Any:
     """What a piece's `target` refers to: the model's (materialised) module, parameter or buffer, else a
-    constant the tracer made (moved to `device`)."""
+    constant the tracer made (moved to `device`). On meta (the plan-time check) an experts module kept as a
+    call is the graph's shape stand-in (`_ShapeOf`): the experts' own meta run can take a GPU-only kernel."""
+    if device.type == "meta" and isinstance(getattr(gm, "_kept", {}).get(target), _ShapeOf):
+        return gm._kept[target]
     for root in (model, gm):
         obj: Any = root
         for part in target.split("."):

@@ -291,7 +291,7 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                         )
                                     ] += 1
                                     continue
-                                for ep in ep_degrees(graph, dp, tp, pp, sp, pins, rej):
+                                for ep in ep_degrees(graph, dp, tp, pp, sp, pins, rej, schedule):
                                     space.candidates.append(Candidate(dp, tp, pp, v, mbs, m, schedule, zero, sp, ep))
                                 if len(space.candidates) > MAX_CANDIDATES:
                                     raise ConfigError(
@@ -331,13 +331,22 @@ EP_TP_REFUSAL = (
 )
 
 
+# Why ep > 1 is refused with the zero-bubble schedule.
+EP_ZB_REFUSAL = (
+    "zero-bubble splits each backward into an input-gradient and a weight-gradient pass; the experts' "
+    "all-to-all (a collective inside autograd) belongs to both, and torch's split backward frees its saved "
+    "tensors after the first; use 1f1b or interleaved-1f1b with ep"
+)
+
+
 def ep_degrees(
-    graph: ModelGraph, dp: int, tp: int, pp: int, sp: bool, pins: Pins, rej: Counter[tuple[str, str]]
+    graph: ModelGraph, dp: int, tp: int, pp: int, sp: bool, pins: Pins, rej: Counter[tuple[str, str]],
+    schedule: str = "1f1b",
 ) -> list[int]:
     """Expert-parallel degrees for one (dp, tp, pp, sp): divisors of dp that divide every MoE layer's
     expert count (each rank of an ep group holds whole experts), where the generated script can run them:
-    tp = 1, and with a pipeline a torch.fx trace (each stage keeps its experts as module calls and swaps
-    them for its slices; the ep group is ep consecutive ranks of the stage's dp group). Without experts only
+    tp = 1 (with a pipeline, each stage's traced graph keeps its experts as module calls and swaps them for
+    its slices; the ep group is ep consecutive ranks of the stage's dp group). Without experts only
     ep = 1; a pin keeps just its value (checked in `check_ep_pin`)."""
     experts = ep_granularity(graph)
     out = []
@@ -347,15 +356,8 @@ def ep_degrees(
         if ep > 1 and tp > 1:
             rej[(f"ep={ep} tp={tp}", EP_TP_REFUSAL)] += 1
             continue
-        if ep > 1 and runs_traced_graph(pp, tp, sp) and graph.trace_method != "fx":
-            rej[
-                (
-                    f"ep={ep} pp={pp}",
-                    "a pipeline stage swaps its experts modules for their expert-parallel slices, which needs "
-                    "them as module calls in a torch.fx trace; only torch.export could trace the model, and it "
-                    "inlines them",
-                )
-            ] += 1
+        if ep > 1 and pp > 1 and schedule == "zero-bubble":
+            rej[(f"ep={ep} zero-bubble", EP_ZB_REFUSAL)] += 1
             continue
         out.append(ep)
     return out

@@ -5,6 +5,10 @@ launch.sh shards each MoE layer's experts over 2 ranks (all-to-all dispatch and 
 
 - tiny HF Mixtral: stacked expert weights (MixtralExperts), each rank keeping 2 of the 4 experts;
 - the DeepSeek-style fixture: experts in an nn.ModuleList plus a shared expert.
+
+With a pipeline each stage's traced graph keeps the experts modules as calls (torch.fx leaves for the
+fixture; for Mixtral, which only torch.export traces, an opaque op turned back into the call), so the CPU
+ranks run the experts' own CPU code, not the GPU path (int32 histc) a meta trace would inline.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ CASES = {
     "mixtral_dp4_ep2": (*MIXTRAL, DP4),
     "deepseek_style_dp4_ep2": (*DEEPSEEK, DP4),
     "deepseek_style_pp2_dp2_ep2": (*DEEPSEEK, PP2_DP2),
+    "mixtral_pp2_dp2_ep2": (*MIXTRAL, PP2_DP2),
 }
 
 
