@@ -45,10 +45,20 @@ CONFIGS = {
         "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
         "tie_word_embeddings": False,
     },
+    # DeepSeek-style too (fine-grained routed experts plus a shared expert), in Qwen's layout: 60 experts,
+    # top-4, one shared expert with a sigmoid gate.
+    "Qwen/Qwen1.5-MoE-A2.7B": {
+        "model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "hidden_size": 2048,
+        "intermediate_size": 5632, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+        "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 60,
+        "num_experts_per_tok": 4, "decoder_sparse_step": 1, "norm_topk_prob": False, "vocab_size": 151936,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
 }
 
 
-MOE = ("mistralai/Mixtral-8x7B-v0.1", "deepseek-ai/DeepSeek-V2-Lite")
+MOE = ("mistralai/Mixtral-8x7B-v0.1", "deepseek-ai/DeepSeek-V2-Lite", "Qwen/Qwen1.5-MoE-A2.7B")
 
 
 def search_only(cfg: Path, name: str, ep: str) -> None:

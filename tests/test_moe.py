@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pulp
 import pytest
+import torch
 
 from planner.cost.candidate import Candidate
 from planner.cost.terms import (
@@ -253,13 +254,10 @@ def test_ep_degrees_divide_dp_and_the_expert_count_and_refuse_tp():
     assert not any(c.ep > 1 and c.tp > 1 for c in space.candidates)
     reasons = " ".join(why for (_, why) in space.rejected)
     assert "shards experts only without tensor parallelism" in reasons and "expert tensor parallelism" in reasons
-    # This graph was traced by torch.export, which inlines the experts: no pipeline stage can swap them.
-    assert not any(c.ep > 1 and c.pp > 1 for c in space.candidates)
-    assert "needs them as module calls in a torch.fx trace" in reasons
-    # Traced by torch.fx, each stage keeps its experts as calls: ep runs alongside pp.
-    fx_space = enumerate_space(graph.model_copy(update={"trace_method": "fx"}), cluster, 64,
-                               Pins(micro_batch_size=1, zero_stage=1))
-    assert (8, 1, 2, 8) in {(c.dp, c.tp, c.pp, c.ep) for c in fx_space.candidates}
+    # Each pipeline stage keeps its experts as calls (torch.fx or torch.export): ep runs alongside pp.
+    assert (8, 1, 2, 8) in {(c.dp, c.tp, c.pp, c.ep) for c in space.candidates}
+    assert not any(c.ep > 1 and c.pp > 1 and c.schedule == "zero-bubble" for c in space.candidates)
+    assert "split backward frees its saved tensors" in " ".join(why for (_, why) in space.rejected)
 
 
 def test_ep_pin_is_checked_with_the_rule_and_the_fix():
@@ -353,6 +351,55 @@ def test_layout_validates_ep():
         layout(experts={})
     with pytest.raises(LayoutError, match="without tensor parallelism"):
         layout(dp=2, tp=2)
+    # With a pipeline (experts sharded inside each stage's dp group), except under zero-bubble.
+    two = (Stage(0, ("m",)), Stage(1, ("n",)))
+    assert layout(pp=2, dp=2, stages=two).ep_enabled
+    with pytest.raises(LayoutError, match="zero-bubble"):
+        layout(pp=2, dp=2, schedule="zero-bubble", stages=(*two, Stage(1, ("o",)), Stage(0, ("p",))),
+               virtual_stages=2)
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_a_pipeline_trace_keeps_the_experts_as_module_calls(method):
+    """Under expert parallelism a traced stage must call its experts modules (to swap them for this rank's
+    slice): torch.fx keeps them as leaves; torch.export's graph gets them back from an opaque op. Either
+    way no expert weight is read by the graph, and the experts' code is not inlined."""
+    from torch import nn
+
+    from planner.runtime.stages import _export_keeping, trace
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4, 8, 8))
+
+        def forward(self, hidden, index, weights):
+            return torch.einsum("th,thk->tk", hidden, self.w[index[:, 0]]) * weights[:, :1]
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(8, 4)
+            self.experts = Experts()
+
+        def forward(self, x):
+            w, i = torch.topk(self.gate(x).softmax(-1), 2)
+            return x + self.experts(x, i, w)
+
+    model = nn.Sequential(Block(), nn.Linear(8, 8)).to("meta")
+    x = torch.randn(5, 8, device="meta")
+    leaves = frozenset({"0.experts"})
+    if method == "fx":
+        gm, values, got = trace(model, (x,), leaves=leaves)
+        assert got == "fx"
+    else:
+        gm = _export_keeping(model, (x,), leaves)
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "0.experts"]
+    assert len(calls) == 1 and len(calls[0].args) == 3
+    assert not any(n.op == "get_attr" and str(n.target).startswith("0.experts.") for n in gm.graph.nodes)
+    assert not any("einsum" in str(n.target) for n in gm.graph.nodes)
+    assert gm(x).shape == (5, 8)
+    assert model[0].experts.forward.__func__ is Experts.forward  # the model's own forward is back
 
 
 def test_report_shows_ep_only_where_a_layout_has_it():
