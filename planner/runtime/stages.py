@@ -9,6 +9,7 @@ plan's TP names apply to them.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -132,6 +133,10 @@ def _(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, name: st
     return torch.empty_like(hidden)
 
 
+# Per exported graph, the stand-ins of the modules it keeps as calls (by name).
+_KEPT: weakref.WeakKeyDictionary[fx.GraphModule, dict[str, nn.Module]] = weakref.WeakKeyDictionary()
+
+
 class _ShapeOf(nn.Module):
     """The meta graph's stand-in for an experts module kept as a call: the output's shape and dtype."""
 
@@ -155,9 +160,10 @@ def _export_keeping(model: nn.Module, inputs: tuple[torch.Tensor, ...], leaves: 
         saved[name] = mod.__dict__.get("forward")
 
         def call(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, _name: str = name) -> torch.Tensor:
-            return torch.ops.planner_runtime.module_call(hidden, index, weights, _name)
+            out: torch.Tensor = torch.ops.planner_runtime.module_call(hidden, index, weights, _name)
+            return out
 
-        mod.forward = call  # type: ignore[method-assign]
+        mod.forward = call
     try:
         gm = torch.export.export(model, inputs, strict=False).module()
     finally:
@@ -165,10 +171,9 @@ def _export_keeping(model: nn.Module, inputs: tuple[torch.Tensor, ...], leaves: 
             if forward is None:
                 del owned[name].forward
             else:
-                owned[name].forward = forward  # type: ignore[method-assign]
+                owned[name].forward = forward
     op = torch.ops.planner_runtime.module_call.default
-    kept: dict[str, nn.Module] = {}
-    gm._kept = kept  # type: ignore[assignment]
+    kept = _KEPT[gm] = {}
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is op:
             hidden, index, weights, name = node.args
@@ -388,8 +393,9 @@ def fetch(model: nn.Module, gm: fx.GraphModule, target: str, device: torch.devic
     """What a piece's `target` refers to: the model's (materialised) module, parameter or buffer, else a
     constant the tracer made (moved to `device`). On meta (the plan-time check) an experts module kept as a
     call is the graph's shape stand-in (`_ShapeOf`): the experts' own meta run can take a GPU-only kernel."""
-    if device.type == "meta" and isinstance(getattr(gm, "_kept", {}).get(target), _ShapeOf):
-        return gm._kept[target]
+    stand_in = _KEPT.get(gm, {}).get(target)
+    if device.type == "meta" and stand_in is not None:
+        return stand_in
     for root in (model, gm):
         obj: Any = root
         for part in target.split("."):
