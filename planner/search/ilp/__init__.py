@@ -36,6 +36,9 @@ Constraint families (`constraints`, one function each):
   Y >= sum_q y_{0,q} Y*_q; zero-bubble F >= fwd_s, F >= sum_q y_{0,q} F*_q.
 - tail, `add_tail`: e_r >= sum_{rank(s)=r} sync(G_s) - window(tot_f - fwd_f), f the rank's first stage,
   e_r >= 0, tail >= e_r + step(sum_{rank(s)=r} P_s), tail >= step(max_u P_u).
+- tail cut, `tailcut.tail_floor` (interval and assign forms, one stage per rank): tail >= tau*, the least
+  largest per-rank tail over partitions, and (m-1) Z + tail >= J*, their joint minimum; a start whose
+  objective reaches work + p2p bound + J* is returned as optimal without calling CBC.
 - joint cut, `add_joint_cut` (count form): (m-1) Z + tail >= J*, or m Y + (p-1) (Z or F) + tail >= J*_q.
 - objective, `objective`: min pipeline_time(sum_s T_s, Z, Y, F, sum_s p2p(b_s)) + tail, that is
   sum_s T_s + (m-1) Z (GPipe, 1F1B), m Y + (p-1) Z (interleaved), m Y + (p-1) F (zero-bubble), plus
