@@ -1,9 +1,11 @@
 """A valid cut on the ILP's tail variable with one stage per rank (GPipe, 1F1B).
 
 There each rank holds one stage, and the tail is the largest over stages of
-tau(i, j, q) = max(0, sync(P_ij) - window(B_ij^q)) + step(P_ij), with P_ij the parameters of units
-i..j-1, B_ij^q their backward in mode q, sync / step / window the terms of `planner.cost.terms`
-(`dp_sync_time`, `optimizer_step_time`, `sync_overlap_window`) as `constraints.add_tail` writes them.
+tau(i, j, q) = max(0, sync(Q_ij) - window(B_ij^q)) + step(P_ij), with P_ij the parameters of units
+i..j-1, Q_ij the same as the data-parallel sync counts them (`UnitCost.sync_params`: experts sync over
+fewer replicas), B_ij^q their backward in mode q, and sync / step / window the terms of
+`planner.cost.terms` (`dp_sync_time`, `optimizer_step_time`, `sync_overlap_window`) as
+`constraints.add_tail` writes them.
 Any plan the ILP allows gives each stage an interval and a mode that fits memory there, so
 
     tail >= tau* = min over contiguous partitions of max_s min_{q fits at s} tau(i_s, j_s, q),
@@ -56,15 +58,20 @@ def tail_floor(
     if cand.virtual_stages != 1:
         return None
     U, S, m = len(costs), cand.stages, cand.num_micro_batches
-    pre = np.concatenate([[0.0], np.cumsum([c.params_local for c in costs])])
-    params = pre[None, :] - pre[:, None]
+    def span(xs: list[float]) -> np.ndarray:  # span[i, j] = the sum over units i..j-1
+        pre = np.concatenate([[0.0], np.cumsum(xs)])
+        out: np.ndarray = pre[None, :] - pre[:, None]
+        return out
+
+    params = span([c.params_local for c in costs])
+    synced = span([c.sync_params for c in costs])  # as the data-parallel sync counts them (experts)
     a_sync, c_sync = linear_form(lambda x: dp_sync_time(x, cand, cluster, dtype))
     a_step, c_step = linear_form(lambda x: optimizer_step_time(x, cand, cluster, dtype))
     a_win, c_win = linear_form(lambda b: sync_overlap_window(b, cand, options))
     tau, time = {}, {}
     for q in modes:
         window = a_win * (tables.t[q] - tables.fwd) + c_win
-        tau[q] = np.maximum(0.0, a_sync * params + c_sync - window) + a_step * params + c_step
+        tau[q] = np.maximum(0.0, a_sync * synced + c_sync - window) + a_step * params + c_step
         time[q] = np.maximum(tables.t[q], tables.gather)  # T_s >= the stage's time and its ZeRO-3 gathers
     taus = np.unique(np.concatenate([tau[q][tables.valid] for q in modes]))
     times = np.unique(np.concatenate([time[q][tables.valid] for q in modes]))
