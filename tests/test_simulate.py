@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -361,13 +360,12 @@ def test_deterministic():
     assert simulate(*args).events == simulate(*args).events
 
 
-def test_large_schedule_is_fast():
+def test_large_schedule_matches_the_closed_form():
+    """64 ranks x 2 stages, 512 micro-batches, free communication: the event simulation reproduces the
+    interleaved closed form (its speed is measured by bench/search_speed.py, not asserted here)."""
     n = 128
-    start = time.perf_counter()
-    sim = simulate("interleaved-1f1b", 64, 512, 2, [1.0] * n, [2.0] * n, p2p=0.05)
-    elapsed = time.perf_counter() - start
-    assert sim.iteration_time > 0
-    assert elapsed < 1.0, f"simulate took {elapsed:.2f} s"
+    sim = simulate("interleaved-1f1b", 64, 512, 2, [1.0] * n, [2.0] * n)
+    assert sim.iteration_time == pytest.approx(iteration_time_uniform("interleaved-1f1b", 64, 512, 2, 2.0, 4.0))
 
 
 @pytest.mark.parametrize(
