@@ -1,0 +1,51 @@
+"""torchtitan model sources: torchtitan:MODEL --flavor NAME compiled into a model file and built on meta."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from planner.errors import ModelLoadError
+from planner.model.sources import compile_source
+
+pytest.importorskip("torchtitan")
+
+
+def test_unknown_model_lists_the_known_ones(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"no model 'llama9'.*llama3.*deepseek_v3|no model 'llama9'.*deepseek"):
+        compile_source("torchtitan:llama9", tmp_path, flavor="8B")
+    assert not (tmp_path / "model_source.py").exists()
+
+
+def test_unknown_flavor_lists_the_known_ones(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"no flavor '9B'.*debugmodel, 1B, 3B, 8B, 70B, 405B"):
+        compile_source("torchtitan:llama3", tmp_path, flavor="9B")
+    with pytest.raises(ModelLoadError, match="needs a flavor"):
+        compile_source("torchtitan:llama3", tmp_path)
+
+
+def test_flavor_without_titan_source_is_refused(tmp_path):
+    result = CliRunner().invoke(
+        app,
+        [
+            "plan", "sample_models/gpt.py", "--flavor", "8B", "--gpu", "cpu", "--global-batch-size", "8",
+            "--out", str(tmp_path / "p"), "--quiet",
+        ],
+    )
+    assert result.exit_code == 2
+    assert "not a torchtitan:MODEL source" in result.output
+    assert not (tmp_path / "p").exists()
+
+
+def test_debugmodel_units_are_the_moduledict_blocks(tmp_path):
+    from planner.model.analysis import analyse_model
+    from planner.model.load import load_model_file
+
+    path = compile_source("torchtitan:llama3", tmp_path, seq=32, flavor="debugmodel")
+    text = path.read_text()
+    assert "ScaledDotProductAttention" in text and "'rope_max_seq_len': 32" in text
+    graph = analyse_model(load_model_file(path, {"seq": 32}))
+    names = [u.name for u in graph.units]
+    assert [n for n in names if n.startswith("layers.")] == [f"layers.{i}" for i in range(6)], names
+    assert graph.source_settings["attention"] == "sdpa_causal"
