@@ -1,6 +1,7 @@
 """Plan real models at full size on meta from their Hugging Face configs, and print how long it takes.
 
     python bench/real_models.py            # Llama-3-70B and Mixtral-8x7B on 64 H100s (8 nodes)
+                                           # + torchtitan llama3 70B and deepseek_v3 16B when installed
 
 The configs are written from transformers' config classes with the published sizes (nothing downloads);
 each plan runs `planner plan hf:NAME --hf-config ...` in a fresh process, so the time includes importing
@@ -35,12 +36,21 @@ CONFIGS = {
 }
 
 
-def plan(name: str, config: dict, work: Path) -> None:
-    cfg = work / name.replace("/", "--") / "config.json"
-    cfg.parent.mkdir(parents=True)
-    cfg.write_text(json.dumps(config, indent=2))
-    out = cfg.parent / "plan"
-    cmd = [sys.executable, "-m", "cli.main", "plan", f"hf:{name}", "--hf-config", str(cfg), "--model-arg", "seq=4096",
+# torchtitan's own registry (torchtitan:MODEL --flavor NAME), built on meta; skipped without the titan extra.
+TITAN = {"torchtitan:llama3": "70B", "torchtitan:deepseek_v3": "16B"}
+
+
+def plan(name: str, config: dict | str, work: Path) -> None:
+    folder = work / name.replace("/", "--").replace(":", "-")
+    folder.mkdir(parents=True)
+    out = folder / "plan"
+    if isinstance(config, str):  # a torchtitan flavor
+        source = [name, "--flavor", config]
+    else:
+        cfg = folder / "config.json"
+        cfg.write_text(json.dumps(config, indent=2))
+        source = [f"hf:{name}", "--hf-config", str(cfg)]
+    cmd = [sys.executable, "-m", "cli.main", "plan", *source, "--model-arg", "seq=4096",
            "--gpu", "h100-sxm-80gb", "--nodes", "8", "--global-batch-size", "512", "--out", str(out), "--json"]
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -63,6 +73,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, config in CONFIGS.items():
             plan(name, config, Path(tmp))
+        import importlib.util
+
+        if importlib.util.find_spec("torchtitan") is not None:
+            for name, flavor in TITAN.items():
+                plan(name, flavor, Path(tmp))
 
 
 if __name__ == "__main__":
