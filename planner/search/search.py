@@ -77,17 +77,20 @@ class SearchResult:
 
 @dataclass
 class CostTable:
-    """Unit costs per (tp, mbs, sp), computed once per distinct unit signature."""
+    """Unit costs per (tp, mbs, sp) (and, under expert parallelism, per (ep, dp, zero), which set the
+    experts' share of the states and the all-to-all), computed once per distinct unit signature."""
 
     graph: ModelGraph
     cluster: ClusterSpec
     profile: Profile | None
     _by_sig: dict[tuple[object, ...], UnitCost] = field(default_factory=dict)
-    _lists: dict[tuple[int, int, bool], list[UnitCost]] = field(default_factory=dict)
+    _lists: dict[tuple[object, ...], list[UnitCost]] = field(default_factory=dict)
 
     def units(self, cand: Candidate) -> list[UnitCost]:
         """The units' costs under the candidate (one shared list per (tp, mbs, sp): do not modify it)."""
-        key = (cand.tp, cand.micro_batch_size, cand.sequence_parallel)
+        key: tuple[object, ...] = (cand.tp, cand.micro_batch_size, cand.sequence_parallel)
+        if cand.ep > 1:
+            key += (cand.ep, cand.dp, cand.zero_stage)
         if key in self._lists:
             return self._lists[key]
         out: list[UnitCost] = []
@@ -144,7 +147,9 @@ def search(
         if pins.recompute:
             costs = [_only(c, pins.recompute) for c in costs]
         cand_modes = tuple(m for m in modes if not (cand.schedule == "zero-bubble" and m == "selective")) or modes
-        tkey = (cand.tp, cand.micro_batch_size, cand.sequence_parallel, cand_modes)
+        tkey: tuple[object, ...] = (cand.tp, cand.micro_batch_size, cand.sequence_parallel, cand_modes)
+        if cand.ep > 1:  # the unit costs differ per (ep, dp, zero) then (CostTable)
+            tkey += (cand.ep, cand.dp, cand.zero_stage)
         if tkey not in totals:
             totals[tkey] = Totals.of(costs, cand_modes)
         b = simple_bound(totals[tkey], cand, cluster, dtype, options)
@@ -291,11 +296,13 @@ def _only(c: UnitCost, mode: str) -> UnitCost:
 
 
 def _key(c: Candidate) -> tuple[object, ...]:
-    return (c.pp, c.tp, c.virtual_stages, -c.micro_batch_size, c.schedule, c.zero_stage, c.sequence_parallel, c.dp)
+    return (
+        c.pp, c.tp, c.virtual_stages, -c.micro_batch_size, c.schedule, c.zero_stage, c.sequence_parallel, c.dp, c.ep
+    )
 
 
 def _region(c: Candidate) -> str:
-    return f"dp={c.dp} tp={c.tp} pp={c.pp}"
+    return f"dp={c.dp} tp={c.tp} pp={c.pp}" + (f" ep={c.ep}" if c.ep > 1 else "")
 
 
 def _nothing_fits(
