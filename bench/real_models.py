@@ -78,17 +78,17 @@ def plan(name: str, config: dict | str, work: Path) -> None:
 
 
 def main() -> None:
+    import importlib.util
+
     only = sys.argv[1:]
+    models: dict[str, dict | str] = dict(CONFIGS)
+    if importlib.util.find_spec("torchtitan") is not None:
+        models.update(TITAN)
     with tempfile.TemporaryDirectory() as tmp:
-        for name, config in CONFIGS.items():
+        for name, config in models.items():
             if only and not any(word in name for word in only):
                 continue
             plan(name, config, Path(tmp))
-        import importlib.util
-
-        if importlib.util.find_spec("torchtitan") is not None:
-            for name, flavor in TITAN.items():
-                plan(name, flavor, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -49,3 +49,23 @@ def test_debugmodel_units_are_the_moduledict_blocks(tmp_path):
     names = [u.name for u in graph.units]
     assert [n for n in names if n.startswith("layers.")] == [f"layers.{i}" for i in range(6)], names
     assert graph.source_settings["attention"] == "sdpa_causal"
+
+
+def test_debugmodel_tp_shards_attention_mlp_and_the_vocabulary(tmp_path):
+    """The fused qkv (heads grouped with their q, k, v: plain column split), wo, the MLP, tok_embeddings and
+    the LM head are sharded; nothing is refused (the complex rotary table broadcasts over heads)."""
+    from planner.model.analysis import analyse_model
+    from planner.model.load import load_model_file
+
+    path = compile_source("torchtitan:llama3", tmp_path, seq=32, flavor="debugmodel")
+    graph = analyse_model(load_model_file(path, {"seq": 32}))
+    block = next(u for u in graph.units if u.name == "layers.0")
+    assert not block.tp_refused, block.tp_refused
+    assert block.tp_shards_attention and not block.tp_fused
+    styles = {k.removeprefix("layers.0."): v for k, v in block.tp_styles.items()}
+    assert styles == {
+        "attention.qkv_linear.wqkv": "colwise", "attention.wo": "rowwise", "feed_forward.w1": "colwise",
+        "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
+    }
+    others = {k: v for u in graph.units if not u.name.startswith("layers.") for k, v in u.tp_styles.items()}
+    assert others == {"tok_embeddings": "rowwise", "lm_head": "colwise_gather"}

@@ -1,6 +1,6 @@
 """torchtitan's Llama 3 debugmodel (torchtitan:llama3 --flavor debugmodel, blocks in a ModuleDict), planned
 by `planner plan` for 4 CPU ranks; the generated launch.sh trains 3 steps and the loss equals a
-single-process run of the same micro-batches within 1e-4."""
+single-process run of the same micro-batches within 1e-4, for dp4, pp2 x dp2 and tp2 x dp2."""
 
 from __future__ import annotations
 
@@ -36,29 +36,19 @@ def plan_titan(out, *pins: str):
     )
 
 
-# Known bug, not yet fixed: the tp2 x dp2 plan is written but its script fails in torchtitan's embedding
-# ("aten.embedding.default got mixed torch.Tensor and DTensor"): the runtime's TP leaves a DTensor weight the
-# token ids never meet. strict: the test fails once it trains, so the mark is removed then.
-KNOWN_FAILING = {"tp2_dp2": "runtime TP: torchtitan Embedding gets a DTensor weight and plain token ids"}
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILING[c])) if c in KNOWN_FAILING else c
-        for c in CASES
-    ],
-)
+@pytest.mark.parametrize("case", list(CASES))
 def test_titan_llama3_trains_like_one_process(case, tmp_path):
     out = tmp_path / "plan"
     result = plan_titan(out, *CASES[case])
-    if result.exit_code == 2:  # refused before writing anything, with the reason
-        assert not out.exists(), result.output
-        assert "tensor parallel" in result.output or "pipeline" in result.output, result.output
-        pytest.xfail(f"{case} refused by the planner: {result.output.strip()[:300]}")
     assert result.exit_code == 0, result.output
     plan = load_plan(out)
     assert plan.parallel.world_size == 4
+    if plan.parallel.tp > 1:
+        # What the cost model split is what the script shards: attention (the fused qkv, its heads kept
+        # apart through the complex rotary table), the MLP, the vocabulary-parallel embedding and LM head.
+        assert not plan.tp_refused, plan.tp_refused
+        for name in ("tok_embeddings", "layers.0.attention.qkv_linear.wqkv", "layers.0.attention.wo", "lm_head"):
+            assert name in plan.tp_plan, (name, sorted(plan.tp_plan))
     run(["bash", str(out / "launch.sh"), "--steps", str(STEPS)], tmp_path)
     metrics = json.loads((out / "metrics.json").read_text())
     expected = train(reference_of(plan), tmp_path / "reference", 1)
