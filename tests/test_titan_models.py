@@ -69,3 +69,20 @@ def test_debugmodel_tp_shards_attention_mlp_and_the_vocabulary(tmp_path):
     }
     others = {k: v for u in graph.units if not u.name.startswith("layers.") for k, v in u.tp_styles.items()}
     assert others == {"tok_embeddings": "rowwise", "lm_head": "colwise_gather"}
+
+
+def test_deepseek_v3_plans_on_meta_with_selective_recompute(tmp_path):
+    """torchtitan's MoE router runs its gate under torch.autocast(device_type=x.device.type), which the meta
+    device has not (both tracers failed: "unsupported autocast device_type 'meta'"); its blocks fill tensors
+    in place under selective recompute. Planned with the plan-time check, written."""
+    out = tmp_path / "plan"
+    result = CliRunner().invoke(
+        app,
+        [
+            "plan", "torchtitan:deepseek_v3", "--flavor", "debugmodel", "-a", "seq=32", "--gpu", "cpu", "--nodes",
+            "1", "--gpus-per-node", "4", "--global-batch-size", "8", "--micro-batch-size", "2", "--dp", "4",
+            "--recompute", "selective", "--out", str(out), "--quiet",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert (out / "plan.json").exists() and (out / "train.py").exists()

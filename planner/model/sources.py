@@ -251,6 +251,31 @@ FLAVOR = {flavor!r}
 SETTINGS = {settings!r}
 
 
+def _autocast_off_on_meta():
+    """torchtitan's MoE router computes its gate under torch.autocast(device_type=x.device.type), and the meta
+    device the planner traces and checks on has no autocast ("unsupported autocast device_type 'meta'"): on
+    meta, and only there, the region runs without autocast (the gate in the model's dtype instead of fp32).
+    torch.autocast on the run's device is unchanged."""
+    init = torch.autocast.__init__
+    if getattr(init, "planner_meta", False):
+        return
+
+    def __init__(self, device_type, *args, **kwargs):
+        if device_type == "meta":
+            device_type = "cpu"
+            if len(args) >= 2:
+                args = (args[0], False, *args[2:])
+            else:
+                kwargs["enabled"] = False
+        init(self, device_type, *args, **kwargs)
+
+    __init__.planner_meta = True
+    torch.autocast.__init__ = __init__
+
+
+_autocast_off_on_meta()
+
+
 def _config(seq):
     from torchtitan.models.common.attention import ScaledDotProductAttention
 

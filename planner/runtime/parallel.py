@@ -550,7 +550,14 @@ def checkpoint_in_place(unit: nn.Module, selective: bool) -> None:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if selective:
-            context = functools.partial(create_selective_checkpoint_contexts, recompute_attention_core)
+            # A saved output that the forward then fills in place (torch's composite rms_norm on CPU and meta:
+            # `mean(x*x).add_(eps)`; torchtitan's router: `zeros_like(s).scatter_(...)`) is returned as it was
+            # left: the in-place op is saved too, and only the attention core, which reads no tensor that is
+            # mutated after it, is recomputed. Without this, such blocks fail in backward ("Tensor cached
+            # during selective activation checkpoint has been mutated").
+            context = functools.partial(
+                create_selective_checkpoint_contexts, recompute_attention_core, allow_cache_entry_mutation=True
+            )
             return checkpoint(inner, *args, use_reentrant=False, context_fn=context, **kwargs)
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
