@@ -5,6 +5,8 @@ the plan reports."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import hypothesis.strategies as st
 import numpy as np
 import pulp
@@ -113,17 +115,7 @@ def test_guards_apply_to_plain_numbers_only():
     _, lat = terms.p2p_link(c, cl)
     assert terms.linear_form(lambda b: terms.p2p_time(b, c, cl))[1] == pytest.approx(lat)
     # a single replica has no gradient sync, however it is evaluated
-    one = Candidate(
-        dp=1,
-        tp=1,
-        pp=2,
-        virtual_stages=1,
-        micro_batch_size=1,
-        num_micro_batches=4,
-        schedule="1f1b",
-        zero_stage=1,
-        sequence_parallel=False,
-    )
+    one = dataclasses.replace(c, dp=1)
     assert terms.linear_form(lambda p: terms.dp_sync_time(p, one, cl, "bf16")) == (0.0, 0.0)
 
 

@@ -23,6 +23,7 @@ from planner.cost.terms import (
     dp_link,
     dp_sync_time,
     expert_state_params,
+    expert_sync_params,
     moe_alltoall_time,
     optimizer_step_time,
     p2p_link,
@@ -73,6 +74,13 @@ class UnitCost:
     largest_param_bytes: float
     source: str
     ep_comm: float = 0.0  # expert-parallel all-to-all per micro-batch, forward + backward
+    # parameters as the data-parallel ring terms count them (gradient sync, ZeRO-3 gathers); None: params_local.
+    # They differ only for experts, which reduce over the dp/ep replicas (`terms.expert_sync_params`).
+    sync_params_or_none: float | None = None
+
+    @property
+    def sync_params(self) -> float:
+        return self.params_local if self.sync_params_or_none is None else self.sync_params_or_none
 
 
 def gemm_efficiency(cluster: ClusterSpec, dim: float) -> float:
@@ -188,7 +196,9 @@ def unit_cost(
     }
     shard = unit.tp_shardable_params if cand.tp > 1 else 0
     experts = unit.expert_params  # not TP-sharded; ep divides them (`terms.expert_state_params`)
-    params_local = (unit.params - experts - shard) + shard / cand.tp + expert_state_params(experts, cand, dtype)
+    dense = (unit.params - experts - shard) + shard / cand.tp
+    params_local = dense + expert_state_params(experts, cand, dtype)
+    sync_params = dense + expert_sync_params(experts, cand) if experts and cand.ep > 1 else None
     return UnitCost(
         fwd=fwd,
         bwd=bwd,
@@ -199,16 +209,18 @@ def unit_cost(
         largest_param_bytes=unit.param_bytes / (cand.tp if shard else 1),
         source=source,
         ep_comm=2.0 * a2a,
+        sync_params_or_none=sync_params,
     )
 
 
 # ---------------------------------------------------------------------------------------------- layout
 
 
-def dp_comm_time(params_local: float, cand: Candidate, cluster: ClusterSpec, dtype: str) -> tuple[float, float]:
+def dp_comm_time(sync_params: float, cand: Candidate, cluster: ClusterSpec, dtype: str) -> tuple[float, float]:
     """(per-iteration gradient sync, per-micro-batch ZeRO-3 weight gathers) of one stage's rank
-    (`terms.dp_sync_time`, `terms.zero3_gather_time`)."""
-    return dp_sync_time(params_local, cand, cluster, dtype), zero3_gather_time(params_local, cand, cluster, dtype)
+    (`terms.dp_sync_time`, `terms.zero3_gather_time`) for its parameters as the ring counts them
+    (`UnitCost.sync_params`)."""
+    return dp_sync_time(sync_params, cand, cluster, dtype), zero3_gather_time(sync_params, cand, cluster, dtype)
 
 
 # ------------------------------------------------------------------------------------- stage figures
@@ -267,7 +279,7 @@ def stage_costs(
         p2p = p2p_time(boundary, cand, cluster) if s < len(partition) - 1 else 0.0
         inflight = in_flight_microbatches(cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, s)
         act = inflight * sum(c.act[mode] for c in uc)
-        sync, gather = dp_comm_time(params, cand, cluster, dtype)
+        sync, gather = dp_comm_time(sum(c.sync_params for c in uc), cand, cluster, dtype)
         buffers = comm_buffer_bytes(boundary, cand, options, max(c.largest_param_bytes for c in costs))
         out.append(
             StageCost(

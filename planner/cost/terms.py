@@ -120,15 +120,13 @@ def moe_alltoall_time(dispatch_bytes: Affine, cand: Candidate, cluster: ClusterS
 
 
 def expert_state_params(expert_params: Affine, cand: Candidate, dtype: str) -> Affine:
-    """The dense-equivalent parameter count of a unit's experts on one rank, for the terms that take one
-    parameter count (states, gradient sync, optimizer step).
+    """The dense-equivalent parameter count of a unit's experts on one rank for the states and the optimizer
+    step (`model_state_bytes`, `optimizer_step_time`), which take one parameter count sharded over dp.
 
-    Each rank holds 1/ep of the experts; their gradients and ZeRO shards live on the dp/ep replicas of
-    that expert shard, so under ZeRO they are sharded over dp/ep ranks, not dp. The count returned makes
-    `model_state_bytes` exact: (expert / ep) * bytes-per-param over dp/ep, divided by the bytes per param
-    over dp. Gradient sync and the optimizer step see the same equivalent count: exact without ZeRO
-    (the factor is 1; the ring then runs over dp, not dp/ep, ranks: (dp-1)/dp vs (r-1)/r of the bytes), an
-    over-estimate of the sync under ZeRO, where the factor exceeds 1.
+    Each rank holds 1/ep of the experts; their gradients and ZeRO shards live on the r = dp/ep replicas of
+    that expert shard, so under ZeRO they are sharded over r ranks, not dp. The count returned makes
+    `model_state_bytes` exact: (expert / ep) * bytes-per-param over r, divided by the bytes per param
+    over dp. (The gradient sync and ZeRO-3 gathers run over r ranks: `expert_sync_params`.)
     """
     if cand.ep <= 1:
         return expert_params
@@ -137,8 +135,26 @@ def expert_state_params(expert_params: Affine, cand: Candidate, dtype: str) -> A
     return expert_params / cand.ep * (over_rep / over_dp)
 
 
+def expert_sync_params(expert_params: Affine, cand: Candidate) -> Affine:
+    """The dense-equivalent parameter count of a unit's experts on one rank for the data-parallel ring terms
+    (`dp_sync_time`, `zero3_gather_time`), which move (n-1)/n of a stage's bytes over the n = dp ranks.
+
+    The experts' gradients reduce (and their ZeRO shards gather) over the r = dp/ep ranks holding the same
+    experts only, each holding expert / ep of them: (r-1)/r * expert/ep bytes-per-param, the same for the
+    all-reduce (ZeRO-0), reduce-scatter + all-gather (ZeRO-1/2) and ZeRO-3's gathers. As a count that the
+    dp ring's factor (dp-1)/dp multiplies: expert/ep * ((r-1)/r) / ((dp-1)/dp); 0 when r = 1 (no replica).
+    The ring's latency is the stage's dense ring's, paid once (Rajbhandari et al. 2020; torchtitan's expert
+    FSDP over the dp/ep mesh dimension).
+    """
+    if cand.ep <= 1 or cand.dp <= 1:
+        return expert_params
+    r = cand.dp // cand.ep
+    return expert_params / cand.ep * (((r - 1) / r) / ((cand.dp - 1) / cand.dp))
+
+
 def dp_sync_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dtype: str) -> Affine:
-    """Per-iteration gradient sync of a stage holding `params` (tensor-parallel-local) parameters.
+    """Per-iteration gradient sync of a stage holding `params` (tensor-parallel-local) parameters (its
+    experts counted by `expert_sync_params`).
 
     ZeRO-0 all-reduces fp32 gradients once per iteration; ZeRO-1 reduce-scatters them and all-gathers
     the updated weights (same volume); ZeRO-2 keeps only a gradient shard, so with m micro-batches it
@@ -161,7 +177,8 @@ def dp_sync_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dtype: s
 
 def zero3_gather_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dtype: str) -> Affine:
     """Per-micro-batch ZeRO-3 (FSDP) weight gathers of a stage: all-gather for forward and again for
-    backward (Rajbhandari et al. 2020, sec. 7); 0 without ZeRO-3 over more than one replica."""
+    backward (Rajbhandari et al. 2020, sec. 7); 0 without ZeRO-3 over more than one replica. `params` counts
+    the experts by `expert_sync_params`."""
     if cand.dp <= 1 or cand.zero_stage != 3:
         return 0.0
     bw, lat = dp_link(cand, cluster)

@@ -394,6 +394,17 @@ def calibrate(
 def calibrated_yaml(cal: Calibration, base_text: str, name: str) -> str:
     """The base spec's YAML with a new name, no aliases and the measured `efficiency:` block."""
     assert cal.efficiency is not None
+    source = (
+        f"measured by planner calibrate on {cal.device_name} ({cal.device}, {cal.dtype}, torch {cal.torch_version})"
+    )
+    return rewrite_spec_yaml(base_text, name, "calibrated", _efficiency_block(cal), source)
+
+
+def rewrite_spec_yaml(base_text: str, name: str, suffix: str, efficiency: list[str], source: str) -> str:
+    """``base_text`` (a GPU spec's YAML) renamed to ``name`` with no aliases, `` (suffix)`` after its display
+    name, its top-level `efficiency:` block replaced by the lines ``efficiency`` and its `sources:` entry for
+    the efficiencies replaced by ``source``; the rest of the file (comments included) is kept as it is.
+    Shared by `planner calibrate` and `planner validate --refit`."""
     lines = base_text.splitlines()
     out: list[str] = []
     skipping = False
@@ -410,17 +421,16 @@ def calibrated_yaml(cal: Calibration, base_text: str, name: str) -> str:
         elif line.startswith("aliases:"):
             line = "aliases: []"
         elif line.startswith("display_name:"):
-            line = f"{line.rstrip()} (calibrated)"
-        elif line.startswith("sources:"):
-            out.extend(_efficiency_block(cal))
-        elif line.startswith("  efficiency:") and out and any(o.startswith("sources:") for o in out):
-            continue  # replaced below
-        out.append(line)
+            line = f"{line.rstrip()} ({suffix})"
+        elif line.startswith("  efficiency:") and any(o.startswith("sources:") for o in out):
+            continue  # the efficiencies' source, replaced below
         if line.startswith("sources:"):
-            out.append(
-                f"  efficiency: measured by planner calibrate on {cal.device_name} ({cal.device}, {cal.dtype}, "
-                f"torch {cal.torch_version})"
-            )
+            out.extend(efficiency)
+            out += [line, f"  efficiency: {source}"]
+            continue
+        out.append(line)
+    if not any(line.startswith("sources:") for line in lines):
+        out += [*efficiency, "sources:", f"  efficiency: {source}"]
     return "\n".join(out) + "\n"
 
 

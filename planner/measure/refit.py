@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.hardware.spec import ClusterSpec, Efficiencies
+from planner.measure.calibrate import rewrite_spec_yaml
 
 FITTED = ("matmul", "attention", "memory", "network")
 MIN_SHARE = 0.05  # an efficiency is fitted only if it explains >= 5% of some measured term's prediction
@@ -150,35 +151,8 @@ def fit_efficiencies(
 def refit_yaml(base_text: str, fit: Fit, name: str, provenance: str) -> str:
     """The base spec's YAML with a new name, no aliases and the refitted `efficiency:` block, each line
     saying where its number came from (``provenance``: the command, the note, the device)."""
-    lines = base_text.splitlines()
-    out: list[str] = []
-    skipping = False
-    for line in lines:
-        if skipping:
-            if line.startswith((" ", "\t", "#")) or not line.strip():
-                continue
-            skipping = False
-        if line.startswith("efficiency:"):
-            skipping = True
-            continue
-        if line.startswith("name:"):
-            line = f"name: {name}"
-        elif line.startswith("aliases:"):
-            line = "aliases: []"
-        elif line.startswith("display_name:"):
-            line = f"{line.rstrip()} (refit)"
-        elif line.startswith("  efficiency:"):
-            continue
-        if line.startswith("sources:"):
-            out.extend(efficiency_block(fit, provenance))
-            out.append(line)
-            out.append(f"  efficiency: {json.dumps(provenance)}")  # quoted: it may hold ': '
-            continue
-        out.append(line)
-    if not any(line.startswith("sources:") for line in lines):
-        out.extend(efficiency_block(fit, provenance))
-        out += ["sources:", f"  efficiency: {json.dumps(provenance)}"]
-    return "\n".join(out) + "\n"
+    block = efficiency_block(fit, provenance)
+    return rewrite_spec_yaml(base_text, name, "refit", block, json.dumps(provenance))  # quoted: may hold ': '
 
 
 def efficiency_block(fit: Fit, provenance: str) -> list[str]:

@@ -14,6 +14,10 @@ Backward is the same two exchanges in reverse (`_AllToAll`). No token is dropped
 single-process sum up to the order of floating-point additions. Gloo implements ``all_to_all_single``
 with uneven splits on CPU, so the CPU tests run what a GPU run does.
 
+With a pipeline the same swap happens inside each stage: the stage's traced graph calls its experts
+modules as modules (`stages.trace` keeps them), so `shard_experts` runs on each piece; the ep group is
+ep consecutive ranks of the stage's dp group, so the all-to-all never leaves the stage.
+
 The experts' gradients then differ per ep rank: they are synchronised over the dp/ep ranks holding the
 same experts (`parallel.apply_expert_data_parallel`), averaged over dp like every other gradient.
 """

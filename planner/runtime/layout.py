@@ -179,10 +179,15 @@ class Layout:
                 f"EP ({self.ep}) must divide DP ({self.dp}): experts are sharded over a sub-group of the "
                 f"data-parallel ranks. {_FIX}"
             )
-        if self.tp > 1 or runs_traced_graph(self.pp, self.tp, self.sequence_parallel):
+        if self.tp > 1:
             raise LayoutError(
-                f"EP ({self.ep}) runs on the model as written without tensor parallelism (PP = 1, TP = 1); this "
-                f"plan has PP {self.pp} and TP {self.tp}. {_FIX}"
+                f"EP ({self.ep}) runs without tensor parallelism (TP = 1): the experts' slices are not TP-sharded; "
+                f"this plan has TP {self.tp}. {_FIX}"
+            )
+        if self.pp > 1 and self.schedule == "zero-bubble":
+            raise LayoutError(
+                f"EP ({self.ep}) cannot run under the zero-bubble schedule: its split backward frees the "
+                f"experts' all-to-all saved tensors after the input-gradient pass. Use 1f1b. {_FIX}"
             )
         if self.mesh_dims != ("pp", "dp", "tp"):
             raise LayoutError(f"EP needs MESH_DIMS ('pp', 'dp', 'tp'), got {list(self.mesh_dims)}. {_FIX}")

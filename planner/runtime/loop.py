@@ -33,6 +33,7 @@ from .stages import (
     LocalStage,
     ModelStage,
     Piece,
+    StageModule,
     build_local_stages,
     cut_into_pieces,
     shared_weights,
@@ -185,12 +186,21 @@ def trace_and_cut(
     meta_model = build_model(user, spec, seed, everything_on_meta=True)
     inputs = tuple(t.to("meta") for t in example[: input_count(meta_model, len(example))])
     meta_input = inputs[0]
-    gm, values, method = trace(meta_model, inputs, log)
+    # Expert parallelism swaps each experts module for this rank's slice after the cut: keep them as calls.
+    leaves = frozenset(layout.experts) if layout.ep_enabled else frozenset()
+    gm, values, method = trace(meta_model, inputs, log, leaves)
     why = unsupported_on(gm, values, device_type)
     if why is not None:
         raise RunError(
             f"A pipeline cannot run this model on the {device_type.upper()}: {why}. Re-plan with pp=1 (the model "
             "as written runs the CPU's own path), or run on GPUs."
+        )
+    called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    missing = sorted(leaves - called)
+    if missing:
+        raise RunError(
+            f"EXPERTS names modules the traced graph does not call as modules: {missing[:5]}; expert parallelism "
+            "in a pipeline swaps each experts module for its expert-parallel slice. Re-plan the model."
         )
     if layout.tp_enabled and layout.tp_head_attrs:
         raise RunError(
@@ -305,8 +315,9 @@ def run(
         materialise(model, {n for n, _ in model.named_modules()}, device, training.seed)
         stages, method = [ModelStage(model, list(layout.stages[0].modules))], "module"
     n_inputs = input_count(model, len(example))
-    # Expert parallelism (the model as written, pp = tp = 1): this rank keeps its slice of each experts
-    # module, before FSDP/replicate wraps them over the replicas of that slice.
+    # Expert parallelism: this rank keeps its slice of each experts module of its stages (the model as
+    # written, or a pipeline stage's pieces, which call the experts as modules), before FSDP/replicate wraps
+    # them over the replicas of that slice. The ep group sits inside the stage's dp group (same pp rank).
     ep_mesh, expert_params = None, None
     if layout.ep_enabled:
         ep_mesh = init_device_mesh(
@@ -314,14 +325,16 @@ def run(
             mesh_dim_names=("pp", "dp_replica", "ep", "tp"),
         )
         ep_rank, ep_group = ep_mesh["ep"].get_local_rank(), ep_mesh["ep"].get_group()
-        for stage in stages:
-            assert isinstance(stage, ModelStage), "expert parallelism runs the model as written"
-            sharded = shard_experts(stage.model, layout.experts, layout.ep, ep_rank, ep_group)
-            if len(sharded) != len(layout.experts):
-                raise RunError(
-                    f"EXPERTS names {len(layout.experts)} experts module(s), the model has {len(sharded)} of them. "
-                    "Re-plan (planner plan ...)."
-                )
+        roots: list[nn.Module] = [
+            piece for stage in stages for piece in (stage.pieces if isinstance(stage, StageModule) else [stage.model])
+        ]
+        sharded = [e for root in roots for e in shard_experts(root, layout.experts, layout.ep, ep_rank, ep_group)]
+        # (A pipeline's stages hold some of them; trace_and_cut checked that the graph calls every one.)
+        if not layout.pp_enabled and len(sharded) != len(layout.experts):
+            raise RunError(
+                f"EXPERTS names {len(layout.experts)} experts module(s), the model has {len(sharded)} of them. "
+                "Re-plan (planner plan ...)."
+            )
     for i, stage in zip(local, stages, strict=True):
         parallelize(stage, mesh, layout, layout.stages[i].recompute, device, sp_styles, training.dtype, ep_mesh)
     if ep_mesh is not None:

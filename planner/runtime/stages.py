@@ -9,6 +9,7 @@ plan's TP names apply to them.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -41,6 +42,13 @@ class BufferTracer(fx.Tracer):
     """
 
     proxy_buffer_attributes = True
+
+    def __init__(self, leaves: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.leaves = leaves  # qualified names of modules kept as one call (expert-parallel experts)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         self._names: dict[int, str] = {}
@@ -80,27 +88,109 @@ def bind_defaults(gm: fx.GraphModule, n_inputs: int) -> None:
 
 
 def trace(
-    model: nn.Module, inputs: tuple[torch.Tensor, ...], log: Callable[[str], None] = lambda _: None
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    log: Callable[[str], None] = lambda _: None,
+    leaves: frozenset[str] = frozenset(),
 ) -> tuple[fx.GraphModule, dict[fx.Node, Any], str]:
     """Symbolic trace of forward(*inputs) (keeps module calls, so TP plan names apply); torch.export if that
-    fails. Returns the graph, each node's value on the meta inputs, and the method ("fx" or "export")."""
+    fails. Returns the graph, each node's value on the meta inputs, and the method ("fx" or "export").
+
+    `leaves`: modules the graph must call as they are (one call_module node, their code not inlined), so that
+    the script can swap them afterwards: the experts under expert parallelism. torch.fx keeps them as leaf
+    modules; torch.export inlines every module, so there each is exported as one opaque op
+    (`_export_keeping`) that is then turned back into a call of the module."""
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     try:
         forward_params = list(inspect.signature(model.forward).parameters.values())[len(inputs) :]
         concrete = {p.name: p.default for p in forward_params if p.default is not inspect.Parameter.empty}
-        gm = fx.GraphModule(model, BufferTracer().trace(model, concrete or None), type(model).__name__)
+        gm = fx.GraphModule(model, BufferTracer(leaves).trace(model, concrete or None), type(model).__name__)
         bind_defaults(gm, len(inputs))
         method = "fx"
         recorder = ValueRecorder(gm)
         recorder.run(*inputs)  # a symbolic trace can succeed yet bake in a wrong shape path
     except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
         log(f"torch.fx symbolic tracing failed ({type(e).__name__}: {e}); using torch.export")
-        gm = torch.export.export(model, tuple(inputs), strict=False).module()
+        gm = _export_keeping(model, tuple(inputs), leaves) if leaves else torch.export.export(
+            model, tuple(inputs), strict=False
+        ).module()
         method = "export"
         recorder = ValueRecorder(gm)
         recorder.run(*inputs)
     return gm, recorder.values, method
+
+
+@torch.library.custom_op("planner_runtime::module_call", mutates_args=())
+def _module_call(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, name: str) -> torch.Tensor:
+    """Stands for the module `name` called as experts(hidden, top_k_index, top_k_weights) -> hidden's shape,
+    while torch.export traces; `_export_keeping` replaces it by the module call. Never run."""
+    raise RunError(f"internal error: the placeholder for {name} was left in the graph")
+
+
+@_module_call.register_fake
+def _(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, name: str) -> torch.Tensor:
+    return torch.empty_like(hidden)
+
+
+# Per exported graph, the stand-ins of the modules it keeps as calls (by name).
+_KEPT: weakref.WeakKeyDictionary[fx.GraphModule, dict[str, nn.Module]] = weakref.WeakKeyDictionary()
+
+
+class _ShapeOf(nn.Module):
+    """The meta graph's stand-in for an experts module kept as a call: the output's shape and dtype."""
+
+    def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(hidden)
+
+
+def _export_keeping(model: nn.Module, inputs: tuple[torch.Tensor, ...], leaves: frozenset[str]) -> fx.GraphModule:
+    """torch.export of `model` with each module of `leaves` left as one call_module node: while exporting,
+    each is replaced by an opaque custom op (its shape from a fake kernel), which is then swapped for a call
+    of the module. The traced graph holds a stand-in of the right output shape there (running the model's
+    experts on meta can take a GPU-only kernel); each stage fetches the real module by name
+    (`build_local_stages`), and expert parallelism swaps it for this rank's slice."""
+    owned = dict(model.named_modules())
+    missing = sorted(leaves - owned.keys())
+    if missing:
+        raise RunError(f"EXPERTS names modules the model lacks: {missing[:5]}. Re-plan the model.")
+    saved = {}
+    for name in leaves:
+        mod = owned[name]
+        saved[name] = mod.__dict__.get("forward")
+
+        def call(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, _name: str = name) -> torch.Tensor:
+            out: torch.Tensor = torch.ops.planner_runtime.module_call(hidden, index, weights, _name)
+            return out
+
+        mod.forward = call
+    try:
+        gm = torch.export.export(model, inputs, strict=False).module()
+    finally:
+        for name, forward in saved.items():
+            if forward is None:
+                del owned[name].forward
+            else:
+                owned[name].forward = forward
+    op = torch.ops.planner_runtime.module_call.default
+    kept = _KEPT[gm] = {}
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is op:
+            hidden, index, weights, name = node.args
+            gm.add_submodule(name, _ShapeOf())  # over the plain holder of its weights export may have made
+            kept[name] = gm.get_submodule(name)
+            with gm.graph.inserting_before(node):
+                call_node = gm.graph.call_module(name, (hidden, index, weights))
+            call_node.meta = dict(node.meta)
+            node.replace_all_uses_with(call_node)
+            gm.graph.erase_node(node)
+    # The kept modules' weights are read inside them now, not by the graph.
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and not node.users and any(node.target.startswith(f"{n}.") for n in leaves):
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
 
 
 def module_paths(node: fx.Node) -> list[str]:
@@ -301,7 +391,11 @@ def has_module(root: nn.Module, name: str) -> bool:
 
 def fetch(model: nn.Module, gm: fx.GraphModule, target: str, device: torch.device) -> Any:
     """What a piece's `target` refers to: the model's (materialised) module, parameter or buffer, else a
-    constant the tracer made (moved to `device`)."""
+    constant the tracer made (moved to `device`). On meta (the plan-time check) an experts module kept as a
+    call is the graph's shape stand-in (`_ShapeOf`): the experts' own meta run can take a GPU-only kernel."""
+    stand_in = _KEPT.get(gm, {}).get(target)
+    if device.type == "meta" and stand_in is not None:
+        return stand_in
     for root in (model, gm):
         obj: Any = root
         for part in target.split("."):

@@ -102,6 +102,7 @@ class Totals:
     work: float  # forward + cheapest backward
     fwd: float
     params: float
+    sync: float  # parameters as the data-parallel ring counts them (`UnitCost.sync_params`)
     act: float  # cheapest activation bytes per micro-batch
     bwd_max: float  # most expensive backward (the widest overlap window)
 
@@ -111,6 +112,7 @@ class Totals:
             work=sum(c.fwd + min(c.bwd[r] for r in modes) for c in costs),
             fwd=sum(c.fwd for c in costs),
             params=sum(c.params_local for c in costs),
+            sync=sum(c.sync_params for c in costs),
             act=sum(min(c.act[r] for r in modes) for c in costs),
             bwd_max=sum(max(c.bwd.values()) for c in costs),
         )
@@ -123,7 +125,7 @@ def simple_bound(tot: Totals, cand: Candidate, cluster: ClusterSpec, dtype: str,
     least the mean of all ranks' bytes."""
     work, fwd, params = tot.work, tot.fwd, tot.params
     S, p, m = cand.stages, cand.pp, cand.num_micro_batches
-    work = max(work, zero3_gather_time(params, cand, cluster, dtype))
+    work = max(work, zero3_gather_time(tot.sync, cand, cluster, dtype))
     # the stage times sum to `work`; the largest stage is at least the mean, and so is the largest rank
     pipe = pipeline_time(cand, work, work / S, work / p, fwd / S, 0.0)
     states = model_state_bytes(params, model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp))
@@ -341,7 +343,7 @@ def tail_bound(tot: Totals, cand, cluster, dtype, options) -> float:
     p = cand.pp
     params = tot.params
     a_sync, c_sync = linear_form(lambda x: dp_sync_time(x, cand, cluster, dtype))
-    sync = a_sync * params + p * c_sync
+    sync = a_sync * tot.sync + p * c_sync
     windows = sync_overlap_window(tot.bwd_max, cand, options)
     return (max(0.0, sync - windows) + p * optimizer_step_time(params / p, cand, cluster, dtype)) / p
 
@@ -394,6 +396,7 @@ class _Stage:
     ext_fwd: float
     ext_act: dict[str, float]
     ext_params: float
+    ext_sync: float  # `UnitCost.sync_params` of the extras
     buffers: float  # comm buffers (bytes)
 
 
@@ -418,6 +421,7 @@ def _stages(graph, costs, cand, options, run) -> list[_Stage]:
                 ext_fwd=sum(c.fwd for c in ext),
                 ext_act={r: sum(c.act[r] for c in ext) for r in modes},
                 ext_params=sum(c.params_local for c in ext),
+                ext_sync=sum(c.sync_params for c in ext),
                 buffers=comm_buffer_bytes(smallest if s < S - 1 else 0.0, cand, options, largest),
             )
         )
@@ -448,12 +452,16 @@ def block_bound(
     a_sync, c_sync, opt_rate = tail_coefficients(cand, cluster, dtype)
     blocks = np.arange(L + 1)
 
-    def tail_of(ext_params: float, n_stages: int, ext_window: float, blk_window: float, others_min: int, first_cap=INF):
+    def tail_of(
+        ext_params: float, ext_sync: float, n_stages: int, ext_window: float, blk_window: float, others_min: int,
+        first_cap=INF,
+    ):
         """Lower bound on a rank's tail for N = 0..L blocks: exposed sync (sync minus the first stage's
         backward, which holds at most N - others_min and at most first_cap blocks) plus the optimizer
         step."""
         params = ext_params + blocks * blk.params_local
-        sync = a_sync * params + n_stages * c_sync if cand.dp > 1 else 0.0 * params
+        synced = ext_sync + blocks * blk.sync_params
+        sync = a_sync * synced + n_stages * c_sync if cand.dp > 1 else 0.0 * params
         n_first = np.minimum(np.maximum(0, blocks - others_min), first_cap)
         window = sync_overlap_window(ext_window + n_first * blk_window, cand, options)
         return np.maximum(0.0, sync - window) + opt_rate * params
@@ -461,8 +469,8 @@ def block_bound(
     # ZeRO-3: a stage's time is at least its weight gathers, linear in its parameters
     gc = gather_coefficients(cand, cluster, dtype)
     if gc is not None:
-        g_blk = gc[0] * blk.params_local
-        g_ext = np.array([gc[0] * st.ext_params + gc[1] for st in stages])
+        g_blk = gc[0] * blk.sync_params
+        g_ext = np.array([gc[0] * st.ext_sync + gc[1] for st in stages])
     else:
         g_blk, g_ext = None, None
     inf = np.full(S, INF)
@@ -524,7 +532,10 @@ def block_bound(
         # the window of a stage's sync is its own backward: at most that of the slowest mode
         win_blk = max(blk.bwd[r] for r in modes)
         tails = np.array(
-            [tail_of(st.ext_params, 1, max(st.ext_time[r] - st.ext_fwd for r in modes), win_blk, 0) for st in stages]
+            [
+                tail_of(st.ext_params, st.ext_sync, 1, max(st.ext_time[r] - st.ext_fwd for r in modes), win_blk, 0)
+                for st in stages
+            ]
         )
         if not joint:
             return BlockBounds(cand, work=work, stage_max={r: Z for r in modes}, joint={r: (m - 1) * Z for r in modes})
@@ -591,6 +602,7 @@ def block_bound(
                 rows.append(
                     tail_of(
                         sum(st.ext_params for st in sts),
+                        sum(st.ext_sync for st in sts),
                         len(sts),
                         first.ext_time[r_mode] - first.ext_fwd,
                         blk.bwd[r_mode],
@@ -664,7 +676,8 @@ class IntervalTables:
         params = span(pre([c.params_local for c in costs]))
         act = {r: span(pre([c.act[r] for c in costs])) for r in modes}
         gc = gather_coefficients(cand, cluster, dtype)
-        gather = gc[0] * params + gc[1] if gc is not None else np.zeros_like(params)
+        synced = span(pre([c.sync_params for c in costs]))
+        gather = gc[0] * synced + gc[1] if gc is not None else np.zeros_like(params)
         mem_ok = {}
         if cand.virtual_stages == 1:
             state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)

@@ -292,6 +292,8 @@ def _only(c: UnitCost, mode: str) -> UnitCost:
         tp_comm_bwd=c.tp_comm_bwd,
         largest_param_bytes=c.largest_param_bytes,
         source=c.source,
+        ep_comm=c.ep_comm,
+        sync_params_or_none=c.sync_params_or_none,
     )
 
 

@@ -291,7 +291,7 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                         )
                                     ] += 1
                                     continue
-                                for ep in ep_degrees(graph, dp, tp, pp, sp, pins, rej):
+                                for ep in ep_degrees(graph, dp, tp, pp, sp, pins, rej, schedule):
                                     space.candidates.append(Candidate(dp, tp, pp, v, mbs, m, schedule, zero, sp, ep))
                                 if len(space.candidates) > MAX_CANDIDATES:
                                     raise ConfigError(
@@ -321,28 +321,43 @@ def ep_granularity(graph: ModelGraph) -> int:
     return g
 
 
+# Why ep > 1 with tp > 1 is refused, and what running it would take.
+EP_TP_REFUSAL = (
+    "the generated script shards experts only without tensor parallelism; ep with tp would need either the "
+    "experts' FFN weights sharded by tp inside each expert (torchtitan's expert tensor parallelism: a (ep, tp) "
+    "mesh, the routed tokens gathered over tp before the all-to-all over ep and reduce-scattered after it) or "
+    "the attention over tp and the experts over ep x tp ranks (the all-to-all over that larger group), with "
+    "cost terms for either; neither is implemented, so use tp = 1 with ep, or ep = 1 with tp"
+)
+
+
+# Why ep > 1 is refused with the zero-bubble schedule.
+EP_ZB_REFUSAL = (
+    "zero-bubble splits each backward into an input-gradient and a weight-gradient pass; the experts' "
+    "all-to-all (a collective inside autograd) belongs to both, and torch's split backward frees its saved "
+    "tensors after the first; use 1f1b or interleaved-1f1b with ep"
+)
+
+
 def ep_degrees(
-    graph: ModelGraph, dp: int, tp: int, pp: int, sp: bool, pins: Pins, rej: Counter[tuple[str, str]]
+    graph: ModelGraph, dp: int, tp: int, pp: int, sp: bool, pins: Pins, rej: Counter[tuple[str, str]],
+    schedule: str = "1f1b",
 ) -> list[int]:
     """Expert-parallel degrees for one (dp, tp, pp, sp): divisors of dp that divide every MoE layer's
-    expert count (each rank of an ep group holds whole experts), where the generated script can run them.
-    Without experts only ep = 1; a pin keeps just its value (checked in `check_ep_pin`)."""
+    expert count (each rank of an ep group holds whole experts), where the generated script can run them:
+    tp = 1 (with a pipeline, each stage's traced graph keeps its experts as module calls and swaps them for
+    its slices; the ep group is ep consecutive ranks of the stage's dp group). Without experts only
+    ep = 1; a pin keeps just its value (checked in `check_ep_pin`)."""
     experts = ep_granularity(graph)
     out = []
     for ep in divisors(gcd(dp, experts)) if experts else [1]:
         if pins.ep is not None and ep != pins.ep:
             continue
         if ep > 1 and tp > 1:
-            rej[(f"ep={ep} tp={tp}", "the generated script shards experts only without tensor parallelism")] += 1
+            rej[(f"ep={ep} tp={tp}", EP_TP_REFUSAL)] += 1
             continue
-        if ep > 1 and runs_traced_graph(pp, tp, sp):
-            rej[
-                (
-                    f"ep={ep} pp={pp}",
-                    "the generated script swaps in the expert-parallel experts on the model as written; a "
-                    "pipeline stage runs a traced graph in which the experts are inlined",
-                )
-            ] += 1
+        if ep > 1 and pp > 1 and schedule == "zero-bubble":
+            rej[(f"ep={ep} zero-bubble", EP_ZB_REFUSAL)] += 1
             continue
         out.append(ep)
     return out

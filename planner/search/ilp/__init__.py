@@ -10,8 +10,9 @@ exact since they are minimised) and valid cuts from `planner.search.bounds`.
 Notation: s a stage, r a pipeline rank (rank(s) from `planner.cost.placement.stage_rank`), q a
 recomputation mode, m micro-batches, k_s / k_r the in-flight micro-batches of a stage / rank
 (`planner.cost.schedules`). For each stage the encoding gives linear expressions fwd_s, tot_s (forward +
-backward), P_s (local parameters), a_s (activation bytes per micro-batch) and b_s (outgoing boundary
-bytes), `forms.StageExprs`.
+backward), P_s (local parameters), G_s (parameters as the data-parallel ring counts them: experts over
+their dp/ep replicas, `UnitCost.sync_params`), a_s (activation bytes per micro-batch) and b_s (outgoing
+boundary bytes), `forms.StageExprs`.
 
 Encodings (`forms`, one class each with build / warm_start / decode):
 - `CountForm`, when the units are [prefix] + L identical blocks + [suffix] (transformers):
@@ -26,15 +27,18 @@ Encodings (`forms`, one class each with build / warm_start / decode):
 
 Constraint families (`constraints`, one function each):
 - mode choice, `add_mode_choice`: y_{s,q} binary, sum_q y_{s,q} = 1; y_{s,q} = y_{0,q} when v > 1.
-- stage maxima, `add_stage_maxima`: T_s >= tot_s, T_s >= gather(P_s) (ZeRO-3), Z >= T_s, S Z >= sum_s T_s.
+- stage maxima, `add_stage_maxima`: T_s >= tot_s, T_s >= gather(G_s) (ZeRO-3), Z >= T_s, S Z >= sum_s T_s.
 - symmetry, `add_symmetry_breaking` (count form, v > 1): n(a) >= n(b) for consecutive block-only,
   non-first stages a < b of one rank.
 - stage cuts, `add_stage_cuts`: Z >= Z* (v = 1) or Z >= sum_q y_{0,q} Z*_q, y_{0,q} = 0 for modes that
   cannot fit (Z* from `bounds.block_bound` or `bounds.interval_bound`).
 - rank maxima, `add_rank_maxima` (interleaved, zero-bubble): Y >= sum_{rank(s)=r} T_s, p Y >= sum_s T_s,
   Y >= sum_q y_{0,q} Y*_q; zero-bubble F >= fwd_s, F >= sum_q y_{0,q} F*_q.
-- tail, `add_tail`: e_r >= sum_{rank(s)=r} sync(P_s) - window(tot_f - fwd_f), f the rank's first stage,
+- tail, `add_tail`: e_r >= sum_{rank(s)=r} sync(G_s) - window(tot_f - fwd_f), f the rank's first stage,
   e_r >= 0, tail >= e_r + step(sum_{rank(s)=r} P_s), tail >= step(max_u P_u).
+- tail cut, `tailcut.tail_floor` (interval and assign forms, one stage per rank): tail >= tau*, the least
+  largest per-rank tail over partitions, and (m-1) Z + tail >= J*, their joint minimum; a start whose
+  objective reaches work + p2p bound + J* is returned as optimal without calling CBC.
 - joint cut, `add_joint_cut` (count form): (m-1) Z + tail >= J*, or m Y + (p-1) (Z or F) + tail >= J*_q.
 - objective, `objective`: min pipeline_time(sum_s T_s, Z, Y, F, sum_s p2p(b_s)) + tail, that is
   sum_s T_s + (m-1) Z (GPipe, 1F1B), m Y + (p-1) Z (interleaved), m Y + (p-1) F (zero-bubble), plus

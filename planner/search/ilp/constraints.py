@@ -69,7 +69,7 @@ def add_stage_maxima(
     for s in range(S):
         prob += T[s] >= ex.tot[s]
         if has_gather:
-            prob += T[s] >= zero3_gather_time(ex.params[s], cand, cluster, dtype)
+            prob += T[s] >= zero3_gather_time(ex.sync[s], cand, cluster, dtype)
     Z = pulp.LpVariable("Tmax", lowBound=0)
     for s in range(S):
         prob += Z >= T[s]
@@ -148,7 +148,7 @@ def add_tail(
         first = min(mine)
         exposed = pulp.LpVariable(f"exposed_{r}", lowBound=0)
         window = sync_overlap_window(ex.tot[first] - ex.fwd[first], cand, options)
-        prob += exposed >= pulp.lpSum(dp_sync_time(ex.params[s], cand, cluster, dtype) for s in mine) - window
+        prob += exposed >= pulp.lpSum(dp_sync_time(ex.sync[s], cand, cluster, dtype) for s in mine) - window
         prob += tail >= exposed + optimizer_step_time(pulp.lpSum(ex.params[s] for s in mine), cand, cluster, dtype)
     # Valid cut: some rank holds the unit with the most parameters, and steps its optimizer.
     largest_step = optimizer_step_time(max(c.params_local for c in costs), cand, cluster, dtype)

@@ -33,6 +33,8 @@ class StageExprs:
     params: list[Expr]
     act: list[Expr]  # activation bytes per micro-batch
     boundary: list[Expr]  # bytes of the stage's outgoing boundary tensor (per sample)
+    # parameters as the data-parallel ring counts them (`UnitCost.sync_params`: experts over dp/ep replicas)
+    sync: list[Expr] = field(default_factory=list)
 
 
 def block_run(graph: ModelGraph) -> Run | None:
@@ -109,7 +111,7 @@ class CountForm:
             for r in modes:
                 prob += cnt[s, r] <= L * mode_vars[s, r]
         prob += pulp.lpSum(cnt.values()) == L
-        ex = StageExprs([None] * S, [None] * S, [None] * S, [None] * S, [None] * S)
+        ex = StageExprs([None] * S, [None] * S, [None] * S, [None] * S, [None] * S, [None] * S)
         for s in range(S):
             holds = (pre if s == 0 else []) + (post if s == S - 1 else [])
             blocks = pulp.lpSum(cnt[s, r] for r in modes)
@@ -122,6 +124,7 @@ class CountForm:
                 + [mode_vars[s, r] * (c.fwd + c.bwd[r]) for r in modes for c in fixed]
             )
             ex.params[s] = blocks * blk.params_local + sum(c.params_local for c in fixed)
+            ex.sync[s] = blocks * blk.sync_params + sum(c.sync_params for c in fixed)
             ex.act[s] = pulp.lpSum(
                 [cnt[s, r] * blk.act[r] for r in modes] + [mode_vars[s, r] * c.act[r] for r in modes for c in fixed]
             )
@@ -179,6 +182,7 @@ class IntervalForm:
         S, U, ivars = cand.stages, len(costs), self.ivars
         c_fwd = _prefix(c.fwd for c in costs)
         c_par = _prefix(c.params_local for c in costs)
+        c_sync = _prefix(c.sync_params for c in costs)
         c_tot = {r: _prefix(c.fwd + c.bwd[r] for c in costs) for r in modes}
         c_act = {r: _prefix(c.act[r] for c in costs) for r in modes}
         x = self.x = {
@@ -193,12 +197,13 @@ class IntervalForm:
                 out = [x[s + 1, i, j, r] for i, j, r in ivars[s + 1] if i == k]
                 if into or out:
                     prob += pulp.lpSum(into) == pulp.lpSum(out)
-        ex = StageExprs([None] * S, [None] * S, [None] * S, [None] * S, [None] * S)
+        ex = StageExprs([None] * S, [None] * S, [None] * S, [None] * S, [None] * S, [None] * S)
         for s in range(S):
             xs = [(i, j, r, x[s, i, j, r]) for i, j, r in ivars[s]]
             ex.fwd[s] = pulp.lpSum([v * (c_fwd[j] - c_fwd[i]) for i, j, r, v in xs])
             ex.tot[s] = pulp.lpSum([v * (c_tot[r][j] - c_tot[r][i]) for i, j, r, v in xs])
             ex.params[s] = pulp.lpSum([v * (c_par[j] - c_par[i]) for i, j, r, v in xs])
+            ex.sync[s] = pulp.lpSum([v * (c_sync[j] - c_sync[i]) for i, j, r, v in xs])
             ex.act[s] = pulp.lpSum([v * (c_act[r][j] - c_act[r][i]) for i, j, r, v in xs])
             if s < S - 1:
                 ex.boundary[s] = pulp.lpSum([v * graph.units[j - 1].output_bytes for i, j, r, v in xs])
@@ -258,11 +263,12 @@ class AssignForm:
         for s in range(S):
             prob += pulp.lpSum(z[u, s] for u in range(U)) >= 1
         prob += z[0, 0] == 1
-        ex = StageExprs([None] * S, [None] * S, [None] * S, [None] * S, [None] * S)
+        ex = StageExprs([None] * S, [None] * S, [None] * S, [None] * S, [None] * S, [None] * S)
         for s in range(S):
             ex.fwd[s] = pulp.lpSum([z[u, s] * costs[u].fwd for u in range(U)])
             ex.tot[s] = pulp.lpSum([w[u, s, r] * (costs[u].fwd + costs[u].bwd[r]) for u in range(U) for r in modes])
             ex.params[s] = pulp.lpSum([z[u, s] * costs[u].params_local for u in range(U)])
+            ex.sync[s] = pulp.lpSum([z[u, s] * costs[u].sync_params for u in range(U)])
             ex.act[s] = pulp.lpSum([w[u, s, r] * costs[u].act[r] for u in range(U) for r in modes])
             if s < S - 1:
                 b = pulp.LpVariable(f"bnd_{s}", lowBound=0)

@@ -39,6 +39,7 @@ from planner.search.ilp.forms import (
     block_run,
     count_partition,
 )
+from planner.search.ilp.tailcut import TailFloor, tail_floor
 
 log = logging.getLogger(__name__)
 OBJ_SCALE = 1e6
@@ -91,6 +92,7 @@ def solve_partition(
         kind = "assign"
     dtype = graph.source.dtype
     ib = None
+    floor: TailFloor | None = None
     start_sol = None
     form: Form
     if kind == "count":
@@ -112,6 +114,16 @@ def solve_partition(
         work = tot_.work if cand.virtual_stages == 1 else cand.num_micro_batches * tot_.work / cand.pp
         rest = work + comm_bound(graph, cand, cluster) + tail_bound(tot_, cand, cluster, dtype, options)
         ivars = interval_vars(tables, cand, modes, U, min(limits) if limits else None, rest)
+        if cuts and force_form is None and start_sol is not None and cand.virtual_stages == 1:
+            # One stage per rank: the objective is at least work + p2p + (m-1) Z + tail, each term at least
+            # its bound; a start that reaches that sum is optimal without branching.
+            comm = comm_bound(graph, cand, cluster)
+            floor = tail_floor(tables, costs, cand, cluster, options, modes, dtype, start_sol[2] - work - comm)
+            if floor is not None and start_sol[2] <= (work + comm + floor.joint) * (1 + 1e-9):
+                part, rec, obj = start_sol
+                if cutoff is not None and obj >= cutoff * (1 + 1e-9):
+                    return ILPResult("cutoff", None, None, None, form=kind or "interval")
+                return ILPResult("optimal", obj, part, rec, form=kind or "interval", start=(part, rec))
         if not all(ivars.values()):
             return ILPResult(
                 "cutoff" if cutoff is not None else "infeasible", None, None, None, form=kind or "interval"
@@ -139,6 +151,10 @@ def solve_partition(
             rows.add_stage_cuts(prob, mx, cut, cand, modes, mode_vars)
     rows.add_rank_maxima(prob, mx, ex, cand, ranks, bb, modes, mode_vars)
     tail = rows.add_tail(prob, ex, cand, cluster, options, dtype, ranks, costs)
+    if floor is not None:
+        prob += tail >= floor.tail * rows.RELAX
+        if cand.num_micro_batches > 1:
+            prob += (cand.num_micro_batches - 1) * mx.Z + tail >= floor.joint * rows.RELAX
     if bb is not None:
         rows.add_joint_cut(prob, mx, tail, bb, cand, modes, mode_vars)
     # In microseconds: CBC's absolute tolerances (1e-7 .. 1e-10) would otherwise be coarse next to
