@@ -361,8 +361,9 @@ def apply_tp(
     sees 1/TP of the heads); head counts the model reads from attributes (TP_HEAD_ATTRS) are divided by tp.
     A fused projection (TP_FUSED: q, k, v in one Linear) is reordered so each rank's slice holds its part
     of every chunk; a Conv1D (TP_TRANSPOSED) is replaced by ShardedConv1D, since torch's parallel styles
-    take only nn.Linear / nn.Embedding. With sequence parallelism the styles come from
-    plan_sequence_parallel().
+    take only nn.Linear / nn.Embedding. An Embedding that runs its own vocabulary-parallel lookup
+    (torchtitan's, splits_own_vocab) gets its tp group and a sharded weight instead of RowwiseParallel. With
+    sequence parallelism the styles come from plan_sequence_parallel().
     """
     roots = stage.tp_roots()
     check_tp(roots, layout)
