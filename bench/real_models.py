@@ -1,6 +1,7 @@
 """Plan real models at full size on meta from their Hugging Face configs, and print how long it takes.
 
     python bench/real_models.py            # Llama-3-70B, Mixtral-8x7B, DeepSeek-V2-Lite on 64 H100s (8 nodes)
+                                           # + torchtitan llama3 70B and deepseek_v3 16B when installed
     python bench/real_models.py Mixtral    # only the models whose name contains the word
 
 The configs are written from transformers' config classes with the published sizes (nothing downloads);
@@ -99,12 +100,20 @@ def describe(name: str, p: dict, wall: float, how: str) -> None:
             print(f"  rejected {r['region']}: {r['reason']} ({r.get('count', 1)})")
 
 
-def plan(name: str, config: dict, work: Path) -> None:
-    cfg = work / name.replace("/", "--") / "config.json"
+# torchtitan's own registry (torchtitan:MODEL --flavor NAME), built on meta; skipped without the titan extra.
+TITAN = {"torchtitan:llama3": "70B", "torchtitan:deepseek_v3": "16B"}
+
+
+def plan(name: str, config: dict | str, work: Path) -> None:
+    cfg = work / name.replace("/", "--").replace(":", "-") / "config.json"
     cfg.parent.mkdir(parents=True)
-    cfg.write_text(json.dumps(config, indent=2))
     out = cfg.parent / "plan"
-    cmd = [sys.executable, "-m", "cli.main", "plan", f"hf:{name}", "--hf-config", str(cfg), "--model-arg", "seq=4096",
+    if isinstance(config, str):  # a torchtitan flavor
+        source = [name, "--flavor", config]
+    else:
+        cfg.write_text(json.dumps(config, indent=2))
+        source = [f"hf:{name}", "--hf-config", str(cfg)]
+    cmd = [sys.executable, "-m", "cli.main", "plan", *source, "--model-arg", "seq=4096",
            "--gpu", "h100-sxm-80gb", "--nodes", "8", "--global-batch-size", "512", "--out", str(out), "--json"]
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -133,9 +142,14 @@ def main() -> None:
         sys.path.insert(0, str(ROOT))
         search_only(Path(sys.argv[2]), sys.argv[3], sys.argv[4])
         return
+    import importlib.util
+
     only = sys.argv[1:]
+    models: dict[str, dict | str] = dict(CONFIGS)
+    if importlib.util.find_spec("torchtitan") is not None:
+        models.update(TITAN)
     with tempfile.TemporaryDirectory() as tmp:
-        for name, config in CONFIGS.items():
+        for name, config in models.items():
             if only and not any(word in name for word in only):
                 continue
             plan(name, config, Path(tmp))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from planner.errors import ConfigError
+from planner.errors import ConfigError, ModelLoadError
 from planner.names import RECOMPUTE_MODES, SCHEDULES
 
 if TYPE_CHECKING:
@@ -76,6 +76,13 @@ HfConfigOpt = Annotated[
         "--hf-config", metavar="PATH", rich_help_panel=_MODEL, show_default=False,
         help="config.json (or its folder) for an hf:NAME model source; default: a local folder NAME or the local "
         "Hugging Face cache. Nothing is downloaded.",
+    ),
+]
+FlavorOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--flavor", metavar="NAME", rich_help_panel=_MODEL, show_default=False,
+        help="Flavor of a torchtitan:MODEL source (torchtitan's model-args registry: debugmodel, 8B, 70B ...).",
     ),
 ]
 ModelArgOpt = Annotated[
@@ -302,12 +309,12 @@ def plan_request(
     sequence_parallel: bool | None, dtype: DType, build_fn: str, inputs_fn: str, loss_fn: str | None, top_k: int,
     time_limit: float | None, no_overlap: bool, seed: int, lr: float, steps: int, data: str | None = None,
     measure: bool | None = None, memory_reserve: float | None = None, hf_config: Path | None = None,
-    ep: int | None = None,
+    flavor: str | None = None, ep: int | None = None,
 ) -> PlanRequest:
     """The library's PlanRequest from the options `plan` and `dry-run` share; unset pins are searched.
 
-    A model source that is not a file (hf:NAME, module:pkg.mod:factory) is compiled into a model file in a
-    temporary folder first (see `compiled_source_files`).
+    A model source that is not a file (hf:NAME, torchtitan:MODEL --flavor NAME, module:pkg.mod:factory) is
+    compiled into a model file in a temporary folder first (see `compiled_source_files`).
     """
     from planner.model.sources import compile_source, is_source
     from planner.pipeline import PlanRequest
@@ -322,7 +329,12 @@ def plan_request(
         # config it reads) to the output set, which is written as one unit after the search.
         where = Path(tempfile.mkdtemp(prefix="planner-source-"))
         atexit.register(shutil.rmtree, where, True)
-        model_file = compile_source(str(model_file), where, hf_config, int(args.get("seq", 2048)))
+        model_file = compile_source(str(model_file), where, hf_config, int(args.get("seq", 2048)), flavor)
+    elif flavor is not None:
+        raise ModelLoadError(
+            f"--flavor {flavor} names a torchtitan flavor, but {model_file} is not a torchtitan:MODEL source. "
+            "Drop --flavor, or plan torchtitan:MODEL --flavor NAME."
+        )
 
     pins: dict[str, Any] = {
         "dp": dp, "tp": tp, "pp": pp, "virtual_stages": virtual_stages, "micro_batch_size": micro_batch_size,

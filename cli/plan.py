@@ -29,6 +29,7 @@ from cli._options import (
     DType,
     DTypeOpt,
     EpOpt,
+    FlavorOpt,
     ForceOpt,
     GlobalBatchOpt,
     GpuOpt,
@@ -98,6 +99,7 @@ def plan(
     global_batch_size: GlobalBatchOpt,
     model_arg: ModelArgOpt = None,
     hf_config: HfConfigOpt = None,
+    flavor: FlavorOpt = None,
     nodes: NodesOpt = 1,
     gpus_per_node: GpusPerNodeOpt = None,
     memory_reserve: MemoryReserveOpt = None,
@@ -143,7 +145,7 @@ def plan(
         global_batch_size=global_batch_size, dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages,
         micro_batch_size=micro_batch_size, schedule=schedule, zero_stage=zero_stage, recompute=recompute,
         sequence_parallel=sequence_parallel, dtype=dtype, build_fn=build_fn, inputs_fn=inputs_fn, loss_fn=loss_fn,
-        data=data, measure=measure, memory_reserve=memory_reserve, hf_config=hf_config, ep=ep,
+        data=data, measure=measure, memory_reserve=memory_reserve, hf_config=hf_config, flavor=flavor, ep=ep,
         top_k=top_k, time_limit=time_limit, no_overlap=no_overlap, seed=seed, lr=lr, steps=steps,
     )
     quiet = is_quiet(ctx, quiet)

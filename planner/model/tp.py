@@ -195,6 +195,7 @@ def _norm_dim(d, rank: int) -> int | None:
 
 _RESHAPES = {"view", "reshape", "unsafe_view", "flatten", "unflatten", "contiguous_view"}
 _TRANSPOSES = {"transpose", "swapaxes", "t"}
+_COMPLEX_VIEWS = {"view_as_complex", "view_as_real"}
 _SPLITS = {"split", "split_with_sizes", "chunk", "tensor_split", "unbind"}
 _ATTENTION_FNS = ("scaled_dot_product", "flash_attention", "efficient_attention")
 _BATCHED_MATMULS = {"matmul", "bmm", "baddbmm", "einsum"}
@@ -283,6 +284,11 @@ def _walk_column(col, linears: dict, activation_arg: dict, sub, from_columns: se
             sizes = _size_args(n)
             if new is not None and len(sizes) == len(out) and isinstance(sizes[new], int) and sizes[new] != -1:
                 w.literals.append((n, sizes[new]))
+        elif name in _COMPLEX_VIEWS:
+            # view_as_complex pairs the last dimension into complex numbers (rotary embeddings), view_as_real
+            # splits them out again: the dimensions before it keep their places.
+            if pos >= len(out or ()) or (name == "view_as_complex" and pos == rank - 1):
+                w.failure = f"{name} pairs up the sharded dimension"
         elif name in _TRANSPOSES:
             a = _norm_dim(n.args[1] if len(n.args) > 1 else 0, rank)
             b = _norm_dim(n.args[2] if len(n.args) > 2 else 1, rank)

@@ -318,6 +318,34 @@ class ShardedConv1D(nn.Module):
         return out.view(*x.shape[:-1], w.shape[1])
 
 
+def splits_own_vocab(module: nn.Module) -> bool:
+    """torchtitan's Embedding (torchtitan.models.common.embedding): its own forward runs the vocabulary-parallel
+    lookup once given a `tp_group` (masks the ids outside its rows, looks up in its local weight, returns
+    partial rows), and unwraps a DTensor weight, so torch's RowwiseParallel (DTensor ids) cannot drive it."""
+    return (
+        isinstance(module, nn.Embedding) and hasattr(module, "tp_group")
+        and type(module).forward is not nn.Embedding.forward
+    )
+
+
+def _sum_partial_rows(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    group = module.tp_group
+    summed: torch.Tensor = SumOverTP.apply(out, group)  # type: ignore[no-untyped-call]
+    return summed
+
+
+def shard_own_vocab(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Vocabulary-parallel embedding as torchtitan shards its own (weight Shard(0), ids whole, partial rows
+    summed over tp): the weight becomes a Shard(0) DTensor parameter (so FSDP, the optimizer and the gradient
+    norm treat it as any TP weight), the module gets the tp group its forward masks with, and its output
+    is all-reduced over tp (backward: the gradient as is, as for RowwiseParallel's Partial -> Replicate)."""
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    module.weight = nn.Parameter(distribute_tensor(weight.detach(), mesh, [Shard(0)]))
+    setattr(module, "tp_group", mesh.get_group())  # noqa: B010 - nn.Module types attributes as Tensor | Module
+    module.register_forward_hook(_sum_partial_rows)
+
+
 def replace_module(root: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, child, module)
@@ -333,8 +361,9 @@ def apply_tp(
     sees 1/TP of the heads); head counts the model reads from attributes (TP_HEAD_ATTRS) are divided by tp.
     A fused projection (TP_FUSED: q, k, v in one Linear) is reordered so each rank's slice holds its part
     of every chunk; a Conv1D (TP_TRANSPOSED) is replaced by ShardedConv1D, since torch's parallel styles
-    take only nn.Linear / nn.Embedding. With sequence parallelism the styles come from
-    plan_sequence_parallel().
+    take only nn.Linear / nn.Embedding. An Embedding that runs its own vocabulary-parallel lookup
+    (torchtitan's, splits_own_vocab) gets its tp group and a sharded weight instead of RowwiseParallel. With
+    sequence parallelism the styles come from plan_sequence_parallel().
     """
     roots = stage.tp_roots()
     check_tp(roots, layout)
@@ -354,6 +383,14 @@ def apply_tp(
                         "with sequence_parallel off for this model."
                     )
                 replace_module(piece, name, ShardedConv1D(module, tp_mesh, column=style == "colwise"))
+                continue
+            if style == "rowwise" and splits_own_vocab(module):
+                if name in sp_styles:
+                    raise RunError(
+                        f"Sequence parallelism cannot shard {name}, a {type(module).__name__} that runs its own "
+                        "vocabulary-parallel lookup. Re-plan with sequence_parallel off for this model."
+                    )
+                shard_own_vocab(module, tp_mesh)
                 continue
             plan[name] = sp_styles.get(name) or parallel_style(style, module)
         plan.update({n: s for n, s in sp_styles.items() if n not in layout.tp_plan and has_module(piece, n)})
@@ -514,7 +551,14 @@ def checkpoint_in_place(unit: nn.Module, selective: bool) -> None:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if selective:
-            context = functools.partial(create_selective_checkpoint_contexts, recompute_attention_core)
+            # A saved output that the forward then fills in place (torch's composite rms_norm on CPU and meta:
+            # `mean(x*x).add_(eps)`; torchtitan's router: `zeros_like(s).scatter_(...)`) is returned as it was
+            # left: the in-place op is saved too, and only the attention core, which reads no tensor that is
+            # mutated after it, is recomputed. Without this, such blocks fail in backward ("Tensor cached
+            # during selective activation checkpoint has been mutated").
+            context = functools.partial(
+                create_selective_checkpoint_contexts, recompute_attention_core, allow_cache_entry_mutation=True
+            )
             return checkpoint(inner, *args, use_reentrant=False, context_fn=context, **kwargs)
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
