@@ -346,6 +346,98 @@ def tail_bound(tot: Totals, cand, cluster, dtype, options) -> float:
     return (max(0.0, sync - windows) + p * optimizer_step_time(params / p, cand, cluster, dtype)) / p
 
 
+def linear_bounds_reported(cand: Candidate) -> bool:
+    """Whether the linear objective is at most the reported figure (simulated pipeline plus the same
+    tail) for every partition, so that every bound on the linear optimum is also one on the reported.
+
+    One stage: both are m times the stage's time. GPipe with one stage per rank: let r be the stage of
+    the largest t_r = f_r + b_r. The actions F(0..r-1, 0), F(r, 0..m-1), F(r+1..p-1, m-1),
+    B(p-1..r+1, 0), B(r, 0..m-1), B(r-1..0, m-1) each wait for the one before (same rank in GPipe's
+    order, or its input), so the simulation takes at least their sum,
+    sum_s t_s + (m-1) t_r plus every link once each way: the linear form. Under 1F1B, interleaving and
+    zero-bubble the simulation can be shorter (1F1B hides part of the fill behind an early bottleneck),
+    so `reported_bound` is used for them. tests/test_reported_exact.py checks this on random times."""
+    return cand.stages == 1 or (cand.schedule == "gpipe" and cand.virtual_stages == 1)
+
+
+def backward_share(costs: list[UnitCost], cand: Candidate) -> float:
+    """An upper bound on b_s / t_s for any stage s: the simulator's backward b_s = t_s - f_s, and t_s is a
+    sum of unit times (a mediant of the units' shares), unless ZeRO-3 gathers make it longer (then 1)."""
+    if cand.zero_stage == 3:
+        return 1.0
+    share = 0.0
+    for c in costs:
+        b = max(c.bwd.values())
+        if c.fwd + b > 0:
+            share = max(share, b / (c.fwd + b))
+    return share
+
+
+def reported_bound(
+    linear_bound: float,
+    tot: Totals,
+    cand: Candidate,
+    cluster: ClusterSpec,
+    dtype: str,
+    options: CostOptions,
+    beta: float = 1.0,
+    comm: float = 0.0,
+    tight: BlockBounds | IntervalBounds | None = None,
+) -> float:
+    """A valid lower bound on the figure the plan reports (simulated pipeline plus the tail) over every
+    partition of the candidate that fits memory, given `linear_bound`, a valid bound on its linear
+    objective; `beta`: `backward_share`; `comm`: `comm_bound` (2 sum p2p is at least it); `tight`: the
+    block or interval bounds of the candidate, when computed.
+
+    Where the linear objective bounds the simulation (`linear_bounds_reported`) that bound holds.
+    Otherwise, with W >= the work (the stage times' sum, at least the model's cheapest work and, under
+    ZeRO-3, its weight gathers) and Z the largest stage time (at least W / S and the tight bound's):
+
+    - every rank computes m times its stages' time, and the busiest at least m max(W / p, the tight
+      bound's least largest stage (one stage per rank) or rank (several));
+    - one micro-batch passes every stage forward and backward in turn: W plus the links (under
+      zero-bubble only the forward and the input-gradient half of the backward are on that chain:
+      (W + F) / 2, and the V placement keeps one boundary on a rank, so no links are counted);
+    - 1F1B, one stage per rank: rank r starts after stages 0..r-1 forwarded micro-batch 0 and its last
+      backward must pass back through them: T >= sum_{s<r} t_s + m t_r for every r; over t >= 0 summing
+      to W the least maximum equalises them, t_r = t_0 q^r with q = (m-1)/m, T = m W / sum_r q^r;
+    - 1F1B, one stage per rank, with r the largest stage and w = min(m, p - r) its warm-up forwards:
+      rank r's actions up to its last forward (m forwards and m - w backwards), then F(r+1..p-1, m-1),
+      B(p-1..r, m-1), B(r-1..0, m-1) wait each for the one before, so T >= W + (m-1) t_r - (w-1) b_r +
+      2 sum p2p >= W + (m - 1 - (min(m, p) - 1) beta) Z + comm when that coefficient is >= 0.
+
+    Plus the same mean tail as the linear bounds (`tail_bound`). tests/test_reported_exact.py checks the
+    bound against the brute-force minimum of the reported figure on random instances.
+    """
+    if linear_bounds_reported(cand):
+        return linear_bound
+    S, p, m, v = cand.stages, cand.pp, cand.num_micro_batches, cand.virtual_stages
+    work = max(tot.work, zero3_gather_time(tot.params, cand, cluster, dtype))
+    if cand.schedule == "zero-bubble":
+        chain = (tot.fwd + work) / 2
+    else:
+        chain = work + (comm if v == 1 else 0.0)
+    busiest = work / p
+    largest = work / S
+    if isinstance(tight, BlockBounds):
+        by_mode = tight.stage_max if v == 1 else tight.rank_max
+        busiest = max(busiest, min(by_mode.values(), default=0.0))
+        if v == 1:
+            largest = max(largest, min(tight.stage_max.values(), default=0.0))
+    elif isinstance(tight, IntervalBounds) and v == 1:
+        busiest = max(busiest, min(tight.stage_max.values(), default=0.0))
+        largest = max(largest, min(tight.stage_max.values(), default=0.0))
+    pipe = max(m * busiest, chain)
+    if cand.schedule == "1f1b" and v == 1:
+        q = (m - 1) / m
+        pipe = max(pipe, m * work / sum(q**r for r in range(p)))
+        coef = m - 1 - (min(m, p) - 1) * beta
+        if coef >= 0:
+            pipe = max(pipe, work + coef * largest + comm)
+    out: float = pipe + tail_bound(tot, cand, cluster, dtype, options)
+    return out
+
+
 def comm_bound(graph: ModelGraph, cand: Candidate, cluster: ClusterSpec, run=None) -> float:
     """Fill/drain point-to-point: one forward and one backward send per stage boundary, each at least the
     smallest tensor a boundary can carry (in the count form a block's output or the prefix's; otherwise
