@@ -373,6 +373,47 @@ def backward_share(costs: list[UnitCost], cand: Candidate) -> float:
     return share
 
 
+def one_f_one_b_bound(costs: list[UnitCost], cand: Candidate, beta: float) -> float:
+    """1F1B with one stage per rank: a lower bound, over every contiguous partition, on
+    max_r c_r t_r with c_r = m - 1 - (min(m, p - r) - 1) beta, the part of `reported_bound`'s path bound
+    beyond the work W (stages with c_r < 0 are left out, which only lowers it).
+
+    t_r is at least the sum of its units' cheapest times (memory and ZeRO-3 gathers ignored, which only
+    lowers it). For a value Y stage r can hold the longest run of units with c_r t_r <= Y; taking the
+    longest run at each stage in turn is optimal for contiguous partitions, so Y is feasible when that
+    greedy pass places every unit. The least feasible Y is found by bisection and the largest infeasible
+    value returned, so the result never exceeds it."""
+    p, m = cand.pp, cand.num_micro_batches
+    coef = [m - 1 - (min(m, p - r) - 1) * beta for r in range(p)]
+    times = [c.fwd + min(c.bwd.values()) for c in costs]
+    total = sum(times)
+    if total <= 0 or max(coef) <= 0:
+        return 0.0
+
+    def feasible(Y: float) -> bool:
+        i, n = 0, len(times)
+        for r in range(p):
+            if coef[r] <= 0:
+                return True  # every later unit may go to this unconstrained stage
+            room = Y / coef[r]
+            acc = 0.0
+            while i < n and acc + times[i] <= room:
+                acc += times[i]
+                i += 1
+            if i == n:
+                return True
+        return False
+
+    lo, hi = 0.0, max(c for c in coef) * total
+    while hi - lo > 1e-12 * hi:
+        mid = (lo + hi) / 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
 def reported_bound(
     linear_bound: float,
     tot: Totals,
@@ -383,11 +424,12 @@ def reported_bound(
     beta: float = 1.0,
     comm: float = 0.0,
     tight: BlockBounds | IntervalBounds | None = None,
+    path: float = 0.0,
 ) -> float:
     """A valid lower bound on the figure the plan reports (simulated pipeline plus the tail) over every
     partition of the candidate that fits memory, given `linear_bound`, a valid bound on its linear
     objective; `beta`: `backward_share`; `comm`: `comm_bound` (2 sum p2p is at least it); `tight`: the
-    block or interval bounds of the candidate, when computed.
+    block or interval bounds of the candidate, when computed; `path`: `one_f_one_b_bound`, when computed.
 
     Where the linear objective bounds the simulation (`linear_bounds_reported`) that bound holds.
     Otherwise, with W >= the work (the stage times' sum, at least the model's cheapest work and, under
@@ -404,7 +446,8 @@ def reported_bound(
     - 1F1B, one stage per rank, with r the largest stage and w = min(m, p - r) its warm-up forwards:
       rank r's actions up to its last forward (m forwards and m - w backwards), then F(r+1..p-1, m-1),
       B(p-1..r, m-1), B(r-1..0, m-1) wait each for the one before, so T >= W + (m-1) t_r - (w-1) b_r +
-      2 sum p2p >= W + (m - 1 - (min(m, p) - 1) beta) Z + comm when that coefficient is >= 0.
+      2 sum p2p >= W + (m - 1 - (min(m, p) - 1) beta) Z + comm when that coefficient is >= 0, and, as
+      b_r <= beta t_r for every r, >= W + max_r c_r t_r + comm >= W + `path` + comm.
 
     Plus the same mean tail as the linear bounds (`tail_bound`). tests/test_reported_exact.py checks the
     bound against the brute-force minimum of the reported figure on random instances.
@@ -434,6 +477,7 @@ def reported_bound(
         coef = m - 1 - (min(m, p) - 1) * beta
         if coef >= 0:
             pipe = max(pipe, work + coef * largest + comm)
+        pipe = max(pipe, work + path + comm)
     out: float = pipe + tail_bound(tot, cand, cluster, dtype, options)
     return out
 

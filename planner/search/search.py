@@ -38,6 +38,7 @@ from planner.search.bounds import (
     comm_bound,
     linear_bounds_reported,
     lower_bounds,
+    one_f_one_b_bound,
     reported_bound,
     simple_bound,
 )
@@ -55,6 +56,8 @@ ILP_WORKERS = 2  # CBC processes at once
 # A pipelined candidate with at most this many (partition, recomputation) choices is settled by simulating
 # every one of them (exact for the reported figure) instead of solving its ILP.
 REFINE_LIMIT = 256
+# How many bounds the search may tighten after the queue is done, to narrow the reported gap.
+GAP_TIGHTENINGS = 8
 # GPipe's twin is dominated when the 1F1B plan's reported figure is within this relative tolerance of the
 # linear optimum (the figures are sums of the same floats in different orders).
 DOMINANCE_TOL = 1e-12
@@ -180,7 +183,7 @@ def search(
     def score(ev: Evaluated) -> float:
         return ev.reported if by_reported else ev.objective
 
-    def reported_of(item: QueueItem, linear: float, comm: float = 0.0) -> float:
+    def reported_of(item: QueueItem, linear: float, comm: float = 0.0, path: bool = False) -> float:
         if not by_reported:
             return linear
         c = item.cand
@@ -188,7 +191,10 @@ def search(
         if key not in shares:
             shares[key] = backward_share(item.costs, c)
         tot = totals[(c.tp, c.micro_batch_size, c.sequence_parallel, item.modes)]
-        return reported_bound(linear, tot, c, cluster, dtype, options, shares[key], comm, item.bounds)
+        extra = 0.0
+        if path and c.schedule == "1f1b" and c.pp > 1:
+            extra = one_f_one_b_bound(item.costs, c, shares[key])
+        return reported_bound(linear, tot, c, cluster, dtype, options, shares[key], comm, item.bounds, extra)
 
     def enqueue(i: int, cand: Candidate, costs: list[UnitCost], cand_modes: tuple[str, ...], floor: float) -> None:
         nonlocal smallest_need
@@ -261,7 +267,7 @@ def search(
         comm = 0.0
         if by_reported and not linear_bounds_reported(item.cand):
             comm = comm_bound(graph, item.cand, cluster, run)
-        out.reported = max(item.reported, reported_of(out, out.bound, comm))
+        out.reported = max(item.reported, reported_of(out, out.bound, comm, path=True))
         return out
 
     def settled_1f1b(cand: Candidate, linear_low: float, plan: float | None, index: int) -> None:
@@ -379,6 +385,7 @@ def search(
                     low = max(item.reported, linear_low) if linear_bounds_reported(cand) else item.reported
                     if ev.reported > low * (1 + 1e-9):
                         unresolved.append(low)
+                        log.debug("not settled: %s, plan %.6g, bound %.6g", cand.label(), ev.reported, low)
                 settled_1f1b(cand, linear_low, ev.reported, item.index)
                 ev.status = found
                 add(ev)
@@ -386,23 +393,34 @@ def search(
             # Candidates left in the queue have a linear bound at or above the k-th plan: pruned exactly
             # where it bounds the reported figure. The others are settled by simulation when small, else
             # their reported bound is tightened and, if still below the choice, counts in the gap.
-            rest = sorted(doubtful + [it for it in heap if not linear_bounds_reported(it.cand)], key=_rkey)
-            for item in rest:
-                best = score(ranked[0]) if ranked else None
-                if best is not None and item.reported >= best:
+            # The least bound first: small candidates below the choice are settled by simulating every
+            # partition. A large one has its bound tightened (at most GAP_TIGHTENINGS times in all, a count
+            # so that the result does not depend on the machine) and goes back; the first large one left
+            # below the choice with its bound final, or once the tightenings are spent, has the least bound
+            # of those left and fixes the gap: then only small candidates are still worth settling.
+            rest = [it for it in doubtful + heap if not linear_bounds_reported(it.cand)]
+            sweep = [(it.reported, it.index, it) for it in rest]
+            heapq.heapify(sweep)
+            gap_found = False
+            budget = GAP_TIGHTENINGS
+            while sweep:
+                _, _, item = heapq.heappop(sweep)
+                if not ranked or item.reported >= score(ranked[0]):
+                    break
+                if small(item):
+                    brute(item)
                     continue
-                while item.level < 2 and item.cand.stages > 1:
+                if gap_found:
+                    continue
+                if item.level < 2 and budget > 0:
+                    budget -= 1
                     nxt_item = tighten(item)
-                    if nxt_item is None:
-                        break
-                    item = nxt_item
-                else:
-                    if best is not None and item.reported >= best:
-                        continue
-                    if small(item):
-                        brute(item)
-                    else:
-                        unresolved.append(item.reported)
+                    if nxt_item is not None:
+                        heapq.heappush(sweep, (nxt_item.reported, nxt_item.index, nxt_item))
+                    continue
+                unresolved.append(item.reported)
+                gap_found = True
+                log.debug("reported gap set by %s: bound %.6g", item.cand.label(), item.reported)
     finally:
         pool.shutdown()
     if not ranked:
@@ -421,10 +439,6 @@ def search(
         gap=max(gaps, default=0.0),
         reported_gap=max(0.0, (best_figure - least) / best_figure) if best_figure > 0 else 0.0,
     )
-
-
-def _rkey(item: QueueItem) -> tuple[float, int]:
-    return (item.reported, item.index)
 
 
 def search_modes(graph: ModelGraph) -> tuple[str, ...]:
