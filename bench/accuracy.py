@@ -12,9 +12,12 @@ llm-foundry (MPT with FSDP on A100 and H100), torchtitan (Llama 3.1 on H100), BL
 each with its citation, model configuration, layout and published figure (bench/published_runs.py has the
 schema). Each is planned with its layout pinned and the predicted iteration time is set against the
 published one (converted from tokens/s or TFLOP/s where that is what was published). One set of
-efficiencies per GPU, the spec's: A100 fitted on SC21 (the "fit" rows), H100 the spec's values with no
-fit at all; the error distribution is printed for the validation rows apart from the fit rows. Rows that
-use something the planner does not model (FP8, torch.compile) are flagged and left out of the distribution.
+efficiencies per GPU, the spec's, each fitted on its GPU's calibration sources only (published_runs.yaml
+`splits`: A100 on SC21 Table 1 here, H100 on the Megatron-LM README rows by bench/fit_published.py); the
+error distribution is printed for the validation rows apart from the fit rows, per GPU. Rows that use
+something the planner does not model (FP8, torch.compile) are flagged and left out of the distribution.
+Rows that overlap TP communication behind the GEMMs (tp_comm_overlap) are compared without the plan's
+predicted TP communication.
 
 Throughput. For every GPT row of Narayanan et al., SC21, "Efficient Large-Scale Language Model Training on
 GPU Clusters Using Megatron-LM", Table 1 (weak scaling on DGX A100 80GB), the planner plans the sample GPT
@@ -52,7 +55,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from published_runs import PublishedRuns, Run, load_runs, plan_run, run_cluster
+from published_runs import PublishedRuns, Run, load_runs, plan_run, predicted_iteration_s, run_cluster
 
 from planner.cost.model import Candidate, CostOptions, optimizer_time, rank_memory, unit_cost
 from planner.errors import InfeasibleError
@@ -474,7 +477,7 @@ def run_published(runs: PublishedRuns) -> list[RunResult]:
         out.append(
             RunResult(
                 run,
-                pred.iteration_time_s,
+                predicted_iteration_s(run, plan),
                 pred.peak_memory_bytes / GiB,
                 pred.memory_capacity_bytes / GiB,
                 cluster.gpu.name,
@@ -506,8 +509,9 @@ def print_published(results: list[RunResult], runs: PublishedRuns) -> None:
     print(
         "\nPublished runs (bench/published_runs.yaml), each planned with its published layout pinned. Iteration\n"
         "time predicted vs published (published tokens/s or TFLOP/s converted with the batch and the publisher's\n"
-        "FLOP formula). role: fit = the A100 efficiencies were fitted on it; val = nothing was fitted on it.\n"
-        "'!' marks runs using features the planner does not model (left out of the distributions).\n"
+        "FLOP formula). role: fit = its GPU's efficiencies were fitted on it; val = nothing was fitted on it.\n"
+        "'!' marks runs using features the planner does not model (left out of the distributions); '~' runs that\n"
+        "overlap TP communication behind the GEMMs, compared without the plan's predicted TP communication.\n"
     )
     head = (
         f"{'run':<36} {'role':<4} {'gpu':<15} {'GPUs':>5} {'t':>2} {'p':>3} {'dp':>4} {'v':>2} {'mbs':>3} "
@@ -525,6 +529,7 @@ def print_published(results: list[RunResult], runs: PublishedRuns) -> None:
             f"{lay.pp:>3} {run.dp:>4} {lay.v:>2} {lay.mbs:>3} {lay.recompute[:4]:<4} {'y' if lay.sp else 'n':<2} "
             f"{lay.zero:>1} {pred:>8} {run.published_iteration_s:>8.3f} {err:>7} {mem:>5}"
             + (" !" if run.unsupported else "")
+            + (" ~" if run.tp_comm_overlap and lay.tp > 1 else "")
         )
     notes = [r for r in results if r.run.unsupported or r.error is None]
     if notes:
@@ -535,9 +540,12 @@ def print_published(results: list[RunResult], runs: PublishedRuns) -> None:
         if r.error is None:
             print(f"  infeasible {r.run.id}: {r.reason}")
     print("\nError distribution of |predicted / published - 1|:")
-    for role, label in (("fit", "fit rows (SC21, A100)"), ("validation", "validation rows")):
+    for role, label in (("fit", "fit rows (SC21 A100, Megatron H100)"), ("validation", "validation rows")):
         rows = [r for r in results if r.run.role == role and not r.run.unsupported]
         print(f"  {label:<32} {distribution(rows)}")
+        if role == "fit":
+            for gpu in sorted({r.gpu_name for r in rows}):
+                print(f"    {gpu:<30} {distribution([r for r in rows if r.gpu_name == gpu])}")
         if role == "validation":
             for gpu in sorted({r.gpu_name for r in rows}):
                 print(f"    {gpu:<30} {distribution([r for r in rows if r.gpu_name == gpu])}")

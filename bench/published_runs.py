@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from planner.cost.model import CostOptions
 from planner.hardware.load import load_cluster
-from planner.hardware.spec import ClusterSpec
+from planner.hardware.spec import ClusterSpec, Efficiencies
 from planner.model.graph import ModelGraph
 from planner.names import Recompute, Schedule
 from planner.pipeline import PlanRequest, analyse, build_plan, pins_from
@@ -92,6 +92,10 @@ class Run(_Strict):
     layout: Layout
     published: Published
     unsupported: str | None = Field(None, description="what the run used that the planner does not model")
+    tp_comm_overlap: bool = Field(
+        False, description="TP communication hidden behind the GEMMs (Megatron --tp-comm-overlap): the prediction "
+        "it is compared with leaves out the plan's predicted TP communication (the overlap's best case)"
+    )
     assumed: list[str] = Field(default_factory=list, description="unpublished fields and how they were set")
 
     @model_validator(mode="after")
@@ -167,8 +171,18 @@ class Run(_Strict):
         )
 
 
+class Split(_Strict):
+    """Which sources a GPU's efficiencies are fitted on and which only validate them, chosen before fitting."""
+
+    gpus: list[str] = Field(description="the runs' `gpu` names this split covers")
+    calibration: list[str] = Field(description="sources whose rows are role: fit")
+    validation: list[str] = Field(description="sources whose rows are role: validation")
+    reasoning: str
+
+
 class PublishedRuns(_Strict):
     sources: dict[str, Source]
+    splits: dict[str, Split] = Field(default_factory=dict, description="per GPU family: calibration vs validation")
     runs: list[Run]
 
     @model_validator(mode="after")
@@ -179,6 +193,19 @@ class PublishedRuns(_Strict):
         for r in self.runs:
             if r.source not in self.sources:
                 raise ValueError(f"{r.id}: unknown source {r.source!r}")
+        fitted_on = {src for sp in self.splits.values() for src in sp.calibration}
+        for name, sp in self.splits.items():
+            both = (set(sp.calibration) | fitted_on) & set(sp.validation)
+            if both:
+                raise ValueError(f"split {name}: sources {sorted(both)} are both calibration and validation")
+            for r in self.runs:
+                if r.gpu not in sp.gpus:
+                    continue
+                if r.source not in sp.calibration + sp.validation:
+                    raise ValueError(f"{r.id}: source {r.source!r} is in neither list of split {name}")
+                want = "fit" if r.source in sp.calibration else "validation"
+                if r.role != want:
+                    raise ValueError(f"{r.id}: split {name} puts source {r.source!r} in {want}, the row says {r.role}")
         return self
 
 
@@ -186,12 +213,15 @@ def load_runs(path: Path = RUNS_FILE) -> PublishedRuns:
     return PublishedRuns.model_validate(yaml.safe_load(path.read_text()))
 
 
-def run_cluster(run: Run) -> ClusterSpec:
-    """The run's cluster: its spec, with the facts the source publishes about its machine."""
+def run_cluster(run: Run, efficiency: Efficiencies | None = None) -> ClusterSpec:
+    """The run's cluster: its spec, with the facts the source publishes about its machine (and other
+    efficiencies than the spec's, for bench/fit_published.py)."""
     base = load_cluster(run.gpu, 1)
     cluster = load_cluster(run.gpu, run.gpus // base.gpus_per_node)
     gpu_changes = {k: v for k, v in run.cluster_overrides.items() if k in ("memory_gib", "memory_bandwidth_gbps")}
     topo_changes = {k: v for k, v in run.cluster_overrides.items() if k == "inter_node_bandwidth_gbps"}
+    if efficiency is not None:
+        gpu_changes = {**gpu_changes, "efficiency": efficiency}
     gpu = cluster.gpu.model_copy(update=gpu_changes)
     topology = cluster.topology.model_copy(update=topo_changes)
     return cluster.model_copy(update={"gpu": gpu, "topology": topology})
@@ -201,9 +231,11 @@ def graph_key(run: Run) -> tuple:
     return (run.model, tuple(sorted(run.model_args_full().items())))
 
 
-def plan_run(run: Run, graphs: dict[tuple, ModelGraph] | None = None) -> tuple[Plan, ClusterSpec]:
+def plan_run(
+    run: Run, graphs: dict[tuple, ModelGraph] | None = None, efficiency: Efficiencies | None = None
+) -> tuple[Plan, ClusterSpec]:
     """The run planned with its published layout pinned, on its cluster (graphs: a cache by model config)."""
-    cluster = run_cluster(run)
+    cluster = run_cluster(run, efficiency)
     request = run.request(cluster.gpus_per_node)
     graphs = {} if graphs is None else graphs
     key = graph_key(run)
@@ -223,3 +255,10 @@ def plan_run(run: Run, graphs: dict[tuple, ModelGraph] | None = None) -> tuple[P
         None,
     )
     return build_plan(graph, cluster, request, result, options), cluster
+
+
+def predicted_iteration_s(run: Run, plan: Plan) -> float:
+    """The plan's iteration time as comparable with the run's: without the TP communication a run that
+    overlaps it behind the GEMMs (tp_comm_overlap) does not wait for, since the cost model exposes it all."""
+    pred = plan.predicted
+    return pred.iteration_time_s - (pred.comm.tensor_parallel_s if run.tp_comm_overlap else 0.0)

@@ -1,6 +1,7 @@
 """Plan real models at full size on meta from their Hugging Face configs, and print how long it takes.
 
     python bench/real_models.py            # Llama-3-70B and Mixtral-8x7B on 64 H100s (8 nodes)
+    python bench/real_models.py Mixtral    # only the models whose name contains the word
 
 The configs are written from transformers' config classes with the published sizes (nothing downloads);
 each plan runs `planner plan hf:NAME --hf-config ...` in a fresh process, so the time includes importing
@@ -53,15 +54,25 @@ def plan(name: str, config: dict, work: Path) -> None:
     print(
         f"{name}: {p['total_params'] / 1e9:.1f}B parameters, planned in {wall:.1f} s "
         f"({p['search']['ilps_solved']} ILPs, {p['search']['candidates']} candidates): dp {par['dp']} tp {par['tp']} "
-        f"pp {par['pp']} v {par['virtual_stages']} {par['schedule']} zero {par['zero_stage']}, "
+        f"pp {par['pp']} v {par['virtual_stages']} ep {par.get('ep', 1)} {par['schedule']} zero {par['zero_stage']}, "
         f"{pred['iteration_time_s'] * 1e3:.0f} ms/iteration, MFU {pred['mfu'] * 100:.1f}%, "
         f"peak {pred['peak_memory_bytes'] / 2**30:.1f} GiB; units: {'; '.join(p['structure'])}"
     )
+    alts = [a["parallel"] for a in p["alternatives"]]
+    print("  runners-up: " + "; ".join(
+        f"dp {a['dp']} ep {a.get('ep', 1)} tp {a['tp']} pp {a['pp']} zero {a['zero_stage']}" for a in alts
+    ))
+    for r in p["rejected"]:
+        if "ep" in r.get("region", ""):
+            print(f"  rejected {r['region']}: {r['reason']} ({r.get('count', 1)})")
 
 
 def main() -> None:
+    only = sys.argv[1:]
     with tempfile.TemporaryDirectory() as tmp:
         for name, config in CONFIGS.items():
+            if only and not any(word in name for word in only):
+                continue
             plan(name, config, Path(tmp))
 
 

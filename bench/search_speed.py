@@ -3,6 +3,7 @@
     python bench/search_speed.py            # the two headline cases and the growth tables
     python bench/search_speed.py --quick    # headline cases only
     python bench/search_speed.py --ratio 5  # GPT-3 175B: plan time / `import torch` time, medians of 5
+    python bench/search_speed.py --units    # models of about 100 units, transformer or not: plan times, gap
 
 "plan" is the wall time of the `planner plan` command in a fresh process (interpreter start, torch
 import, loading and tracing on the meta device, the search, the simulator, writing plan.json, train.py,
@@ -34,17 +35,25 @@ from planner.pipeline import PlanRequest, analyse, plan_model  # noqa: E402
 GPT = str(ROOT / "sample_models" / "gpt.py")
 MLP = str(ROOT / "sample_models" / "mlp.py")
 GPU = "a100-sxm-80gb"
+CNN = str(ROOT / "tests" / "fixtures" / "models" / "sequential_cnn.py")
 GROWTH = {"hidden": 4096, "heads": 32, "seq": 2048, "vocab": 51200}
+# Issue 11 item 5: any model of up to 100 units planned in under 5 s, proven optimal or with its gap.
+HUNDRED_UNITS = [
+    ("GPT 98 layers x 4096 (100 units)", GPT, {"layers": 98, **GROWTH}, 512, 1024),
+    ("MLP 98 blocks x 4096 (100 units)", MLP, {"layers": 98, "width": 4096}, 64, 512),
+    ("MLP 98 blocks, 5 sizes (100 units)", MLP, {"layers": 98, "width": 4096, "ffn_cycle": 5}, 64, 512),
+    ("CNN 98 residual blocks (100 units)", CNN, {"blocks": 98, "channels": 256}, 64, 512),
+]
 
 
 def cli_seconds(
-    model_args: dict, gpus: int, batch: int, model: str = GPT, env: dict | None = None
+    model_args: dict, gpus: int, batch: int, model: str = GPT, env: dict | None = None, gpu: str = GPU
 ) -> tuple[float, dict]:
     """Wall time of `planner plan` in a new process, and the plan it wrote (``env``: extra variables; by
     default the analysis cache is off, so each run traces and analyses)."""
     env = {"PLANNER_NO_CACHE": "1", **(env or {})}
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "cli.main", "plan", model, "--gpu", GPU, "--nodes", str(gpus // 8)]
+        cmd = [sys.executable, "-m", "cli.main", "plan", model, "--gpu", gpu, "--nodes", str(gpus // 8)]
         cmd += ["--global-batch-size", str(batch), "--out", out, "--quiet"]
         for k, v in model_args.items():
             cmd += ["--model-arg", f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"]
@@ -97,16 +106,36 @@ def ratio(repeats: int) -> None:
         print(f"  plan {label:<20} {m:6.2f} s = {m / t:4.2f} x import torch  (runs {each})")
 
 
+def hundred_units() -> None:
+    """`planner plan` (fresh process, cold: no analysis cache) of models of about 100 units, with the search's
+    status and gap (0 when proven optimal)."""
+    for label, model, args, gpus, batch in HUNDRED_UNITS:
+        wall, plan = cli_seconds(args, gpus, batch, model)
+        p, search = plan["parallel"], plan["search"]
+        print(
+            f"{label:<38} {gpus:>4} GPUs  plan {wall:6.2f} s  {search['status']:<10} gap {search['gap'] * 100:5.2f}%  "
+            f"{len(plan['structure'])} structure lines, {sum(len(s['units']) for s in plan['stages'])} units -> "
+            f"dp{p['dp']} tp{p['tp']} pp{p['pp']}x{p['virtual_stages']} mbs{p['micro_batch_size']}",
+            flush=True,
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only the two headline cases")
     ap.add_argument("--ratio", type=int, metavar="N", help="only the 175B plan / import torch ratio, medians of N")
+    ap.add_argument("--units", action="store_true", help="only the models of about 100 units")
     args = ap.parse_args()
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
     if args.ratio:
         ratio(args.ratio)
         return
+    if args.units:
+        hundred_units()
+        return
     ratio(3)
+    print("models of about 100 units (cold)")
+    hundred_units()
     print("headline cases")
     one("GPT-3 175B, batch 1536", {"preset": "gpt3-175b"}, 1024, 1536)
     one("1T (128 x 25600), batch 3072", {"preset": "megatron-1t"}, 3072, 3072)

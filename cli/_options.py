@@ -147,6 +147,13 @@ GlobalBatchOpt = Annotated[
 # --- pins -------------------------------------------------------------------------------------------------
 
 DpOpt = Annotated[int | None, typer.Option("--dp", min=1, help="Data-parallel degree.", rich_help_panel=_PINS)]
+EpOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--ep", min=1, help="Expert-parallel degree (MoE): experts sharded over ep of the dp ranks; ep divides dp.",
+        rich_help_panel=_PINS,
+    ),
+]
 TpOpt = Annotated[
     int | None, typer.Option("--tp", min=1, help="Tensor-parallel degree (inside a node).", rich_help_panel=_PINS)
 ]
@@ -295,6 +302,7 @@ def plan_request(
     sequence_parallel: bool | None, dtype: DType, build_fn: str, inputs_fn: str, loss_fn: str | None, top_k: int,
     time_limit: float | None, no_overlap: bool, seed: int, lr: float, steps: int, data: str | None = None,
     measure: bool | None = None, memory_reserve: float | None = None, hf_config: Path | None = None,
+    ep: int | None = None,
 ) -> PlanRequest:
     """The library's PlanRequest from the options `plan` and `dry-run` share; unset pins are searched.
 
@@ -319,7 +327,7 @@ def plan_request(
     pins: dict[str, Any] = {
         "dp": dp, "tp": tp, "pp": pp, "virtual_stages": virtual_stages, "micro_batch_size": micro_batch_size,
         "schedule": schedule.value if schedule else None, "zero_stage": zero_stage,
-        "sequence_parallel": sequence_parallel, "recompute": recompute.value if recompute else None,
+        "sequence_parallel": sequence_parallel, "recompute": recompute.value if recompute else None, "ep": ep,
     }
     # An unset --time-limit leaves PlanRequest's default; 0 asks for none.
     limit: dict[str, Any] = {} if time_limit is None else {"time_limit": time_limit or None}

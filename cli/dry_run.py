@@ -23,6 +23,7 @@ from cli._options import (
     DpOpt,
     DType,
     DTypeOpt,
+    EpOpt,
     GlobalBatchOpt,
     GpuOpt,
     GpusPerNodeOpt,
@@ -75,6 +76,7 @@ def dry_run(
     tp: TpOpt = None,
     pp: PpOpt = None,
     dp: DpOpt = None,
+    ep: EpOpt = None,
     virtual_stages: VirtualStagesOpt = None,
     micro_batch_size: MicroBatchOpt = None,
     schedule: ScheduleOpt = None,
@@ -106,7 +108,7 @@ def dry_run(
         global_batch_size=global_batch_size, dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages,
         micro_batch_size=micro_batch_size, schedule=schedule, zero_stage=zero_stage, recompute=recompute,
         sequence_parallel=sequence_parallel, dtype=dtype, build_fn=build_fn, inputs_fn=inputs_fn, loss_fn=loss_fn,
-        data=data, measure=measure, memory_reserve=memory_reserve, hf_config=hf_config,
+        data=data, measure=measure, memory_reserve=memory_reserve, hf_config=hf_config, ep=ep,
         top_k=top_k, time_limit=time_limit, no_overlap=no_overlap, seed=seed, lr=lr, steps=steps,
     )
     quiet = is_quiet(ctx, quiet)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from planner import __version__
 from planner.cost.model import CostOptions, Profile, rank_tail, rank_tail_parts
 from planner.cost.simulate import SimResult
+from planner.cost.terms import moe_alltoall_time
 from planner.errors import ConfigError, PlannerError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
@@ -108,10 +109,22 @@ def predicted_for(
             pipeline_p2p_s=2 * sum(s.p2p for s in ev.stages) * (1 if ev.cand.pp > 1 else 0),
             data_parallel_s=dp_total,
             data_parallel_exposed_s=max(0.0, tail - _optimizer_only(ev, cluster, graph, options)),
+            expert_parallel_s=_expert_comm(ev, graph, cluster),
         ),
         source="measured" if all(s.source == "measured" for s in ev.stages) else "estimated",
     )
     return predicted, sim
+
+
+def _expert_comm(ev: Evaluated, graph: ModelGraph, cluster: ClusterSpec) -> float:
+    """Seconds per iteration of MoE all-to-all on a pp rank (forward and backward, every micro-batch)."""
+    per_mb = sum(
+        2.0 * moe_alltoall_time(graph.units[u].moe_dispatch_bytes, ev.cand, cluster)
+        for s in ev.stages
+        for u in s.units
+        if graph.units[u].experts
+    )
+    return per_mb * ev.cand.num_micro_batches / max(1, ev.cand.pp)
 
 
 def _optimizer_only(ev: Evaluated, cluster: ClusterSpec, graph: ModelGraph, options: CostOptions) -> float:
@@ -148,6 +161,7 @@ def _parallel(ev: Evaluated, global_batch: int) -> ParallelConfig:
         schedule=c.schedule,
         zero_stage=c.zero_stage,
         sequence_parallel=c.sequence_parallel,
+        ep=c.ep,
     )
 
 
@@ -228,6 +242,7 @@ def build_plan(
         tp_transposed=sorted(transposed),
         tp_refused=refused,
         structure=graph.structure,
+        experts={name: n for u in graph.units for name, n in u.experts.items()} if best.cand.ep > 1 else {},
         source_spec=graph.source_spec,
         source_settings=graph.source_settings,
         stages=stages,

@@ -17,6 +17,10 @@ from planner.model.graph import ModelSource
 from planner.names import Recompute, Schedule, SearchStatus
 
 SCHEMA_VERSION = 1
+# Minor versions add fields with defaults that keep older plans' meaning, so a plan of an older minor loads
+# (a missing field takes its default); one of a newer minor may hold fields this planner ignores: refused.
+# 1: expert parallelism (parallel.ep, experts, predicted.comm.expert_parallel_s).
+SCHEMA_MINOR = 1
 
 Source = Literal["measured", "estimated"]
 # colwise_gather: a column-parallel Linear whose output is all-gathered (the vocab-parallel LM head).
@@ -46,6 +50,7 @@ class ParallelConfig(_Model):
     schedule: Schedule = "1f1b"
     zero_stage: int = Field(0, ge=0, le=3, description="0: DDP, 1/2: sharded optimizer/grads, 3: FSDP")
     sequence_parallel: bool = False
+    ep: int = Field(1, ge=1, description="expert parallelism: each MoE layer's experts sharded over ep dp ranks")
     mesh_dims: list[str] = Field(default_factory=lambda: ["pp", "dp", "tp"], description="outer to inner")
 
     @model_validator(mode="after")
@@ -55,6 +60,8 @@ class ParallelConfig(_Model):
                 f"dp ({self.dp}) x micro_batch_size ({self.micro_batch_size}) x num_micro_batches "
                 f"({self.num_micro_batches}) must equal global_batch_size ({self.global_batch_size})"
             )
+        if self.dp % self.ep:
+            raise ValueError(f"ep ({self.ep}) must divide dp ({self.dp}): experts are sharded over dp ranks")
         if self.schedule == "interleaved-1f1b" and self.virtual_stages < 2:
             raise ValueError("interleaved-1f1b needs virtual_stages >= 2")
         if self.schedule in ("gpipe", "1f1b") and self.virtual_stages != 1:
@@ -111,6 +118,7 @@ class CommBreakdown(_Model):
     pipeline_p2p_s: Figure = 0.0
     data_parallel_s: Figure = 0.0
     data_parallel_exposed_s: Figure = 0.0
+    expert_parallel_s: Figure = Field(0.0, description="MoE all-to-all dispatch and combine, forward and backward")
 
 
 class Predicted(_Model):
@@ -174,6 +182,7 @@ class SearchStats(_Model):
 
 class Plan(_Model):
     schema_version: int = SCHEMA_VERSION
+    schema_minor: int = Field(SCHEMA_MINOR, ge=0)
     planner_version: str
     inputs_digest: str = Field(description="sha256 of the model source, cluster and options")
     model: ModelSource
@@ -198,6 +207,9 @@ class Plan(_Model):
     )
     tp_refused: list[str] = Field(
         default_factory=list, description="projections tensor parallelism leaves replicated, and why"
+    )
+    experts: dict[str, int] = Field(
+        default_factory=dict, description="MoE experts module -> its number of experts (what ep shards)"
     )
     source_spec: str | None = Field(None, description="model source compiled into model_source.py (hf:NAME)")
     source_settings: dict[str, Any] = Field(default_factory=dict, description="settings that source applies")
@@ -259,6 +271,12 @@ def load_plan(path: str | Path) -> Plan:
         raise PlanError(
             f"{p} has schema_version {version!r}, this planner reads version {SCHEMA_VERSION}. "
             "Regenerate the plan with this planner (`planner plan ...`)."
+        )
+    minor = raw.get("schema_minor", 0)
+    if isinstance(minor, int) and minor > SCHEMA_MINOR:
+        raise PlanError(
+            f"{p} has schema {version}.{minor}, newer than this planner's {SCHEMA_VERSION}.{SCHEMA_MINOR}: it may "
+            "hold settings this planner would ignore. Upgrade the planner or regenerate the plan with this one."
         )
     try:
         # strict: JSON types as written (`tp: true` or `"steps": "10"` are errors, not coerced)

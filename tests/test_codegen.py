@@ -4,6 +4,7 @@ correctly. (Runs of the generated script under torchrun are in tests/e2e.)"""
 from __future__ import annotations
 
 import ast
+import hashlib
 import os
 import shutil
 import stat
@@ -25,7 +26,8 @@ from planner.codegen.render import (
 )
 from planner.errors import PlanError
 from planner.runtime.digest import package_digest, runtime_files
-from planner.runtime.layout import expand_names
+from planner.runtime.errors import LayoutError
+from planner.runtime.layout import Layout, expand_names, read_layout_file
 
 ROOT = Path(__file__).resolve().parents[1]
 RUFF = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
@@ -282,3 +284,65 @@ def test_one_line_length():
     tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert config["tool"]["ruff"]["line-length"] == LINE_LENGTH
+
+
+def _long_plan():
+    """GPT-3 175B's layout with every module name unnumbered (nothing compresses into runs)."""
+    plan = make_plan("gpt", pp=16, tp=8, model_args={**TINY["gpt"], "layers": 96})
+    rename = {}
+
+    def unnumbered(name: str) -> str:
+        return rename.setdefault(name, name.replace(".", "_") + "_x")
+
+    stages = [s.model_copy(update={"modules": [unnumbered(m) for m in s.modules]}) for s in plan.stages]
+    tp_plan = {unnumbered(k): v for k, v in plan.tp_plan.items()}
+    return plan.model_copy(update={"stages": stages, "tp_plan": tp_plan})
+
+
+def test_module_lists_too_long_for_train_py_go_to_layout_json(tmp_path):
+    plan = _long_plan()
+    files = render(plan)
+    text = files["train.py"][0]
+    assert len(text.splitlines()) < 120 and max(len(line) for line in text.splitlines()) <= LINE_LENGTH
+    assert "layout.json" in files
+    (tmp_path / "train.py").write_text(text)
+    ruff = subprocess.run(
+        [RUFF, "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(tmp_path / "train.py")],
+        capture_output=True, text=True,
+    )
+    assert ruff.returncode == 0, ruff.stdout + ruff.stderr
+    c = _constants(text)
+    assert c["LAYOUT_FILE"] == "layout.json" and "\nSTAGES = TP_PLAN = TP_HEAD_ATTRS = None\n" in text
+    layout_text = files["layout.json"][0]
+    assert c["LAYOUT_DIGEST"] == hashlib.sha256(layout_text.encode()).hexdigest()
+    # What train.py builds from layout.json is what the plan says.
+    (tmp_path / "layout.json").write_text(layout_text)
+    stages, tp_plan, heads = read_layout_file(tmp_path / "layout.json", c["LAYOUT_DIGEST"])
+    expected, _, _ = runtime_objects(plan)
+    built = Layout(
+        pp=expected.pp, dp=expected.dp, tp=expected.tp, micro_batch_size=expected.micro_batch_size,
+        num_micro_batches=expected.num_micro_batches, stages=stages, tp_plan=tp_plan, tp_head_attrs=heads,
+    )
+    assert built.stages == expected.stages and built.tp_plan == expected.tp_plan
+    # Short plans keep their lists as constants and write no layout.json.
+    short = render(make_plan("gpt", pp=2, dp=2))
+    assert "layout.json" not in short and _constants(short["train.py"][0])["LAYOUT_FILE"] is None
+
+
+def test_an_edited_layout_json_is_refused(tmp_path):
+    path = tmp_path / "layout.json"
+    path.write_text('{"stages": [], "tp_plan": {}, "tp_head_attrs": {}}\n')
+    with pytest.raises(LayoutError, match="differs from the one this train.py was generated with"):
+        read_layout_file(path, "0" * 64)
+    with pytest.raises(LayoutError, match="cannot be read"):
+        read_layout_file(tmp_path / "missing.json", "0" * 64)
+
+
+def test_name_lists_fill_lines():
+    """A long list of names takes a few lines, not one per name, indented 4 past its line."""
+    names = [f"module_{i}_x" for i in range(60)]
+    text = py_literal({"A": names, "B": {"k": [1, 2]}}, indent=4)
+    assert ast.literal_eval(text) == {"A": names, "B": {"k": [1, 2]}}
+    lines = text.splitlines()
+    assert len(lines) < 15 and all(len(line) <= LINE_LENGTH for line in lines)
+    assert lines[1] == '    "A": [' and lines[2].startswith("        ") and lines[-1] == "}"

@@ -161,6 +161,75 @@ def test_gpt2_conv1d_is_sharded_transposed_with_its_widths_divided():
     assert u.tp_fused == {f"{p}.attn.c_attn": 3}
 
 
+GQA_FUSED = """
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=64, heads=4, kv_heads=2):
+        super().__init__()
+        self.q_dim, self.kv_dim = dim, dim * kv_heads // heads
+        self.head_dim = dim // heads
+        self.qkv = nn.Linear(dim, self.q_dim + 2 * self.kv_dim)  # q | k | v of unequal widths (GQA)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention()
+        self.fc = nn.Linear(64, 128)
+        self.out = nn.Linear(128, 64)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.out(F.gelu(self.fc(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(128, 64)
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(64, 128, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build_model(**_):
+    return Net()
+
+
+def example_inputs(batch_size, **_):
+    return (torch.randint(0, 128, (batch_size, 16), generator=torch.Generator().manual_seed(0)),)
+"""
+
+
+def test_a_fused_projection_of_unequal_chunks_stays_replicated_and_is_costed_so(tmp_path):
+    """The script shards a fused projection in equal chunks only: a GQA qkv (q wider than k, v) is refused
+    with the reason, and neither the plan's styles nor the costed shardable parameters count it."""
+    path = tmp_path / "gqa_fused.py"
+    path.write_text(GQA_FUSED)
+    u = _block(analyse_model(load_model_file(path, dtype="fp32")))
+    assert any("unequal chunks [64, 32, 32]" in r for r in u.tp_refused), u.tp_refused
+    assert not u.tp_fused and not u.tp_shards_attention
+    assert f"{u.name}.attn.qkv" not in u.tp_styles and f"{u.name}.attn.proj" not in u.tp_styles
+    assert u.tp_shardable_params == 64 * 128 + 128 + 128 * 64  # the MLP only
+
+
 def test_t5_position_bias_over_all_heads_refuses_attention():
     u = _block(graph_of("t5"))
     assert not u.tp_shards_attention
@@ -176,9 +245,6 @@ def test_mixtral_router_stays_replicated():
 
 # --- planning them: dry-run for 4 CPU ranks, and the hf: source -----------------------------------------------
 
-# Models whose TP pairs the analysis finds but the script's torch parallel styles cannot shard (planner/search
-# /space.py runtime_tp_refusal): GPT-2's Conv1D, and a fused qkv Linear.
-TP_NOT_RUNNABLE = {"gpt2": "cannot shard transformer.h.0.attn.c_attn (a Conv1D", "headcount_gpt": "fused projection"}
 PINS = {"dp4": ["--dp", "4"], "pp2xdp2": ["--pp", "2", "--dp", "2"], "tp2xdp2": ["--tp", "2", "--dp", "2"]}
 CNNS = {"resnet", "sequential_cnn"}
 
@@ -212,11 +278,6 @@ def test_dry_run_with_pins_for_four_cpu_ranks(name, pins):
         assert result.exit_code == 2, result.output
         assert "tensor" in result.output.lower()
         return
-    if pins == "tp2xdp2" and name in TP_NOT_RUNNABLE:
-        # Found and costed, but the generated script cannot shard it yet: refused at plan time, with the module.
-        assert result.exit_code == 2, result.output
-        assert TP_NOT_RUNNABLE[name] in " ".join(result.output.split()), result.output
-        return
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output)
     p = plan["parallel"]
@@ -225,6 +286,9 @@ def test_dry_run_with_pins_for_four_cpu_ranks(name, pins):
     assert plan["structure"] == {**HF_STRUCTURE, **FIXTURE_STRUCTURE}[name]
     if pins == "tp2xdp2":
         assert plan["tp_plan"]  # something really is sharded
+        if name in ("gpt2", "headcount_gpt"):
+            # Fused qkv (and GPT-2's Conv1D, transposed) are sharded by the script now, not refused.
+            assert plan["tp_fused"] and (name != "gpt2" or plan["tp_transposed"])
 
 
 def test_hf_source_from_a_config_json_compiles_a_model_file(tmp_path):
@@ -325,3 +389,34 @@ def test_tp_in_a_traced_stage_is_refused_when_only_export_traces():
     piped = _dry_run(*src, "--tp", "2", "--pp", "2")
     assert piped.exit_code == 2
     assert "only torch.export could trace the model" in " ".join(piped.output.split())
+
+
+def test_a_traced_stage_refuses_tp_on_conv1d_and_head_counts_but_the_model_as_written_does_not():
+    from planner.search.space import runtime_traced_tp_refusal
+
+    g = graph_of("gpt2")
+    assert "only torch.export" in runtime_traced_tp_refusal(g)
+    fx_traced = g.model_copy(update={"trace_method": "fx"})
+    assert "is a Conv1D, which a traced stage has inlined" in runtime_traced_tp_refusal(fx_traced)
+    assert "reads its head count in forward" in runtime_traced_tp_refusal(graph_of("headcount_gpt"))
+    assert runtime_traced_tp_refusal(graph_of("moduledict_llama")) is None
+
+
+def test_an_embedding_that_computes_its_own_indices_stays_replicated():
+    """BART's learned positions look up `arange(...) + offset` inside their forward: a vocab-parallel split
+    masks only the indices a module is called with, so they stay whole (GPT-2's wpe, called with its
+    position ids, is split)."""
+    emb = next(u for u in graph_of("bart").units if "embed_positions" in u.name)
+    assert not any("embed_positions" in m for m in emb.tp_styles)
+    assert any("computes its indices in its own forward" in r for r in emb.tp_refused), emb.tp_refused
+    assert "transformer.wpe" in graph_of("gpt2").units[0].tp_styles
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2"])
+def test_unit_input_is_what_crosses_the_boundary_not_the_weights(name):
+    """torch.export lifts parameters into the graph's inputs: a block's input_bytes (what full recompute
+    keeps) is the activation entering it, as the previous unit's output_bytes says, not its weights."""
+    g = graph_of(name)
+    for prev, unit in zip(g.units, g.units[1:]):
+        assert unit.input_bytes == prev.output_bytes, (unit.name, unit.input_bytes, prev.output_bytes)
+        assert unit.input_bytes < unit.param_bytes or unit.kind != "block"

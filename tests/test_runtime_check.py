@@ -4,7 +4,9 @@ with the stage, module or rule named, and `planner plan` then exits 2 without wr
 from __future__ import annotations
 
 import pytest
+import torch
 from e2e.plans import TINY, make_plan
+from torch import nn
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -93,13 +95,17 @@ def test_planner_plan_exits_2_and_writes_nothing(tmp_path):
     assert not out.exists() or not any(out.iterdir())
 
 
-def test_tp_on_gpt2s_conv1d_is_refused_at_plan_time():
+def test_tp_on_a_conv1d_the_plan_does_not_mark_transposed_is_refused_at_plan_time():
+    """The script shards GPT-2's Conv1D transposed only where the plan says its weight is [in, out]."""
     pytest.importorskip("transformers")
     from e2e.hf_plans import hf_plan
 
     plan = hf_plan("gpt2", tp=2, dp=2, tp_plan={"transformer.h.0.attn.c_attn": "colwise"})
-    with pytest.raises(PlanError, match=r"transformer.h.0.attn.c_attn, a Conv1D \(colwise\).*Conv1D is neither"):
+    with pytest.raises(PlanError, match=r"transformer.h.0.attn.c_attn, a Conv1D, but the plan does not list it in "):
         check_plan_runs(plan)
+    plan = plan.model_copy(update={"tp_transposed": ["transformer.h.0.attn.c_attn"]})
+    plan = plan.model_copy(update={"tp_fused": {"transformer.h.0.attn.c_attn": 3}})
+    check_plan_runs(plan)
 
 
 def _runs(monkeypatch) -> list[int]:
@@ -140,3 +146,150 @@ def test_a_stage_differing_only_in_its_module_still_runs(tmp_path, monkeypatch):
     plan = plan.model_copy(update={"model": plan.model.model_copy(update={"path": str(path)})})
     assert check_plan_runs(plan) == "fx"
     assert runs == ["proj_in", "blocks.0", "blocks.2", "blocks.3", "norm", "head"]
+
+
+BIG = '''
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+
+class Net(nn.Module):
+    """268M parameters (checked on meta, too large for the CPU rerun); forward branches on values."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj_in = nn.Linear(16, 8192)
+        self.blocks = nn.ModuleList([nn.Linear(8192, 8192) for _ in range(4)])
+        self.norm = nn.LayerNorm(8192)
+        self.head = nn.Linear(8192, 1)
+
+    def forward(self, x):
+        h = self.proj_in(x)
+        if {guard}bool((x[:, -1] == 0).all()):  # a data-dependent branch, as HF's packed-sequence check
+            h = h * 2
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def build_model(**kwargs):
+    return Net()
+
+
+def example_inputs(batch_size, **kwargs):
+    return (torch.randn(batch_size, 16),)
+'''
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_large_model_branching_on_values_only_outside_tracing_passes(tmp_path, guarded):
+    """Hugging Face models call .item() in forward unless they are being traced (`is_tracing`): on plain meta
+    tensors that fails, yet the model runs on the cluster; the check reruns it on fake tensors (what
+    torch.export traces with). A model that branches on values even while traced is still refused."""
+    path = tmp_path / "big.py"
+    path.write_text(BIG.format(guard="not isinstance(x, FakeTensor) and " if guarded else ""))
+    plan = make_plan("mlp", dp=1)
+    plan = plan.model_copy(update={"model": plan.model.model_copy(update={"path": str(path), "loss_fn": None})})
+    if guarded:
+        assert check_plan_runs(plan) == "module"
+    else:
+        with pytest.raises(PlanError, match="fails on the meta device"):
+            check_plan_runs(plan)
+
+
+RECOMPUTED = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.calls = 0
+
+    def forward(self, h):
+        self.calls += 1
+        if {once} and self.calls > 1:
+            raise RuntimeError("this block cannot run twice")
+        return self.lin(h)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj_in = nn.Linear(16, 64)
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x):
+        # Reads a child module's attribute, as HF ViT does (embeddings.patch_embeddings.projection.weight).
+        h = self.proj_in(x).to(self.blocks[0].lin.weight.dtype)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def build_model(**kwargs):
+    return Net()
+
+
+def example_inputs(batch_size, **kwargs):
+    return (torch.randn(batch_size, 16),)
+
+
+def loss_fn(output, x):
+    return output.mean()
+'''
+
+
+def _recomputed_plan(tmp_path, once: bool, recompute: str):
+    path = tmp_path / "recomputed.py"
+    path.write_text(RECOMPUTED.format(once=once))
+    plan = make_plan("mlp", dp=2, recompute=recompute)
+    return plan.model_copy(update={"model": plan.model.model_copy(update={"path": str(path)})})
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_checkpointed_units_stay_the_models_own_modules(tmp_path, recompute):
+    """Activation checkpointing runs each unit's own forward under checkpoint, in place: the model's own
+    attribute reads of a checkpointed child keep working, and the unit keeps its type."""
+    from planner.runtime.parallel import apply_ac
+    from planner.runtime.stages import ModelStage
+
+    assert check_plan_runs(_recomputed_plan(tmp_path, once=False, recompute=recompute)) == "module"
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    apply_ac(ModelStage(model, ["0", "2"]), recompute, "1f1b")
+    assert type(model[0]) is nn.Linear and [n for n, _ in model.named_parameters()][0] == "0.weight"
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    assert model[0].weight.grad is not None
+
+
+def test_the_check_recomputes_as_the_run_does(tmp_path):
+    """A block that cannot run twice passes without recomputation and is refused with it: the check applies
+    the run's checkpointing, whose backward runs the block again."""
+    assert check_plan_runs(_recomputed_plan(tmp_path, once=True, recompute="none")) == "module"
+    with pytest.raises(PlanError, match="cannot run twice"):
+        check_plan_runs(_recomputed_plan(tmp_path, once=True, recompute="full"))
+
+
+def test_a_graph_with_integer_histc_is_refused_for_cpu_runs_only():
+    """transformers' MoE experts pick histc's dtype from the device: traced on meta, the graph holds the
+    GPU's int32 histc, which the CPU lacks; a pipeline on CPU ranks is refused with that reason."""
+    from planner.runtime.stages import trace, unsupported_on
+
+    class Counts(nn.Module):
+        def forward(self, x):
+            ids = x.argmax(-1)
+            counts = torch.histc(ids.int() if ids.device.type != "cpu" else ids.float(), bins=4, min=0, max=3)
+            return x * counts.sum()
+
+    gm, values, _ = trace(Counts(), (torch.randn(2, 4, device="meta"),))
+    why = unsupported_on(gm, values, "cpu")
+    assert why is not None and "torch.histc on torch.int32" in why
+    assert unsupported_on(gm, values, "cuda") is None
+    gm, values, _ = trace(Counts(), (torch.randn(2, 4),))
+    assert unsupported_on(gm, values, "cpu") is None

@@ -3,6 +3,8 @@ plan's stages, and the pieces computing exactly the model's forward."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from e2e.plans import TINY, make_plan
@@ -10,9 +12,11 @@ from torch import fx, nn
 
 from planner.codegen.render import runtime_objects
 from planner.runtime import Layout, RunError
+from planner.runtime.layout import ModelFile
 from planner.runtime.model import build_model, load_model_file, make_batch, materialise
 from planner.runtime.stages import (
     StageModule,
+    build_local_stages,
     cut_into_pieces,
     fetch,
     module_paths,
@@ -203,3 +207,70 @@ def test_extra_inputs_reach_later_stages_and_structured_outputs_come_back(export
     want = model(x, mask)
     assert isinstance(seen[0], dict) and set(seen[0]) == {"logits", "hidden"}
     torch.testing.assert_close(seen[0]["logits"], want["logits"], rtol=0, atol=0)
+
+
+MODELS = Path(__file__).resolve().parent / "fixtures" / "models"
+# Batch-norm models of the corpus: (model file, model args, stage 0's modules, stage 1's): fx-traced (a
+# top-level Sequential) and torch.export-traced (HF ResNet: batch norm mutates its buffers in the graph).
+BATCH_NORM = {
+    "sequential_cnn": (MODELS / "sequential_cnn.py", {}, ["0", "1", "2"], ["3", "4", "5"]),
+    "hf_resnet": (
+        MODELS / "hf_tiny.py", {"arch": "resnet"},
+        ["resnet.embedder", "resnet.encoder.stages.0", "resnet.encoder.stages.1"],
+        ["resnet.encoder.stages.2", "resnet.encoder.stages.3", "resnet.pooler", "classifier"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BATCH_NORM))
+def test_batch_norm_running_stats_of_pipeline_stages_equal_one_process(name):
+    """Each stage updates the running statistics of the modules it owns, once per micro-batch in micro-batch
+    order (every schedule runs a stage's forwards in that order): with dp 1 a pipeline's buffers after
+    training equal one process's over the same micro-batches, and no stage touches another stage's buffers."""
+    if name == "hf_resnet":
+        pytest.importorskip("transformers")
+    path, args, first, second = BATCH_NORM[name]
+    user = load_model_file(str(path))
+    spec = ModelFile(path=str(path), model_args=args)
+    layout = _layout([first, second])
+    batches = [user.example_inputs(2, seed=s, **args) for s in range(3)]
+    meta = build_model(user, spec, 0, everything_on_meta=True)
+    gm, values, method = trace(meta, tuple(t.to("meta") for t in batches[0][:1]))
+    assert method == ("fx" if name == "sequential_cnn" else "export")
+    pieces = cut_into_pieces(gm, values, layout)
+    # One model per stage, as on two pp ranks: each materialises only the modules its stage uses.
+    built = [build_local_stages(user, spec, 0, gm, pieces, [i], CPU) for i in (0, 1)]
+    whole = build_model(user, spec, 0, everything_on_meta=False)
+    materialise(whole, {n for n, _ in whole.named_modules()}, CPU, 0)
+    for batch in batches:
+        built[1][0][0](*built[0][0][0](batch[0]))
+        whole(batch[0])
+    expected = dict(whole.named_buffers())
+    assert all(int(v) == len(batches) for n, v in expected.items() if n.endswith("num_batches_tracked"))
+    for stage, (_, model) in enumerate(built):
+        checked = 0
+        for bname, value in model.named_buffers():
+            owner = owner_of(bname, layout.stage_of_module)
+            if owner is not None and layout.stage_of_module[owner] == stage:
+                torch.testing.assert_close(value, expected[bname], rtol=1e-5, atol=1e-6, msg=bname)
+                checked += 1
+            elif bname.endswith("num_batches_tracked"):
+                assert int(value) == 0, f"stage {stage} updated {bname}, which another stage owns"
+        assert checked > 0
+
+
+def test_a_sending_stage_sends_contiguous_tensors():
+    """Point-to-point sends need contiguous tensors; T5's encoder output reached its stage boundary as a view
+    (found training T5 pp2 x dp2: `input tensor has to be contiguous` at launch)."""
+
+    class Transposes(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x.transpose(0, 1), x
+
+    x = torch.randn(3, 4)
+    assert not Transposes()(x)[0].is_contiguous()
+    sent = StageModule([Transposes()], [None], sends=True)(x)
+    assert all(t.is_contiguous() for t in sent)
+    torch.testing.assert_close(sent[0], x.t(), rtol=0, atol=0)
+    kept = StageModule([Transposes()], [None])(x)  # the last stage hands its output to the loss as it is
+    assert not kept[0].is_contiguous()

@@ -15,6 +15,7 @@ def check_plan_runs(plan: Plan) -> str:
     from planner.runtime.check import check_plan_runs as runtime_check  # imports torch
 
     try:
-        return runtime_check(*runtime_objects(plan))
+        device_type = "cpu" if plan.cluster.gpu.lower() == "cpu" else "cuda"  # the device launch.sh passes
+        return runtime_check(*runtime_objects(plan), device_type=device_type)
     except RunError as e:
         raise PlanError(f"The plan cannot run: {e}") from None

@@ -9,6 +9,7 @@ timestamps, sorted mappings), so equal plans give byte-identical files.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -40,6 +41,8 @@ _env = jinja2.Environment(
 )
 
 RUNTIME_DIR = "planner_runtime"  # where the runtime package is copied, next to train.py
+LAYOUT_FILE = "layout.json"  # the plan's module lists, next to train.py, when too long for its constants
+TRAIN_PY_LINES = 119  # train.py stays under 120 lines: a person reads it whole
 
 # file name -> (template, executable)
 _OUTPUTS = {
@@ -50,21 +53,42 @@ _OUTPUTS = {
 }
 
 
-def py_literal(value: Any, indent: int = 0, width: int = LINE_LENGTH) -> str:
-    """`value` (JSON-like data) as Python source: one line if it fits after `indent` columns, else one
-    element per line with trailing commas (the layout ruff format would choose)."""
+def py_literal(value: Any, indent: int = 0, width: int = LINE_LENGTH, base: int = 0) -> str:
+    """`value` (JSON-like data) as Python source starting at column `indent` of a line indented `base`: one
+    line if it fits, else one element per line indented 4 past `base` with trailing commas (the layout ruff
+    format would choose), or, for a list or mapping of names and numbers, as many elements per line as fit."""
     flat = _flat(value)
     if indent + len(flat) <= width or not isinstance(value, (list, tuple, dict)) or not value:
         return flat
-    pad = " " * (indent + 4)
+    inner = base + 4
+    pad = " " * inner
     if isinstance(value, dict):
-        items = [f"{_flat(k)}: {py_literal(v, indent + 4 + len(_flat(k)) + 2, width)}" for k, v in value.items()]
+        items = [
+            f"{_flat(k)}: {py_literal(v, inner + len(_flat(k)) + 2, width, inner)}" for k, v in value.items()
+        ]
         open_, close = "{", "}"
+        scalars = all(not isinstance(v, (list, tuple, dict)) for v in value.values())
     else:
-        items = [py_literal(v, indent + 4, width) for v in value]
+        items = [py_literal(v, inner, width, inner) for v in value]
         open_, close = ("(", ")") if isinstance(value, tuple) else ("[", "]")
+        scalars = all(not isinstance(v, (list, tuple, dict)) for v in value)
+    if scalars:  # names and numbers: as many per line as fit, so long module lists stay a few lines
+        return f"{open_}\n{_filled(items, pad, width)}{' ' * base}{close}"
     body = "".join(f"{pad}{item},\n" for item in items)
-    return f"{open_}\n{body}{' ' * indent}{close}"
+    return f"{open_}\n{body}{' ' * base}{close}"
+
+
+def _filled(items: list[str], pad: str, width: int) -> str:
+    """`items` as lines of `pad` + comma-separated items, each line within `width` where the items allow."""
+    lines: list[str] = []
+    line = ""
+    for item in items:
+        if line and len(pad) + len(line) + 1 + len(item) + 1 > width:
+            lines.append(line)
+            line = ""
+        line = f"{line} {item}," if line else f"{item},"
+    lines.append(line)
+    return "".join(f"{pad}{line}\n" for line in lines)
 
 
 def _flat(value: Any) -> str:
@@ -103,12 +127,31 @@ def _schedule_note(plan: Plan) -> str:
     return f"{p.schedule} over {p.num_stages} stages"
 
 
-def _constants(plan: Plan) -> dict[str, str]:
-    """The plan's numbers as Python source, keyed by constant name (indent: after `NAME = `)."""
+def _layout_lists(plan: Plan) -> dict[str, Any]:
+    """STAGES, TP_PLAN and TP_HEAD_ATTRS as train.py (or its layout.json) holds them: runs of numbered names
+    compressed to "blocks.{0-5}", which the runtime's expand_names reads back."""
+    return {
+        "STAGES": [
+            (s.pp_rank, compress_names(list(s.modules)), s.recompute)
+            for s in sorted(plan.stages, key=lambda s: s.index)
+        ],
+        "TP_PLAN": compress_mapping(dict(plan.tp_plan)),
+        "TP_HEAD_ATTRS": compress_mapping({k: list(v) for k, v in plan.tp_head_attrs.items()}),
+    }
+
+
+def layout_file_text(plan: Plan) -> str:
+    """layout.json: the module lists of a plan too long for train.py's constants (stages in pipeline order)."""
+    lists = _layout_lists(plan)
+    data = {"stages": lists["STAGES"], "tp_plan": lists["TP_PLAN"], "tp_head_attrs": lists["TP_HEAD_ATTRS"]}
+    return json.dumps(data, indent=1) + "\n"  # key order as written: stages in pipeline order, names natural
+
+
+def _constants(plan: Plan, layout_digest: str | None = None) -> dict[str, str]:
+    """The plan's numbers as Python source, keyed by constant name (indent: after `NAME = `). With
+    `layout_digest`, the module lists are in layout.json (of that sha256) instead."""
     p, m, t = plan.parallel, plan.model, plan.training
-    stages = [
-        (s.pp_rank, compress_names(list(s.modules)), s.recompute) for s in sorted(plan.stages, key=lambda s: s.index)
-    ]
+    lists = _layout_lists(plan)
     values: dict[str, Any] = {
         "MODEL_FILE": m.path,
         "BUILD_FN": m.build_fn,
@@ -127,9 +170,13 @@ def _constants(plan: Plan) -> dict[str, str]:
         "SCHEDULE": p.schedule,
         "ZERO_STAGE": p.zero_stage,
         "SEQUENCE_PARALLEL": p.sequence_parallel,
-        "STAGES": stages,
-        "TP_PLAN": compress_mapping(dict(plan.tp_plan)),
-        "TP_HEAD_ATTRS": compress_mapping({k: list(v) for k, v in plan.tp_head_attrs.items()}),
+        **lists,
+        "LAYOUT_FILE": None if layout_digest is None else LAYOUT_FILE,
+        "LAYOUT_DIGEST": layout_digest,
+        "EP": p.ep,
+        "EXPERTS": compress_mapping(dict(plan.experts)),
+        "TP_FUSED": compress_mapping(dict(plan.tp_fused)),
+        "TP_TRANSPOSED": compress_names(list(plan.tp_transposed)),
         "SEED": t.seed,
         "LR": float(t.lr),
         "STEPS": t.steps,
@@ -152,6 +199,8 @@ def runtime_objects(plan: Plan) -> tuple[Layout, ModelFile, Training]:
             Stage(s.pp_rank, tuple(s.modules), s.recompute) for s in sorted(plan.stages, key=lambda s: s.index)
         ),
         tp_plan=dict(plan.tp_plan), tp_head_attrs={k: tuple(v) for k, v in plan.tp_head_attrs.items()},
+        ep=p.ep, experts=dict(plan.experts),
+        tp_fused=dict(plan.tp_fused), tp_transposed=tuple(plan.tp_transposed),
     )
     model = ModelFile(m.path, m.build_fn, m.inputs_fn, m.loss_fn, m.batch_fn, dict(m.model_args))
     return layout, model, Training(seed=t.seed, lr=float(t.lr), steps=t.steps, dtype=t.dtype)
@@ -261,11 +310,12 @@ def render(plan: Plan, plan_path_in_dir: str = "plan.json") -> dict[str, tuple[s
             )
     title = (
         f"Train {_text(plan.model_class)} on {world} process{'es' if world != 1 else ''}: "
-        f"pp {p.pp} x dp {p.dp} x tp {p.tp} ({_schedule_note(plan)})."
+        f"pp {p.pp} x dp {p.dp} x tp {p.tp}{f' (ep {p.ep})' if p.ep > 1 else ''} ({_schedule_note(plan)})."
     )
     origin = f"Generated by planner {_text(plan.planner_version)} from {_text(plan_path_in_dir)}."
     context = {
         "c": _constants(plan),
+        "layout_file": False,
         "title": "\n".join(textwrap.wrap(title, LINE_LENGTH - 3)),
         "origin": "\n".join(textwrap.wrap(origin, LINE_LENGTH - 40)),
         "plan_name": _text(plan_path_in_dir),
@@ -273,6 +323,7 @@ def render(plan: Plan, plan_path_in_dir: str = "plan.json") -> dict[str, tuple[s
         "pp": p.pp,
         "dp": p.dp,
         "tp": p.tp,
+        "ep": p.ep,
         "cpu": cpu,
         "nodes": nodes,
         "per_node": per_node,
@@ -283,6 +334,12 @@ def render(plan: Plan, plan_path_in_dir: str = "plan.json") -> dict[str, tuple[s
     out: dict[str, tuple[str, bool]] = {}
     for name, (template, executable) in _OUTPUTS.items():
         out[name] = (_env.get_template(template).render(**context), executable)
+    if len(out["train.py"][0].splitlines()) > TRAIN_PY_LINES:
+        # Module lists too long to read as constants (e.g. hundreds of unnumbered modules): into layout.json.
+        text = layout_file_text(plan)
+        context |= {"c": _constants(plan, hashlib.sha256(text.encode()).hexdigest()), "layout_file": True}
+        out["train.py"] = (_env.get_template("train.py.j2").render(**context), True)
+        out[LAYOUT_FILE] = (text, False)
     for name, text in runtime_files().items():
         out[f"{RUNTIME_DIR}/{name}"] = (text, False)
     return out

@@ -18,6 +18,7 @@ class Candidate:
     schedule: str
     zero_stage: int
     sequence_parallel: bool
+    ep: int = 1  # expert parallelism: each MoE layer's experts sharded over ep of the dp ranks (ep divides dp)
 
     @property
     def stages(self) -> int:
@@ -25,8 +26,9 @@ class Candidate:
 
     def label(self) -> str:
         sp = "+sp" if self.sequence_parallel else ""
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
         return (
-            f"dp{self.dp} tp{self.tp}{sp} pp{self.pp}"
+            f"dp{self.dp}{ep} tp{self.tp}{sp} pp{self.pp}"
             + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
             + f" mbs{self.micro_batch_size} m{self.num_micro_batches} {self.schedule} zero{self.zero_stage}"
         )

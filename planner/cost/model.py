@@ -22,6 +22,8 @@ from planner.cost.terms import (
     crosses_nodes,
     dp_link,
     dp_sync_time,
+    expert_state_params,
+    moe_alltoall_time,
     optimizer_step_time,
     p2p_link,
     p2p_time,
@@ -70,6 +72,7 @@ class UnitCost:
     tp_comm_bwd: float
     largest_param_bytes: float
     source: str
+    ep_comm: float = 0.0  # expert-parallel all-to-all per micro-batch, forward + backward
 
 
 def gemm_efficiency(cluster: ClusterSpec, dim: float) -> float:
@@ -159,13 +162,15 @@ def unit_cost(
             bwd_c *= profile.efficiency_scale
             core_c *= profile.efficiency_scale
     tf, tb = tp_comm_times(unit, cand.micro_batch_size, cand.tp, cand.sequence_parallel, cluster)
-    fwd = fwd_c + tf
+    a2a = moe_alltoall_time(unit.moe_dispatch_bytes, cand, cluster) if unit.experts else 0.0
+    # Expert parallelism: dispatch + combine in forward, their gradients in backward.
+    fwd = fwd_c + tf + a2a
     bwd = {
-        "none": bwd_c + tb,
+        "none": bwd_c + tb + a2a,
         # selective: re-run the attention core (Korthikanti et al. 2022, sec. 4.1)
-        "selective": bwd_c + tb + (core_c if unit.attention_core_bytes > 0 else 0.0),
-        # full: re-run the whole forward, its TP communication included
-        "full": bwd_c + tb + fwd,
+        "selective": bwd_c + tb + a2a + (core_c if unit.attention_core_bytes > 0 else 0.0),
+        # full: re-run the whole forward, its TP and expert communication included
+        "full": bwd_c + tb + a2a + fwd,
     }
     tp_sharded = bool(unit.tp_pairs) or bool(unit.tp_styles)
     act: dict[str, float] = {
@@ -182,7 +187,8 @@ def unit_cost(
         for mode in RECOMPUTE_MODES
     }
     shard = unit.tp_shardable_params if cand.tp > 1 else 0
-    params_local = (unit.params - shard) + shard / cand.tp
+    experts = unit.expert_params  # not TP-sharded; ep divides them (`terms.expert_state_params`)
+    params_local = (unit.params - experts - shard) + shard / cand.tp + expert_state_params(experts, cand, dtype)
     return UnitCost(
         fwd=fwd,
         bwd=bwd,
@@ -192,6 +198,7 @@ def unit_cost(
         tp_comm_bwd=tb,
         largest_param_bytes=unit.param_bytes / (cand.tp if shard else 1),
         source=source,
+        ep_comm=2.0 * a2a,
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any, TypeAlias
 
 from planner.cost import collectives as coll
 from planner.cost.candidate import Candidate, CostOptions
-from planner.cost.memory import StateBytes
+from planner.cost.memory import StateBytes, model_state_bytes_per_param
 from planner.hardware.spec import ClusterSpec
 
 # float, numpy array or pulp.LpAffineExpression (pulp has no type information)
@@ -61,6 +61,17 @@ def _link(cluster: ClusterSpec, inter_node: bool) -> tuple[float, float]:
     return topo.intra_node_bandwidth * eff, topo.intra_node_latency
 
 
+def ep_crosses_nodes(cand: Candidate, cluster: ClusterSpec) -> bool:
+    """Whether an expert-parallel group spans nodes: it is ep consecutive dp ranks of the (pp, dp, tp) mesh,
+    so ep * tp consecutive global ranks, inside a node while that is at most the GPUs per node."""
+    return cand.ep * cand.tp > cluster.gpus_per_node
+
+
+def ep_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
+    """(bandwidth, latency) of the expert-parallel group's all-to-all."""
+    return _link(cluster, ep_crosses_nodes(cand, cluster))
+
+
 def p2p_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
     """(bandwidth, latency) of the link between consecutive pipeline ranks."""
     return _link(cluster, crosses_nodes(cand, cluster)[1])
@@ -83,6 +94,47 @@ def p2p_time(boundary_bytes: Affine, cand: Candidate, cluster: ClusterSpec) -> A
     bw, lat = p2p_link(cand, cluster)
     nbytes = boundary_bytes * cand.micro_batch_size / (cand.tp if cand.sequence_parallel else 1)
     return coll.p2p_time(nbytes, bw, lat)
+
+
+def alltoall_time(nbytes: Affine, n: int, bw: float, lat: float) -> Affine:
+    """All-to-all of `nbytes` per rank over n ranks, pairwise exchange: each rank keeps 1/n and sends the
+    other (n-1)/n, one peer per step: (n-1)/n * bytes / bw + (n-1) * latency (Thakur et al. 2005, sec. 4.5)."""
+    if n <= 1:
+        return 0.0
+    return nbytes * ((n - 1) / n) / bw + (n - 1) * lat
+
+
+def moe_alltoall_time(dispatch_bytes: Affine, cand: Candidate, cluster: ClusterSpec) -> Affine:
+    """Expert-parallel token exchange of a unit per micro-batch, forward or backward (each pays it once).
+
+    `dispatch_bytes` (per sample, summed over the unit's MoE layers) is top_k x hidden per token: forward
+    sends each routed token to its expert's rank and the expert output back (dispatch + combine, two
+    all-to-alls over the ep group); backward sends their gradients the opposite way (two more). Routing is
+    taken as balanced (each rank receives what it sends on average); no token is dropped (GShard,
+    Lepikhin et al. 2020; Megatron-LM's alltoall token dispatcher). 0 without expert parallelism.
+    """
+    if cand.ep <= 1:
+        return 0.0
+    bw, lat = ep_link(cand, cluster)
+    return 2.0 * alltoall_time(dispatch_bytes * cand.micro_batch_size, cand.ep, bw, lat)
+
+
+def expert_state_params(expert_params: Affine, cand: Candidate, dtype: str) -> Affine:
+    """The dense-equivalent parameter count of a unit's experts on one rank, for the terms that take one
+    parameter count (states, gradient sync, optimizer step).
+
+    Each rank holds 1/ep of the experts; their gradients and ZeRO shards live on the dp/ep replicas of
+    that expert shard, so under ZeRO they are sharded over dp/ep ranks, not dp. The count returned makes
+    `model_state_bytes` exact: (expert / ep) * bytes-per-param over dp/ep, divided by the bytes per param
+    over dp. Gradient sync and the optimizer step see the same equivalent count: exact without ZeRO
+    (the factor is 1; the ring then runs over dp, not dp/ep, ranks: (dp-1)/dp vs (r-1)/r of the bytes), an
+    over-estimate of the sync under ZeRO, where the factor exceeds 1.
+    """
+    if cand.ep <= 1:
+        return expert_params
+    over_dp = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp).total
+    over_rep = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp // cand.ep).total
+    return expert_params / cand.ep * (over_rep / over_dp)
 
 
 def dp_sync_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dtype: str) -> Affine:

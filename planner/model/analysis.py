@@ -17,6 +17,7 @@ from planner.model.grouping import (
     unit_name,
 )
 from planner.model.load import DTYPE_BYTES, LoadedModel, build_meta_model, meta_inputs
+from planner.model.moe import correct_counts, ep_granularity, expert_storages, unit_moe_layers
 from planner.model.tp import ModuleNames, TPInfo, constant_inputs, renamer, tp_info
 from planner.model.trace import trace_model
 
@@ -26,6 +27,9 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
     import torch
     from torch.fx.passes.split_module import split_module
 
+    from planner.runtime.meta import meta_without_dynamo
+
+    meta_without_dynamo()  # meta elementwise kernels would import torch._dynamo (planner.runtime.meta)
     model = build_meta_model(loaded)
     inputs = meta_inputs(loaded, 1)
     n_in = model_input_count(model, len(inputs))
@@ -74,6 +78,7 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
 
     params_by_name = dict(model.named_parameters())
     buffers = tuple(model.buffers())
+    state_ids = {id(t) for t in (*params_by_name.values(), *buffers)}
     names = ModuleNames.of(model)
     root_attrs: dict[int, list[str]] = {}
     for n, u in node_unit.items():
@@ -93,17 +98,22 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
             unit_params.setdefault(name, params_by_name[name])
         args = captured.get(i, ())
         sig = unit_sig[i]
+        moe = unit_moe_layers(model, group)
         if sig not in analysed:
             if sub is None:
                 analysed[sig] = Counts()
             else:
-                analysed[sig] = analyse_callable(sub, args, list(unit_params.values()), seq, buffers)
+                tagged = frozenset(expert_storages(model, moe))
+                analysed[sig] = analyse_callable(sub, args, list(unit_params.values()), seq, buffers, tagged)
+                correct_counts(analysed[sig], moe, seq or 1)  # routed expert work, counted from the structure
                 tp_by_sig[sig] = (group, tp_info(sub, args, model, names, constant_inputs(parts, i), traced.method))
         c = analysed[sig]
         n_params = sum(p.numel() for p in unit_params.values())
         act = sum(c.saved.values())
         core = sum(v for k, v in c.saved.items() if k in c.attention_core)
-        in_bytes = sum(tensor_bytes(a) for a in args if isinstance(a, torch.Tensor))
+        # What enters per sample: torch.export lifts parameters and buffers into inputs, which are not
+        # activations (full recompute keeps the unit's input, not its weights).
+        in_bytes = sum(tensor_bytes(a) for a in args if isinstance(a, torch.Tensor) and id(a) not in state_ids)
         out_bytes = sum(sizes.get(v, 0) for v, p in produced.items() if p <= i < last_use.get(v, -1))
 
         first_group, info = tp_by_sig.get(sig, (group, TPInfo()))
@@ -148,6 +158,10 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                 tp_shardable_flops=min(shard_flops, c.fwd_flops),
                 tp_styles=styles,
                 uses_flash_attention=c.flash,
+                expert_params=sum(m.expert_params for m in moe),
+                experts={m.experts: m.num_experts for m in moe},
+                ep_granularity=ep_granularity(moe),
+                moe_dispatch_bytes=sum(m.dispatch_bytes(seq or 1, dtype_bytes) for m in moe),
                 gemm_dim=info.gemm_dim,
                 tp_granularity=info.granularity,
                 tp_head_attrs={rename(k): v for k, v in info.head_attrs.items()},

@@ -67,13 +67,16 @@ class Counts:
     saved: dict[int, int] = field(default_factory=dict)
     attention_core: set[int] = field(default_factory=set)
     flash: bool = False
+    # FLOPs of the ops that read a tagged storage (MoE expert weights, see planner.model.moe), per phase.
+    tagged_fwd: float = 0.0
+    tagged_bwd: float = 0.0
 
 
 def tensor_bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def _make_counter(counts: Counts):
+def _make_counter(counts: Counts, tagged: frozenset[int] = frozenset()):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -93,6 +96,11 @@ def _make_counter(counts: Counts):
             if packet in flop_registry:
                 flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
             fwd = self.phase == "fwd"
+            if flops and tagged and _reads(args, tagged):
+                if fwd:
+                    counts.tagged_fwd += flops
+                else:
+                    counts.tagged_bwd += flops
             if flops:
                 if name in _ATTENTION_OPS:
                     if fwd:
@@ -119,7 +127,17 @@ def _make_counter(counts: Counts):
                     counts.bwd_mem_bytes += nbytes
             return out
 
+    from planner.runtime.meta import meta_without_dynamo
+
+    meta_without_dynamo(OpCounter.__torch_dispatch__)  # torch wraps a mode's dispatch to import torch._dynamo
     return OpCounter()
+
+
+def _reads(args, storages: frozenset[int]) -> bool:
+    """Whether an op's arguments include a view of one of the given storages."""
+    import torch
+
+    return any(isinstance(a, torch.Tensor) and _storage_key(a) in storages for a in args)
 
 
 def _flash_mode(counts: Counts):
@@ -172,11 +190,14 @@ def _storage_key(t) -> int:
     return t.untyped_storage()._cdata
 
 
-def analyse_callable(fn, inputs: tuple, params: list, seq_len: int | None, buffers: tuple = ()) -> Counts:
+def analyse_callable(
+    fn, inputs: tuple, params: list, seq_len: int | None, buffers: tuple = (), tagged: frozenset[int] = frozenset()
+) -> Counts:
     """Run fn(*inputs) forward and backward on meta tensors, counting FLOPs, bytes and saved activations.
 
     Floating inputs are activations and get gradients, except the model's ``buffers`` passed in as inputs
-    (batch norm's running statistics): autograd refuses gradients for those.
+    (batch norm's running statistics): autograd refuses gradients for those. FLOPs of ops reading a
+    ``tagged`` storage (MoE expert weights) are also summed apart, for planner.model.moe to replace.
     """
     import torch
 
@@ -200,7 +221,7 @@ def analyse_callable(fn, inputs: tuple, params: list, seq_len: int | None, buffe
                 counts.attention_core.add(key)
         return t
 
-    counter = _make_counter(counts)
+    counter = _make_counter(counts, tagged)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _flash_mode(counts), counter:
         out = fn(*ins)
     counts.saved = sizes

@@ -93,6 +93,16 @@ class Unit(_Model):
     )
     gemm_dim: int = Field(0, description="FLOP-weighted smallest dimension of the unit's Linears (for GEMM efficiency)")
     uses_flash_attention: bool = Field(False, description="attention through scaled_dot_product_attention")
+    expert_params: int = Field(0, description="parameters of the unit's MoE experts (expert parallelism divides them)")
+    experts: dict[str, int] = Field(
+        default_factory=dict, description="MoE experts modules of the unit -> their number of experts (one "
+        "all-to-all dispatch and combine each under expert parallelism)"
+    )
+    ep_granularity: int = Field(0, description="gcd of the unit's expert counts; ep must divide it (0: no experts)")
+    moe_dispatch_bytes: int = Field(
+        0, description="bytes per sample one all-to-all moves, summed over the unit's MoE blocks (top_k x hidden "
+        "per token)"
+    )
 
     @property
     def tp_allreduce_bytes(self) -> int:

@@ -263,6 +263,13 @@ def _walk_column(col, linears: dict, activation_arg: dict, sub, from_columns: se
                     w.failure = f"{name} splits it along the sharded dimension"
                 else:
                     m = val_meta(n)
+                    widths = [int(t.shape[pos]) for t in m] if isinstance(m, (list, tuple)) else []
+                    if len(set(widths)) > 1:
+                        # The runtime shards a fused projection in equal chunks (each rank its share of each).
+                        w.failure = (
+                            f"{name} splits it into unequal chunks {widths} (a fused projection tp shards only "
+                            "in equal chunks, as q, k, v of the same width)"
+                        )
                     w.fused = len(m) if isinstance(m, (list, tuple)) else 0
                     size = n.args[1] if len(n.args) > 1 else None
                     if isinstance(size, int) and name == "split":
@@ -363,6 +370,21 @@ class FoundPair:
     groups: int  # gcd of the pieces TP splits (head counts, else widths): tp must divide it
 
 
+def _embedding_indices_inside(node, name: str) -> str:
+    """Why a vocab-parallel split cannot apply to this embedding lookup: torch's RowwiseParallel masks the
+    indices the module is called with, so indices the module computes in its own forward (BART's learned
+    positions: `super().forward(arange(...) + offset)`) would meet a sharded weight unmasked. "" if it can."""
+    from planner.model.grouping import node_module_paths
+
+    if node.op != "call_function" or len(node.args) < 2:
+        return ""  # an fx call_module: the module is called with its indices
+    indices = node.args[1]
+    paths = node_module_paths(indices) if hasattr(indices, "op") else []
+    if indices.op != "placeholder" and any(p == name or p.startswith(name + ".") for p in paths):
+        return "it computes its indices in its own forward (positions), so its calls' inputs are not the indices"
+    return ""
+
+
 def _activation_input(node):
     """The graph node a projection node reads its input features from."""
     import torch
@@ -382,10 +404,19 @@ def detect_tp_pairs(sub, names: ModuleNames, constants: frozenset = frozenset())
     nodes = [n for n in sub.graph.nodes if n.op not in ("get_attr", "placeholder", "output")]
     linears = {n: name for n in nodes if (name := _linear_module(n, sub, names))}
     activation_arg = {n: _activation_input(n) for n in linears}
-    embeddings = [name for n in nodes if (name := _embedding_module(n, sub, names))]
+    embeddings = []
+    refused: list[str] = []
+    for n in nodes:
+        name = _embedding_module(n, sub, names)
+        if not name:
+            continue
+        why = _embedding_indices_inside(n, name)
+        if why:
+            refused.append(f"{name} is not sharded (vocab-parallel): {why}")
+        else:
+            embeddings.append(name)
     from_columns = _descendants(linears)
     walks: dict = {}
-    refused: list[str] = []
     for a in linears:
         w = _walk_column(a, linears, activation_arg, sub, from_columns)
         if not w.failure and len(w.ends) == 1:

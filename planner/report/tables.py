@@ -98,8 +98,9 @@ def stage_labels(plan: Plan) -> list[str]:
 
 
 def degrees(p: Any) -> str:
-    """'dp 4 / tp 2 / pp 2 / v 1' for a ParallelConfig."""
-    return f"dp {p.dp} / tp {p.tp} / pp {p.pp} / v {p.virtual_stages}"
+    """'dp 4 / tp 2 / pp 2 / v 1' for a ParallelConfig ('dp 8 (ep 4) / ...' with expert parallelism)."""
+    ep = f" (ep {p.ep})" if getattr(p, "ep", 1) > 1 else ""
+    return f"dp {p.dp}{ep} / tp {p.tp} / pp {p.pp} / v {p.virtual_stages}"
 
 
 def _table(title: str, **kwargs: Any) -> Table:
@@ -223,12 +224,14 @@ def comm_table(plan: Plan) -> Table:
     t.add_column("kind")
     t.add_column("ms", justify="right")
     t.add_column("of iteration", justify="right")
-    rows = (
+    rows: tuple[tuple[str, float], ...] = (
         ("tensor parallel (all-reduce / gather)", comm.tensor_parallel_s),
         ("pipeline p2p (activations + grads)", comm.pipeline_p2p_s),
         ("data parallel, total", comm.data_parallel_s),
         ("data parallel, exposed (not overlapped)", comm.data_parallel_exposed_s),
     )
+    if comm.expert_parallel_s > 0:
+        rows += (("expert parallel (MoE all-to-all)", comm.expert_parallel_s),)
     for kind, seconds in rows:
         share = seconds / pred.iteration_time_s if pred.iteration_time_s > 0 else 0.0
         t.add_row(kind, ms(seconds), percent(share))
@@ -239,18 +242,22 @@ def alternatives_table(plan: Plan) -> Table:
     """The runners-up, in rank order, against the chosen plan (marked *)."""
     best = plan.predicted.iteration_time_s
     t = _table("Runners-up (diff: iteration time vs the chosen plan; GiB: peak memory per GPU)")
-    for name in ("#", "dp/tp/pp/v", "schedule", "zero", "sp", "mbs x m", "recompute", "iteration", "diff", "GiB"):
+    # The ep column only where some layout has expert parallelism: dense models' reports stay as they were.
+    with_ep = any(a.parallel.ep > 1 for a in plan.alternatives) or plan.parallel.ep > 1
+    ep_col = ("ep",) if with_ep else ()
+    names = ("#", "dp/tp/pp/v", *ep_col, "schedule", "zero", "sp", "mbs x m", "recompute", "iteration", "diff", "GiB")
+    for name in names:
         if name == "recompute":  # a list of modes: the one column that wraps
             t.add_column(name, min_width=9, ratio=1)
         else:
             t.add_column(name, justify="left" if name in ("dp/tp/pp/v", "schedule") else "right", no_wrap=True)
 
-    def layout(p: Any) -> str:
-        return f"{p.dp}/{p.tp}/{p.pp}/{p.virtual_stages}"
+    def layout(p: Any) -> tuple[str, ...]:
+        return (f"{p.dp}/{p.tp}/{p.pp}/{p.virtual_stages}", *((str(p.ep),) if with_ep else ()))
 
     p = plan.parallel
     t.add_row(
-        "*", layout(p), p.schedule, str(p.zero_stage), "yes" if p.sequence_parallel else "no",
+        "*", *layout(p), p.schedule, str(p.zero_stage), "yes" if p.sequence_parallel else "no",
         f"{p.micro_batch_size} x {p.num_micro_batches}", ", ".join(sorted({s.recompute for s in plan.stages})),
         duration(best), "-", gib(plan.predicted.peak_memory_bytes), style="bold",
     )
@@ -258,7 +265,7 @@ def alternatives_table(plan: Plan) -> Table:
         p = alt.parallel
         diff = alt.predicted.iteration_time_s / best - 1 if best > 0 else 0.0
         t.add_row(
-            str(i), layout(p), p.schedule, str(p.zero_stage), "yes" if p.sequence_parallel else "no",
+            str(i), *layout(p), p.schedule, str(p.zero_stage), "yes" if p.sequence_parallel else "no",
             f"{p.micro_batch_size} x {p.num_micro_batches}", ", ".join(sorted(set(alt.recompute))),
             duration(alt.predicted.iteration_time_s), f"{diff * 100:+.1f}%", gib(alt.predicted.peak_memory_bytes),
         )

@@ -5,15 +5,17 @@ ownership, stage cutting, stage-to-rank placement, deterministic initialisation)
 
 Modules, by job:
   layout.py    the validated Layout (degrees, stages, TP plan), ModelFile and Training built from train.py's
-               constants; derived facts as properties
+               constants (or its layout.json, for module lists too long to read there); derived facts
   model.py     importing the model file, building on meta, materialising a rank's weights, batches
   stages.py    tracing (torch.fx, torch.export as the fallback) and cutting the graph into stages
   parallel.py  TP / sequence parallelism, activation checkpointing, FSDP2 / replicate, in torchtitan's order
   schedule.py  the torch.distributed.pipelining schedule and the last stage's loss
   loss.py      the default loss
   loop.py      process group and mesh, the training step, metrics.json
+  experts.py   expert parallelism: each rank's slice of the experts, all-to-all token dispatch/combine
   tied.py      weights shared by several pipeline stages: a copy per stage, gradients summed over them
   check.py     the plan-time check: one micro-batch, stage by stage, on the meta device
+  meta.py      running on the meta device without importing torch._dynamo (planning and the check)
   digest.py    the digest train.py checks before importing its copy of this package
 
 What the run does with the models people have:
@@ -28,9 +30,16 @@ What the run does with the models people have:
   its `logits` (next-token cross-entropy for integer token inputs, else the mean). Intermediate stage
   boundaries carry tuples of tensors (an exported graph's structures are flat there).
 - Buffers updated in forward (batch norm's running statistics) belong to the module that owns them, so
-  each pipeline stage updates its own modules' buffers; under data parallelism they stay per replica
-  (neither averaged nor broadcast), as with DDP's broadcast_buffers=False: every replica normalises with
-  its own micro-batches' statistics, and eval-time statistics are those of replica 0's data.
+  each pipeline stage updates its own modules' buffers (a traced graph keeps the in-place update inside
+  the owner's nodes; no stage touches another's), once per micro-batch and in micro-batch order, since
+  every schedule runs a stage's forwards in that order: with dp 1 a pipeline's buffers after training
+  equal one process's over the same micro-batches (tests/test_runtime_stages.py checks this). Under data
+  parallelism they stay per replica (neither averaged nor broadcast), as with DDP's
+  broadcast_buffers=False: every replica normalises with its own micro-batches' statistics (in training
+  mode batch norm uses the batch's, so losses and gradients equal one process's), and eval-time
+  statistics are those of replica 0's micro-batches, not the global batch's.
+- A stage that sends sends contiguous tensors (point-to-point needs them; a view such as a transposed
+  encoder output is copied).
 - A weight used by two stages (GPT-2's wte / lm_head) lives in both: each copy starts from the value its
   first holder module gives it, and the copies' gradients are summed over the stages' ranks before the
   optimizer step (Megatron-LM's embedding group), so they stay equal. Copies on the same pp rank (the
@@ -38,6 +47,13 @@ What the run does with the models people have:
 - TP_HEAD_ATTRS: module attributes holding head counts are divided by tp before parallelize_module (as
   torchtitan does `attn.n_heads //= tp`); only for the model as written, since a traced graph has the
   counts baked in.
+- TP_FUSED: a column projection computing q, k and v in one output has its output features reordered
+  (parallel.chunk_shard_order) so that a plain Shard gives each rank its heads' slice of every chunk; the
+  sharded parameter is that fixed permutation of the model's (training does not see it; a checkpoint of
+  the sharded weight holds the reordered rows). Only equal chunks: a GQA qkv stays replicated.
+- TP_TRANSPOSED: HF's Conv1D (weight [in, out]) is replaced by parallel.ShardedConv1D, splitting weight
+  dim 1 (colwise) or 0 (rowwise), parameters keeping their names; not in a traced stage (fx inlines it).
+- Tied weights (GPT-2's wte / lm_head, both vocabulary-parallel) are one parameter again after sharding.
 """
 
 from __future__ import annotations
@@ -45,6 +61,8 @@ from __future__ import annotations
 # Only the torch-free parts here: the planner reads layout rules and digests without importing torch; the
 # training run is `from planner_runtime.loop import run`.
 from .errors import LayoutError, RunError
-from .layout import Layout, ModelFile, Stage, Training, stage_rank
+from .layout import Layout, ModelFile, Stage, Training, read_layout_file, stage_rank
 
-__all__ = ["Layout", "LayoutError", "ModelFile", "RunError", "Stage", "Training", "stage_rank"]
+__all__ = [
+    "Layout", "LayoutError", "ModelFile", "RunError", "Stage", "Training", "read_layout_file", "stage_rank",
+]

@@ -16,9 +16,10 @@ from .errors import RunError
 from .layout import Layout, ModelFile, Training
 from .loop import trace_and_cut, uses_graph
 from .loss import default_loss
+from .meta import meta_without_dynamo
 from .model import build_model, input_count, load_model_file, make_batch, materialise
-from .parallel import check_tp
-from .stages import StageModule, fetch, shared_weights, with_structure
+from .parallel import apply_ac, check_tp
+from .stages import ModelStage, StageModule, fetch, shared_weights, with_structure
 
 SMALL = 50_000_000  # parameters: a model this small is rerun on the CPU when the meta device cannot run it
 
@@ -37,9 +38,11 @@ def _failing_as(what: str) -> Iterator[None]:
         ) from e
 
 
-def check_plan_runs(layout: Layout, spec: ModelFile, training: Training) -> str:
-    """Raise RunError naming the stage, module or rule if the plan cannot run; else return how it would run
-    ("module": the model as written, or the tracing method of the pipeline's graph)."""
+def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_type: str = "cuda") -> str:
+    """Raise RunError naming the stage, module or rule if the plan cannot run on `device_type` (the run's
+    device: "cuda", or "cpu" for a CPU plan); else return how it would run ("module": the model as written,
+    or the tracing method of the pipeline's graph)."""
+    meta_without_dynamo()  # the check runs on meta: no torch._dynamo import for its elementwise kernels
     user = load_model_file(spec.path)
     loss_fn: Callable[..., torch.Tensor] = getattr(user, spec.loss_fn) if spec.loss_fn else default_loss
     example = make_batch(user, spec, layout, training.seed, 0, 0)
@@ -48,10 +51,10 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training) -> str:
     if layout.tp_enabled:
         check_tp([meta_model], layout)
     if not uses_graph(layout):
-        _run_model(user, spec, training, meta_model, example, n_inputs, loss_fn)
+        _run_model(user, spec, layout, training, meta_model, example, n_inputs, loss_fn)
         return "module"
     with _failing_as("Tracing the model"):
-        gm, pieces, _, method = trace_and_cut(user, spec, layout, training.seed, example, None)
+        gm, pieces, _, method = trace_and_cut(user, spec, layout, training.seed, example, None, device_type=device_type)
     for name, users in shared_weights(gm, pieces).items():
         ranks = [layout.stages[s].pp_rank for s in users]
         if len(set(ranks)) < len(ranks):
@@ -77,6 +80,7 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training) -> str:
                 modules.append(fx.GraphModule(attrs, p.graph))
                 keys.append(piece_key(p.graph, p.owner, attrs))
             stage_module = StageModule(modules, [p.owner for p in mine])
+            with_recompute(stage_module, stage.recompute, layout.schedule)
             for piece, piece_graph_key in zip(stage_module.pieces, keys):  # what StageModule.forward does
                 key = (piece_graph_key, value_key(values))
                 if key not in outputs:
@@ -92,6 +96,14 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training) -> str:
         _check_loss(loss)
         loss.backward()
     return method
+
+
+def with_recompute(stage: ModelStage | StageModule, recompute: str, schedule: str) -> None:
+    """Checkpoint the stage's units as the run does (parallel.apply_ac), so that a model that breaks under
+    activation checkpointing fails here, not on the cluster."""
+    if recompute != "none":
+        with _failing_as(f"Activation checkpointing ({recompute})"):
+            apply_ac(stage, recompute, schedule)
 
 
 def _relative(name: str, owner: str | None) -> str:
@@ -154,6 +166,7 @@ def value_key(values: Any) -> Any:
 def _run_model(
     user: Any,
     spec: ModelFile,
+    layout: Layout,
     training: Training,
     meta_model: nn.Module,
     example: tuple[torch.Tensor, ...],
@@ -161,7 +174,9 @@ def _run_model(
     loss_fn: Callable[..., torch.Tensor],
 ) -> None:
     """Forward, loss and backward of the model as written: on meta, or on the CPU for a small model that the
-    meta device cannot run (data-dependent code)."""
+    meta device cannot run (data-dependent code). Its units are checkpointed as the run checkpoints them."""
+    recompute = layout.stages[0].recompute
+    with_recompute(ModelStage(meta_model, list(layout.stages[0].modules)), recompute, layout.schedule)
     try:
         meta = tuple(t.to("meta") for t in example)
         loss = loss_fn(meta_model(*meta[:n_inputs]), *meta)
@@ -172,6 +187,8 @@ def _run_model(
         raise
     except Exception as e:  # noqa: BLE001 - retried for real below when small enough
         if sum(p.numel() for p in meta_model.parameters()) > SMALL:
+            if _runs_on_fake_tensors(meta_model, example, n_inputs, loss_fn):
+                return
             first = str(e).strip().splitlines()[0][:400] if str(e).strip() else ""
             raise RunError(
                 f"The model ({type(meta_model).__name__}) with its loss fails on the meta device "
@@ -180,10 +197,35 @@ def _run_model(
             ) from e
     model = build_model(user, spec, training.seed, everything_on_meta=False)
     materialise(model, {n for n, _ in model.named_modules()}, torch.device("cpu"), training.seed)
+    with_recompute(ModelStage(model, list(layout.stages[0].modules)), recompute, layout.schedule)
     with _failing_as(f"The model ({type(model).__name__}) with its loss"):
         loss = loss_fn(model(*example[:n_inputs]), *example)
         _check_loss(loss)
         loss.backward()
+
+
+def _runs_on_fake_tensors(
+    meta_model: nn.Module, example: tuple[torch.Tensor, ...], n_inputs: int, loss_fn: Callable[..., torch.Tensor]
+) -> bool:
+    """Whether forward, loss and backward run under FakeTensorMode: a large model whose forward branches on
+    values where it sees real tensors but skips that branch while tracing (Hugging Face's packed-sequence
+    check calls .item() unless `is_tracing`) fails on plain meta tensors yet runs on the cluster. Fake tensors
+    are what torch.export traces with, so this is the meta run with the model's own tracing paths."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            meta = tuple(t.to("meta") for t in example)
+            loss = loss_fn(meta_model(*meta[:n_inputs]), *meta)
+            _check_loss(loss)
+            loss.backward()
+    except RunError:
+        raise
+    except Exception:  # noqa: BLE001 - the meta run's error is the one reported
+        return False
+    finally:
+        meta_model.zero_grad(set_to_none=True)  # no fake gradients left on the meta model
+    return True
 
 
 def _check_loss(loss: Any) -> None:

@@ -99,6 +99,10 @@ class Layout:
     global_batch_size: int | None = None  # None: dp * num_micro_batches * micro_batch_size
     tp_plan: dict[str, str] = field(default_factory=dict)  # module -> colwise | rowwise | colwise_gather
     tp_head_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # module -> head-count attributes
+    ep: int = 1  # expert parallelism: experts sharded over groups of ep consecutive dp ranks
+    experts: dict[str, int] = field(default_factory=dict)  # MoE experts module -> number of experts
+    tp_fused: dict[str, int] = field(default_factory=dict)  # colwise module -> equal chunks of its output (q, k, v)
+    tp_transposed: tuple[str, ...] = ()  # TP modules whose weight is stored [in, out] (HF Conv1D)
 
     def __post_init__(self) -> None:
         # Stages may come as plain lists/tuples from the plan's constants.
@@ -112,7 +116,11 @@ class Layout:
         object.__setattr__(self, "tp_plan", tp_plan)
         heads = {n: tuple(v) for k, v in self.tp_head_attrs.items() for n in expand_names(k)}
         object.__setattr__(self, "tp_head_attrs", heads)
-        for name in ("pp", "dp", "tp", "virtual_stages", "micro_batch_size", "num_micro_batches"):
+        object.__setattr__(self, "experts", {n: c for k, c in self.experts.items() for n in expand_names(k)})
+        fused = {n: chunks for k, chunks in self.tp_fused.items() for n in expand_names(k)}
+        object.__setattr__(self, "tp_fused", fused)
+        object.__setattr__(self, "tp_transposed", tuple(n for k in self.tp_transposed for n in expand_names(k)))
+        for name in ("pp", "dp", "tp", "virtual_stages", "micro_batch_size", "num_micro_batches", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name.upper()} must be a positive integer, got {value!r}. {_FIX}")
@@ -156,13 +164,43 @@ class Layout:
                 if m in seen:
                     raise LayoutError(f"Module {m!r} is in stages {seen[m]} and {i}: a module has one owner. {_FIX}")
                 seen[m] = i
+        self._check_ep()
         for name, style in self.tp_plan.items():
             if style not in TP_STYLES:
                 raise LayoutError(
                     f"TP_PLAN gives {name} the style {style!r}: expected one of {', '.join(TP_STYLES)}. {_FIX}"
                 )
 
+    def _check_ep(self) -> None:
+        if self.ep == 1:
+            return
+        if self.dp % self.ep:
+            raise LayoutError(
+                f"EP ({self.ep}) must divide DP ({self.dp}): experts are sharded over a sub-group of the "
+                f"data-parallel ranks. {_FIX}"
+            )
+        if self.tp > 1 or runs_traced_graph(self.pp, self.tp, self.sequence_parallel):
+            raise LayoutError(
+                f"EP ({self.ep}) runs on the model as written without tensor parallelism (PP = 1, TP = 1); this "
+                f"plan has PP {self.pp} and TP {self.tp}. {_FIX}"
+            )
+        if self.mesh_dims != ("pp", "dp", "tp"):
+            raise LayoutError(f"EP needs MESH_DIMS ('pp', 'dp', 'tp'), got {list(self.mesh_dims)}. {_FIX}")
+        if not self.experts:
+            raise LayoutError(f"EP ({self.ep}) is set but EXPERTS names no experts module to shard. {_FIX}")
+        for name, count in self.experts.items():
+            if not isinstance(count, int) or count < 1 or count % self.ep:
+                raise LayoutError(
+                    f"EXPERTS gives {name} {count!r} experts, which EP ({self.ep}) does not divide: each rank "
+                    f"holds whole experts. {_FIX}"
+                )
+
     # Derived facts.
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
@@ -216,7 +254,33 @@ class Layout:
             "schedule": self.schedule,
             "zero_stage": self.zero_stage,
             "sequence_parallel": self.sequence_parallel,
+            "ep": self.ep,
             "micro_batch_size": self.micro_batch_size,
             "num_micro_batches": self.num_micro_batches,
             "global_batch_size": self.samples_per_step,
         }
+
+
+def read_layout_file(path: Any, digest: str) -> tuple[list[Any], dict[str, str], dict[str, list[str]]]:
+    """STAGES, TP_PLAN and TP_HEAD_ATTRS from the layout.json that `planner emit` writes beside train.py
+    when the plan's module lists are too long to read as constants there; refused if its sha256 differs from
+    the one train.py records (an edited or foreign file would train something the plan did not cost)."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    file = Path(path)
+    try:
+        data = file.read_bytes()
+    except OSError as e:
+        raise LayoutError(
+            f"{file} cannot be read ({e.strerror}): train.py takes its stages from it. Regenerate the scripts "
+            "with `planner emit plan.json --out DIR`."
+        ) from None
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise LayoutError(
+            f"{file} differs from the one this train.py was generated with: the stages must match the plan. "
+            "Regenerate the scripts with `planner emit plan.json --out DIR`, or restore the file."
+        )
+    layout = json.loads(data)
+    return [tuple(s) for s in layout["stages"]], dict(layout["tp_plan"]), dict(layout["tp_head_attrs"])

@@ -13,23 +13,22 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .errors import RunError
+from .experts import ExpertParallel, shard_experts
 from .layout import Layout, ModelFile, Training, runs_traced_graph
 from .loss import default_loss
 from .model import build_model, input_count, load_model_file, make_batch, materialise
 from .parallel import parallelize, plan_sequence_parallel
-from .schedule import MicroBatchLoss, build_schedule
 from .stages import (
     LocalStage,
     ModelStage,
@@ -38,9 +37,13 @@ from .stages import (
     cut_into_pieces,
     shared_weights,
     trace,
+    unsupported_on,
     with_structure,
 )
 from .tied import TiedWeights
+
+if TYPE_CHECKING:
+    from .schedule import MicroBatchLoss
 
 # FSDP2 warns when a stage returns a view (e.g. gathered logits), in case the caller modifies it in place;
 # the pipeline schedule and the loss only read stage outputs.
@@ -100,24 +103,34 @@ def grad_norm(
     pp_group: dist.ProcessGroup,
     device: torch.device,
     skip: set[int] | None = None,
+    experts: tuple[set[int], dist.ProcessGroup] | None = None,
 ) -> torch.Tensor:
     """L2 norm of the whole model's gradient (all stages, all shards): what gradient clipping would see.
 
     Sharded gradients (DTensors) are reduced over their mesh; stages add up over the pp ranks. `skip`: ids
-    of parameters counted elsewhere (the later copies of a tied weight).
+    of parameters counted elsewhere (the later copies of a tied weight). `experts`: ids of the expert
+    parameters and the ep group: each ep rank holds other experts, so their squares add up over it.
     """
+    expert_ids, ep_group = experts if experts is not None else (set(), None)
     by_layout: dict[Any, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None and id(p) not in (skip or ()):
             g = p.grad
             key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else None
-            by_layout.setdefault(key, []).append(g)
+            by_layout.setdefault((id(p) in expert_ids, key), []).append(g)
     total = torch.zeros((), device=device)
-    for grads in by_layout.values():
+    expert_total = torch.zeros((), device=device)
+    for (is_expert, _), grads in sorted(by_layout.items(), key=lambda kv: kv[0][0]):
         norm = torch.nn.utils.get_total_norm(grads)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        total += norm.float() ** 2
+        if is_expert:
+            expert_total += norm.float() ** 2
+        else:
+            total += norm.float() ** 2
+    if ep_group is not None:
+        dist.all_reduce(expert_total, group=ep_group)
+        total += expert_total
     if layout.pp_enabled:
         dist.all_reduce(total, group=pp_group)
     return total.sqrt()
@@ -165,13 +178,20 @@ def trace_and_cut(
     example: tuple[torch.Tensor, ...],
     tp_mesh: DeviceMesh | None,
     log: Callable[[str], None] = lambda _: None,
+    device_type: str = "cuda",
 ) -> tuple[fx.GraphModule, list[Piece], dict[str, ParallelStyle], str]:
     """Trace the model on the meta device and cut it into pieces, each in one stage (the same on every
-    rank: every rank cuts the whole model, then builds only its own stages)."""
+    rank: every rank cuts the whole model, then builds only its own stages), for a run on `device_type`."""
     meta_model = build_model(user, spec, seed, everything_on_meta=True)
     inputs = tuple(t.to("meta") for t in example[: input_count(meta_model, len(example))])
     meta_input = inputs[0]
     gm, values, method = trace(meta_model, inputs, log)
+    why = unsupported_on(gm, values, device_type)
+    if why is not None:
+        raise RunError(
+            f"A pipeline cannot run this model on the {device_type.upper()}: {why}. Re-plan with pp=1 (the model "
+            "as written runs the CPU's own path), or run on GPUs."
+        )
     if layout.tp_enabled and layout.tp_head_attrs:
         raise RunError(
             "TP_HEAD_ATTRS changes head counts the model reads in forward, which a traced pipeline stage has "
@@ -250,6 +270,12 @@ def run(
     description: str = "Train the planned model.",
 ) -> None:
     """Train as the plan says; `script` is the train.py path (metrics.json goes next to it by default)."""
+    # Imported here, not at the top: torch.distributed.pipelining imports torch._dynamo, which the planner's
+    # plan-time check (planner.runtime.check uses trace_and_cut from this module) does not need.
+    from torch.distributed.pipelining import PipelineStage
+
+    from .schedule import MicroBatchLoss, build_schedule
+
     script = Path(script).resolve()
     args = parse_args(argv, description, training.steps, script.with_name("metrics.json"))
     device, mesh = init_distributed(layout, args.device, script.name)
@@ -267,7 +293,8 @@ def run(
     sp_styles: dict[str, ParallelStyle] = {}
     if uses_graph(layout):
         gm, pieces, sp_styles, method = trace_and_cut(
-            user, spec, layout, training.seed, example, mesh["tp"] if layout.tp_enabled else None, log0
+            user, spec, layout, training.seed, example, mesh["tp"] if layout.tp_enabled else None, log0,
+            device.type,
         )
         built, model = build_local_stages(user, spec, training.seed, gm, pieces, local, device)
         stages = list(built)
@@ -278,8 +305,28 @@ def run(
         materialise(model, {n for n, _ in model.named_modules()}, device, training.seed)
         stages, method = [ModelStage(model, list(layout.stages[0].modules))], "module"
     n_inputs = input_count(model, len(example))
+    # Expert parallelism (the model as written, pp = tp = 1): this rank keeps its slice of each experts
+    # module, before FSDP/replicate wraps them over the replicas of that slice.
+    ep_mesh, expert_params = None, None
+    if layout.ep_enabled:
+        ep_mesh = init_device_mesh(
+            device.type, (layout.pp, layout.dp // layout.ep, layout.ep, layout.tp),
+            mesh_dim_names=("pp", "dp_replica", "ep", "tp"),
+        )
+        ep_rank, ep_group = ep_mesh["ep"].get_local_rank(), ep_mesh["ep"].get_group()
+        for stage in stages:
+            assert isinstance(stage, ModelStage), "expert parallelism runs the model as written"
+            sharded = shard_experts(stage.model, layout.experts, layout.ep, ep_rank, ep_group)
+            if len(sharded) != len(layout.experts):
+                raise RunError(
+                    f"EXPERTS names {len(layout.experts)} experts module(s), the model has {len(sharded)} of them. "
+                    "Re-plan (planner plan ...)."
+                )
     for i, stage in zip(local, stages, strict=True):
-        parallelize(stage, mesh, layout, layout.stages[i].recompute, device, sp_styles, training.dtype)
+        parallelize(stage, mesh, layout, layout.stages[i].recompute, device, sp_styles, training.dtype, ep_mesh)
+    if ep_mesh is not None:
+        ids = {id(p) for s in stages for m in s.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
+        expert_params = (ids, ep_mesh["ep"].get_group())
     params = [p for stage in stages for p in stage.parameters()]
     optimizer = torch.optim.AdamW(params, lr=training.lr)
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
@@ -320,7 +367,9 @@ def run(
             step_loss = pipeline_step(schedule, layout, loss, batches, has_first, has_last, n_inputs)
         if tied is not None:
             tied.sum_gradients()
-        norm = grad_norm(params, layout, mesh["pp"].get_group(), device, tied.later_copies() if tied else None)
+        norm = grad_norm(
+            params, layout, mesh["pp"].get_group(), device, tied.later_copies() if tied else None, expert_params
+        )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step_loss is not None:

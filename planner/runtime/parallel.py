@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .errors import RunError
+from .experts import ExpertParallel
 from .layout import Layout
 from .stages import LocalStage, contains_tensor, has_module, module_paths
 
@@ -219,14 +220,121 @@ def parallel_style(style: str, module: nn.Module) -> ParallelStyle:
     raise ValueError(f"Unknown TP style {style!r}: expected colwise, rowwise or colwise_gather.")
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's Conv1D (GPT-2): a Linear whose weight is stored [in, out], applied as x @ W + b."""
+    weight = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def split_dim(module: nn.Module, style: str) -> int:
+    """The weight dimension a TP style splits: Linear weights are [out, in], Conv1D's [in, out], Embedding's
+    [vocab, features] (colwise splits the outputs / features, rowwise the inputs / vocabulary)."""
+    column = style.startswith("colwise")
+    if is_conv1d(module):
+        return 1 if column else 0
+    if isinstance(module, nn.Embedding):
+        return 1 if column else 0
+    return 0 if column else 1
+
+
+def chunk_shard_order(width: int, chunks: int, tp: int) -> torch.Tensor:
+    """Indices that reorder a fused output of `chunks` equal parts (q | k | v) so that its contiguous tp
+    slices are [q_r | k_r | v_r] for each rank r: a plain Shard then gives every rank its own heads' slice
+    of each chunk, laid out as the model's split / view of the fused output expects."""
+    part = width // chunks
+    step = part // tp
+    order = [j * part + r * step + i for r in range(tp) for j in range(chunks) for i in range(step)]
+    return torch.tensor(order, dtype=torch.long)
+
+
+@torch.no_grad()
+def interleave_fused(module: nn.Module, style: str, chunks: int, tp: int) -> None:
+    """Reorder a fused column projection's output features in place (weight and bias) by chunk_shard_order.
+
+    Every rank reorders the same initial values, so the sharded weight is the model's, chunk by chunk; the
+    reorder is a fixed permutation of parameters, which training (AdamW, the gradient norm) does not see.
+    """
+    dim = split_dim(module, style)
+    for name, param in module.named_parameters(recurse=False):
+        d = dim if name == "weight" else 0  # the bias holds the output features
+        order = chunk_shard_order(param.shape[d], chunks, tp).to(param.device)
+        param.copy_(param.index_select(d, order))
+
+
+class SumOverTP(torch.autograd.Function):
+    """Partial outputs of a row-parallel projection summed over tp; the gradient passes through as is."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class ShardedConv1D(nn.Module):
+    """GPT-2's Conv1D (y = x @ W + b, W stored [in, out]) sharded over tp, in place of the original module.
+
+    Column-parallel: W split along dim 1 (outputs) and b with it; the input is whole on every rank and its
+    gradient is summed over tp. Row-parallel: W split along dim 0 (inputs), b replicated; the partial
+    outputs are summed over tp before the bias. The parameters keep their names (`c_attn.weight`), shapes
+    (as DTensors) and values, so FSDP, the optimizer and the gradient norm treat them as any TP weight.
+    """
+
+    def __init__(self, conv: nn.Module, mesh: DeviceMesh, column: bool) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.column = column
+        weight, bias = conv.weight, getattr(conv, "bias", None)
+        assert isinstance(weight, torch.Tensor)
+        self.weight = nn.Parameter(distribute_tensor(weight.detach(), mesh, [Shard(1 if column else 0)]))
+        self.bias = None
+        if isinstance(bias, torch.Tensor):
+            self.bias = nn.Parameter(distribute_tensor(bias.detach(), mesh, [Shard(0) if column else Replicate()]))
+        self.nf = int(getattr(conv, "nf", weight.shape[1]))  # this rank's output width, as the model reads it
+
+    @staticmethod
+    def local(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            local: torch.Tensor = t.to_local()
+            return local
+        return t
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.mesh.get_group()
+        w = self.local(self.weight)
+        flat = x.reshape(-1, x.shape[-1])
+        out: torch.Tensor
+        if self.column:
+            flat = SumGradient.apply(flat, group)  # type: ignore[no-untyped-call]
+            out = flat @ w
+        else:
+            out = SumOverTP.apply(flat @ w, group)  # type: ignore[no-untyped-call]
+        if self.bias is not None:
+            out = out + self.local(self.bias)  # row-parallel: added once, after the sum
+        return out.view(*x.shape[:-1], w.shape[1])
+
+
+def replace_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
+
+
 def apply_tp(
     stage: LocalStage, tp_mesh: DeviceMesh, layout: Layout, sp_styles: dict[str, ParallelStyle]
 ) -> None:
-    """Shard the TP plan's modules: column-parallel Linears (split outputs) feeding row-parallel ones (split
-    inputs), vocabulary-parallel embeddings and LM head.
+    """Shard the TP plan's modules: column-parallel projections (split outputs) feeding row-parallel ones
+    (split inputs), vocabulary-parallel embeddings and LM head.
 
-    Heads follow on their own: the model reshapes with -1, so a rank holding 1/TP of q's output columns
-    sees 1/TP of the heads. With sequence parallelism the styles come from plan_sequence_parallel().
+    Heads follow on their own where the model reshapes with -1 (a rank holding 1/TP of q's output columns
+    sees 1/TP of the heads); head counts the model reads from attributes (TP_HEAD_ATTRS) are divided by tp.
+    A fused projection (TP_FUSED: q, k, v in one Linear) is reordered so each rank's slice holds its part
+    of every chunk; a Conv1D (TP_TRANSPOSED) is replaced by ShardedConv1D, since torch's parallel styles
+    take only nn.Linear / nn.Embedding. With sequence parallelism the styles come from
+    plan_sequence_parallel().
     """
     roots = stage.tp_roots()
     check_tp(roots, layout)
@@ -234,36 +342,116 @@ def apply_tp(
     for piece in roots:
         plan: dict[str, ParallelStyle] = {}
         for name, style in layout.tp_plan.items():
-            if has_module(piece, name):
-                plan[name] = sp_styles.get(name) or parallel_style(style, piece.get_submodule(name))
+            if not has_module(piece, name):
+                continue
+            module = piece.get_submodule(name)
+            if name in layout.tp_fused:
+                interleave_fused(module, style, layout.tp_fused[name], layout.tp)
+            if name in layout.tp_transposed:
+                if sp_styles:
+                    raise RunError(
+                        f"Sequence parallelism cannot shard {name}, a Conv1D (weight stored [in, out]). Re-plan "
+                        "with sequence_parallel off for this model."
+                    )
+                replace_module(piece, name, ShardedConv1D(module, tp_mesh, column=style == "colwise"))
+                continue
+            plan[name] = sp_styles.get(name) or parallel_style(style, module)
         plan.update({n: s for n, s in sp_styles.items() if n not in layout.tp_plan and has_module(piece, n)})
         if plan:
+            tied = tied_holders(piece)
+            # A module of the same type holding a tied copy of a sharded weight (T5 / BART's shared and
+            # encoder.embed_tokens) runs with the same style: the copies stay one weight, split alike.
+            # A Linear tied to a vocab-parallel embedding (BART's lm_head, followed by a bias add) is the
+            # vocab-parallel LM head, its logits gathered: the same split of the same weight.
+            for holders in tied:
+                styled = next((m for m, _ in holders if m in plan), None)
+                for mod_name, _ in holders:
+                    if not styled or not mod_name or mod_name in plan:
+                        continue
+                    holder, source = piece.get_submodule(mod_name), piece.get_submodule(styled)
+                    if type(holder) is type(source):
+                        plan[mod_name] = plan[styled]
+                    elif isinstance(holder, nn.Linear) and isinstance(source, nn.Embedding):
+                        if layout.tp_plan.get(styled) == "rowwise":
+                            plan[mod_name] = parallel_style("colwise_gather", holder)
             parallelize_module(piece, tp_mesh, plan)
+            retie(piece, tied)
+
+
+def tied_holders(root: nn.Module) -> list[list[tuple[str, str]]]:
+    """(module, attribute) of each parameter held by several modules (GPT-2's wte.weight and lm_head.weight)."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for mod_name, module in root.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((mod_name, name))
+    return [h for h in holders.values() if len(h) > 1]
+
+
+def retie(root: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
+    """Make tied weights one parameter again after sharding: parallelize_module replaces each module's
+    weight by its own DTensor, which would train the copies apart. Sharded copies must be split alike (the
+    vocab-parallel embedding and LM head both split the vocabulary); an unsharded holder outside the TP
+    plan (BERT's cls.predictions.bias, tied to the decoder's) holds the sharded parameter too."""
+    for holders in tied:
+        params = [getattr(root.get_submodule(m), n) for m, n in holders]
+        sharded = [(h, p) for h, p in zip(holders, params) if isinstance(p, DTensor)]
+        if not sharded:
+            continue
+        (first_mod, first_name), first = sharded[0]
+        for (mod_name, name), other in sharded[1:]:
+            if other is not first and tuple(other.placements) != tuple(first.placements):
+                raise RunError(
+                    f"{first_mod}.{first_name} and {mod_name}.{name} are one tied weight, but TP_PLAN splits them "
+                    f"differently ({tuple(first.placements)} vs {tuple(other.placements)}). Re-plan with the same "
+                    "style for both or neither."
+                )
+        for (mod_name, name), other in zip(holders, params):
+            holder = root.get_submodule(mod_name)
+            if other is not first and isinstance(holder, (nn.Linear, nn.Embedding)) and not isinstance(other, DTensor):
+                raise RunError(
+                    f"{mod_name}.{name} is tied to {first_mod}.{first_name}, which TP_PLAN shards, but it computes "
+                    "with the whole weight. Re-plan with tp=1, or shard neither."
+                )
+            if other is not first:
+                setattr(holder, name, first)
 
 
 def check_tp(roots: list[nn.Module], layout: Layout) -> None:
-    """Whether the TP plan applies to the modules under `roots`: each sharded weight's split dimension and
-    each head-count attribute divides by tp. Raises RunError naming the module (also at plan time)."""
+    """Whether the TP plan applies to the modules under `roots`: each sharded weight's split dimension (each
+    chunk's, for a fused projection) and each head-count attribute divides by tp, and each module is what
+    the plan says (nn.Linear / nn.Embedding, or a Conv1D listed in TP_TRANSPOSED). Raises RunError naming
+    the module (also at plan time)."""
     for root in roots:
         for name, style in layout.tp_plan.items():
             if not has_module(root, name):
                 continue
             module = root.get_submodule(name)
-            if not isinstance(module, (nn.Linear, nn.Embedding)):
+            conv = is_conv1d(module)
+            if conv != (name in layout.tp_transposed):
+                listed = "lists it in" if name in layout.tp_transposed else "does not list it in"
+                raise RunError(
+                    f"TP_PLAN shards {name}, a {type(module).__name__}, but the plan {listed} TP_TRANSPOSED "
+                    "(weight stored [in, out] is HF's Conv1D only). Re-plan the model."
+                )
+            if not conv and not isinstance(module, (nn.Linear, nn.Embedding)):
                 raise RunError(
                     f"TP_PLAN shards {name}, a {type(module).__name__} ({style}), but torch's ColwiseParallel and "
-                    "RowwiseParallel take only nn.Linear and nn.Embedding (GPT-2's Conv1D is neither). Re-plan "
+                    "RowwiseParallel take only nn.Linear and nn.Embedding (and the script HF's Conv1D). Re-plan "
                     "without this pair (or with tp=1)."
                 )
             weight = module.weight
-            # The weight dimension split: Linear weights are [out, in], Embedding weights [vocab, features].
-            split = 0 if style.startswith("colwise") else 1
-            if isinstance(module, nn.Embedding):
-                split = 1 - split
-            size = weight.shape[split]
-            if size % layout.tp:
+            assert isinstance(weight, torch.Tensor)
+            size = weight.shape[split_dim(module, style)]
+            chunks = layout.tp_fused.get(name, 1)
+            if chunks > 1 and (style != "colwise" or size % chunks):
                 raise RunError(
-                    f"TP_PLAN splits {name} ({style}, size {size}) over tp={layout.tp}: the size must divide. "
+                    f"TP_FUSED splits {name} ({style}, size {size}) into {chunks} equal chunks: only a colwise "
+                    "projection whose width the chunks divide can be. Re-plan the model."
+                )
+            if (size // chunks) % layout.tp:
+                what = f"each of its {chunks} chunks (size {size // chunks})" if chunks > 1 else f"size {size}"
+                raise RunError(
+                    f"TP_PLAN splits {name} ({style}, {what}) over tp={layout.tp}: the size must divide. "
                     "Re-plan with a tp degree that divides it."
                 )
         for name, attrs in layout.tp_head_attrs.items():
@@ -316,37 +504,55 @@ def recompute_attention_core(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Ch
     return CheckpointPolicy.PREFER_RECOMPUTE if op in ATTENTION_CORE else CheckpointPolicy.MUST_SAVE
 
 
-class Recompute(nn.Module):
-    """Activation checkpointing around one piece (one block): keep its inputs, recompute in backward.
+def checkpoint_in_place(unit: nn.Module, selective: bool) -> None:
+    """Activation checkpointing of `unit` without replacing it: its own forward runs under torch's checkpoint.
+    The model still holds its module, so code reading a child's attributes (HF ViT reads
+    `embeddings.patch_embeddings`) or checking its type keeps working, and parameter names do not change.
+    (torch's composable checkpoint does the same with hooks, but cannot recompute twice, as zero-bubble's
+    split backward does.) FSDP's hooks stay outside the checkpointed region, as with a wrapper module."""
+    inner = unit.forward  # the class's forward, bound
 
-    "full" recomputes the whole block; "selective" keeps everything but the attention core.
-    """
-
-    def __init__(self, inner: nn.Module, selective: bool) -> None:
-        super().__init__()
-        self.inner = inner
-        self.selective = selective
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.selective:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if selective:
             context = functools.partial(create_selective_checkpoint_contexts, recompute_attention_core)
-            return checkpoint(self.inner, *args, use_reentrant=False, context_fn=context, **kwargs)
-        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=context, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    unit.forward = forward
 
 
 def apply_ac(stage: LocalStage, recompute: str, schedule: str) -> None:
+    """Checkpoint each unit (one block) that holds parameters: keep its inputs, recompute it in backward.
+    "full" recomputes the whole block; "selective" keeps everything but the attention core."""
     if recompute not in ("full", "selective"):
         raise ValueError(f"Unknown recompute policy {recompute!r}: expected none, selective or full.")
     # Selective checkpointing allows one backward per region, but zero-bubble splits each backward in two
     # (input gradients, then weight gradients): there, recompute everything instead.
     selective = recompute == "selective" and schedule != "zero-bubble"
-    for i, unit in enumerate(stage.units()):
+    for unit in stage.units():
         if any(True for _ in unit.parameters()):
-            stage.replace_unit(i, Recompute(unit, selective=selective))
+            checkpoint_in_place(unit, selective)
+
+
+def apply_expert_data_parallel(
+    stage: LocalStage, replica_mesh: DeviceMesh, layout: Layout, mp: MixedPrecisionPolicy, reshard: bool
+) -> None:
+    """FSDP2 (or replicate) of each expert-parallel slice over the dp/ep ranks holding the same experts,
+    as torchtitan does for its experts: their gradients are averaged over those replicas only (the
+    all-to-all's backward already summed the other ep ranks' tokens in; `ExpertParallel` scales them by
+    1/ep so that the result is the mean over dp)."""
+    for m in stage.modules():
+        if isinstance(m, ExpertParallel):
+            if layout.zero_stage == 0:
+                assert replicate is not None  # checked by the caller
+                replicate(m, mesh=replica_mesh, mp_policy=mp)
+            else:
+                fully_shard(m, mesh=replica_mesh, mp_policy=mp, reshard_after_forward=reshard)
 
 
 def apply_data_parallel(
-    stage: LocalStage, dp_mesh: DeviceMesh, device: torch.device, layout: Layout, dtype: str
+    stage: LocalStage, dp_mesh: DeviceMesh, device: torch.device, layout: Layout, dtype: str,
+    replica_mesh: DeviceMesh | None = None,
 ) -> None:
     """FSDP2 over the dp ranks (ZeRO stage 1-3), or replicate (0: DDP semantics on FSDP2's machinery).
 
@@ -364,6 +570,8 @@ def apply_data_parallel(
                 f"ZERO_STAGE 0 needs FSDP2 replicate, which torch {torch.__version__} lacks: upgrade torch, "
                 "or set ZERO_STAGE = 1 above (the same training, with weights sharded across dp)."
             )
+        if replica_mesh is not None:
+            apply_expert_data_parallel(stage, replica_mesh, layout, mp, False)
         replicate(stage, mesh=dp_mesh, mp_policy=mp)
         return
     # ZeRO-3 frees gathered weights after forward and gathers them again for backward; ZeRO-1/2 keep them
@@ -371,6 +579,8 @@ def apply_data_parallel(
     # split backward computes weight gradients after FSDP's post-backward, and resharding in between
     # loses them (torch.distributed.pipelining with reshard_after_forward=True gives wrong gradients).
     reshard = layout.zero_stage == 3 and layout.schedule != "zero-bubble"
+    if replica_mesh is not None:
+        apply_expert_data_parallel(stage, replica_mesh, layout, mp, reshard)
     # One FSDP unit per piece (a block's weights are gathered just for it), then the stage for the rest;
     # pieces sharing a weight (tied) are left to the stage unit, since a weight belongs to one unit.
     owners: dict[int, int] = {}
@@ -393,10 +603,14 @@ def parallelize(
     device: torch.device,
     sp_styles: dict[str, ParallelStyle],
     dtype: str,
+    ep_mesh: DeviceMesh | None = None,
 ) -> None:
-    """TP, then activation checkpointing, then (compile: not used) FSDP/replicate, as in torchtitan."""
+    """TP, then activation checkpointing, then (compile: not used) FSDP/replicate, as in torchtitan; the
+    expert-parallel slices (already cut, `experts.shard_experts`) get their own FSDP over `ep_mesh`'s
+    dp_replica dimension first."""
     if layout.tp_enabled:
         apply_tp(stage, mesh["tp"], layout, sp_styles)
     if recompute != "none":
         apply_ac(stage, recompute, layout.schedule)
-    apply_data_parallel(stage, mesh["dp"], device, layout, dtype)
+    replica = ep_mesh["dp_replica"] if ep_mesh is not None else None
+    apply_data_parallel(stage, mesh["dp"], device, layout, dtype, replica)

@@ -340,22 +340,24 @@ class StageModule(nn.Module):
     last stage of an exported graph returns the output's leaves, since torch's pipeline stages return
     tensors; with_structure() rebuilds the structure for the loss.)"""
 
-    def __init__(self, pieces: Sequence[nn.Module], owners: list[str | None]) -> None:
+    def __init__(self, pieces: Sequence[nn.Module], owners: list[str | None], sends: bool = False) -> None:
         super().__init__()
         self.pieces = nn.ModuleList(pieces)
         self.owners = owners
+        self.sends = sends  # not the last stage: its outputs go to the next stage over the network
 
     def forward(self, *values: Any) -> Any:
         for piece in self.pieces:
             values = piece(*values)
+        if self.sends:
+            # Point-to-point sends and receives need contiguous tensors, and a stage's output can be a view
+            # (T5's encoder output after a transpose, a slice): send a contiguous copy (a no-op otherwise).
+            values = tuple(v.contiguous() if isinstance(v, torch.Tensor) else v for v in values)
         return values
 
     def units(self) -> list[nn.Module]:
         """What activation checkpointing and FSDP wrap one by one: the pieces."""
         return list(self.pieces)
-
-    def replace_unit(self, index: int, module: nn.Module) -> None:
-        self.pieces[index] = module
 
     def tp_roots(self) -> list[nn.Module]:
         """Modules under which the TP plan's (original) module names resolve."""
@@ -379,16 +381,30 @@ class ModelStage(nn.Module):
     def units(self) -> list[nn.Module]:
         return [self.model.get_submodule(n) for n in self.names]
 
-    def replace_unit(self, index: int, module: nn.Module) -> None:
-        parent, _, child = self.names[index].rpartition(".")
-        setattr(self.model.get_submodule(parent) if parent else self.model, child, module)
-
     def tp_roots(self) -> list[nn.Module]:
         return [self.model]
 
 
 # What parallelize() takes: a stage cut from a traced graph, or the model as written.
 LocalStage: TypeAlias = StageModule | ModelStage
+
+
+def unsupported_on(gm: fx.GraphModule, values: dict[fx.Node, Any], device_type: str) -> str | None:
+    """Why the traced graph cannot run on `device_type`, if it cannot: tracing on the meta device records the
+    branches a model takes for a non-CPU device, and some of them call kernels the CPU lacks (transformers'
+    grouped-mm MoE experts count tokens per expert with torch.histc on int32 unless the device is the CPU)."""
+    if device_type != "cpu":
+        return None
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "histc" in str(node.target):
+            source = node.args[0] if node.args else None
+            value = values.get(source) if isinstance(source, fx.Node) else None
+            if isinstance(value, torch.Tensor) and not value.is_floating_point():
+                return (
+                    f"the traced graph computes torch.histc on {value.dtype} (node {node.name}), the path the model "
+                    "takes for GPUs when traced on the meta device, and the CPU has no integer histc"
+                )
+    return None
 
 
 def retarget_devices(graph: fx.Graph, device: torch.device) -> None:
@@ -437,6 +453,7 @@ def build_local_stages(
     model = build_model(user, spec, seed, everything_on_meta=False)
     materialise(model, used_modules(model, [p.graph for p in pieces if p.stage in local]), device, seed)
     stages = []
+    last = max(p.stage for p in pieces)
     for i in local:
         mine = [p for p in pieces if p.stage == i]
         modules = []
@@ -444,5 +461,5 @@ def build_local_stages(
             retarget_devices(p.graph, device)
             targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
             modules.append(fx.GraphModule({t: fetch(model, gm, t, device) for t in targets}, p.graph))
-        stages.append(StageModule(modules, [p.owner for p in mine]))
+        stages.append(StageModule(modules, [p.owner for p in mine], sends=i < last))
     return stages, model

@@ -108,17 +108,20 @@ class SearchResult:
 
 @dataclass
 class CostTable:
-    """Unit costs per (tp, mbs, sp), computed once per distinct unit signature."""
+    """Unit costs per (tp, mbs, sp) (and, under expert parallelism, per (ep, dp, zero), which set the
+    experts' share of the states and the all-to-all), computed once per distinct unit signature."""
 
     graph: ModelGraph
     cluster: ClusterSpec
     profile: Profile | None
     _by_sig: dict[tuple[object, ...], UnitCost] = field(default_factory=dict)
-    _lists: dict[tuple[int, int, bool], list[UnitCost]] = field(default_factory=dict)
+    _lists: dict[tuple[object, ...], list[UnitCost]] = field(default_factory=dict)
 
     def units(self, cand: Candidate) -> list[UnitCost]:
         """The units' costs under the candidate (one shared list per (tp, mbs, sp): do not modify it)."""
-        key = (cand.tp, cand.micro_batch_size, cand.sequence_parallel)
+        key: tuple[object, ...] = (cand.tp, cand.micro_batch_size, cand.sequence_parallel)
+        if cand.ep > 1:
+            key += (cand.ep, cand.dp, cand.zero_stage)
         if key in self._lists:
             return self._lists[key]
         out: list[UnitCost] = []
@@ -187,10 +190,11 @@ def search(
         if not by_reported:
             return linear
         c = item.cand
-        key = (c.tp, c.micro_batch_size, c.sequence_parallel, item.modes, c.zero_stage == 3)
+        tkey = _totals_key(c, item.modes)
+        key = (*tkey, c.zero_stage == 3)
         if key not in shares:
             shares[key] = backward_share(item.costs, c)
-        tot = totals[(c.tp, c.micro_batch_size, c.sequence_parallel, item.modes)]
+        tot = totals[tkey]
         extra = 0.0
         if path and c.schedule == "1f1b" and c.pp > 1:
             extra = one_f_one_b_bound(item.costs, c, shares[key])
@@ -198,7 +202,7 @@ def search(
 
     def enqueue(i: int, cand: Candidate, costs: list[UnitCost], cand_modes: tuple[str, ...], floor: float) -> None:
         nonlocal smallest_need
-        tkey = (cand.tp, cand.micro_batch_size, cand.sequence_parallel, cand_modes)
+        tkey = _totals_key(cand, cand_modes)
         if tkey not in totals:
             totals[tkey] = Totals.of(costs, cand_modes)
         b = simple_bound(totals[tkey], cand, cluster, dtype, options)
@@ -462,12 +466,23 @@ def _only(c: UnitCost, mode: str) -> UnitCost:
     )
 
 
+def _totals_key(c: Candidate, modes: tuple[str, ...]) -> tuple[object, ...]:
+    """The key of a candidate's unit-cost totals: (tp, mbs, sp, modes), and under expert parallelism
+    (ep, dp, zero) too, since the unit costs differ per (ep, dp, zero) then (CostTable)."""
+    key: tuple[object, ...] = (c.tp, c.micro_batch_size, c.sequence_parallel, modes)
+    if c.ep > 1:
+        key += (c.ep, c.dp, c.zero_stage)
+    return key
+
+
 def _key(c: Candidate) -> tuple[object, ...]:
-    return (c.pp, c.tp, c.virtual_stages, -c.micro_batch_size, c.schedule, c.zero_stage, c.sequence_parallel, c.dp)
+    return (
+        c.pp, c.tp, c.virtual_stages, -c.micro_batch_size, c.schedule, c.zero_stage, c.sequence_parallel, c.dp, c.ep
+    )
 
 
 def _region(c: Candidate) -> str:
-    return f"dp={c.dp} tp={c.tp} pp={c.pp}"
+    return f"dp={c.dp} tp={c.tp} pp={c.pp}" + (f" ep={c.ep}" if c.ep > 1 else "")
 
 
 def _nothing_fits(

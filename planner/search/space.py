@@ -36,6 +36,7 @@ class Pins:
     zero_stage: int | None = None
     sequence_parallel: bool | None = None
     recompute: str | None = None
+    ep: int | None = None
 
 
 @dataclass
@@ -170,8 +171,8 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
             f"--dp {pins.dp} x --tp {pins.tp} x --pp {pins.pp} = {prod}, but the cluster has {world} GPUs. "
             "Make the product equal the GPU count or leave one degree free."
         )
+    check_ep_pin(graph, pins)
     max_tp = tp_limit(graph)
-    tp_refusal = runtime_tp_refusal(graph)
     traced_tp_refusal = runtime_traced_tp_refusal(graph)
     blocks = sum(1 for u in graph.units if u.kind == "block")
     has_tp = any(u.tp_pairs for u in graph.units)
@@ -277,10 +278,7 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                 if pins.sequence_parallel is not None and sp != pins.sequence_parallel:
                                     continue
                                 # The generated script must be able to run what is costed (issue 10): refuse
-                                # what its tensor parallelism cannot shard, with the reason.
-                                if tp > 1 and tp_refusal:
-                                    rej[(f"tp={tp}", tp_refusal)] += 1
-                                    continue
+                                # what its tensor parallelism cannot shard in a traced stage, with the reason.
                                 if tp > 1 and runs_traced_graph(pp, tp, sp) and traced_tp_refusal:
                                     rej[(f"tp={tp} with {'pp' if pp > 1 else 'sp'}", traced_tp_refusal)] += 1
                                     continue
@@ -293,7 +291,8 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                         )
                                     ] += 1
                                     continue
-                                space.candidates.append(Candidate(dp, tp, pp, v, mbs, m, schedule, zero, sp))
+                                for ep in ep_degrees(graph, dp, tp, pp, sp, pins, rej):
+                                    space.candidates.append(Candidate(dp, tp, pp, v, mbs, m, schedule, zero, sp, ep))
                                 if len(space.candidates) > MAX_CANDIDATES:
                                     raise ConfigError(
                                         f"The search space holds more than {MAX_CANDIDATES} candidates (global "
@@ -313,25 +312,63 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
     return space
 
 
-def runtime_tp_refusal(graph: ModelGraph) -> str | None:
-    """Why the generated script cannot apply tensor parallelism to this model at all; None if it can.
+def ep_granularity(graph: ModelGraph) -> int:
+    """gcd of the expert counts of every MoE layer (0: the model has no experts); ep must divide it."""
+    g = 0
+    for u in graph.units:
+        if u.ep_granularity:
+            g = gcd(g, u.ep_granularity)
+    return g
 
-    Fused projections (one Linear computing q, k and v) and HF's Conv1D (weight stored [in, out]) need a
-    sharding torch's ColwiseParallel / RowwiseParallel does not do: sharding them plainly would train wrong.
-    """
-    fused = sorted(m for u in graph.units for m in u.tp_fused)
-    transposed = sorted(m for u in graph.units for m in u.tp_transposed)
-    if transposed:
-        return (
-            f"the script's tensor parallelism cannot shard {transposed[0]} (a Conv1D, weight stored [in, out]: "
-            "torch's parallel styles take nn.Linear)"
+
+def ep_degrees(
+    graph: ModelGraph, dp: int, tp: int, pp: int, sp: bool, pins: Pins, rej: Counter[tuple[str, str]]
+) -> list[int]:
+    """Expert-parallel degrees for one (dp, tp, pp, sp): divisors of dp that divide every MoE layer's
+    expert count (each rank of an ep group holds whole experts), where the generated script can run them.
+    Without experts only ep = 1; a pin keeps just its value (checked in `check_ep_pin`)."""
+    experts = ep_granularity(graph)
+    out = []
+    for ep in divisors(gcd(dp, experts)) if experts else [1]:
+        if pins.ep is not None and ep != pins.ep:
+            continue
+        if ep > 1 and tp > 1:
+            rej[(f"ep={ep} tp={tp}", "the generated script shards experts only without tensor parallelism")] += 1
+            continue
+        if ep > 1 and runs_traced_graph(pp, tp, sp):
+            rej[
+                (
+                    f"ep={ep} pp={pp}",
+                    "the generated script swaps in the expert-parallel experts on the model as written; a "
+                    "pipeline stage runs a traced graph in which the experts are inlined",
+                )
+            ] += 1
+            continue
+        out.append(ep)
+    return out
+
+
+def check_ep_pin(graph: ModelGraph, pins: Pins) -> None:
+    """A pinned --ep the model or the pinned dp cannot take: a ConfigError naming the rule and the fix."""
+    if pins.ep is None or pins.ep == 1:
+        return
+    experts = ep_granularity(graph)
+    if not experts:
+        raise ConfigError(
+            f"--ep {pins.ep} asks for expert parallelism, but the model has no mixture-of-experts layers "
+            "(a module holding an `experts` module and a top-k). Drop --ep."
         )
-    if fused:
-        return (
-            f"the script's tensor parallelism cannot shard the fused projection {fused[0]} chunk by chunk "
-            "(q, k, v in one Linear); split it into separate Linears to use tp"
+    if experts % pins.ep:
+        raise ConfigError(
+            f"--ep {pins.ep} does not divide the model's expert count ({experts}, the gcd over its MoE layers): "
+            f"each rank must hold whole experts. Pick a divisor of {experts}: "
+            f"{', '.join(map(str, divisors(experts)))}."
         )
-    return None
+    if pins.dp is not None and pins.dp % pins.ep:
+        raise ConfigError(
+            f"--ep {pins.ep} does not divide --dp {pins.dp}: experts are sharded over a sub-group of the "
+            "data-parallel ranks. Pick ep dividing dp."
+        )
 
 
 def runtime_traced_tp_refusal(graph: ModelGraph) -> str | None:
@@ -343,6 +380,10 @@ def runtime_traced_tp_refusal(graph: ModelGraph) -> str | None:
     """
     if graph.trace_method != "fx":
         return "only torch.export could trace the model, so a traced stage has no modules to shard"
+    transposed = sorted(m for u in graph.units for m in u.tp_transposed)
+    if transposed:
+        # fx traces through HF's Conv1D (not a torch.nn leaf): its addmm is in the graph, not the module.
+        return f"{transposed[0]} is a Conv1D, which a traced stage has inlined as an addmm on its weight"
     heads = sorted(m for u in graph.units for m in u.tp_head_attrs)
     if heads:
         return f"{heads[0]} reads its head count in forward, which a traced stage has baked into its graph"

@@ -1,5 +1,7 @@
-"""Plans for the Hugging Face fixtures (tests/fixtures/hf): planned by `planner plan` where the analysis
-handles the model, else built by hand like plans.make_plan (module names as the model defines them)."""
+"""Plans for the real-model corpus (tests/fixtures/models: 9 Hugging Face architectures and 3 fixtures) planned
+by `planner plan` for 4 CPU ranks, shared by tests/e2e/test_hf_e2e.py and bench/corpus_train.py; and hand-built
+plans for the Hugging Face fixtures of tests/fixtures/hf (module names as the model defines them), kept where
+they add a layout `planner plan` does not choose (FSDP, ZeRO-1 with tp)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,29 @@ from planner.model.graph import ModelSource
 from planner.plan import ClusterSummary, MemoryBreakdown, ParallelConfig, Plan, Predicted, StagePlan, TrainingConfig
 
 HF = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
+MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+
+# The corpus: name -> (model file, --model-arg options).
+HF_ARCHS = ("llama", "qwen2", "mixtral", "gpt2", "bert", "t5", "bart", "vit", "resnet")
+FIXTURES = ("moduledict_llama", "sequential_cnn", "headcount_gpt")
+CORPUS: dict[str, tuple[Path, list[str]]] = {
+    **{a: (MODELS / "hf_tiny.py", ["--model-arg", f"arch={a!r}"]) for a in HF_ARCHS},
+    **{f: (MODELS / f"{f}.py", []) for f in FIXTURES},
+}
+# Layouts for 4 CPU ranks; the global batch (8 = 4 micro-batches of 2) is the same for every layout, so one
+# single-process reference per model serves them all.
+LAYOUTS: dict[str, list[str]] = {"dp4": ["--dp", "4"], "pp2xdp2": ["--pp", "2", "--dp", "2", "--schedule", "1f1b"]}
+GLOBAL_BATCH, MICRO_BATCH = 8, 2
+
+
+def corpus_plan_args(name: str, layout: str, out: Path) -> list[str]:
+    """`planner plan` arguments for a corpus model and layout (4 CPU ranks), writing into `out`."""
+    path, args = CORPUS[name]
+    return [
+        "plan", str(path), *args, "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4", "--global-batch-size",
+        str(GLOBAL_BATCH), "--micro-batch-size", str(MICRO_BATCH), *LAYOUTS[layout], "--lr", "1e-3", "--out",
+        str(out), "--quiet",
+    ]
 
 # Partition units (module names, execution order) of the fixtures' default configs (two blocks each).
 UNITS = {

@@ -1,0 +1,92 @@
+"""Train every model of the real-model corpus with every layout, as planned by `planner plan` for 4 CPU ranks,
+and compare with one process: a table arch x layout of trained / refused(reason) / failed, the largest loss
+difference over 3 steps and the largest relative gradient-norm difference.
+
+    python bench/corpus_train.py                      # the full matrix (12 models x dp4, pp2xdp2)
+    python bench/corpus_train.py --models t5,bart --layouts pp2xdp2 --keep /tmp/corpus
+
+CI plans and checks all of this matrix and trains the cases no other e2e file trains
+(tests/e2e/test_corpus_e2e.py; test_hf_e2e.py, test_tp_e2e.py and test_moe_e2e.py train the rest of the
+corpus); this script trains all of it. Each plan runs in-process (the CLI), each launch.sh under torchrun
+with 4 processes on the CPU (gloo); the single-process reference is trained once per model (the same
+global batch and seed for every layout). A benchmark: it prints, it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+
+def main() -> None:
+    import os
+
+    os.environ.setdefault("PLANNER_NO_CACHE", "1")
+    from e2e.hf_plans import CORPUS, LAYOUTS, corpus_plan_args
+    from e2e.plans import reference_of
+    from e2e.test_train_e2e import STEPS, run, train
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from planner.plan import load_plan
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(CORPUS))
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--keep", type=Path, help="keep the plan directories here (default: a temporary folder)")
+    args = parser.parse_args()
+    work = args.keep or Path(tempfile.mkdtemp(prefix="corpus-"))
+    rows = []
+    for name in args.models.split(","):
+        reference = None
+        for layout in args.layouts.split(","):
+            out = work / f"{name}-{layout}"
+            shutil.rmtree(out, ignore_errors=True)
+            start = time.perf_counter()
+            result = CliRunner().invoke(app, corpus_plan_args(name, layout, out))
+            planned = time.perf_counter() - start
+            row = {"model": name, "layout": layout, "plan_s": planned, "status": "", "loss": "", "norm": "",
+                   "train_s": 0.0}
+            rows.append(row)
+            if result.exit_code != 0:
+                reason = " ".join(result.output.split())
+                row["status"] = ("refused: " if result.exit_code == 2 else "failed (plan): ") + reason[:160]
+                print(row, flush=True)
+                continue
+            plan = load_plan(out)
+            start = time.perf_counter()
+            try:
+                run(["bash", str(out / "launch.sh"), "--steps", str(STEPS)], work)
+                got = json.loads((out / "metrics.json").read_text())["steps"]
+                if reference is None:
+                    reference = train(reference_of(plan), work / f"{name}-reference", 1)["steps"]
+            except BaseException as e:  # noqa: BLE001 - pytest.fail's exception is a BaseException
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                row["status"] = "failed (launch): " + " ".join(str(e).split())[-300:]
+                row["train_s"] = time.perf_counter() - start
+                print(row, flush=True)
+                continue
+            row["train_s"] = time.perf_counter() - start
+            loss = max(abs(a["loss"] - b["loss"]) for a, b in zip(got, reference, strict=True))
+            norm = max(abs(a["grad_norm"] / b["grad_norm"] - 1) for a, b in zip(got, reference, strict=True))
+            row["loss"], row["norm"] = f"{loss:.1e}", f"{norm:.1e}"
+            row["status"] = "trained" if loss <= 1e-4 and norm <= 1e-3 else "failed (differs from one process)"
+            print(row, flush=True)
+    print()
+    print(f"{'model':<18} {'layout':<8} {'plan s':>6} {'train s':>7} {'loss diff':>9} {'norm rel':>8}  status")
+    for r in rows:
+        print(f"{r['model']:<18} {r['layout']:<8} {r['plan_s']:>6.1f} {r['train_s']:>7.1f} {r['loss']:>9} "
+              f"{r['norm']:>8}  {r['status']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Mixture-of-experts layers: where they are, and their routed work counted from the module structure.
+
+On the meta device a router's choices are data, so the loop over experts runs no expert (Mixtral's
+grouped kernel has no FLOP formula; a `torch.where` loop cannot run at all): the expert FLOPs the op
+counter sees are wrong. Here they are replaced by the exact routed count: every token goes to `top_k`
+experts, and an expert's Linear of weight [out, in] costs 2*out*in FLOPs per token forward and twice that
+backward (input and weight gradient). Shared experts and the router run on every token as ordinary
+modules, so the op counter already counts them exactly.
+
+Expert parallelism (`ep`) shards the experts of every MoE layer over a sub-group of the data-parallel
+ranks; `MoELayer.dispatch_bytes` is what one all-to-all moves per sample (each routed token's hidden
+vector, once to its expert and once back).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Names a MoE block gives its router (HF Mixtral and DeepSeek: `gate`; torchtitan: `router`).
+_ROUTER_NAMES = ("gate", "router")
+_TOP_K_NAMES = ("top_k", "num_experts_per_tok")
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One MoE block: its experts module, how many experts, tokens' fan-out and the work per routed token."""
+
+    name: str  # qualified name of the MoE block, e.g. "model.layers.0.mlp"
+    experts: str  # qualified name of its experts module ("model.layers.0.mlp.experts")
+    num_experts: int
+    top_k: int
+    hidden: int  # width of the tokens dispatched to the experts
+    expert_params: int  # parameters of all experts together (what ep divides)
+    fwd_flops_per_token: float  # forward FLOPs of one expert on one token
+
+    def routed_fwd_flops(self, tokens: int) -> float:
+        """Forward FLOPs of the experts for `tokens` tokens: each runs top_k experts (no token dropped)."""
+        return float(tokens * self.top_k) * self.fwd_flops_per_token
+
+    def dispatch_bytes(self, tokens: int, dtype_bytes: int) -> int:
+        """Bytes one all-to-all (dispatch, or combine) moves for `tokens` tokens: top_k copies of each."""
+        return tokens * self.top_k * self.hidden * dtype_bytes
+
+
+def experts_count(mod) -> int:
+    """Number of experts a module named 'experts' holds: a container's children, or the leading dimension
+    of stacked 3-D expert weights (Mixtral's MixtralExperts), else 0."""
+    import torch.nn as nn
+
+    if isinstance(mod, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        return len(list(mod.children()))
+    n = getattr(mod, "num_experts", None)
+    if isinstance(n, int) and not isinstance(n, bool):
+        return n
+    dims = {int(p.shape[0]) for p in mod.parameters(recurse=False) if p.dim() == 3}
+    return dims.pop() if len(dims) == 1 else 0
+
+
+def router_of(mod):
+    """The router child of a MoE block, or None."""
+    return next(
+        (c for n, c in mod.named_children() if n in _ROUTER_NAMES or "Router" in type(c).__name__), None
+    )
+
+
+def top_k_of(mod) -> int | None:
+    router = router_of(mod)
+    for src in (mod, router):
+        if src is None:
+            continue
+        for k in _TOP_K_NAMES:
+            v = getattr(src, k, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    return None
+
+
+def _matrices(mod) -> list:
+    """The 2-D weights of one expert (3-D stacked weights: one expert's slice each)."""
+    out = []
+    for p in mod.parameters():
+        if p.dim() == 3:
+            out.append(p[0])
+        elif p.dim() == 2:
+            out.append(p)
+    return out
+
+
+def _hidden_of(mod, experts) -> int:
+    """Width of the tokens a MoE block routes: the router's input features, else the experts' input."""
+    router = router_of(mod)
+    if router is not None:
+        w = getattr(router, "weight", None)
+        if w is not None and w.dim() == 2:
+            return int(w.shape[1])
+    mats = _matrices(experts)
+    return int(mats[0].shape[-1]) if mats else 0
+
+
+def find_moe_layers(model, prefix: str = "") -> list[MoELayer]:
+    """Every MoE block under `model` (a block holds an `experts` module and a top-k), in definition order."""
+    import torch.nn as nn
+
+    layers: list[MoELayer] = []
+    for name, mod in model.named_modules():
+        experts = getattr(mod, "experts", None)
+        if not isinstance(experts, nn.Module):
+            continue
+        n = experts_count(experts)
+        k = top_k_of(mod)
+        if not n or not k:
+            continue
+        if isinstance(experts, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            one = next(iter(experts.children()))
+            per_token = sum(2.0 * p.shape[0] * p.shape[1] for p in _matrices(one))
+        else:
+            per_token = sum(2.0 * p.shape[0] * p.shape[1] for p in _matrices(experts))
+        full = ".".join(x for x in (prefix, name) if x)
+        layers.append(
+            MoELayer(
+                name=full,
+                experts=f"{full}.experts" if full else "experts",
+                num_experts=n,
+                top_k=k,
+                hidden=_hidden_of(mod, experts),
+                expert_params=sum(p.numel() for p in experts.parameters()),
+                fwd_flops_per_token=per_token,
+            )
+        )
+    return layers
+
+
+def unit_moe_layers(model, roots: list[str]) -> list[MoELayer]:
+    """The MoE blocks inside a unit's root modules."""
+    found: list[MoELayer] = []
+    for r in roots:
+        found.extend(find_moe_layers(model.get_submodule(r), r))
+    return found
+
+
+def expert_storages(model, layers: list[MoELayer]) -> set[int]:
+    """Storage keys of the expert weights: the op counter attributes ops that read them to the experts."""
+    keys: set[int] = set()
+    for layer in layers:
+        for p in model.get_submodule(layer.experts).parameters():
+            keys.add(p.untyped_storage()._cdata)
+    return keys
+
+
+def correct_counts(counts, layers: list[MoELayer], tokens: int) -> None:
+    """Replace the expert matmul FLOPs the meta run counted by the routed count, in place.
+
+    The counter tagged the ops that read an expert weight (`Counts.tagged_fwd`, `tagged_bwd`): forward
+    expert matmuls and backward input-gradient matmuls. Those are removed, and the routed work added:
+    forward F = tokens * top_k * flops_per_token, backward 2F (input gradient and weight gradient). A
+    backward weight-gradient matmul does not read the weight, so the counter cannot see it: its FLOPs equal
+    the input gradient's, counted twice by doubling what was tagged.
+    """
+    if not layers:
+        return
+    fwd = sum(layer.routed_fwd_flops(tokens) for layer in layers)
+    counts.fwd_flops += fwd - counts.tagged_fwd
+    counts.fwd_matmul += fwd - counts.tagged_fwd
+    counts.bwd_flops += 2.0 * fwd - 2.0 * counts.tagged_bwd
+    counts.bwd_matmul += 2.0 * fwd - 2.0 * counts.tagged_bwd
+
+
+def ep_granularity(layers: list[MoELayer]) -> int:
+    """gcd of the expert counts: ep must divide it (every rank of an ep group holds whole experts)."""
+    g = 0
+    for layer in layers:
+        g = math.gcd(g, layer.num_experts)
+    return g

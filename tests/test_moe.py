@@ -1,0 +1,314 @@
+"""Mixture of experts: routed FLOPs counted on meta against the real routed work, the expert-parallel cost
+terms (floats and PuLP expressions), the search choosing ep, the plan schema and the runtime's Layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pulp
+import pytest
+
+from planner.cost.candidate import Candidate
+from planner.cost.terms import alltoall_time, ep_link, expert_state_params, linear_form, moe_alltoall_time
+from planner.errors import ConfigError
+from planner.hardware.load import load_cluster
+from planner.model.graph import ModelGraph, ModelSource, TPPair, Unit
+from planner.search.space import Pins, enumerate_space
+
+MODELS = Path(__file__).resolve().parent / "fixtures" / "models"
+
+
+def _cand(**kw) -> Candidate:
+    base = dict(dp=8, tp=1, pp=1, virtual_stages=1, micro_batch_size=2, num_micro_batches=4, schedule="1f1b",
+                zero_stage=1, sequence_parallel=False, ep=4)
+    return Candidate(**{**base, **kw})
+
+
+# ------------------------------------------------------------------------------------------ FLOPs
+
+
+def _cpu_routed_flops(module, hidden, *args) -> tuple[float, float]:
+    """Forward and backward FLOPs torch's FlopCounterMode counts running `module` on real CPU data."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as fwd:
+        out = module(hidden, *args)
+    with FlopCounterMode(display=False) as bwd:
+        out.sum().backward()
+    return float(fwd.get_total_flops()), float(bwd.get_total_flops())
+
+
+def test_mixtral_expert_flops_equal_the_routed_work_of_a_cpu_run():
+    """Meta counts no expert (its grouped kernel has no FLOP formula, and the loop over experts is data):
+    the analysis must add exactly what an eager CPU run of the experts computes on real routed tokens."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from planner.model.analysis import analyse_model
+    from planner.model.load import load_model_file
+    from planner.model.moe import find_moe_layers
+
+    loaded = load_model_file(MODELS / "hf_tiny.py", {"arch": "mixtral"}, dtype="fp32")
+    torch.manual_seed(0)
+    model = loaded.module.build_model(arch="mixtral")
+    model.config._experts_implementation = "eager"
+    block = model.model.layers[0].mlp
+    block.experts.config = model.config
+    tokens = 2 * 16
+    hidden = torch.randn(tokens, 64, requires_grad=True)
+    _, weights, index = block.gate(hidden)
+    fwd, bwd = _cpu_routed_flops(block.experts, hidden, index, weights.detach())
+    (layer,) = find_moe_layers(block, "model.layers.0.mlp")
+    assert (layer.num_experts, layer.top_k, layer.hidden) == (4, 2, 64)
+    assert layer.routed_fwd_flops(tokens) == fwd == tokens * 2 * (2 * 64 * 192 + 2 * 96 * 64)
+    assert 2 * layer.routed_fwd_flops(tokens) == bwd
+
+    graph = analyse_model(loaded)
+    unit = graph.unit("model.layers.0")
+    seq = graph.tokens_per_sample
+    attention_and_router = 2 * seq * (64 * 64 * 2 + 64 * 32 * 2 + 64 * 4) + 4 * 4 * seq * seq * 16
+    assert unit.fwd_flops == attention_and_router + layer.routed_fwd_flops(seq)
+    assert unit.expert_params == 4 * (192 * 64 + 64 * 96)
+    assert unit.experts == {"model.layers.0.mlp.experts": 4} and unit.ep_granularity == 4
+    assert unit.moe_dispatch_bytes == seq * 2 * 64 * 4
+
+
+def test_module_list_experts_count_routed_work_not_the_dense_form():
+    """The DeepSeek-style fixture computes every expert on every token (weights 0 where not routed): meta
+    counts 4 experts per token, the analysis the 2 a real routed run computes, plus the shared expert
+    and the router, which every token runs."""
+    from planner.model.analysis import analyse_model
+    from planner.model.load import load_model_file
+
+    graph = analyse_model(load_model_file(MODELS / "deepseek_moe.py", dtype="fp32"))
+    unit = graph.unit("layers.0")
+    s, h = 16, 32
+    routed = s * 2 * 3 * (2 * h * 48)
+    shared = s * 3 * (2 * h * 64)
+    router = s * 2 * h * 4
+    attention = s * 2 * (h * 3 * h + h * h) + 4 * 4 * s * s * (h // 4)
+    assert unit.matmul_flops + unit.attention_flops == routed + shared + router + attention
+    assert unit.bwd_matmul_flops + unit.bwd_attention_flops == 2 * (routed + shared + router + attention)
+    assert unit.expert_params == 4 * 3 * h * 48
+    assert "MoE MoE in layers.0.mlp: 4 experts, top-2" in " ".join(graph.structure)
+
+
+# ------------------------------------------------------------------------------------- cost terms
+
+
+def test_alltoall_term_on_floats_and_pulp_expressions():
+    cluster = load_cluster("h100-sxm5-80gb", 8)
+    inside, across = _cand(ep=4), _cand(dp=64, ep=16)
+    assert ep_link(inside, cluster)[0] == pytest.approx(
+        cluster.topology.intra_node_bandwidth * cluster.gpu.efficiency.network
+    )
+    assert ep_link(across, cluster)[0] == pytest.approx(
+        cluster.topology.inter_node_bandwidth * cluster.gpu.efficiency.network
+    )
+    for cand in (inside, across):
+        bw, lat = ep_link(cand, cluster)
+        nbytes = 3.0e6
+        want = 2 * (nbytes * 2 * (cand.ep - 1) / cand.ep / bw + (cand.ep - 1) * lat)
+        assert moe_alltoall_time(nbytes, cand, cluster) == pytest.approx(want)
+        x = pulp.LpVariable("x")
+        expr = moe_alltoall_time(x, cand, cluster)
+        x.varValue = nbytes
+        assert pulp.value(expr) == pytest.approx(want)
+        coef, const = linear_form(lambda v, c=cand: moe_alltoall_time(v, c, cluster))
+        assert coef * nbytes + const == pytest.approx(want)
+    assert moe_alltoall_time(1e6, _cand(ep=1), cluster) == 0.0
+    assert alltoall_time(1e6, 1, 1e9, 1e-6) == 0.0
+
+
+def test_expert_states_are_divided_by_ep_and_sharded_over_the_replicas():
+    from planner.cost.memory import model_state_bytes_per_param
+    from planner.cost.terms import model_state_bytes
+
+    for zero in range(4):
+        cand = _cand(zero_stage=zero)
+        experts = 8.0e9
+        eq = expert_state_params(experts, cand, "bf16")
+        want = experts / 4 * model_state_bytes_per_param("bf16", zero, 2).total
+        assert model_state_bytes(eq, model_state_bytes_per_param("bf16", zero, 8)) == pytest.approx(want)
+        x = pulp.LpVariable("e")
+        x.varValue = experts
+        assert pulp.value(expert_state_params(x, cand, "bf16")) == pytest.approx(eq)
+    assert expert_state_params(5.0, _cand(ep=1), "bf16") == 5.0
+
+
+# ------------------------------------------------------------------------------ space and search
+
+
+def mixtral_8x7b_graph(layers: int = 32) -> ModelGraph:
+    """Mixtral-8x7B's shapes (h 4096, 8 experts of 3 x 4096 x 14336, top-2, GQA 32/8 heads, seq 4096,
+    vocab 32000) as units, with the per-sample figures the analysis gives for them."""
+    h, inner, experts, s, vocab = 4096, 14336, 8, 4096, 32000
+    attn_params = 2 * h * h + 2 * h * 1024
+    expert_params = experts * 3 * h * inner
+    block_params = attn_params + expert_params + experts * h + 2 * h
+    mm = s * (2 * attn_params + 2 * 2 * 3 * h * inner + 2 * h * experts)
+    attn = 4 * s * s * h
+    act = s * h * 2 * 40
+
+    def unit(name: str, params: int, fwd_mm: float, fwd_attn: float, kind: str, **kw) -> Unit:
+        return Unit(
+            name=name, modules=[name], kind=kind, signature=kind, params=params, param_bytes=2 * params,
+            fwd_flops=fwd_mm + fwd_attn, bwd_flops=2 * (fwd_mm + fwd_attn), matmul_flops=fwd_mm,
+            attention_flops=fwd_attn, memory_bound_bytes=s * h * 2 * 20, bwd_matmul_flops=2 * fwd_mm,
+            bwd_attention_flops=2 * fwd_attn, bwd_memory_bound_bytes=s * h * 2 * 40, activation_bytes=act,
+            input_bytes=s * h * 2, output_bytes=s * h * 2, gemm_dim=h, uses_flash_attention=True, **kw,
+        )
+
+    units = [unit("embed", vocab * h, 0.0, 0.0, "other")]
+    for i in range(layers):
+        units.append(
+            unit(f"layers.{i}", block_params, mm, attn, "block", expert_params=expert_params,
+                 experts={f"layers.{i}.mlp.experts": experts}, ep_granularity=experts,
+                 moe_dispatch_bytes=s * 2 * h * 2, tp_granularity=8, tp_shardable_params=attn_params,
+                 tp_shardable_flops=s * 2 * attn_params + attn,
+                 tp_pairs=[TPPair(column=[f"layers.{i}.q"], row=f"layers.{i}.o", allreduce_bytes=s * h * 2)])
+        )
+    units.append(unit("head", vocab * h + h, 2.0 * s * h * vocab, 0.0, "other"))
+    return ModelGraph(
+        source=ModelSource(path="/mixtral.py", file_sha256="0" * 64), model_class="MixtralForCausalLM",
+        trace_method="export", units=units, total_params=sum(u.params for u in units), tokens_per_sample=s,
+        sample_input_shapes=[[1, s]], distinct_blocks=3, dtype_bytes=2,
+    )
+
+
+def test_ep_degrees_divide_dp_and_the_expert_count_and_need_the_model_as_written():
+    graph = mixtral_8x7b_graph(layers=4)
+    cluster = load_cluster("h100-sxm5-80gb", 2)
+    space = enumerate_space(graph, cluster, 64, Pins(micro_batch_size=1, zero_stage=1))
+    eps = {(c.dp, c.tp, c.pp, c.ep) for c in space.candidates}
+    assert (16, 1, 1, 8) in eps and (16, 1, 1, 1) in eps
+    assert all(c.dp % c.ep == 0 and 8 % c.ep == 0 for c in space.candidates)
+    assert not any(c.ep > 1 and (c.tp > 1 or c.pp > 1) for c in space.candidates)
+    reasons = " ".join(why for (_, why) in space.rejected)
+    assert "shards experts only without tensor parallelism" in reasons
+    assert "a pipeline stage runs a traced graph" in reasons
+
+
+def test_ep_pin_is_checked_with_the_rule_and_the_fix():
+    graph = mixtral_8x7b_graph(layers=2)
+    cluster = load_cluster("h100-sxm5-80gb", 1)
+    with pytest.raises(ConfigError, match="does not divide the model's expert count"):
+        enumerate_space(graph, cluster, 8, Pins(ep=3))
+    with pytest.raises(ConfigError, match="does not divide --dp 2"):
+        enumerate_space(graph, cluster, 8, Pins(ep=4, dp=2))
+    dense = graph.model_copy(
+        update={"units": [u.model_copy(update={"experts": {}, "ep_granularity": 0, "expert_params": 0})
+                          for u in graph.units]}
+    )
+    with pytest.raises(ConfigError, match="no mixture-of-experts layers"):
+        enumerate_space(dense, cluster, 8, Pins(ep=2))
+    assert {c.ep for c in enumerate_space(dense, cluster, 8, Pins()).candidates} == {1}
+
+
+def test_search_chooses_expert_parallelism_for_mixtral_8x7b_on_64_h100():
+    """Without ep every rank holds all 8 experts of each layer: 45B expert parameters fit 80 GB only under
+    ZeRO-3, whose weight gathers every micro-batch cost more than the all-to-all of ep = 8 inside a node,
+    which fits with ZeRO-1."""
+    from planner.search.search import search
+
+    graph = mixtral_8x7b_graph()
+    cluster = load_cluster("h100-sxm5-80gb", 8)
+    result = search(graph, cluster, 256, Pins(tp=1, pp=1, micro_batch_size=1), top_k=3)
+    best = result.best.cand
+    assert (best.dp, best.ep, best.zero_stage) == (64, 8, 1), best.label()
+    assert any("ep=" not in region and "out of memory" in why for region, why in result.rejected)
+    no_ep = search(graph, cluster, 256, Pins(tp=1, pp=1, micro_batch_size=1, ep=1), top_k=1)
+    assert no_ep.best.cand.zero_stage == 3
+    assert result.best.objective < no_ep.best.objective / 2
+
+
+# ------------------------------------------------------------------------------ plan and runtime
+
+
+def test_plan_round_trips_ep_and_old_plans_still_load(tmp_path):
+    from e2e.plans import make_plan
+
+    from planner.errors import PlanError
+    from planner.plan import SCHEMA_MINOR, load_plan
+
+    plan = make_plan("gpt", dp=2)
+    moe = plan.model_copy(
+        update={"parallel": plan.parallel.model_copy(update={"ep": 2}), "experts": {"blocks.0.mlp.experts": 4}}
+    )
+    (tmp_path / "plan.json").write_text(moe.to_json())
+    back = load_plan(tmp_path)
+    assert back.parallel.ep == 2 and back.experts == {"blocks.0.mlp.experts": 4}
+    assert back.schema_minor == SCHEMA_MINOR and back.to_json() == moe.to_json()
+
+    old = json.loads(plan.to_json())
+    del old["schema_minor"], old["parallel"]["ep"], old["experts"], old["predicted"]["comm"]["expert_parallel_s"]
+    (tmp_path / "plan.json").write_text(json.dumps(old))
+    assert load_plan(tmp_path).parallel.ep == 1
+
+    newer = json.loads(plan.to_json())
+    newer["schema_minor"] = SCHEMA_MINOR + 1
+    (tmp_path / "plan.json").write_text(json.dumps(newer))
+    with pytest.raises(PlanError, match="newer than this planner"):
+        load_plan(tmp_path)
+
+    bad = json.loads(moe.to_json())
+    bad["parallel"]["ep"] = 3
+    (tmp_path / "plan.json").write_text(json.dumps(bad))
+    with pytest.raises(PlanError, match="ep"):
+        load_plan(tmp_path)
+
+
+def test_layout_validates_ep():
+    from planner.runtime.errors import LayoutError
+    from planner.runtime.layout import Layout, Stage
+
+    def layout(**kw):
+        base = dict(pp=1, dp=4, tp=1, micro_batch_size=1, num_micro_batches=1, stages=(Stage(0, ("m",)),),
+                    ep=2, experts={"layers.{0-1}.mlp.experts": 4})
+        return Layout(**{**base, **kw})
+
+    assert layout().experts == {"layers.0.mlp.experts": 4, "layers.1.mlp.experts": 4}
+    assert layout().describe()["ep"] == 2
+    with pytest.raises(LayoutError, match="must divide DP"):
+        layout(ep=3)
+    with pytest.raises(LayoutError, match="does not divide"):
+        layout(experts={"e": 3})
+    with pytest.raises(LayoutError, match="names no experts"):
+        layout(experts={})
+    with pytest.raises(LayoutError, match="without tensor parallelism"):
+        layout(dp=2, tp=2)
+
+
+def test_report_shows_ep_only_where_a_layout_has_it():
+    import io
+
+    from e2e.plans import make_plan
+    from rich.console import Console
+
+    from planner.plan import Alternative
+    from planner.report.tables import alternatives_table, comm_table, degrees
+
+    def text(renderable) -> str:
+        console = Console(file=io.StringIO(), width=200, record=True, color_system=None)
+        console.print(renderable)
+        return console.export_text()
+
+    dense = make_plan("gpt", dp=2)
+    assert "expert parallel" not in text(comm_table(dense))
+    moe_par = dense.parallel.model_copy(update={"ep": 2})
+    comm = dense.predicted.comm.model_copy(update={"expert_parallel_s": 0.25})
+    moe = dense.model_copy(
+        update={
+            "parallel": moe_par,
+            "experts": {"blocks.0.mlp.experts": 4},
+            "predicted": dense.predicted.model_copy(update={"comm": comm}),
+            "alternatives": [Alternative(parallel=dense.parallel, recompute=["none"], predicted=dense.predicted)],
+        }
+    )
+    def header(plan) -> list[str]:
+        return next(line for line in text(alternatives_table(plan)).splitlines() if "dp/tp/pp/v" in line).split()
+
+    assert "ep" in header(moe) and "ep" not in header(dense)
+    assert "expert parallel (MoE all-to-all)" in text(comm_table(moe))
+    assert degrees(moe_par).startswith("dp 2 (ep 2) / tp 1")

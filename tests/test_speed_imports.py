@@ -1,0 +1,77 @@
+"""Planning on the meta device does not import torch._dynamo (nor torch.distributed.pipelining): the meta
+kernels' lazy dynamo import is answered by planner.runtime.meta, and the runtime's loop imports the pipeline
+code only when it trains. Pins the behaviour, not the time (the time is bench/search_speed.py's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PLAN = """
+import json, sys
+from planner.pipeline import PlanRequest, plan_model
+from planner.codegen.check import check_plan_runs
+for model, args, pins in json.loads(sys.argv[1]):
+    request = PlanRequest(model_path=model, model_args=args, gpu="a100-sxm-80gb", nodes=1, global_batch_size=8,
+                          pins=pins)
+    check_plan_runs(plan_model(request)[0])
+print(json.dumps({m: m in sys.modules for m in ("torch._dynamo", "torch.distributed.pipelining")}))
+"""
+
+
+def test_planning_and_checking_on_meta_imports_no_dynamo():
+    # A GPT pipeline (pp 2: the check traces and runs the stages on meta, as for full-size models) and a
+    # non-transformer, planned and checked in one process.
+    cases = [
+        [str(ROOT / "sample_models" / "gpt.py"), {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "vocab": 128},
+         {"pp": 2}],
+        [str(ROOT / "sample_models" / "mlp.py"), {"layers": 4, "width": 64}, {}],
+    ]
+    env = {**os.environ, "PLANNER_NO_CACHE": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", PLAN, json.dumps(cases)], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = json.loads(done.stdout.strip().splitlines()[-1])
+    assert imported == {"torch._dynamo": False, "torch.distributed.pipelining": False}
+
+
+def test_the_patched_kernels_go_through_dynamo_disable_once_dynamo_is_imported():
+    """Exactly torch's behaviour after torch._dynamo is imported: the meta kernel runs under its disable."""
+    code = """
+import sys, torch
+from planner.runtime.meta import meta_without_dynamo
+assert meta_without_dynamo() > 0
+a = torch.empty(2, 3, device="meta")
+assert (a + a).shape == (2, 3) and "torch._dynamo" not in sys.modules
+import torch._dynamo
+calls = []
+real = torch._dynamo.disable
+def spy(fn, recursive=True, wrapping=True):
+    calls.append(fn)
+    return real(fn, recursive, wrapping=wrapping)
+torch._dynamo.disable = spy
+assert torch.nn.functional.gelu(a * 2).shape == (2, 3)
+assert calls, "after torch._dynamo is imported the kernels are wrapped by torch._dynamo.disable"
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_meta_results_are_unchanged_by_the_patch():
+    from planner.runtime.meta import meta_without_dynamo
+
+    meta_without_dynamo()
+    x = torch.empty(4, 8, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    y = torch.nn.functional.layer_norm(torch.nn.functional.gelu(x) + x.float(), (8,)).softmax(-1)
+    assert y.shape == (4, 8) and y.dtype == torch.float32
+    y.sum().backward()
+    assert x.grad is not None and x.grad.shape == (4, 8) and x.grad.dtype == torch.bfloat16
