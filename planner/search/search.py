@@ -274,21 +274,38 @@ def search(
         out.reported = max(item.reported, reported_of(out, out.bound, comm, path=True))
         return out
 
-    def settled_1f1b(cand: Candidate, linear_low: float, plan: float | None, index: int) -> None:
+    def settled_1f1b(
+        cand: Candidate,
+        linear_low: float,
+        plan: float | None,
+        index: int,
+        optimum: tuple[list[list[int]], list[str]] | None = None,
+    ) -> None:
         """GPipe's 1F1B dominance (space.py) holds for the linear objective: same objective, a subset of
         the partitions that fit. For the reported figure it holds when the 1F1B plan's reported time is at
         most `linear_low`, a lower bound on 1F1B's (hence GPipe's) linear optimum, which is at most GPipe's
-        reported figure (`linear_bounds_reported`). Otherwise the GPipe twin goes into the queue."""
+        reported figure (`linear_bounds_reported`). Otherwise the GPipe twin goes into the queue, unless
+        `optimum`, 1F1B's proven linear optimum (partition, recomputation), also fits GPipe's memory: it is
+        then GPipe's linear optimum too (same objective, fewer partitions fit), so it is evaluated as the
+        twin's ILP would find it (the same linear optimum; its reported figure is checked against it)."""
         nonlocal revived
         if not by_reported or pins.schedule is not None or cand.schedule != "1f1b" or cand.pp == 1:
             return
         if plan is None or plan <= linear_low * (1 + DOMINANCE_TOL):
             return
         twin = dataclasses.replace(cand, schedule="gpipe")
-        before = len(heap)
         costs = table.units(twin)
         if pins.recompute:
             costs = [_only(c, pins.recompute) for c in costs]
+        if optimum is not None:
+            ev = evaluate(graph, cluster, twin, optimum[0], optimum[1], costs, options)
+            if max(ev.rank_memory.values()) <= cap and ev.objective <= linear_low * (1 + DOMINANCE_TOL):
+                revived += 1
+                if ev.reported > linear_low * (1 + 1e-9):
+                    unresolved.append(linear_low)
+                add(ev)
+                return
+        before = len(heap)
         enqueue(len(space.candidates) + index, twin, costs, modes, linear_low)
         if len(heap) > before:
             heapq.heapify(heap)
@@ -390,7 +407,8 @@ def search(
                     if ev.reported > low * (1 + 1e-9):
                         unresolved.append(low)
                         log.debug("not settled: %s, plan %.6g, bound %.6g", cand.label(), ev.reported, low)
-                settled_1f1b(cand, linear_low, ev.reported, item.index)
+                optimum = (res.partition, res.recompute) if found == "optimal" else None
+                settled_1f1b(cand, linear_low, ev.reported, item.index, optimum)
                 ev.status = found
                 add(ev)
         if by_reported:
