@@ -261,6 +261,7 @@ def build_plan(
             ilps_solved=result.ilps_solved,
             status=result.status,
             gap=result.gap,
+            reported_gap=result.reported_gap,
         ),
     )
 

@@ -175,6 +175,9 @@ class SearchStats(_Model):
     ilps_solved: int = 0
     status: SearchStatus = "optimal"
     gap: float = 0.0
+    # relative gap of the chosen plan's iteration time to the least valid lower bound on that figure of a
+    # candidate the search did not settle for it (planner.search.search.SearchResult.reported_gap)
+    reported_gap: float = 0.0
 
 
 class Plan(_Model):

@@ -192,9 +192,15 @@ def test_report_tables():
     assert "tp=11" in text and "tp=2 " in text and "tp=1 " not in text and "tp=0 " not in text
     rest = next(line for line in text.splitlines() if "(2 more)" in line)
     assert rest.split()[-1] == "3"  # the two hidden groups held 1 + 2 candidates
-    # Search statistics.
+    # Search statistics: the ILP's gap on its objective, then the gap on the reported iteration time.
     search = next(line for line in lines if "optimal" in line)
-    assert search.split() == ["140", "20", "120", "optimal", "0.0%"]
+    assert search.split() == ["140", "20", "120", "optimal", "0.0%", "0.0%"]
+    plan = make_plan()
+    plan = plan.model_copy(update={"search": plan.search.model_copy(update={"gap": 0.012, "reported_gap": 0.034})})
+    lines = render(plan_report(plan, params=1_300_000_000, width=160), width=160).splitlines()
+    assert any("iteration-time gap" in line for line in lines)
+    search = next(line for line in lines if "optimal" in line)
+    assert search.split() == ["140", "20", "120", "optimal", "1.2%", "3.4%"]
 
 
 def test_report_is_deterministic_and_survives_degenerate_figures():

@@ -12,8 +12,9 @@ is counted. Pure Python, no torch import: the cost model stays free of torch.dis
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 from planner.cost.placement import schedule_violation, stage_rank
@@ -194,6 +195,19 @@ def rank_actions(schedule: str, p: int, m: int, v: int = 1) -> list[list[Action]
     return [_zbv_order(p, m, r) for r in range(p)]
 
 
+@lru_cache(maxsize=16)
+def _schedule_orders(schedule: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+    """`rank_actions`, frozen and cached: the search simulates many partitions of one (schedule, p, m, v)."""
+    return tuple(tuple(acts) for acts in rank_actions(schedule, p, m, v))
+
+
+@lru_cache(maxsize=16)
+def _schedule_in_flight(schedule: str, p: int, m: int, v: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`_in_flight` of the schedule's orders, cached: it depends on the orders only, not on the times."""
+    peak, rank_peak = _in_flight(_schedule_orders(schedule, p, m, v), p * v, split=schedule == "zero-bubble")
+    return tuple(peak), tuple(rank_peak)
+
+
 # --- the simulation --------------------------------------------------------------------------------------
 
 
@@ -263,7 +277,7 @@ def simulate(
     b_in = [link[s] if ranks[s + 1] != ranks[s] else 0.0 for s in range(n - 1)] + [0.0]
     duration = (fwd, bin_, wgt)
 
-    orders = rank_actions(schedule, p, m, v)
+    orders = _schedule_orders(schedule, p, m, v)
     size = n * m
     # end[kind * size + stage * m + j]: completion time, -1 while not done.
     end = [-1.0] * (3 * size)
@@ -330,7 +344,8 @@ def simulate(
         )
 
     iteration = max(free) if p else 0.0
-    peak, rank_peak = _in_flight(orders, n, split=schedule == "zero-bubble")
+    peak_t, rank_peak_t = _schedule_in_flight(schedule, p, m, v)
+    peak, rank_peak = list(peak_t), list(rank_peak_t)
     return SimResult(
         schedule=schedule,
         p=p,
@@ -361,7 +376,7 @@ def _transfers(
     return out
 
 
-def _in_flight(orders: list[list[Action]], n: int, split: bool) -> tuple[list[int], list[int]]:
+def _in_flight(orders: Sequence[Sequence[Action]], n: int, split: bool) -> tuple[list[int], list[int]]:
     # A rank runs its actions one at a time, so counting along its order is exact whatever the timing.
     # Activations are held from the forward until the last backward pass that reads them (W when split).
     release = W if split else B

@@ -302,7 +302,11 @@ def search_table(plan: Plan) -> Table:
     t.add_column("pruned by bound", justify="right")
     t.add_column("status")
     t.add_column("gap", justify="right")
-    t.add_row(str(s.candidates), str(s.ilps_solved), str(s.pruned_by_bound), s.status, percent(s.gap))
+    t.add_column("iteration-time gap", justify="right")
+    t.add_row(
+        str(s.candidates), str(s.ilps_solved), str(s.pruned_by_bound), s.status, percent(s.gap),
+        percent(s.reported_gap),
+    )
     return t
 
 

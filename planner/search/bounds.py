@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import bisect
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from planner.cost.memory import model_state_bytes_per_param
 from planner.cost.model import Candidate, CostOptions, UnitCost
@@ -51,6 +54,11 @@ from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
 
 INF = float("inf")
+FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
+# (capacities, minimum counts) per stage or rank for a bottleneck value
+Caps = Callable[[float], tuple[FloatArray, FloatArray]]
+_Arg = TypeVar("_Arg")
 
 
 @dataclass
@@ -107,7 +115,7 @@ class Totals:
     bwd_max: float  # most expensive backward (the widest overlap window)
 
     @classmethod
-    def of(cls, costs: list[UnitCost], modes) -> Totals:
+    def of(cls, costs: list[UnitCost], modes: tuple[str, ...]) -> Totals:
         return cls(
             work=sum(c.fwd + min(c.bwd[r] for r in modes) for c in costs),
             fwd=sum(c.fwd for c in costs),
@@ -150,11 +158,11 @@ def interval_vars(
         if coef > 0:
             cap = (limit - rest) / coef
             cap += 1e-9 * max(abs(cap), abs(limit))
-    out = {}
+    out: dict[int, list[tuple[int, int, str]]] = {}
     for s in range(S):
-        starts = [0] if s == 0 else range(s, U - S + s + 1)
+        firsts = [0] if s == 0 else range(s, U - S + s + 1)
         keep = []
-        for i in starts:
+        for i in firsts:
             for j in [U] if s == S - 1 else range(i + 1, U - S + s + 2):
                 for r in modes:
                     size = tables.fwd[i, j] if cand.schedule == "zero-bubble" else tables.t[r][i, j]
@@ -166,10 +174,10 @@ def interval_vars(
         out[s] = keep
     # Only intervals on a complete path matter: stage s must start where stages 0..s-1 can end and end
     # where stages s+1.. can start and still reach the last unit.
-    starts = [{0}] + [set() for _ in range(S)]
+    starts: list[set[int]] = [{0}] + [set() for _ in range(S)]
     for s in range(S):
         starts[s + 1] = {j for i, j, _ in out[s] if i in starts[s]}
-    ends = [set() for _ in range(S - 1)] + [{U}]
+    ends: list[set[int]] = [set() for _ in range(S - 1)] + [{U}]
     for s in range(S - 1, 0, -1):
         ends[s - 1] = {i for i, j, _ in out[s] if j in ends[s] and i in starts[s]}
     return {s: [(i, j, r) for i, j, r in out[s] if i in starts[s] and j in ends[s]] for s in range(S)}
@@ -191,7 +199,7 @@ def tail_coefficients(cand: Candidate, cluster: ClusterSpec, dtype: str) -> tupl
     return a, c, opt_rate
 
 
-def _least(vals, ok):
+def _least(vals: Sequence[float] | FloatArray, ok: Callable[[float], bool]) -> float | None:
     """The least value of the sorted `vals` for which the monotone predicate `ok` holds, or None."""
     lo, hi = 0, len(vals)
     if hi == 0 or not ok(vals[-1]):
@@ -202,20 +210,20 @@ def _least(vals, ok):
             hi = mid
         else:
             lo = mid + 1
-    return vals[lo]
+    return float(vals[lo])
 
 
 def _joint(
     A: float,
     a_vals: list[float],
     a_start: float,
-    caps,
+    caps: Caps,
     C: float,
     c_vals: list[float],
     c_start: float,
-    tails_at,
+    tails_at: Callable[[float], FloatArray],
     L: int,
-) -> float:
+) -> tuple[float, tuple[float, float, float] | None]:
     """min over a >= a_start in a_vals and c >= c_start in c_vals of A a + C c + Q(a, c): Q is the least
     max over ranks of the tail when rank r holds N_r blocks, lo_r <= N_r <= cap_r(a), sum N_r = L
     (caps(a) gives the (cap, lo) arrays) and its tails are tails_at(c) (ranks x 0..L blocks; c bounds the
@@ -229,7 +237,7 @@ def _joint(
     with its (a, c, Q) when that was evaluated (the values a start solution is built from)."""
     idx = np.arange(L + 1)
 
-    def qmin(a: float, tails: np.ndarray) -> float:
+    def qmin(a: float, tails: FloatArray) -> float:
         hi, lo = caps(a)
         hi = np.minimum(hi, L)
         T = np.where((idx[None, :] >= lo[:, None]) & (idx[None, :] <= hi[:, None]), tails, INF)
@@ -243,7 +251,7 @@ def _joint(
                 return False
             first = m.argmax(axis=1)
             last = L - m[:, ::-1].argmax(axis=1)
-            return first.sum() <= L <= last.sum()
+            return bool(first.sum() <= L <= last.sum())
 
         q = _least(vals_q, ok)
         return INF if q is None else float(q)
@@ -252,11 +260,11 @@ def _joint(
     if q_floor == INF:
         return INF, None
 
-    def over_a(c: float, best: float):
+    def over_a(c: float, best: float) -> tuple[float, tuple[float, float, float] | None]:
         tails = tails_at(c)
         q_c = qmin(a_vals[-1], tails)
 
-        def at(a: float, _best: float):
+        def at(a: float, _best: float) -> tuple[float, tuple[float, float, float] | None]:
             q = qmin(a, tails)
             return A * a + C * c + q, (a, c, q)
 
@@ -265,11 +273,18 @@ def _joint(
     return _scan_min(c_vals, c_start, 16, lambda c: C * c + A * a_start + q_floor, over_a)
 
 
-def _scan_min(vals, start: float, max_steps: int, lower, value, best: float = INF):
+def _scan_min(
+    vals: list[float],
+    start: float,
+    max_steps: int,
+    lower: Callable[[float], float],
+    value: Callable[[float, float], tuple[float, _Arg | None]],
+    best: float = INF,
+) -> tuple[float, _Arg | None]:
     """min of `best` and value(v, best so far)[0] over the sorted vals from start on, where lower(v) <=
     value(v)[0] and lower grows with v: stops once lower reaches the best; past max_steps the next lower
     bounds all the rest. Returns (best, the argument value(v)[1] of the best evaluated v, or None)."""
-    arg = None
+    arg: _Arg | None = None
     i0 = bisect.bisect_left(vals, start)
     for k in range(len(vals) - i0):
         v = vals[i0 + k]
@@ -286,7 +301,9 @@ def _scan_min(vals, start: float, max_steps: int, lower, value, best: float = IN
     return best, arg
 
 
-def _distribute(tails, lo, hi, Q, L, ext_t, t) -> list[int] | None:
+def _distribute(
+    tails: FloatArray, lo: FloatArray, hi: FloatArray, Q: float, L: int, ext_t: float | FloatArray, t: float
+) -> list[int] | None:
     """Block counts per rank with lo <= N <= hi, tail <= Q and sum L: each rank's least allowed count,
     then the rest one by one to the rank with the least time (ext_t + N t)."""
     ok = (tails <= Q * (1 + 1e-12)) & (np.arange(tails.shape[1])[None, :] >= lo[:, None])
@@ -306,7 +323,7 @@ def _distribute(tails, lo, hi, Q, L, ext_t, t) -> list[int] | None:
     return n if sum(n) == L else None
 
 
-def _split_ranks(n_rank: list[int], mine: dict, stage_cap, S: int) -> list[int] | None:
+def _split_ranks(n_rank: list[int], mine: dict[int, list[_Stage]], stage_cap: FloatArray, S: int) -> list[int] | None:
     """Split each rank's blocks over its stages: the first stage (whose backward hides the gradient
     sync) as many as its cap allows, the others evenly, each within its cap and minimum."""
     counts = [0] * S
@@ -337,7 +354,7 @@ def _min_in_flight(schedule: str, p: int, m: int, v: int) -> int:
     return min(in_flight_microbatches(schedule, p, m, v, s) for s in range(p * v))
 
 
-def tail_bound(tot: Totals, cand, cluster, dtype, options) -> float:
+def tail_bound(tot: Totals, cand: Candidate, cluster: ClusterSpec, dtype: str, options: CostOptions) -> float:
     """Mean over ranks of (exposed sync + optimizer step): at most the largest rank's. Each of the p
     ranks pays the sync's latency at least once (the constant of its linear form)."""
     p = cand.pp
@@ -345,10 +362,149 @@ def tail_bound(tot: Totals, cand, cluster, dtype, options) -> float:
     a_sync, c_sync = linear_form(lambda x: dp_sync_time(x, cand, cluster, dtype))
     sync = a_sync * tot.sync + p * c_sync
     windows = sync_overlap_window(tot.bwd_max, cand, options)
-    return (max(0.0, sync - windows) + p * optimizer_step_time(params / p, cand, cluster, dtype)) / p
+    out: float = (max(0.0, sync - windows) + p * optimizer_step_time(params / p, cand, cluster, dtype)) / p
+    return out
 
 
-def comm_bound(graph: ModelGraph, cand: Candidate, cluster: ClusterSpec, run=None) -> float:
+def linear_bounds_reported(cand: Candidate) -> bool:
+    """Whether the linear objective is at most the reported figure (simulated pipeline plus the same
+    tail) for every partition, so that every bound on the linear optimum is also one on the reported.
+
+    One stage: both are m times the stage's time. GPipe with one stage per rank: let r be the stage of
+    the largest t_r = f_r + b_r. The actions F(0..r-1, 0), F(r, 0..m-1), F(r+1..p-1, m-1),
+    B(p-1..r+1, 0), B(r, 0..m-1), B(r-1..0, m-1) each wait for the one before (same rank in GPipe's
+    order, or its input), so the simulation takes at least their sum,
+    sum_s t_s + (m-1) t_r plus every link once each way: the linear form. Under 1F1B, interleaving and
+    zero-bubble the simulation can be shorter (1F1B hides part of the fill behind an early bottleneck),
+    so `reported_bound` is used for them. tests/test_reported_exact.py checks this on random times."""
+    return cand.stages == 1 or (cand.schedule == "gpipe" and cand.virtual_stages == 1)
+
+
+def backward_share(costs: list[UnitCost], cand: Candidate) -> float:
+    """An upper bound on b_s / t_s for any stage s: the simulator's backward b_s = t_s - f_s, and t_s is a
+    sum of unit times (a mediant of the units' shares), unless ZeRO-3 gathers make it longer (then 1)."""
+    if cand.zero_stage == 3:
+        return 1.0
+    share = 0.0
+    for c in costs:
+        b = max(c.bwd.values())
+        if c.fwd + b > 0:
+            share = max(share, b / (c.fwd + b))
+    return share
+
+
+def one_f_one_b_bound(costs: list[UnitCost], cand: Candidate, beta: float) -> float:
+    """1F1B with one stage per rank: a lower bound, over every contiguous partition, on
+    max_r c_r t_r with c_r = m - 1 - (min(m, p - r) - 1) beta, the part of `reported_bound`'s path bound
+    beyond the work W (stages with c_r < 0 are left out, which only lowers it).
+
+    t_r is at least the sum of its units' cheapest times (memory and ZeRO-3 gathers ignored, which only
+    lowers it). For a value Y stage r can hold the longest run of units with c_r t_r <= Y; taking the
+    longest run at each stage in turn is optimal for contiguous partitions, so Y is feasible when that
+    greedy pass places every unit. The least feasible Y is found by bisection and the largest infeasible
+    value returned, so the result never exceeds it."""
+    p, m = cand.pp, cand.num_micro_batches
+    coef = [m - 1 - (min(m, p - r) - 1) * beta for r in range(p)]
+    times = [c.fwd + min(c.bwd.values()) for c in costs]
+    total = sum(times)
+    if total <= 0 or max(coef) <= 0:
+        return 0.0
+
+    def feasible(Y: float) -> bool:
+        i, n = 0, len(times)
+        for r in range(p):
+            if coef[r] <= 0:
+                return True  # every later unit may go to this unconstrained stage
+            room = Y / coef[r]
+            acc = 0.0
+            while i < n and acc + times[i] <= room:
+                acc += times[i]
+                i += 1
+            if i == n:
+                return True
+        return False
+
+    lo, hi = 0.0, max(c for c in coef) * total
+    while hi - lo > 1e-12 * hi:
+        mid = (lo + hi) / 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
+def reported_bound(
+    linear_bound: float,
+    tot: Totals,
+    cand: Candidate,
+    cluster: ClusterSpec,
+    dtype: str,
+    options: CostOptions,
+    beta: float = 1.0,
+    comm: float = 0.0,
+    tight: BlockBounds | IntervalBounds | None = None,
+    path: float = 0.0,
+) -> float:
+    """A valid lower bound on the figure the plan reports (simulated pipeline plus the tail) over every
+    partition of the candidate that fits memory, given `linear_bound`, a valid bound on its linear
+    objective; `beta`: `backward_share`; `comm`: `comm_bound` (2 sum p2p is at least it); `tight`: the
+    block or interval bounds of the candidate, when computed; `path`: `one_f_one_b_bound`, when computed.
+
+    Where the linear objective bounds the simulation (`linear_bounds_reported`) that bound holds.
+    Otherwise, with W >= the work (the stage times' sum, at least the model's cheapest work and, under
+    ZeRO-3, its weight gathers) and Z the largest stage time (at least W / S and the tight bound's):
+
+    - every rank computes m times its stages' time, and the busiest at least m max(W / p, the tight
+      bound's least largest stage (one stage per rank) or rank (several));
+    - one micro-batch passes every stage forward and backward in turn: W plus the links (under
+      zero-bubble only the forward and the input-gradient half of the backward are on that chain:
+      (W + F) / 2, and the V placement keeps one boundary on a rank, so no links are counted);
+    - 1F1B, one stage per rank: rank r starts after stages 0..r-1 forwarded micro-batch 0 and its last
+      backward must pass back through them: T >= sum_{s<r} t_s + m t_r for every r; over t >= 0 summing
+      to W the least maximum equalises them, t_r = t_0 q^r with q = (m-1)/m, T = m W / sum_r q^r;
+    - 1F1B, one stage per rank, with r the largest stage and w = min(m, p - r) its warm-up forwards:
+      rank r's actions up to its last forward (m forwards and m - w backwards), then F(r+1..p-1, m-1),
+      B(p-1..r, m-1), B(r-1..0, m-1) wait each for the one before, so T >= W + (m-1) t_r - (w-1) b_r +
+      2 sum p2p >= W + (m - 1 - (min(m, p) - 1) beta) Z + comm when that coefficient is >= 0, and, as
+      b_r <= beta t_r for every r, >= W + max_r c_r t_r + comm >= W + `path` + comm.
+
+    Plus the same mean tail as the linear bounds (`tail_bound`). tests/test_reported_exact.py checks the
+    bound against the brute-force minimum of the reported figure on random instances.
+    """
+    if linear_bounds_reported(cand):
+        return linear_bound
+    S, p, m, v = cand.stages, cand.pp, cand.num_micro_batches, cand.virtual_stages
+    work = max(tot.work, zero3_gather_time(tot.sync, cand, cluster, dtype))
+    if cand.schedule == "zero-bubble":
+        chain = (tot.fwd + work) / 2
+    else:
+        chain = work + (comm if v == 1 else 0.0)
+    busiest = work / p
+    largest = work / S
+    if isinstance(tight, BlockBounds):
+        by_mode = tight.stage_max if v == 1 else tight.rank_max
+        busiest = max(busiest, min(by_mode.values(), default=0.0))
+        if v == 1:
+            largest = max(largest, min(tight.stage_max.values(), default=0.0))
+    elif isinstance(tight, IntervalBounds) and v == 1:
+        busiest = max(busiest, min(tight.stage_max.values(), default=0.0))
+        largest = max(largest, min(tight.stage_max.values(), default=0.0))
+    pipe = max(m * busiest, chain)
+    if cand.schedule == "1f1b" and v == 1:
+        q = (m - 1) / m
+        pipe = max(pipe, m * work / sum(q**r for r in range(p)))
+        coef = m - 1 - (min(m, p) - 1) * beta
+        if coef >= 0:
+            pipe = max(pipe, work + coef * largest + comm)
+        pipe = max(pipe, work + path + comm)
+    out: float = pipe + tail_bound(tot, cand, cluster, dtype, options)
+    return out
+
+
+def comm_bound(
+    graph: ModelGraph, cand: Candidate, cluster: ClusterSpec, run: tuple[int, int, int] | None = None
+) -> float:
     """Fill/drain point-to-point: one forward and one backward send per stage boundary, each at least the
     smallest tensor a boundary can carry (in the count form a block's output or the prefix's; otherwise
     the output of any unit but the last)."""
@@ -357,7 +513,8 @@ def comm_bound(graph: ModelGraph, cand: Candidate, cluster: ClusterSpec, run=Non
     else:
         start = run[0]
         smallest = min(graph.units[u].output_bytes for u in range(max(0, start - 1), start + 1))
-    return 2.0 * (cand.stages - 1) * p2p_time(smallest, cand, cluster)
+    out: float = 2.0 * (cand.stages - 1) * p2p_time(smallest, cand, cluster)
+    return out
 
 
 @dataclass
@@ -400,7 +557,9 @@ class _Stage:
     buffers: float  # comm buffers (bytes)
 
 
-def _stages(graph, costs, cand, options, run) -> list[_Stage]:
+def _stages(
+    graph: ModelGraph, costs: list[UnitCost], cand: Candidate, options: CostOptions, run: tuple[int, int, int]
+) -> list[_Stage]:
     start, end, n = run
     S = cand.stages
     pre, post = list(range(0, start)), list(range(end + 1, n))
@@ -453,9 +612,14 @@ def block_bound(
     blocks = np.arange(L + 1)
 
     def tail_of(
-        ext_params: float, ext_sync: float, n_stages: int, ext_window: float, blk_window: float, others_min: int,
-        first_cap=INF,
-    ):
+        ext_params: float,
+        ext_sync: float,
+        n_stages: int,
+        ext_window: float,
+        blk_window: float,
+        others_min: int,
+        first_cap: float | FloatArray = INF,
+    ) -> FloatArray:
         """Lower bound on a rank's tail for N = 0..L blocks: exposed sync (sync minus the first stage's
         backward, which holds at most N - others_min and at most first_cap blocks) plus the optimizer
         step."""
@@ -464,35 +628,37 @@ def block_bound(
         sync = a_sync * synced + n_stages * c_sync if cand.dp > 1 else 0.0 * params
         n_first = np.minimum(np.maximum(0, blocks - others_min), first_cap)
         window = sync_overlap_window(ext_window + n_first * blk_window, cand, options)
-        return np.maximum(0.0, sync - window) + opt_rate * params
+        out: FloatArray = np.maximum(0.0, sync - window) + opt_rate * params
+        return out
 
     # ZeRO-3: a stage's time is at least its weight gathers, linear in its parameters
     gc = gather_coefficients(cand, cluster, dtype)
+    g_blk: float | None = None
+    g_ext = np.zeros(S)
     if gc is not None:
         g_blk = gc[0] * blk.sync_params
         g_ext = np.array([gc[0] * st.ext_sync + gc[1] for st in stages])
-    else:
-        g_blk, g_ext = None, None
     inf = np.full(S, INF)
     min_blocks = np.array([st.min_blocks for st in stages], dtype=float)
 
-    def per(total, ext, unit):
+    def per(total: float | FloatArray, ext: float | FloatArray, unit: float | FloatArray) -> FloatArray:
         """Blocks that fit when each costs `unit` and `ext` is already taken out of `total` (arrays)."""
         with np.errstate(divide="ignore", invalid="ignore"):
             q = np.where(unit > 0, (total - ext) / np.where(unit > 0, unit, 1.0), np.where(total >= ext, INF, -INF))
-        return np.floor(q + 1e-9 * np.maximum(1.0, np.abs(np.where(np.isfinite(q), q, 0.0))))
+        out: FloatArray = np.floor(q + 1e-9 * np.maximum(1.0, np.abs(np.where(np.isfinite(q), q, 0.0))))
+        return out
 
-    def gather_cap(Z: float):
+    def gather_cap(Z: float) -> FloatArray:
         return inf if g_blk is None else per(Z, g_ext, np.full(S, g_blk))
 
-    def values(ext_of, t_of) -> list[float]:
+    def values(ext_of: Sequence[float], t_of: Sequence[float]) -> list[float]:
         """Every value a stage (or rank) time can take: its extras plus n blocks, n = 0..L."""
         pairs = set(zip(ext_of, t_of))
         if g_blk is not None:
             pairs |= {(float(e), g_blk) for e in g_ext}
         return sorted({ext + k * t for ext, t in pairs for k in range(L + 1)})
 
-    def smallest_feasible(vals: list[float], caps) -> float | None:
+    def smallest_feasible(vals: list[float], caps: Caps) -> float | None:
         """The least Z in vals with sum of capacities >= L (capacities grow with Z)."""
 
         def ok(Z: float) -> bool:
@@ -505,7 +671,7 @@ def block_bound(
         # One stage per rank, its own recomputation mode: capacity is the best over modes.
         k = np.array([in_flight_microbatches(cand.schedule, p, m, 1, s) for s in range(S)], dtype=float)
         t_q = {r: blk.fwd + blk.bwd[r] for r in modes}
-        ext_t = {r: np.array([st.ext_time[r] for st in stages]) for r in modes}
+        ext_tq = {r: np.array([st.ext_time[r] for st in stages]) for r in modes}
         mem = {
             r: per(
                 budget,
@@ -516,10 +682,10 @@ def block_bound(
             for r in modes
         }
 
-        def caps(Z):
+        def caps(Z: float) -> tuple[FloatArray, FloatArray]:
             g = gather_cap(Z)
-            best = np.max(
-                [np.minimum(np.minimum(per(Z, ext_t[r], np.full(S, t_q[r])), mem[r]), g) for r in modes], axis=0
+            best: FloatArray = np.max(
+                [np.minimum(np.minimum(per(Z, ext_tq[r], np.full(S, t_q[r])), mem[r]), g) for r in modes], axis=0
             )
             return best, min_blocks
 
@@ -545,9 +711,9 @@ def block_bound(
             # a start for the ILP: block counts inside the relaxation's optimum, each stage's fastest
             # recomputation mode that still fits its time and memory caps
             hi, lo = caps(arg[0])
-            counts = _distribute(tails, lo, np.minimum(hi, L), arg[2], L, ext_t[modes[0]], t_q[modes[0]])
+            counts = _distribute(tails, lo, np.minimum(hi, L), arg[2], L, ext_tq[modes[0]], t_q[modes[0]])
             if counts is not None:
-                per_mode = {r: np.minimum(per(arg[0], ext_t[r], np.full(S, t_q[r])), mem[r]) for r in modes}
+                per_mode = {r: np.minimum(per(arg[0], ext_tq[r], np.full(S, t_q[r])), mem[r]) for r in modes}
                 order = sorted(modes, key=lambda r: t_q[r])
                 rec = [next((r for r in order if counts[s] <= per_mode[r][s]), order[-1]) for s in range(S)]
                 out.starts.append((counts, rec))
@@ -571,13 +737,15 @@ def block_bound(
             budget, rank_fixed + kr * rank_ext_act / v, per_param * blk.params_local + kr * blk.act[r_mode] / v
         )
 
-        def stage_caps(Z, t=t, ext_t=ext_t):
+        def stage_caps(Z: float, t: float = t, ext_t: FloatArray = ext_t) -> tuple[FloatArray, FloatArray]:
             return np.minimum(per(Z, ext_t, np.full(S, t)), gather_cap(Z)), min_blocks
 
-        def fwd_caps(F):
+        def fwd_caps(F: float) -> tuple[FloatArray, FloatArray]:
             return per(F, ext_f, np.full(S, blk.fwd)), min_blocks
 
-        def rank_caps(Y, t=t, rank_ext_t=rank_ext_t, rank_mem=rank_mem):
+        def rank_caps(
+            Y: float, t: float = t, rank_ext_t: FloatArray = rank_ext_t, rank_mem: FloatArray = rank_mem
+        ) -> tuple[FloatArray, FloatArray]:
             return np.minimum(per(Y, rank_ext_t, np.full(p, t)), rank_mem), rank_min
 
         y_vals = values(list(rank_ext_t), [t] * p)
@@ -585,15 +753,22 @@ def block_bound(
         if Y is None:
             continue
         Z = smallest_feasible(values(list(ext_t), [t] * S), stage_caps)
+        # the largest value lets every stage hold every block: Z (and F) exist once Y does
+        assert Z is not None
+        c_vals: list[float]
+        first_ext: FloatArray
         if cand.schedule == "zero-bubble":
             F = smallest_feasible(values(list(ext_f), [blk.fwd] * S), fwd_caps)
+            assert F is not None
             out.fwd_max[r_mode] = F
             # the last term is the largest forward: it caps the first stage's blocks through its forward
             c_vals, c_start, first_ext, first_unit = values(list(ext_f), [blk.fwd] * S), F, ext_f, blk.fwd
         else:
             c_vals, c_start, first_ext, first_unit = values(list(ext_t), [t] * S), Z, ext_t, t
 
-        def tails_at(c, r_mode=r_mode, first_ext=first_ext, first_unit=first_unit):
+        def tails_at(
+            c: float, r_mode: str = r_mode, first_ext: FloatArray = first_ext, first_unit: float = first_unit
+        ) -> FloatArray:
             caps_first = per(c, first_ext, np.full(S, first_unit))
             rows = []
             for r in ranks:
@@ -607,7 +782,7 @@ def block_bound(
                         first.ext_time[r_mode] - first.ext_fwd,
                         blk.bwd[r_mode],
                         sum(st.min_blocks for st in sts[1:]),
-                        caps_first[first.index],
+                        float(caps_first[first.index]),
                     )
                 )
             return np.array(rows)
@@ -668,17 +843,31 @@ class IntervalTables:
     mem_ok: dict[tuple[int, str], np.ndarray]
 
     @classmethod
-    def of(cls, graph, costs, cand, cluster, options, modes) -> IntervalTables:
+    def of(
+        cls,
+        graph: ModelGraph,
+        costs: list[UnitCost],
+        cand: Candidate,
+        cluster: ClusterSpec,
+        options: CostOptions,
+        modes: tuple[str, ...],
+    ) -> IntervalTables:
         U, S, p, m = len(costs), cand.stages, cand.pp, cand.num_micro_batches
         dtype = graph.source.dtype
-        pre = lambda xs: np.concatenate([[0.0], np.cumsum(xs)])  # noqa: E731
-        span = lambda c: c[None, :] - c[:, None]  # span[i, j] = sum over units i..j-1  # noqa: E731
+
+        def pre(xs: list[float]) -> FloatArray:
+            return np.concatenate([[0.0], np.cumsum(xs)])
+
+        def span(c: FloatArray) -> FloatArray:  # span[i, j] = sum over units i..j-1
+            out: FloatArray = c[None, :] - c[:, None]
+            return out
+
         params = span(pre([c.params_local for c in costs]))
         act = {r: span(pre([c.act[r] for c in costs])) for r in modes}
         gc = gather_coefficients(cand, cluster, dtype)
         synced = span(pre([c.sync_params for c in costs]))
         gather = gc[0] * synced + gc[1] if gc is not None else np.zeros_like(params)
-        mem_ok = {}
+        mem_ok: dict[tuple[int, str], BoolArray] = {}
         if cand.virtual_stages == 1:
             state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
             budget = memory_budget(cluster.gpu.memory_bytes, options)
@@ -720,24 +909,24 @@ def interval_bound(
     t, gather, valid, mem_ok = tb.t, tb.gather, tb.valid, tb.mem_ok
     values = np.unique(np.concatenate([np.maximum(t[r], gather)[valid] for r in modes]))
 
-    def reach(Z: float, only: tuple[str, ...]):
+    def reach(Z: float, only: tuple[str, ...]) -> tuple[list[BoolArray], dict[int, BoolArray]]:
         """reach[s][j]: units 0..j-1 fit in stages 0..s-1 (with the mode and start of each stage)."""
-        fits = {}
+        fits: dict[int, BoolArray] = {}
         for s in range(S):
             f = np.zeros_like(valid)
             for r in only:
                 f |= (t[r] <= Z * (1 + 1e-12)) & (mem_ok[s, r] if cand.virtual_stages == 1 else True)
             fits[s] = f & valid & (gather <= Z * (1 + 1e-12))
-        rows = [np.zeros(U + 1, dtype=bool)]
+        rows: list[BoolArray] = [np.zeros(U + 1, dtype=bool)]
         rows[0][0] = True
         for s in range(S):
-            rows.append((rows[-1][:, None] & fits[s]).any(axis=0))
+            rows.append(np.asarray((rows[-1][:, None] & fits[s]).any(axis=0)))
         return rows, fits
 
-    def least(only):
+    def least(only: tuple[str, ...]) -> float | None:
         return _least(values, lambda Z: bool(reach(Z, only)[0][S][U]))
 
-    def partition(Z, only):
+    def partition(Z: float, only: tuple[str, ...]) -> tuple[list[list[int]], list[str]]:
         rows, fits = reach(Z, only)
         cuts, j = [U], U
         for s in range(S - 1, -1, -1):

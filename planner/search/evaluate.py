@@ -1,13 +1,24 @@
 """One fixed partition evaluated under the cost model: what the ILP optimises and the simulator reports.
 
-Below both the ILP (which scores its start solutions with `evaluate`) and the outer search.
+Below both the ILP (which scores its start solutions with `evaluate`) and the outer search. Two figures:
+`Evaluated.objective`, the linear (closed-form) objective the ILP minimises, and `Evaluated.reported`, the
+iteration time the plan reports (the simulated pipeline plus the same tail), which the search ranks by.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planner.cost.model import Candidate, CostOptions, StageCost, UnitCost, iteration_linear, rank_memory, stage_costs
+from planner.cost.model import (
+    Candidate,
+    CostOptions,
+    StageCost,
+    UnitCost,
+    iteration_linear,
+    rank_memory,
+    rank_tail,
+    stage_costs,
+)
 from planner.cost.simulate import SimResult, simulate
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
@@ -22,8 +33,15 @@ class Evaluated:
     stages: list[StageCost]
     objective: float
     rank_memory: dict[int, float]
+    tail: float  # the slowest rank's exposed gradient sync plus optimizer step, after the pipeline drains
     status: SearchStatus = "optimal"
     sim: SimResult | None = field(default=None, repr=False, compare=False)  # simulate_evaluated's, cached
+
+    @property
+    def reported(self) -> float:
+        """The iteration time plan.json and the report show: simulated pipeline plus the tail
+        (`planner.pipeline.predicted_for`). The search ranks by it."""
+        return simulated_time(self) + self.tail
 
 
 def evaluate(
@@ -37,8 +55,10 @@ def evaluate(
 ) -> Evaluated:
     """The cost model's figures for a fixed partition (what the ILP optimises, recomputed directly)."""
     stages = stage_costs(graph, cluster, cand, partition, recompute, costs, options)
-    obj = iteration_linear(stages, cand, options, cluster, graph.source.dtype)
-    return Evaluated(cand, partition, recompute, stages, obj, rank_memory(stages, cand, options))
+    dtype = graph.source.dtype
+    obj = iteration_linear(stages, cand, options, cluster, dtype)
+    tail = rank_tail(stages, cand, options, cluster, dtype)
+    return Evaluated(cand, partition, recompute, stages, obj, rank_memory(stages, cand, options), tail)
 
 
 def simulate_evaluated(ev: Evaluated) -> SimResult:

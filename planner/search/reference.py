@@ -2,6 +2,8 @@
 
 - `brute_force_partition`: every contiguous partition and every per-stage recomputation, evaluated with
   the cost model itself (`planner.search.search.evaluate`) and its memory check; exact for any schedule.
+- `brute_force_reported`: the same enumeration, minimising the figure the plan reports
+  (`Evaluated.reported`: simulated pipeline plus tail); the search uses it for small candidates.
 - `dp_partition`: a dynamic program for one stage per rank (GPipe/1F1B). The objective
   sum_s T_s + (m-1) max_s T_s + 2 sum p2p + max_r tail_r has two maxima; enumerating the bottleneck B
   and the tail Q over the finitely many values a stage can take turns it into a shortest-path DP over
@@ -12,12 +14,13 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 
 from planner.cost.model import Candidate, CostOptions, UnitCost, rank_memory, rank_tail_parts, stage_costs
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
-from planner.search.evaluate import evaluate
+from planner.search.evaluate import Evaluated, evaluate
 
 # (objective, partition, recompute per stage)
 ReferenceResult = tuple[float, list[list[int]], list[str]]
@@ -40,11 +43,7 @@ def brute_force_partition(
     """(objective, partition, recompute) minimising the cost model over every partition; None if none fits."""
     cap = cluster.gpu.memory_bytes
     best: ReferenceResult | None = None
-    # With several stages per rank the search uses one recomputation mode for all stages (see ilp.py).
-    if cand.virtual_stages > 1:
-        choices = [(mode,) * cand.stages for mode in modes]
-    else:
-        choices = list(itertools.product(modes, repeat=cand.stages))
+    choices = _choices(cand, modes)
     for part in _partitions(len(graph.units), cand.stages):
         for rec in choices:
             ev = evaluate(graph, cluster, cand, part, list(rec), costs, options)
@@ -53,6 +52,45 @@ def brute_force_partition(
             if best is None or ev.objective < best[0] - 1e-12:
                 best = (ev.objective, part, list(rec))
     return best
+
+
+def _choices(cand: Candidate, modes: tuple[str, ...]) -> list[tuple[str, ...]]:
+    # With several stages per rank the search uses one recomputation mode for all stages (see ilp/).
+    if cand.virtual_stages > 1:
+        return [(mode,) * cand.stages for mode in modes]
+    return list(itertools.product(modes, repeat=cand.stages))
+
+
+def choices_count(n_units: int, cand: Candidate, modes: tuple[str, ...]) -> int:
+    """How many (partition, recomputation) choices the brute-force functions go through."""
+    rec = len(modes) if cand.virtual_stages > 1 else len(modes) ** cand.stages
+    return math.comb(n_units - 1, cand.stages - 1) * rec
+
+
+def brute_force_reported(
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    cand: Candidate,
+    costs: list[UnitCost],
+    modes: tuple[str, ...],
+    options: CostOptions,
+) -> tuple[Evaluated, float] | None:
+    """(the evaluated partition with the least reported figure, the least linear objective), both over
+    every partition and recomputation that fits memory; None if none fits. Ties keep the first found
+    (partitions in lexicographic order of their cuts), so the result is deterministic."""
+    cap = cluster.gpu.memory_bytes
+    best: Evaluated | None = None
+    least_linear = float("inf")
+    choices = _choices(cand, modes)
+    for part in _partitions(len(graph.units), cand.stages):
+        for rec in choices:
+            ev = evaluate(graph, cluster, cand, part, list(rec), costs, options)
+            if max(ev.rank_memory.values()) > cap:
+                continue
+            least_linear = min(least_linear, ev.objective)
+            if best is None or ev.reported < best.reported:
+                best = ev
+    return None if best is None else (best, least_linear)
 
 
 def dp_partition(

@@ -10,6 +10,7 @@ k-th best objective as its cutoff.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import time
@@ -29,9 +30,21 @@ from planner.errors import InfeasibleError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
 from planner.names import RECOMPUTE_MODES, SearchStatus
-from planner.search.bounds import BlockBounds, IntervalBounds, Totals, lower_bounds, simple_bound
-from planner.search.evaluate import Evaluated, evaluate, simulate_evaluated, simulated_time
+from planner.search.bounds import (
+    BlockBounds,
+    IntervalBounds,
+    Totals,
+    backward_share,
+    comm_bound,
+    linear_bounds_reported,
+    lower_bounds,
+    one_f_one_b_bound,
+    reported_bound,
+    simple_bound,
+)
+from planner.search.evaluate import Evaluated, evaluate, simulate_evaluated
 from planner.search.ilp import ILPResult, block_run, solve_partition
+from planner.search.reference import brute_force_reported, choices_count
 from planner.search.space import Pins, enumerate_space
 
 # Evaluated and simulate_evaluated are re-exported: planner.pipeline and the CLI import them from here.
@@ -40,6 +53,14 @@ __all__ = ["Evaluated", "SearchResult", "evaluate", "search", "simulate_evaluate
 log = logging.getLogger(__name__)
 GiB = 2**30
 ILP_WORKERS = 2  # CBC processes at once
+# A pipelined candidate with at most this many (partition, recomputation) choices is settled by simulating
+# every one of them (exact for the reported figure) instead of solving its ILP.
+REFINE_LIMIT = 256
+# How many bounds the search may tighten after the queue is done, to narrow the reported gap.
+GAP_TIGHTENINGS = 8
+# GPipe's twin is dominated when the 1F1B plan's reported figure is within this relative tolerance of the
+# linear optimum (the figures are sums of the same floats in different orders).
+DOMINANCE_TOL = 1e-12
 OOM_BOUND = "out of memory even with full recomputation and perfect balance"
 RESERVE = "within the memory reserve: fits the GPU but not what the reserve leaves (--memory-reserve)"
 NOT_TOP_K = "not in the top k: the ILP proved no partition that fits memory beats the k-th plan"
@@ -47,11 +68,14 @@ NOT_TOP_K = "not in the top k: the ILP proved no partition that fits memory beat
 
 @dataclass(order=True)
 class QueueItem:
-    """A candidate waiting in the search's queue, ordered by its lower bound (then by its index).
+    """A candidate waiting in the search's queue, ordered by its lower bound on the linear objective (then
+    by its index).
 
     level 0 has the simple bound, 1 the block bound, 2 the block bound minimised jointly with the tail,
     or the interval bound of a model that is not transformer-shaped; `bounds` is that BlockBounds /
-    IntervalBounds, which the ILP reuses for its cuts and start."""
+    IntervalBounds, which the ILP reuses for its cuts and start. `reported` is a valid lower bound on the
+    figure the plan reports (`bounds.reported_bound`: equal to `bound` where the linear objective is at
+    most the reported figure, GPipe and one stage; lower for the other schedules)."""
 
     bound: float
     index: int
@@ -60,6 +84,7 @@ class QueueItem:
     costs: list[UnitCost] = field(compare=False, repr=False)
     modes: tuple[str, ...] = field(compare=False)
     bounds: BlockBounds | IntervalBounds | None = field(default=None, compare=False, repr=False)
+    reported: float = field(default=0.0, compare=False)
 
 
 @dataclass
@@ -73,6 +98,14 @@ class SearchResult:
     seconds: float
     status: SearchStatus = "optimal"
     gap: float = 0.0  # worst relative gap to the candidate's lower bound of an ILP stopped early
+    # Relative gap between the chosen plan's reported figure and the least valid lower bound on that figure
+    # of a candidate the search did not settle for it (too many partitions to simulate each, REFINE_LIMIT,
+    # and either the linear optimum's partition is not proven best by the simulator or the candidate was
+    # pruned by its linear bound only). 0 when the choice is the proven minimum of the reported figure
+    # over the whole space searched. What keeps it open on large cases (GPT-3 175B on 1024 A100s: 10.3%):
+    # zero-bubble and interleaved candidates with few micro-batches (m < 2p), whose bound sees the busiest
+    # rank's m W / p and one micro-batch's chain but not the fill of the schedule over uneven partitions.
+    reported_gap: float = 0.0
 
 
 @dataclass
@@ -116,11 +149,17 @@ def search(
     max_nodes: int | None = 5000,
     prefer_simulated: bool = True,
 ) -> SearchResult:
-    """Find the best configuration (and the next top_k) under the cost model.
+    """Find the best configuration (and the next top_k).
 
-    prefer_simulated: with several stages per rank, keep CBC's balanced incumbent instead of the ILP's
-    optimum when the simulator finds it faster (the linear objective cannot see how uneven stages of one
-    rank stall each other). Off, the result is exactly the optimum of the linear objective.
+    prefer_simulated (the default): rank by the iteration time the plan reports (`Evaluated.reported`,
+    the simulated pipeline plus the tail) and prune only with bounds valid for it. Candidates of one
+    stage, and GPipe, have a linear objective at most their reported figure, so the linear bounds and
+    the ILP's cutoff prune them; a pipelined candidate with at most REFINE_LIMIT partitions is settled
+    by simulating each of them; a larger one keeps the faster (by the reported figure) of the ILP's
+    optimum and its balanced start, and where neither is proven the minimum of the reported figure, or
+    where it was pruned by its linear bound only, its valid bound (`bounds.reported_bound`) enters
+    SearchResult.reported_gap. Off, the ranking is by the linear objective and the result is exactly
+    its optimum over the whole space (GPipe's 1F1B dominance is exact for it).
     """
     t0 = time.perf_counter()
     space = enumerate_space(graph, cluster, global_batch, pins)
@@ -132,24 +171,40 @@ def search(
             "Change the pinned degrees, the global batch size (make it divisible by the data-parallel degree) "
             "or the GPU count."
         )
+    by_reported = prefer_simulated
     table = CostTable(graph, cluster, profile)
     dtype = graph.source.dtype
     cap = cluster.gpu.memory_bytes
     modes = (pins.recompute,) if pins.recompute else search_modes(graph)
     run = block_run(graph)
+    n_units = len(graph.units)
     # Lazy bounding: every candidate gets the cheap simple bound; the tighter block bound is computed
     # only for candidates that reach the front of the queue, which then go back in with it (QueueItem).
     heap: list[QueueItem] = []
     smallest_need: tuple[float, Candidate] | None = None
     totals: dict[tuple[object, ...], Totals] = {}
-    for i, cand in enumerate(space.candidates):
-        costs = table.units(cand)
-        if pins.recompute:
-            costs = [_only(c, pins.recompute) for c in costs]
-        cand_modes = tuple(m for m in modes if not (cand.schedule == "zero-bubble" and m == "selective")) or modes
-        tkey: tuple[object, ...] = (cand.tp, cand.micro_batch_size, cand.sequence_parallel, cand_modes)
-        if cand.ep > 1:  # the unit costs differ per (ep, dp, zero) then (CostTable)
-            tkey += (cand.ep, cand.dp, cand.zero_stage)
+    shares: dict[tuple[object, ...], float] = {}
+
+    def score(ev: Evaluated) -> float:
+        return ev.reported if by_reported else ev.objective
+
+    def reported_of(item: QueueItem, linear: float, comm: float = 0.0, path: bool = False) -> float:
+        if not by_reported:
+            return linear
+        c = item.cand
+        tkey = _totals_key(c, item.modes)
+        key = (*tkey, c.zero_stage == 3)
+        if key not in shares:
+            shares[key] = backward_share(item.costs, c)
+        tot = totals[tkey]
+        extra = 0.0
+        if path and c.schedule == "1f1b" and c.pp > 1:
+            extra = one_f_one_b_bound(item.costs, c, shares[key])
+        return reported_bound(linear, tot, c, cluster, dtype, options, shares[key], comm, item.bounds, extra)
+
+    def enqueue(i: int, cand: Candidate, costs: list[UnitCost], cand_modes: tuple[str, ...], floor: float) -> None:
+        nonlocal smallest_need
+        tkey = _totals_key(cand, cand_modes)
         if tkey not in totals:
             totals[tkey] = Totals.of(costs, cand_modes)
         b = simple_bound(totals[tkey], cand, cluster, dtype, options)
@@ -157,8 +212,17 @@ def search(
             rejected[(_region(cand), OOM_BOUND if b.memory > cap + cluster.reserved_gib * GiB else RESERVE)] += 1
             if smallest_need is None or b.memory < smallest_need[0]:
                 smallest_need = (b.memory, cand)
-            continue
-        heap.append(QueueItem(b.time, i, 0, cand, costs, cand_modes))
+            return
+        item = QueueItem(max(b.time, floor), i, 0, cand, costs, cand_modes)
+        item.reported = max(reported_of(item, b.time), floor)
+        heap.append(item)
+
+    for i, cand in enumerate(space.candidates):
+        costs = table.units(cand)
+        if pins.recompute:
+            costs = [_only(c, pins.recompute) for c in costs]
+        cand_modes = tuple(m for m in modes if not (cand.schedule == "zero-bubble" and m == "selective")) or modes
+        enqueue(i, cand, costs, cand_modes, 0.0)
     heapq.heapify(heap)
     total = len(heap)
 
@@ -168,6 +232,11 @@ def search(
     pruned = 0
     status: SearchStatus = "optimal"
     done = 0
+    revived = 0
+    # valid lower bounds on the reported figure of candidates not settled exactly for it
+    unresolved: list[float] = []
+    # pipelined candidates pruned by their linear bound whose reported bound is lower: settled at the end
+    doubtful: list[QueueItem] = []
 
     def solve(item: QueueItem, cutoff: float | None) -> ILPResult:
         return solve_partition(
@@ -183,6 +252,79 @@ def search(
             bounds=item.bounds,
         )
 
+    def cutoff_now() -> float | None:
+        return score(ranked[top_k]) if len(ranked) >= top_k + 1 else None
+
+    def add(ev: Evaluated) -> None:
+        nonlocal ranked
+        ranked.append(ev)
+        ranked.sort(key=lambda e: (score(e), _key(e.cand)))
+        ranked = ranked[: top_k + 1]
+
+    def tighten(item: QueueItem) -> QueueItem | None:
+        """The item with its next level of bounds; None (and the rejection counted) if nothing fits."""
+        b = lower_bounds(graph, item.costs, item.cand, cluster, options, item.modes, run, joint=item.level == 1)
+        if not b.feasible:
+            rejected[(_region(item.cand), OOM_BOUND)] += 1
+            return None
+        nxt = item.level + 1 if run is not None else 2
+        tight = b.block or b.interval
+        out = QueueItem(max(item.bound, b.time), item.index, nxt, item.cand, item.costs, item.modes, tight)
+        comm = 0.0
+        if by_reported and not linear_bounds_reported(item.cand):
+            comm = comm_bound(graph, item.cand, cluster, run)
+        out.reported = max(item.reported, reported_of(out, out.bound, comm, path=True))
+        return out
+
+    def settled_1f1b(
+        cand: Candidate,
+        linear_low: float,
+        plan: float | None,
+        index: int,
+        optimum: tuple[list[list[int]], list[str]] | None = None,
+    ) -> None:
+        """GPipe's 1F1B dominance (space.py) holds for the linear objective: same objective, a subset of
+        the partitions that fit. For the reported figure it holds when the 1F1B plan's reported time is at
+        most `linear_low`, a lower bound on 1F1B's (hence GPipe's) linear optimum, which is at most GPipe's
+        reported figure (`linear_bounds_reported`). Otherwise the GPipe twin goes into the queue, unless
+        `optimum`, 1F1B's proven linear optimum (partition, recomputation), also fits GPipe's memory: it is
+        then GPipe's linear optimum too (same objective, fewer partitions fit), so it is evaluated as the
+        twin's ILP would find it (the same linear optimum; its reported figure is checked against it)."""
+        nonlocal revived
+        if not by_reported or pins.schedule is not None or cand.schedule != "1f1b" or cand.pp == 1:
+            return
+        if plan is None or plan <= linear_low * (1 + DOMINANCE_TOL):
+            return
+        twin = dataclasses.replace(cand, schedule="gpipe")
+        costs = table.units(twin)
+        if pins.recompute:
+            costs = [_only(c, pins.recompute) for c in costs]
+        if optimum is not None:
+            ev = evaluate(graph, cluster, twin, optimum[0], optimum[1], costs, options)
+            if max(ev.rank_memory.values()) <= cap and ev.objective <= linear_low * (1 + DOMINANCE_TOL):
+                revived += 1
+                if ev.reported > linear_low * (1 + 1e-9):
+                    unresolved.append(linear_low)
+                add(ev)
+                return
+        before = len(heap)
+        enqueue(len(space.candidates) + index, twin, costs, modes, linear_low)
+        if len(heap) > before:
+            heapq.heapify(heap)
+            revived += 1
+
+    def brute(item: QueueItem) -> None:
+        res = brute_force_reported(graph, cluster, item.cand, item.costs, item.modes, options)
+        if res is None:
+            rejected[(_region(item.cand), "out of memory: no stage partition fits every rank")] += 1
+            return
+        ev, least_linear = res
+        add(ev)
+        settled_1f1b(item.cand, least_linear, ev.reported, item.index)
+
+    def small(item: QueueItem) -> bool:
+        return by_reported and item.cand.stages > 1 and choices_count(n_units, item.cand, item.modes) <= REFINE_LIMIT
+
     # CBC runs in its own process: the next ILP_WORKERS candidates in bound order are solved side by side
     # (a fixed number, so that the counts reported do not depend on the machine). Every candidate whose
     # optimum could enter the top k is still solved exactly, so the ranking is that of one-by-one solving.
@@ -190,24 +332,28 @@ def search(
     try:
         while heap:
             batch: list[QueueItem] = []
-            cutoff = ranked[top_k].objective if len(ranked) >= top_k + 1 else None
+            cutoff = cutoff_now()
             while heap and len(batch) < ILP_WORKERS:
                 item = heap[0]
                 if cutoff is not None and item.bound >= cutoff:
                     break
                 heapq.heappop(heap)
                 if item.level < 2 and item.cand.stages > 1:
-                    b = lower_bounds(
-                        graph, item.costs, item.cand, cluster, options, item.modes, run, joint=item.level == 1
-                    )
-                    if not b.feasible:
-                        rejected[(_region(item.cand), OOM_BOUND)] += 1
+                    nxt_item = tighten(item)
+                    if nxt_item is None:
                         done += 1
-                        continue
-                    nxt = item.level + 1 if run is not None else 2
-                    bounds = b.block or b.interval
-                    bound = max(item.bound, b.time)
-                    heapq.heappush(heap, QueueItem(bound, item.index, nxt, item.cand, item.costs, item.modes, bounds))
+                    else:
+                        heapq.heappush(heap, nxt_item)
+                    continue
+                if cutoff is not None and item.reported >= cutoff:
+                    rejected[(_region(item.cand), NOT_TOP_K)] += 1
+                    done += 1
+                    continue
+                if small(item):
+                    # simulate every partition: exact for the reported figure, and no ILP needed
+                    done += 1
+                    brute(item)
+                    cutoff = cutoff_now()
                     continue
                 batch.append(item)
             if not batch:
@@ -220,12 +366,17 @@ def search(
             solved += len(batch)
             for item, res in zip(batch, results, strict=True):
                 bound, cand, costs = item.bound, item.cand, item.costs
+                exact_linear = linear_bounds_reported(cand) or not by_reported
                 if res.status == "cutoff":
+                    # the linear optimum is at least the cutoff: so is the reported figure where it bounds it
+                    if not exact_linear and cutoff is not None and item.reported < cutoff:
+                        doubtful.append(item)
                     rejected[(_region(cand), NOT_TOP_K)] += 1
                     continue
                 if res.status == "not_solved":
                     status = "time_limit" if time_limit is not None else "node_limit"
                     rejected[(_region(cand), "the ILP stopped at its limit before finding a plan")] += 1
+                    unresolved.append(item.reported)
                     continue
                 if res.status == "infeasible" or res.partition is None:
                     rejected[(_region(cand), "out of memory: no stage partition fits every rank")] += 1
@@ -239,38 +390,78 @@ def search(
                     gaps.append((res.objective - bound) / res.objective if res.objective else 0.0)
                 ev = evaluate(graph, cluster, cand, res.partition, res.recompute, costs, options)
                 if (
-                    cand.virtual_stages > 1
+                    by_reported
+                    and cand.stages > 1
                     and res.start is not None
-                    and (res.start[0], res.start[1])
-                    != (
-                        res.partition,
-                        res.recompute,
-                    )
+                    and (res.start[0], res.start[1]) != (res.partition, res.recompute)
                 ):
-                    # With several stages per rank the linear objective only approximates the schedule (it
-                    # cannot see how uneven stages of one rank stall each other); keep the balanced
-                    # incumbent when the simulator says it is faster.
+                    # The linear objective only approximates the schedule (it cannot see how 1F1B hides part
+                    # of the fill, or how uneven stages of one rank stall each other): keep the balanced
+                    # start when the reported figure says it is faster and it fits.
                     alt = evaluate(graph, cluster, cand, res.start[0], res.start[1], costs, options)
-                    if simulated_time(alt) < simulated_time(ev):
+                    if alt.reported < ev.reported and max(alt.rank_memory.values()) <= cap:
                         ev = alt
+                linear_low = res.objective if found == "optimal" else bound
+                if by_reported and cand.stages > 1:
+                    # what is proven for the reported figure: the candidate's bound for it, and for GPipe
+                    # the linear optimum (at most the reported figure of every partition)
+                    low = max(item.reported, linear_low) if linear_bounds_reported(cand) else item.reported
+                    if ev.reported > low * (1 + 1e-9):
+                        unresolved.append(low)
+                        log.debug("not settled: %s, plan %.6g, bound %.6g", cand.label(), ev.reported, low)
+                optimum = (res.partition, res.recompute) if found == "optimal" else None
+                settled_1f1b(cand, linear_low, ev.reported, item.index, optimum)
                 ev.status = found
-                ranked.append(ev)
-            ranked.sort(key=lambda e: (e.objective, _key(e.cand)))
-            ranked = ranked[: top_k + 1]
+                add(ev)
+        if by_reported:
+            # Candidates left in the queue have a linear bound at or above the k-th plan: pruned exactly
+            # where it bounds the reported figure. The others are settled by simulation when small, else
+            # their reported bound is tightened and, if still below the choice, counts in the gap.
+            # The least bound first: small candidates below the choice are settled by simulating every
+            # partition. A large one has its bound tightened (at most GAP_TIGHTENINGS times in all, a count
+            # so that the result does not depend on the machine) and goes back; the first large one left
+            # below the choice with its bound final, or once the tightenings are spent, has the least bound
+            # of those left and fixes the gap: then only small candidates are still worth settling.
+            rest = [it for it in doubtful + heap if not linear_bounds_reported(it.cand)]
+            sweep = [(it.reported, it.index, it) for it in rest]
+            heapq.heapify(sweep)
+            gap_found = False
+            budget = GAP_TIGHTENINGS
+            while sweep:
+                _, _, item = heapq.heappop(sweep)
+                if not ranked or item.reported >= score(ranked[0]):
+                    break
+                if small(item):
+                    brute(item)
+                    continue
+                if gap_found:
+                    continue
+                if item.level < 2 and budget > 0:
+                    budget -= 1
+                    nxt_item = tighten(item)
+                    if nxt_item is not None:
+                        heapq.heappush(sweep, (nxt_item.reported, nxt_item.index, nxt_item))
+                    continue
+                unresolved.append(item.reported)
+                gap_found = True
+                log.debug("reported gap set by %s: bound %.6g", item.cand.label(), item.reported)
     finally:
         pool.shutdown()
     if not ranked:
         raise InfeasibleError(_nothing_fits(graph, cluster, smallest_need, space.candidates))
+    best_figure = score(ranked[0])
+    least = min(unresolved, default=best_figure)
     return SearchResult(
         best=ranked[0],
         ranked=ranked,
         rejected=rejected,
-        candidates=len(space.candidates),
+        candidates=len(space.candidates) + revived,
         pruned_by_bound=pruned,
         ilps_solved=solved,
         seconds=time.perf_counter() - t0,
         status=status,
         gap=max(gaps, default=0.0),
+        reported_gap=max(0.0, (best_figure - least) / best_figure) if best_figure > 0 else 0.0,
     )
 
 
@@ -295,6 +486,15 @@ def _only(c: UnitCost, mode: str) -> UnitCost:
         ep_comm=c.ep_comm,
         sync_params_or_none=c.sync_params_or_none,
     )
+
+
+def _totals_key(c: Candidate, modes: tuple[str, ...]) -> tuple[object, ...]:
+    """The key of a candidate's unit-cost totals: (tp, mbs, sp, modes), and under expert parallelism
+    (ep, dp, zero) too, since the unit costs differ per (ep, dp, zero) then (CostTable)."""
+    key: tuple[object, ...] = (c.tp, c.micro_batch_size, c.sequence_parallel, modes)
+    if c.ep > 1:
+        key += (c.ep, c.dp, c.zero_stage)
+    return key
 
 
 def _key(c: Candidate) -> tuple[object, ...]:
