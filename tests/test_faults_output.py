@@ -43,10 +43,16 @@ def no_leftovers(folder: Path) -> None:
     assert not [p for p in folder.rglob("*.tmp")]
 
 
+def _default_sigint() -> None:
+    # A shell starts background jobs with SIGINT ignored and Python keeps an ignored SIGINT ignored, so a
+    # suite run with `&` would send its Ctrl-C to nobody: the planner gets the default a terminal gives it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _planner(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "cli.main", *args], cwd=ROOT, env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint,
     )
 
 
