@@ -41,6 +41,7 @@ from planner.search.bounds import (
     one_f_one_b_bound,
     reported_bound,
     simple_bound,
+    tail_bound,
 )
 from planner.search.evaluate import Evaluated, evaluate, simulate_evaluated
 from planner.search.ilp import ILPResult, block_run, solve_partition
@@ -85,6 +86,7 @@ class QueueItem:
     modes: tuple[str, ...] = field(compare=False)
     bounds: BlockBounds | IntervalBounds | None = field(default=None, compare=False, repr=False)
     reported: float = field(default=0.0, compare=False)
+    tail: float = field(default=0.0, compare=False)  # `bounds.tail_bound` of the candidate
 
 
 @dataclass
@@ -200,20 +202,23 @@ def search(
         extra = 0.0
         if path and c.schedule == "1f1b" and c.pp > 1:
             extra = one_f_one_b_bound(item.costs, c, shares[key])
-        return reported_bound(linear, tot, c, cluster, dtype, options, shares[key], comm, item.bounds, extra)
+        return reported_bound(
+            linear, tot, c, cluster, dtype, options, shares[key], comm, item.bounds, extra, item.tail
+        )
 
     def enqueue(i: int, cand: Candidate, costs: list[UnitCost], cand_modes: tuple[str, ...], floor: float) -> None:
         nonlocal smallest_need
         tkey = _totals_key(cand, cand_modes)
         if tkey not in totals:
             totals[tkey] = Totals.of(costs, cand_modes)
-        b = simple_bound(totals[tkey], cand, cluster, dtype, options)
+        tail = tail_bound(totals[tkey], cand, cluster, dtype, options)
+        b = simple_bound(totals[tkey], cand, cluster, dtype, options, tail)
         if b.memory > cap:
             rejected[(_region(cand), OOM_BOUND if b.memory > cap + cluster.reserved_gib * GiB else RESERVE)] += 1
             if smallest_need is None or b.memory < smallest_need[0]:
                 smallest_need = (b.memory, cand)
             return
-        item = QueueItem(max(b.time, floor), i, 0, cand, costs, cand_modes)
+        item = QueueItem(max(b.time, floor), i, 0, cand, costs, cand_modes, tail=tail)
         item.reported = max(reported_of(item, b.time), floor)
         heap.append(item)
 
@@ -263,13 +268,18 @@ def search(
 
     def tighten(item: QueueItem) -> QueueItem | None:
         """The item with its next level of bounds; None (and the rejection counted) if nothing fits."""
-        b = lower_bounds(graph, item.costs, item.cand, cluster, options, item.modes, run, joint=item.level == 1)
+        tot = totals[_totals_key(item.cand, item.modes)]
+        b = lower_bounds(
+            graph, item.costs, item.cand, cluster, options, item.modes, run, item.level == 1, tot, item.tail
+        )
         if not b.feasible:
             rejected[(_region(item.cand), OOM_BOUND)] += 1
             return None
         nxt = item.level + 1 if run is not None else 2
         tight = b.block or b.interval
-        out = QueueItem(max(item.bound, b.time), item.index, nxt, item.cand, item.costs, item.modes, tight)
+        out = QueueItem(
+            max(item.bound, b.time), item.index, nxt, item.cand, item.costs, item.modes, tight, tail=item.tail
+        )
         comm = 0.0
         if by_reported and not linear_bounds_reported(item.cand):
             comm = comm_bound(graph, item.cand, cluster, run)
