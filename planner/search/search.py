@@ -166,6 +166,12 @@ def search(
     t0 = time.perf_counter()
     space = enumerate_space(graph, cluster, global_batch, pins)
     rejected = Counter(space.rejected)
+    # the search's own rejections, one reason per candidate, grouped into regions at the end (`_regions`)
+    refused: dict[Candidate, str] = {}
+
+    def refuse(c: Candidate, why: str) -> None:
+        refused.setdefault(c, why)
+
     if not space.candidates:
         reasons = "; ".join(f"{region}: {why} ({n})" for (region, why), n in sorted(rejected.items())[:6])
         raise InfeasibleError(
@@ -214,7 +220,7 @@ def search(
         tail = tail_bound(totals[tkey], cand, cluster, dtype, options)
         b = simple_bound(totals[tkey], cand, cluster, dtype, options, tail)
         if b.memory > cap:
-            rejected[(_region(cand), OOM_BOUND if b.memory > cap + cluster.reserved_gib * GiB else RESERVE)] += 1
+            refuse(cand, OOM_BOUND if b.memory > cap + cluster.reserved_gib * GiB else RESERVE)
             if smallest_need is None or b.memory < smallest_need[0]:
                 smallest_need = (b.memory, cand)
             return
@@ -273,7 +279,7 @@ def search(
             graph, item.costs, item.cand, cluster, options, item.modes, run, item.level == 1, tot, item.tail
         )
         if not b.feasible:
-            rejected[(_region(item.cand), OOM_BOUND)] += 1
+            refuse(item.cand, OOM_BOUND)
             return None
         nxt = item.level + 1 if run is not None else 2
         tight = b.block or b.interval
@@ -326,7 +332,7 @@ def search(
     def brute(item: QueueItem) -> None:
         res = brute_force_reported(graph, cluster, item.cand, item.costs, item.modes, options)
         if res is None:
-            rejected[(_region(item.cand), "out of memory: no stage partition fits every rank")] += 1
+            refuse(item.cand, "out of memory: no stage partition fits every rank")
             return
         ev, least_linear = res
         add(ev)
@@ -356,7 +362,7 @@ def search(
                         heapq.heappush(heap, nxt_item)
                     continue
                 if cutoff is not None and item.reported >= cutoff:
-                    rejected[(_region(item.cand), NOT_TOP_K)] += 1
+                    refuse(item.cand, NOT_TOP_K)
                     done += 1
                     continue
                 if small(item):
@@ -381,15 +387,15 @@ def search(
                     # the linear optimum is at least the cutoff: so is the reported figure where it bounds it
                     if not exact_linear and cutoff is not None and item.reported < cutoff:
                         doubtful.append(item)
-                    rejected[(_region(cand), NOT_TOP_K)] += 1
+                    refuse(cand, NOT_TOP_K)
                     continue
                 if res.status == "not_solved":
                     status = "time_limit" if time_limit is not None else "node_limit"
-                    rejected[(_region(cand), "the ILP stopped at its limit before finding a plan")] += 1
+                    refuse(cand, "the ILP stopped at its limit before finding a plan")
                     unresolved.append(item.reported)
                     continue
                 if res.status == "infeasible" or res.partition is None:
-                    rejected[(_region(cand), "out of memory: no stage partition fits every rank")] += 1
+                    refuse(cand, "out of memory: no stage partition fits every rank")
                     continue
                 assert res.objective is not None and res.recompute is not None
                 if res.status in ("time_limit", "node_limit") and res.objective <= bound * (1 + 1e-9):
@@ -459,6 +465,7 @@ def search(
         pool.shutdown()
     if not ranked:
         raise InfeasibleError(_nothing_fits(graph, cluster, smallest_need, space.candidates))
+    rejected.update(_regions(refused, ranked))
     best_figure = score(ranked[0])
     least = min(unresolved, default=best_figure)
     return SearchResult(
@@ -514,7 +521,32 @@ def _key(c: Candidate) -> tuple[object, ...]:
 
 
 def _region(c: Candidate) -> str:
-    return f"dp={c.dp} tp={c.tp} pp={c.pp}" + (f" ep={c.ep}" if c.ep > 1 else "")
+    """What a rejection names: every setting of the candidate but the micro-batch size (which `_regions`
+    lists) and the micro-batch count (which follows from it), so that a region never covers a plan of a
+    different ZeRO stage, schedule or sequence parallelism than the ones rejected."""
+    out = f"dp={c.dp} tp={c.tp}" + ("+sp" if c.sequence_parallel else "") + f" pp={c.pp}"
+    if c.virtual_stages > 1:
+        out += f"x{c.virtual_stages}"
+    if c.ep > 1:
+        out += f" ep={c.ep}"
+    if c.pp > 1:
+        out += f" {c.schedule}"
+    return out + f" zero={c.zero_stage}"
+
+
+def _regions(refused: dict[Candidate, str], ranked: list[Evaluated]) -> Counter[tuple[str, str]]:
+    """The search's rejections grouped by (region, reason), each region listing its micro-batch sizes
+    ("dp=64 tp=1 pp=1 ep=2 zero=0 mbs=1,2,4"). A candidate that was rejected on the way and still made the
+    ranking (a pruned candidate settled later) is left out: no region contradicts the plans listed."""
+    listed = {ev.cand for ev in ranked}
+    sizes: dict[tuple[str, str], set[int]] = {}
+    for c, why in refused.items():
+        if c not in listed:
+            sizes.setdefault((_region(c), why), set()).add(c.micro_batch_size)
+    out: Counter[tuple[str, str]] = Counter()
+    for (region, why), mbs in sizes.items():
+        out[(f"{region} mbs={','.join(str(b) for b in sorted(mbs))}", why)] = len(mbs)
+    return out
 
 
 def _nothing_fits(
