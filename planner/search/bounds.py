@@ -46,6 +46,7 @@ from planner.cost.terms import (
     optimizer_step_time,
     p2p_time,
     pipeline_time,
+    rank_capacity,
     rank_peak_bytes,
     sync_overlap_window,
     zero3_gather_time,
@@ -90,7 +91,7 @@ def lower_bounds(
     if tail is None:
         tail = tail_bound(tot, cand, cluster, dtype, options)
     b = simple_bound(tot, cand, cluster, dtype, options, tail)
-    if cand.stages == 1 or b.memory > cluster.gpu.memory_bytes:
+    if cand.stages == 1 or b.memory > rank_capacity(cluster, cand):
         return b
     if run is None:
         ib = interval_bound(graph, costs, cand, cluster, options, modes)
@@ -640,7 +641,7 @@ def _block_bound(
     dtype = graph.source.dtype
     state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
     per_param = model_state_bytes(1.0, state)
-    budget = memory_budget(cluster.gpu.memory_bytes, options)
+    budget = memory_budget(rank_capacity(cluster, cand), options)
     stages = _stages(graph, costs, cand, options, run)
     a_sync, c_sync, opt_rate = tail_coefficients(cand, cluster, dtype)
     blocks = np.arange(L + 1)
@@ -909,7 +910,7 @@ class IntervalTables:
         mem_ok: dict[tuple[int, str], BoolArray] = {}
         if cand.virtual_stages == 1:
             state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
-            budget = memory_budget(cluster.gpu.memory_bytes, options)
+            budget = memory_budget(rank_capacity(cluster, cand), options)
             largest = max(c.largest_param_bytes for c in costs)
             out_bytes = np.array([0.0] + [u.output_bytes for u in graph.units])  # [j]: unit j-1's output
             for s in range(S):

@@ -26,6 +26,7 @@ from planner.cost.model import (
     UnitCost,
     unit_cost,
 )
+from planner.cost.terms import comm_reserve_bytes, rank_capacity
 from planner.errors import InfeasibleError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
@@ -219,9 +220,11 @@ def search(
             totals[tkey] = Totals.of(costs, cand_modes)
         tail = tail_bound(totals[tkey], cand, cluster, dtype, options)
         b = simple_bound(totals[tkey], cand, cluster, dtype, options, tail)
-        if b.memory > cap:
+        if b.memory > rank_capacity(cluster, cand):
+            # beyond the GPU itself, or only beyond what the reserve (fixed and this plan's NCCL share) leaves
             refuse(cand, OOM_BOUND if b.memory > cap + cluster.reserved_gib * GiB else RESERVE)
-            if smallest_need is None or b.memory < smallest_need[0]:
+            short = b.memory - rank_capacity(cluster, cand)
+            if smallest_need is None or short < smallest_need[0] - rank_capacity(cluster, smallest_need[1]):
                 smallest_need = (b.memory, cand)
             return
         item = QueueItem(max(b.time, floor), i, 0, cand, costs, cand_modes, tail=tail)
@@ -317,7 +320,8 @@ def search(
             costs = [_only(c, pins.recompute) for c in costs]
         if optimum is not None:
             ev = evaluate(graph, cluster, twin, optimum[0], optimum[1], costs, options)
-            if max(ev.rank_memory.values()) <= cap and ev.objective <= linear_low * (1 + DOMINANCE_TOL):
+            fits = max(ev.rank_memory.values()) <= rank_capacity(cluster, twin)
+            if fits and ev.objective <= linear_low * (1 + DOMINANCE_TOL):
                 revived += 1
                 if ev.reported > linear_low * (1 + 1e-9):
                     unresolved.append(linear_low)
@@ -415,7 +419,7 @@ def search(
                     # of the fill, or how uneven stages of one rank stall each other): keep the balanced
                     # start when the reported figure says it is faster and it fits.
                     alt = evaluate(graph, cluster, cand, res.start[0], res.start[1], costs, options)
-                    if alt.reported < ev.reported and max(alt.rank_memory.values()) <= cap:
+                    if alt.reported < ev.reported and max(alt.rank_memory.values()) <= rank_capacity(cluster, cand):
                         ev = alt
                 linear_low = res.objective if found == "optimal" else bound
                 if by_reported and cand.stages > 1:
@@ -552,19 +556,22 @@ def _regions(refused: dict[Candidate, str], ranked: list[Evaluated]) -> Counter[
 def _nothing_fits(
     graph: ModelGraph, cluster: ClusterSpec, need: tuple[float, Candidate] | None, cands: list[Candidate]
 ) -> str:
-    cap = cluster.gpu.memory_bytes
     msg = f"The model does not fit on {cluster.world_size} x {cluster.gpu.display_name} in any configuration."
+    reserved = False
     if need is not None:
         mem, cand = need
+        cap = rank_capacity(cluster, cand)
+        reserve = cluster.reserved_gib + comm_reserve_bytes(cluster.nccl_bytes_per_group, cand) / GiB
+        reserved = reserve > 0
         msg += (
             f" The most memory-frugal layout ({cand.label()}, full recomputation) still needs at least "
             f"{mem / GiB:.1f} GiB on its busiest pipeline rank, {(mem - cap) / GiB:.1f} GiB over the "
             f"{cap / GiB:.0f} GiB per GPU"
-            + (f" left after the {cluster.reserved_gib:.2f} GiB memory reserve." if cluster.reserved_gib else ".")
+            + (f" left after its {reserve:.2f} GiB memory reserve." if reserved else ".")
         )
     msg += (
         " To make it fit: use more GPUs (--nodes), allow ZeRO-3/FSDP and full recomputation (unpin "
         "--zero-stage/--recompute), a smaller micro-batch size, or a GPU with more memory"
-        + (" (or a smaller --memory-reserve)." if cluster.reserved_gib else ".")
+        + (" (or a smaller --memory-reserve)." if reserved else ".")
     )
     return msg

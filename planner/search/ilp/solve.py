@@ -12,6 +12,7 @@ import pulp
 from planner.cost.memory import model_state_bytes_per_param
 from planner.cost.model import Candidate, CostOptions, UnitCost
 from planner.cost.placement import stage_rank
+from planner.cost.terms import rank_capacity
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
 from planner.names import SolveStatus
@@ -208,7 +209,7 @@ def _chain_result(
     if got.partition is None or got.recompute is None:
         return ILPResult("cutoff" if cutoff is not None else "infeasible", None, None, None, form="chain")
     ev = evaluate(graph, cluster, cand, got.partition, got.recompute, costs, options)
-    if max(ev.rank_memory.values()) > cluster.gpu.memory_bytes:
+    if max(ev.rank_memory.values()) > rank_capacity(cluster, cand):
         return None
     start = None if start_sol is None else (start_sol[0], start_sol[1])
     return ILPResult("optimal", ev.objective, got.partition, got.recompute, form="chain", start=start)
@@ -309,7 +310,7 @@ def _best_start(
         if cand.virtual_stages > 1 and len(set(rec)) > 1:
             continue
         ev = evaluate(graph, cluster, cand, part, rec, costs, options)
-        if max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes and (best is None or ev.objective < best[2]):
+        if max(ev.rank_memory.values()) <= rank_capacity(cluster, cand) and (best is None or ev.objective < best[2]):
             best = (part, rec, ev.objective)
     return best
 
