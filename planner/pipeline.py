@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from planner import __version__
 from planner.cost.model import CostOptions, Profile, rank_tail, rank_tail_parts
 from planner.cost.simulate import SimResult
-from planner.cost.terms import moe_alltoall_time
+from planner.cost.terms import comm_reserve_bytes, moe_alltoall_time
 from planner.errors import ConfigError, PlannerError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
@@ -93,6 +93,7 @@ def predicted_for(
     samples = global_batch / iteration
     tp_comm = sum(s.tp_comm for s in ev.stages) * ev.cand.num_micro_batches / max(1, ev.cand.pp)
     dp_total = max((sum(s.dp_sync for s in ev.stages if s.rank == r) for r in range(ev.cand.pp)), default=0.0)
+    nccl = comm_reserve_bytes(cluster.within_reserve().nccl_bytes_per_group, ev.cand)
     predicted = Predicted(
         iteration_time_s=iteration,
         samples_per_s=samples,
@@ -102,7 +103,8 @@ def predicted_for(
         mfu=per_gpu / peak,
         peak_memory_bytes=int(max(ev.rank_memory.values())),
         memory_capacity_bytes=cluster.gpu.memory_bytes,
-        memory_reserve_bytes=cluster.memory_reserve_bytes,
+        # the reserve this plan keeps free: the fixed part and its own process groups' NCCL buffers
+        memory_reserve_bytes=cluster.fixed_reserve_bytes + int(nccl),
         bubble_fraction=sim.bubble_fraction,
         comm=CommBreakdown(
             tensor_parallel_s=tp_comm,

@@ -144,3 +144,28 @@ def test_optimizer_step_bytes_are_written_once():
     """16 + 16 bytes per parameter in fp32, 30 in mixed precision: the same figure the ILP and bounds use."""
     assert terms.optimizer_step_bytes_per_param("fp32") == 32.0
     assert terms.optimizer_step_bytes_per_param("bf16") == 30.0
+
+
+@PROPS
+@given(c=candidates(), ep=st.sampled_from([1, 2, 4]), x=st.floats(0, 2**31), gpu=st.sampled_from(sorted(CLUSTERS)))
+def test_nccl_reserve_agrees_both_ways_and_counts_the_groups_of_more_than_one_rank(c, ep, x, gpu):
+    """NCCL's buffers per process group of more than one rank (dp, tp, pp, and with experts ep and the experts'
+    replicas): the ILP's memory row, the bounds' budget (`rank_capacity`) and the plan's reserve read one term."""
+    c = dataclasses.replace(c, dp=c.dp * ep, ep=ep)
+    check(lambda b: terms.comm_reserve_bytes(b, c), x + 1.0)
+    groups = terms.group_sizes(c.dp, c.tp, c.pp, c.ep)
+    expected = [n for n, k in (("dp", c.dp), ("tp", c.tp), ("pp", c.pp)) if k > 1]
+    if ep > 1:
+        expected += ["ep"] + (["expert dp"] if c.dp // ep > 1 else [])
+    assert list(groups) == expected and all(k > 1 for k in groups.values())
+    assert terms.comm_reserve_bytes(x, c) == pytest.approx(x * len(expected))
+    spec = CLUSTERS[gpu]
+    per_group = spec.gpu.memory_reserve.nccl_gib_per_group * 2**30
+    cl = spec.within_reserve()  # what the search plans against
+    assert per_group > 0 and cl.nccl_bytes_per_group == per_group
+    assert terms.rank_capacity(cl, c) == pytest.approx(cl.gpu.memory_bytes - per_group * len(expected))
+    whole = spec.fixed_reserve_bytes + terms.comm_reserve_bytes(per_group, c)
+    assert spec.memory_reserve_bytes(len(groups)) == pytest.approx(whole, abs=1)
+    # --memory-reserve is the whole reserve: no NCCL share on top of it
+    fixed = spec.with_memory_reserve(1.0).within_reserve()
+    assert terms.rank_capacity(fixed, c) == fixed.gpu.memory_bytes

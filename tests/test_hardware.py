@@ -406,7 +406,7 @@ def test_every_gpu_spec_has_a_sourced_memory_reserve(name):
         line = next(ln for ln in block.splitlines() if ln.strip().startswith(field + ":"))
         assert "# source:" in line, (name, field)
     assert "memory_reserve" in spec.sources
-    reserve = load_cluster(name, 2).memory_reserve_bytes
+    reserve = load_cluster(name, 2).memory_reserve_bytes(3)  # a plan with dp, tp and pp groups
     if name == "cpu":
         assert 0 < reserve < 0.01 * spec.memory_bytes  # small: local CPU plans stay as they were
     else:
@@ -414,18 +414,34 @@ def test_every_gpu_spec_has_a_sourced_memory_reserve(name):
 
 
 def test_reserve_grows_with_process_groups_and_capacity():
-    one = load_cluster("h100-sxm5-80gb", 1, gpus_per_node=1)
+    from planner.cost.candidate import Candidate
+    from planner.cost.terms import rank_capacity
+
     many = load_cluster("h100-sxm5-80gb", 4)
     r = many.gpu.memory_reserve
-    # a single GPU has no communicators; a multi-GPU cluster keeps NCCL buffers for dp, tp and pp groups
-    assert many.memory_reserve_bytes - one.memory_reserve_bytes == int(3 * r.nccl_gib_per_group * 2**30) or (
-        abs(many.memory_reserve_bytes - one.memory_reserve_bytes - 3 * r.nccl_gib_per_group * 2**30) <= 1
-    )
-    assert many.usable_memory_bytes == many.gpu.memory_bytes - many.memory_reserve_bytes
+    per_group = r.nccl_gib_per_group * 2**30
+    assert many.fixed_reserve_bytes == int(r.cuda_context_gib * 2**30 + r.fragmentation * many.gpu.memory_bytes)
+    # NCCL buffers for each process group of more than one rank the plan communicates in
+    assert many.memory_reserve_bytes(3) - many.memory_reserve_bytes(1) == int(2 * per_group)
+    assert many.nccl_bytes_per_group == 0  # the spec's cluster: the search would plan against all of it
     reduced = many.within_reserve()
-    assert reduced.gpu.memory_bytes == pytest.approx(many.usable_memory_bytes, abs=1)
-    assert reduced.memory_reserve_bytes == 0
-    assert reduced.reserved_gib == pytest.approx(many.memory_reserve_bytes / 2**30)
+    assert reduced.gpu.memory_bytes == pytest.approx(many.gpu.memory_bytes - many.fixed_reserve_bytes, abs=1)
+    assert reduced.fixed_reserve_bytes == 0 and reduced.nccl_bytes_per_group == per_group
+    assert reduced.reserved_gib == pytest.approx(many.fixed_reserve_bytes / 2**30)
+    twice = reduced.within_reserve()
+    assert twice.gpu.memory_bytes == reduced.gpu.memory_bytes and twice.nccl_bytes_per_group == per_group
+    # what a plan may fill: one GPU alone keeps no NCCL buffers, dp x tp x pp keeps three groups' worth
+    alone = Candidate(1, 1, 1, 1, 1, 8, "1f1b", 0, False)
+    dp_only = Candidate(32, 1, 1, 1, 1, 8, "1f1b", 0, False)
+    three = Candidate(4, 4, 2, 1, 1, 8, "1f1b", 0, False)
+    experts = Candidate(16, 1, 2, 1, 1, 8, "1f1b", 0, False, ep=4)  # dp, pp, ep and the experts' replicas
+    cap = reduced.gpu.memory_bytes
+    for cand, groups in ((alone, 0), (dp_only, 1), (three, 3), (experts, 4)):
+        assert rank_capacity(reduced, cand) == pytest.approx(cap - groups * per_group)
+    # an override is the whole reserve: taken off once, nothing per group
+    fixed = many.with_memory_reserve(3.0).within_reserve()
+    assert fixed.gpu.memory_bytes == pytest.approx(many.gpu.memory_bytes - 3 * 2**30, abs=1)
+    assert rank_capacity(fixed, three) == fixed.gpu.memory_bytes
 
 
 def test_a_reserve_that_leaves_nothing_is_refused():
@@ -443,8 +459,8 @@ def test_memory_reserve_override_is_checked():
 
     cl = load_cluster("h100-sxm5-80gb", 2)
     assert cl.with_memory_reserve(None) is cl
-    assert cl.with_memory_reserve(10).memory_reserve_bytes == 10 * 2**30
-    assert cl.with_memory_reserve(0).memory_reserve_bytes == 0
+    assert cl.with_memory_reserve(10).memory_reserve_bytes(3) == 10 * 2**30
+    assert cl.with_memory_reserve(0).memory_reserve_bytes(3) == 0
     with pytest.raises(ConfigError, match="--memory-reserve 80 GiB"):
         cl.with_memory_reserve(80)
 
@@ -477,6 +493,20 @@ def test_plans_keep_the_reserve_free_and_report_it(tmp_path):
     assert Plan.model_validate(doc).predicted.memory_reserve_bytes == pred.memory_reserve_bytes
     del doc["predicted"]["memory_reserve_bytes"]
     assert Plan.model_validate(doc).predicted.memory_reserve_bytes == 0
+    # the spec's reserve: its fixed part plus NCCL buffers for each group of more than one rank, plan by plan
+    from planner.cost.terms import group_sizes
+    from planner.hardware.load import load_cluster
+
+    spec, _, _ = plan_model(request, graph)
+    cluster = load_cluster("cpu", 1, 4)
+    per_group = cluster.gpu.memory_reserve.nccl_gib_per_group * 2**30
+    seen = set()
+    for par, pred in [(spec.parallel, spec.predicted)] + [(a.parallel, a.predicted) for a in spec.alternatives]:
+        groups = len(group_sizes(par.dp, par.tp, par.pp, par.ep))
+        seen.add(groups)
+        assert pred.memory_reserve_bytes == cluster.fixed_reserve_bytes + int(groups * per_group)
+        assert pred.peak_memory_bytes <= pred.memory_capacity_bytes - pred.memory_reserve_bytes
+    assert len(seen) >= 2  # plans of different groups keep different reserves
 
 
 def test_memory_reserve_option_on_the_command_line():
@@ -502,5 +532,5 @@ def test_nothing_fits_message_names_the_reserve():
 
     model = str(Path(__file__).resolve().parents[1] / "sample_models" / "mlp.py")
     request = PlanRequest(model_path=model, gpu="cpu", gpus_per_node=2, global_batch_size=4, memory_reserve_gib=15.5)
-    with pytest.raises(InfeasibleError, match=r"left after the 15.50 GiB memory reserve.*smaller --memory-reserve"):
+    with pytest.raises(InfeasibleError, match=r"left after its 15.50 GiB memory reserve.*smaller --memory-reserve"):
         plan_model(request)

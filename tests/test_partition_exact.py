@@ -9,7 +9,9 @@ from synthetic import make_graph, make_unit
 
 from planner.cost.model import Candidate, CostOptions
 from planner.hardware.load import load_cluster
+from planner.search.bounds import IntervalTables
 from planner.search.ilp import block_run, solve_partition
+from planner.search.ilp.chain import solve_chain
 from planner.search.reference import brute_force_partition, dp_partition
 from planner.search.search import CostTable, evaluate
 
@@ -157,3 +159,62 @@ def test_a_model_of_different_blocks_is_planned_in_the_interval_form():
     assert solve_partition(graph, cl, best.cand, costs, ("none", "full"), CostOptions()).form == "interval"
     brute = brute_force_partition(graph, cl, best.cand, costs, ("none", "full"), CostOptions())
     assert best.objective == pytest.approx(brute[0], rel=1e-9)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    units=st.lists(unit_st, min_size=3, max_size=6),
+    stages=st.integers(2, 4),
+    schedule=st.sampled_from(["gpipe", "1f1b"]),
+    extra_m=st.integers(0, 6),
+    dp=st.sampled_from([1, 2, 4]),
+    zero=st.integers(0, 3),
+    memory=st.floats(8, 120),
+    cut=st.sampled_from([None, 0.9, 1 - 1e-6, 1 + 1e-6, 1.1]),
+)
+def test_chain_dp_equals_brute_force(units, stages, schedule, extra_m, dp, zero, memory, cut):
+    """One stage per rank on any unit sequence: the branch and bound over (largest stage, largest tail)
+    caps with its shortest paths (ilp/chain.py) finds the brute-force optimum on its own (no incumbent),
+    and below a limit it finds the optimum when it is below the limit, else nothing."""
+    us = [make_unit(f"u{i}", f"s{i}", *spec) for i, spec in enumerate(units)]
+    stages = min(stages, len(us))
+    graph, cluster, options = make_graph(us), cluster_with(memory), CostOptions()
+    cand = Candidate(dp, 1, stages, 1, 1, stages + extra_m, schedule, zero if dp > 1 else 0, False)
+    modes = ("none", "selective", "full")
+    costs = CostTable(graph, cluster, None).units(cand)
+    brute = brute_force_partition(graph, cluster, cand, costs, modes, options)
+    tables = IntervalTables.of(graph, costs, cand, cluster, options, modes)
+    limit = None if cut is None or brute is None else cut * brute[0]
+    got = solve_chain(graph, cluster, cand, costs, modes, options, tables, limit)
+    assert got is not None
+    if brute is None or (limit is not None and brute[0] >= limit):
+        assert got.partition is None
+        return
+    assert got.partition is not None and got.recompute is not None
+    ev = evaluate(graph, cluster, cand, got.partition, got.recompute, costs, options)
+    assert max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes * (1 + 1e-9)
+    assert got.objective == pytest.approx(ev.objective, rel=1e-12)
+    assert ev.objective == pytest.approx(brute[0], rel=1e-9)
+    # and through solve_partition, which picks the dynamic program for these candidates
+    assert solve_partition(graph, cluster, cand, costs, modes, options).objective == pytest.approx(brute[0], rel=1e-9)
+
+
+def test_chain_gives_up_after_its_path_budget_and_cbc_solves(monkeypatch):
+    """With no shortest paths allowed the dynamic program gives up (None) and solve_partition falls back to
+    CBC, whose optimum is the brute-force one."""
+    from planner.search.ilp import chain
+
+    sizes = [(4e8, 3e12), (1e8, 9e12), (7e8, 2e12), (2e8, 6e12), (5e8, 4e12), (3e8, 5e12)]
+    us = [make_unit(f"u{i}", f"s{i}", int(p), f, 500_000_000, 20_000_000) for i, (p, f) in enumerate(sizes)]
+    graph, cluster, options = make_graph(us), cluster_with(80), CostOptions()
+    cand = Candidate(2, 1, 3, 1, 1, 8, "1f1b", 1, False)
+    costs = CostTable(graph, cluster, None).units(cand)
+    modes = ("none", "full")
+    brute = brute_force_partition(graph, cluster, cand, costs, modes, options)
+    assert brute is not None
+    tables = IntervalTables.of(graph, costs, cand, cluster, options, modes)
+    assert chain.solve_chain(graph, cluster, cand, costs, modes, options, tables, None) is not None
+    monkeypatch.setattr(chain, "MAX_PATHS", 0)
+    assert chain.solve_chain(graph, cluster, cand, costs, modes, options, tables, None) is None
+    res = solve_partition(graph, cluster, cand, costs, modes, options, cuts=False)
+    assert res.form != "chain" and res.objective == pytest.approx(brute[0], rel=1e-6)

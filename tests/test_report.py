@@ -161,7 +161,8 @@ def test_summary_shows_the_headroom_after_the_memory_reserve():
     plan = make_plan()
     pred = plan.predicted.model_copy(update={"memory_reserve_bytes": 3 * 2**30})
     text = render(summary_panel(plan.model_copy(update={"predicted": pred})))
-    assert "60.00 of 80.00 GiB per GPU, reserve 3.00 GiB (headroom 17.00 GiB after it)" in text
+    expected = "60.00 of 80.00 GiB per GPU, reserve 3.00 GiB for the dp, tp, pp groups (headroom 17.00 GiB after it)"
+    assert expected in text
 
 
 def test_summary_without_params_or_tokens():

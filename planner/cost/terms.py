@@ -245,6 +245,31 @@ def comm_buffer_bytes(
     return buffers
 
 
+def group_sizes(dp: int, tp: int, pp: int, ep: int = 1) -> dict[str, int]:
+    """The process groups of more than one rank that a rank of these degrees communicates in, with their
+    sizes: data (dp), tensor (tp) and pipeline (pp) parallel, and under expert parallelism the all-to-all
+    group (ep) and the experts' replicas (dp/ep), which sync the experts' gradients
+    (`planner.runtime.loop`: init_device_mesh over (pp, dp, tp), and (pp, dp/ep, ep, tp) with experts)."""
+    sizes = {"dp": dp, "tp": tp, "pp": pp}
+    if ep > 1:
+        sizes |= {"ep": ep, "expert dp": dp // ep}
+    return {name: n for name, n in sizes.items() if n > 1}
+
+
+def comm_reserve_bytes(per_group_bytes: Affine, cand: Candidate) -> Affine:
+    """NCCL's own buffers, which the cost model's peak does not count: `per_group_bytes` (the spec's
+    memory_reserve.nccl_gib_per_group, NCCL_BUFFSIZE per peer and channel) for each process group of more
+    than one rank the candidate communicates in (`group_sizes`); a group of one rank moves nothing."""
+    return per_group_bytes * len(group_sizes(cand.dp, cand.tp, cand.pp, cand.ep))
+
+
+def rank_capacity(cluster: ClusterSpec, cand: Candidate) -> float:
+    """The bytes a rank's peak (`rank_peak_bytes`) may reach: the GPU's capacity (already less the fixed
+    reserve, `ClusterSpec.within_reserve`) less the candidate's NCCL buffers (`comm_reserve_bytes`)."""
+    out: float = cluster.gpu.memory_bytes - comm_reserve_bytes(cluster.nccl_bytes_per_group, cand)
+    return out
+
+
 def rank_peak_bytes(states: Affine, activations: Affine, options: CostOptions) -> Affine:
     """Peak bytes of a pipeline rank: its states and activations plus fragmentation, plus the workspace."""
     return (states + activations) * (1 + options.fragmentation) + options.workspace_bytes

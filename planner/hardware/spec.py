@@ -14,9 +14,9 @@ from planner.errors import ConfigError
 
 DType = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 
-# Process groups a rank can communicate in (data, tensor and pipeline parallel): the reserve counts NCCL
-# buffers for all three, the most any candidate of the search needs, so one capacity serves every candidate.
-PROCESS_GROUPS = 3
+# The most process groups a rank can communicate in: data, tensor and pipeline parallel, and with experts the
+# all-to-all group and the experts' replicas (`planner.cost.terms.group_sizes`, which counts a plan's own).
+PROCESS_GROUPS = 5
 
 
 class _Strict(BaseModel):
@@ -44,7 +44,8 @@ class MemoryReserve(_Strict):
     The cost model's peak already holds a fixed workspace and a fragmentation share (CostOptions); runs at
     the edge of that estimate still run out of memory (CUDA context outside the allocator, NCCL's own
     buffers per communicator, allocator fragmentation under a long run), so the planner keeps this much
-    more free: ``cuda_context_gib + nccl_gib_per_group * groups + fragmentation * capacity``.
+    more free: ``cuda_context_gib + nccl_gib_per_group * groups + fragmentation * capacity``, with groups the
+    process groups of more than one rank the plan communicates in (`planner.cost.terms.comm_reserve_bytes`).
     """
 
     cuda_context_gib: float = Field(0.0, ge=0, description="CUDA context and library handles, GiB")
@@ -157,6 +158,9 @@ class ClusterSpec(_Strict):
         None, ge=0, description="per-GPU memory reserve in GiB (--memory-reserve); None: from the GPU spec"
     )
     reserved_gib: float = Field(0.0, ge=0, description="reserve already taken off gpu.memory_gib (within_reserve)")
+    nccl_reserve_gib_per_group: float = Field(
+        0.0, ge=0, description="NCCL buffers per process group each plan keeps free on top (within_reserve)"
+    )
 
     @model_validator(mode="after")
     def _reserve_fits(self) -> ClusterSpec:
@@ -167,26 +171,44 @@ class ClusterSpec(_Strict):
         return self
 
     @property
-    def memory_reserve_bytes(self) -> int:
-        """Bytes per GPU every plan keeps free: the override, or the spec's reserve for this cluster."""
+    def fixed_reserve_bytes(self) -> int:
+        """Bytes per GPU every plan keeps free whatever its degrees: the --memory-reserve override (the whole
+        reserve), or the spec's CUDA context and fragmentation share."""
         if self.memory_reserve_gib is not None:
             return int(self.memory_reserve_gib * 2**30)
-        groups = PROCESS_GROUPS if self.world_size > 1 else 0
+        return self.gpu.memory_reserve.bytes(self.gpu.memory_bytes, 0)
+
+    def memory_reserve_bytes(self, groups: int) -> int:
+        """Bytes per GPU a plan communicating in `groups` process groups of more than one rank keeps free: the
+        override, or the spec's fixed share plus its NCCL buffers per group."""
+        if self.memory_reserve_gib is not None:
+            return self.fixed_reserve_bytes
         return self.gpu.memory_reserve.bytes(self.gpu.memory_bytes, groups)
 
     @property
-    def usable_memory_bytes(self) -> int:
-        """Capacity a plan may fill: the GPU's memory less the reserve."""
-        return self.gpu.memory_bytes - self.memory_reserve_bytes
+    def nccl_bytes_per_group(self) -> float:
+        """The NCCL buffers per process group that the search still keeps free plan by plan
+        (`planner.cost.terms.rank_capacity`): the spec's, once `within_reserve` took the fixed share off the
+        capacity; 0 under a --memory-reserve override (the whole reserve) and before `within_reserve`."""
+        return self.nccl_reserve_gib_per_group * 2**30
 
     def within_reserve(self) -> ClusterSpec:
-        """The same cluster with the reserve taken off the GPU's capacity (what the search plans against)."""
-        reserve = self.memory_reserve_bytes
+        """The cluster the search plans against: the fixed reserve taken off the GPU's capacity, and the NCCL
+        share per process group kept aside for `terms.rank_capacity` to take per plan (none with an override)."""
+        fixed = self.fixed_reserve_bytes
+        per_group = self.nccl_reserve_gib_per_group
+        if self.memory_reserve_gib is None:
+            per_group += self.gpu.memory_reserve.nccl_gib_per_group
         gpu = self.gpu.model_copy(
-            update={"memory_gib": (self.gpu.memory_bytes - reserve) / 2**30, "memory_reserve": MemoryReserve()}
+            update={"memory_gib": (self.gpu.memory_bytes - fixed) / 2**30, "memory_reserve": MemoryReserve()}
         )
         return self.model_copy(
-            update={"gpu": gpu, "memory_reserve_gib": 0.0, "reserved_gib": self.reserved_gib + reserve / 2**30}
+            update={
+                "gpu": gpu,
+                "memory_reserve_gib": 0.0,
+                "reserved_gib": self.reserved_gib + fixed / 2**30,
+                "nccl_reserve_gib_per_group": per_group,
+            }
         )
 
     def with_memory_reserve(self, gib: float | None) -> ClusterSpec:

@@ -18,6 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from planner.cost.terms import group_sizes
 from planner.plan import Plan, Predicted, Rejection
 
 GIB = 2**30
@@ -166,10 +167,14 @@ def summary_panel(plan: Plan, params: int | None = None, timeline: str | Path | 
     )
     grid.add_row("MFU", percent(pred.mfu))
     headroom = pred.memory_capacity_bytes - pred.memory_reserve_bytes - pred.peak_memory_bytes
+    # the reserve holds NCCL buffers for each process group of more than one rank (`terms.comm_reserve_bytes`)
+    groups, reserve = group_sizes(p.dp, p.tp, p.pp, p.ep), pred.memory_reserve_bytes
     grid.add_row(
         "Peak memory",
         f"{gib(pred.peak_memory_bytes)} of {gib(pred.memory_capacity_bytes)} GiB per GPU, reserve "
-        f"{gib(pred.memory_reserve_bytes)} GiB (headroom {gib(headroom)} GiB after it)",
+        f"{gib(pred.memory_reserve_bytes)} GiB"
+        + (f" for the {', '.join(groups)} group{'s' if len(groups) > 1 else ''}" if groups and reserve else "")
+        + f" (headroom {gib(headroom)} GiB after it)",
     )
     grid.add_row("Pipeline bubble", percent(pred.bubble_fraction))
     how = "profiled on this machine" if pred.source == "measured" else "roofline model of the spec"

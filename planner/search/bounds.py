@@ -46,6 +46,7 @@ from planner.cost.terms import (
     optimizer_step_time,
     p2p_time,
     pipeline_time,
+    rank_capacity,
     rank_peak_bytes,
     sync_overlap_window,
     zero3_gather_time,
@@ -79,26 +80,31 @@ def lower_bounds(
     modes: tuple[str, ...],
     run: tuple[int, int, int] | None,
     joint: bool = True,
+    tot: Totals | None = None,
+    tail: float | None = None,
 ) -> Bounds:
     """The best valid bound available for this candidate (see the module docstring); joint=False skips
-    the joint minimum with the tail (cheaper, looser: the mean tail is added instead)."""
+    the joint minimum with the tail (cheaper, looser: the mean tail is added instead); ``tot`` and
+    ``tail``: the costs' `Totals` and the candidate's `tail_bound`, when the caller has them."""
     dtype = graph.source.dtype
-    tot = Totals.of(costs, modes)
-    b = simple_bound(tot, cand, cluster, dtype, options)
-    if cand.stages == 1 or b.memory > cluster.gpu.memory_bytes:
+    tot = tot or Totals.of(costs, modes)
+    if tail is None:
+        tail = tail_bound(tot, cand, cluster, dtype, options)
+    b = simple_bound(tot, cand, cluster, dtype, options, tail)
+    if cand.stages == 1 or b.memory > rank_capacity(cluster, cand):
         return b
     if run is None:
         ib = interval_bound(graph, costs, cand, cluster, options, modes)
         if ib is None:
             return Bounds(b.time, b.memory, feasible=False)
-        tight = ib.pipeline(cand, costs) + tail_bound(tot, cand, cluster, dtype, options)
+        tight = ib.pipeline(cand, costs) + tail
         return Bounds(max(b.time, tight + comm_bound(graph, cand, cluster)), b.memory, interval=ib)
     blk = block_bound(graph, costs, cand, cluster, options, modes, run, joint)
     if blk is None:
         return Bounds(b.time, b.memory, feasible=False)
     tight = blk.total() + comm_bound(graph, cand, cluster, run)
     if not joint:
-        tight += tail_bound(tot, cand, cluster, dtype, options)
+        tight += tail
     return Bounds(max(b.time, tight), b.memory, block=blk)
 
 
@@ -126,11 +132,13 @@ class Totals:
         )
 
 
-def simple_bound(tot: Totals, cand: Candidate, cluster: ClusterSpec, dtype: str, options: CostOptions) -> Bounds:
+def simple_bound(
+    tot: Totals, cand: Candidate, cluster: ClusterSpec, dtype: str, options: CostOptions, tail: float | None = None
+) -> Bounds:
     """Stage times sum to at least the whole model's work W (cheapest recomputation) and, under ZeRO-3,
     to at least the sum of the weight gathers; the largest is at least the mean. The tail is at least the
-    mean over ranks of exposed gradient sync plus the optimizer step. Memory: the busiest rank holds at
-    least the mean of all ranks' bytes."""
+    mean over ranks of exposed gradient sync plus the optimizer step (``tail``: `tail_bound`'s value, when
+    the caller has it). Memory: the busiest rank holds at least the mean of all ranks' bytes."""
     work, fwd, params = tot.work, tot.fwd, tot.params
     S, p, m = cand.stages, cand.pp, cand.num_micro_batches
     work = max(work, zero3_gather_time(tot.sync, cand, cluster, dtype))
@@ -140,7 +148,9 @@ def simple_bound(tot: Totals, cand: Candidate, cluster: ClusterSpec, dtype: str,
     min_inflight = _min_in_flight(cand.schedule, p, m, cand.virtual_stages)
     acts = min_inflight * tot.act
     memory = rank_peak_bytes(states / p, acts / p, options)
-    return Bounds(pipe + tail_bound(tot, cand, cluster, dtype, options), memory)
+    if tail is None:
+        tail = tail_bound(tot, cand, cluster, dtype, options)
+    return Bounds(pipe + tail, memory)
 
 
 def interval_vars(
@@ -445,11 +455,13 @@ def reported_bound(
     comm: float = 0.0,
     tight: BlockBounds | IntervalBounds | None = None,
     path: float = 0.0,
+    tail: float | None = None,
 ) -> float:
     """A valid lower bound on the figure the plan reports (simulated pipeline plus the tail) over every
     partition of the candidate that fits memory, given `linear_bound`, a valid bound on its linear
     objective; `beta`: `backward_share`; `comm`: `comm_bound` (2 sum p2p is at least it); `tight`: the
-    block or interval bounds of the candidate, when computed; `path`: `one_f_one_b_bound`, when computed.
+    block or interval bounds of the candidate, when computed; `path`: `one_f_one_b_bound`, when computed;
+    `tail`: `tail_bound`'s value, when computed.
 
     Where the linear objective bounds the simulation (`linear_bounds_reported`) that bound holds.
     Otherwise, with W >= the work (the stage times' sum, at least the model's cheapest work and, under
@@ -498,7 +510,7 @@ def reported_bound(
         if coef >= 0:
             pipe = max(pipe, work + coef * largest + comm)
         pipe = max(pipe, work + path + comm)
-    out: float = pipe + tail_bound(tot, cand, cluster, dtype, options)
+    out: float = pipe + (tail_bound(tot, cand, cluster, dtype, options) if tail is None else tail)
     return out
 
 
@@ -567,23 +579,31 @@ def _stages(
     out_blk = graph.units[start].output_bytes
     smallest = min(out_blk, graph.units[start - 1].output_bytes) if pre else out_blk
     largest = max(c.largest_param_bytes for c in costs)
+    def stage(s: int, holds: list[int]) -> _Stage:
+        ext = [costs[u] for u in holds]
+        return _Stage(
+            index=s,
+            rank=stage_rank(cand.schedule, cand.pp, cand.virtual_stages, s),
+            min_blocks=0 if holds else 1,
+            ext_time={r: sum(c.fwd + c.bwd[r] for c in ext) for r in modes},
+            ext_fwd=sum(c.fwd for c in ext),
+            ext_act={r: sum(c.act[r] for c in ext) for r in modes},
+            ext_params=sum(c.params_local for c in ext),
+            ext_sync=sum(c.sync_params for c in ext),
+            buffers=comm_buffer_bytes(smallest if s < S - 1 else 0.0, cand, options, largest),
+        )
+
     stages = []
+    middle: _Stage | None = None  # the stages between the first and the last hold blocks only: one figure
     for s in range(S):
         holds = (pre if s == 0 else []) + (post if s == S - 1 else [])
-        ext = [costs[u] for u in holds]
-        stages.append(
-            _Stage(
-                index=s,
-                rank=stage_rank(cand.schedule, cand.pp, cand.virtual_stages, s),
-                min_blocks=0 if holds else 1,
-                ext_time={r: sum(c.fwd + c.bwd[r] for c in ext) for r in modes},
-                ext_fwd=sum(c.fwd for c in ext),
-                ext_act={r: sum(c.act[r] for c in ext) for r in modes},
-                ext_params=sum(c.params_local for c in ext),
-                ext_sync=sum(c.sync_params for c in ext),
-                buffers=comm_buffer_bytes(smallest if s < S - 1 else 0.0, cand, options, largest),
-            )
-        )
+        if holds or s == 0 or s == S - 1:
+            stages.append(stage(s, holds))
+            continue
+        if middle is None:
+            middle = stage(s, [])
+        m, rank = middle, stage_rank(cand.schedule, cand.pp, cand.virtual_stages, s)
+        stages.append(_Stage(s, rank, 1, m.ext_time, m.ext_fwd, m.ext_act, m.ext_params, m.ext_sync, m.buffers))
     return stages
 
 
@@ -599,6 +619,21 @@ def block_bound(
 ) -> BlockBounds | None:
     """Lower bounds on the pipeline terms of the count-form ILP (largest stage time, largest rank time,
     largest stage forward, per recomputation mode); None if no integer block distribution fits memory."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return _block_bound(graph, costs, cand, cluster, options, modes, run, joint)
+
+
+def _block_bound(
+    graph: ModelGraph,
+    costs: list[UnitCost],
+    cand: Candidate,
+    cluster: ClusterSpec,
+    options: CostOptions,
+    modes: tuple[str, ...],
+    run: tuple[int, int, int],
+    joint: bool = True,
+) -> BlockBounds | None:
+    """`block_bound` (numpy's divide and invalid warnings off: capacities divide by zero-time blocks)."""
     start, end, _ = run
     L = end - start + 1
     S, p, m, v = cand.stages, cand.pp, cand.num_micro_batches, cand.virtual_stages
@@ -606,7 +641,7 @@ def block_bound(
     dtype = graph.source.dtype
     state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
     per_param = model_state_bytes(1.0, state)
-    budget = memory_budget(cluster.gpu.memory_bytes, options)
+    budget = memory_budget(rank_capacity(cluster, cand), options)
     stages = _stages(graph, costs, cand, options, run)
     a_sync, c_sync, opt_rate = tail_coefficients(cand, cluster, dtype)
     blocks = np.arange(L + 1)
@@ -642,21 +677,26 @@ def block_bound(
     min_blocks = np.array([st.min_blocks for st in stages], dtype=float)
 
     def per(total: float | FloatArray, ext: float | FloatArray, unit: float | FloatArray) -> FloatArray:
-        """Blocks that fit when each costs `unit` and `ext` is already taken out of `total` (arrays)."""
-        with np.errstate(divide="ignore", invalid="ignore"):
+        """Blocks that fit when each costs `unit` and `ext` is already taken out of `total` (arrays; called
+        under `block_bound`'s errstate: inf - inf is nan, then -inf blocks)."""
+        if isinstance(unit, float):  # one cost for every stage or rank: the same values, fewer array passes
+            q = (total - ext) / unit if unit > 0 else np.where(total >= ext, INF, -INF)
+        else:
             q = np.where(unit > 0, (total - ext) / np.where(unit > 0, unit, 1.0), np.where(total >= ext, INF, -INF))
         out: FloatArray = np.floor(q + 1e-9 * np.maximum(1.0, np.abs(np.where(np.isfinite(q), q, 0.0))))
         return out
 
     def gather_cap(Z: float) -> FloatArray:
-        return inf if g_blk is None else per(Z, g_ext, np.full(S, g_blk))
+        return inf if g_blk is None else per(Z, g_ext, g_blk)
 
     def values(ext_of: Sequence[float], t_of: Sequence[float]) -> list[float]:
         """Every value a stage (or rank) time can take: its extras plus n blocks, n = 0..L."""
         pairs = set(zip(ext_of, t_of))
         if g_blk is not None:
             pairs |= {(float(e), g_blk) for e in g_ext}
-        return sorted({ext + k * t for ext, t in pairs for k in range(L + 1)})
+        ext_a, t_a = np.array(sorted(pairs)).T
+        out: list[float] = np.unique(ext_a[:, None] + blocks[None, :] * t_a[:, None]).tolist()
+        return out
 
     def smallest_feasible(vals: list[float], caps: Caps) -> float | None:
         """The least Z in vals with sum of capacities >= L (capacities grow with Z)."""
@@ -685,7 +725,7 @@ def block_bound(
         def caps(Z: float) -> tuple[FloatArray, FloatArray]:
             g = gather_cap(Z)
             best: FloatArray = np.max(
-                [np.minimum(np.minimum(per(Z, ext_tq[r], np.full(S, t_q[r])), mem[r]), g) for r in modes], axis=0
+                [np.minimum(np.minimum(per(Z, ext_tq[r], t_q[r]), mem[r]), g) for r in modes], axis=0
             )
             return best, min_blocks
 
@@ -713,7 +753,7 @@ def block_bound(
             hi, lo = caps(arg[0])
             counts = _distribute(tails, lo, np.minimum(hi, L), arg[2], L, ext_tq[modes[0]], t_q[modes[0]])
             if counts is not None:
-                per_mode = {r: np.minimum(per(arg[0], ext_tq[r], np.full(S, t_q[r])), mem[r]) for r in modes}
+                per_mode = {r: np.minimum(per(arg[0], ext_tq[r], t_q[r]), mem[r]) for r in modes}
                 order = sorted(modes, key=lambda r: t_q[r])
                 rec = [next((r for r in order if counts[s] <= per_mode[r][s]), order[-1]) for s in range(S)]
                 out.starts.append((counts, rec))
@@ -738,15 +778,15 @@ def block_bound(
         )
 
         def stage_caps(Z: float, t: float = t, ext_t: FloatArray = ext_t) -> tuple[FloatArray, FloatArray]:
-            return np.minimum(per(Z, ext_t, np.full(S, t)), gather_cap(Z)), min_blocks
+            return np.minimum(per(Z, ext_t, t), gather_cap(Z)), min_blocks
 
         def fwd_caps(F: float) -> tuple[FloatArray, FloatArray]:
-            return per(F, ext_f, np.full(S, blk.fwd)), min_blocks
+            return per(F, ext_f, blk.fwd), min_blocks
 
         def rank_caps(
             Y: float, t: float = t, rank_ext_t: FloatArray = rank_ext_t, rank_mem: FloatArray = rank_mem
         ) -> tuple[FloatArray, FloatArray]:
-            return np.minimum(per(Y, rank_ext_t, np.full(p, t)), rank_mem), rank_min
+            return np.minimum(per(Y, rank_ext_t, t), rank_mem), rank_min
 
         y_vals = values(list(rank_ext_t), [t] * p)
         Y = smallest_feasible(y_vals, rank_caps)
@@ -769,7 +809,7 @@ def block_bound(
         def tails_at(
             c: float, r_mode: str = r_mode, first_ext: FloatArray = first_ext, first_unit: float = first_unit
         ) -> FloatArray:
-            caps_first = per(c, first_ext, np.full(S, first_unit))
+            caps_first = per(c, first_ext, first_unit)
             rows = []
             for r in ranks:
                 sts = mine[r]
@@ -797,7 +837,7 @@ def block_bound(
             hi, lo = rank_caps(arg[0])
             n_rank = _distribute(tails_at(arg[1]), lo, np.minimum(hi, L), arg[2], L, rank_ext_t, t)
             if n_rank is not None:
-                stage_cap = per(arg[1], first_ext, np.full(S, first_unit))
+                stage_cap = per(arg[1], first_ext, first_unit)
                 counts = _split_ranks(n_rank, mine, stage_cap, S)
                 if counts is not None:
                     out.starts.append((counts, [r_mode] * S))
@@ -870,7 +910,7 @@ class IntervalTables:
         mem_ok: dict[tuple[int, str], BoolArray] = {}
         if cand.virtual_stages == 1:
             state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
-            budget = memory_budget(cluster.gpu.memory_bytes, options)
+            budget = memory_budget(rank_capacity(cluster, cand), options)
             largest = max(c.largest_param_bytes for c in costs)
             out_bytes = np.array([0.0] + [u.output_bytes for u in graph.units])  # [j]: unit j-1's output
             for s in range(S):

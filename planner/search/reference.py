@@ -18,6 +18,7 @@ import math
 from collections.abc import Iterator
 
 from planner.cost.model import Candidate, CostOptions, UnitCost, rank_memory, rank_tail_parts, stage_costs
+from planner.cost.terms import rank_capacity
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
 from planner.search.evaluate import Evaluated, evaluate
@@ -41,7 +42,7 @@ def brute_force_partition(
     options: CostOptions,
 ) -> ReferenceResult | None:
     """(objective, partition, recompute) minimising the cost model over every partition; None if none fits."""
-    cap = cluster.gpu.memory_bytes
+    cap = rank_capacity(cluster, cand)
     best: ReferenceResult | None = None
     choices = _choices(cand, modes)
     for part in _partitions(len(graph.units), cand.stages):
@@ -78,7 +79,7 @@ def brute_force_reported(
     """(the evaluated partition with the least reported figure, the least linear objective), both over
     every partition and recomputation that fits memory; None if none fits. Ties keep the first found
     (partitions in lexicographic order of their cuts), so the result is deterministic."""
-    cap = cluster.gpu.memory_bytes
+    cap = rank_capacity(cluster, cand)
     best: Evaluated | None = None
     least_linear = float("inf")
     choices = _choices(cand, modes)
@@ -105,7 +106,7 @@ def dp_partition(
     if cand.virtual_stages != 1 or cand.schedule not in ("gpipe", "1f1b"):
         raise ValueError("dp_partition handles one stage per rank (gpipe, 1f1b)")
     U, S = len(graph.units), cand.stages
-    cap = cluster.gpu.memory_bytes
+    cap = rank_capacity(cluster, cand)
     values_b: set[float] = set()
     values_q: set[float] = set()
     table: dict[tuple[int, int, int, str], tuple[float, float, float, bool]] = {}

@@ -26,6 +26,7 @@ from planner.cost.model import (
     UnitCost,
     unit_cost,
 )
+from planner.cost.terms import comm_reserve_bytes, rank_capacity
 from planner.errors import InfeasibleError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
@@ -41,6 +42,7 @@ from planner.search.bounds import (
     one_f_one_b_bound,
     reported_bound,
     simple_bound,
+    tail_bound,
 )
 from planner.search.evaluate import Evaluated, evaluate, simulate_evaluated
 from planner.search.ilp import ILPResult, block_run, solve_partition
@@ -85,6 +87,7 @@ class QueueItem:
     modes: tuple[str, ...] = field(compare=False)
     bounds: BlockBounds | IntervalBounds | None = field(default=None, compare=False, repr=False)
     reported: float = field(default=0.0, compare=False)
+    tail: float = field(default=0.0, compare=False)  # `bounds.tail_bound` of the candidate
 
 
 @dataclass
@@ -164,6 +167,12 @@ def search(
     t0 = time.perf_counter()
     space = enumerate_space(graph, cluster, global_batch, pins)
     rejected = Counter(space.rejected)
+    # the search's own rejections, one reason per candidate, grouped into regions at the end (`_regions`)
+    refused: dict[Candidate, str] = {}
+
+    def refuse(c: Candidate, why: str) -> None:
+        refused.setdefault(c, why)
+
     if not space.candidates:
         reasons = "; ".join(f"{region}: {why} ({n})" for (region, why), n in sorted(rejected.items())[:6])
         raise InfeasibleError(
@@ -200,20 +209,25 @@ def search(
         extra = 0.0
         if path and c.schedule == "1f1b" and c.pp > 1:
             extra = one_f_one_b_bound(item.costs, c, shares[key])
-        return reported_bound(linear, tot, c, cluster, dtype, options, shares[key], comm, item.bounds, extra)
+        return reported_bound(
+            linear, tot, c, cluster, dtype, options, shares[key], comm, item.bounds, extra, item.tail
+        )
 
     def enqueue(i: int, cand: Candidate, costs: list[UnitCost], cand_modes: tuple[str, ...], floor: float) -> None:
         nonlocal smallest_need
         tkey = _totals_key(cand, cand_modes)
         if tkey not in totals:
             totals[tkey] = Totals.of(costs, cand_modes)
-        b = simple_bound(totals[tkey], cand, cluster, dtype, options)
-        if b.memory > cap:
-            rejected[(_region(cand), OOM_BOUND if b.memory > cap + cluster.reserved_gib * GiB else RESERVE)] += 1
-            if smallest_need is None or b.memory < smallest_need[0]:
+        tail = tail_bound(totals[tkey], cand, cluster, dtype, options)
+        b = simple_bound(totals[tkey], cand, cluster, dtype, options, tail)
+        if b.memory > rank_capacity(cluster, cand):
+            # beyond the GPU itself, or only beyond what the reserve (fixed and this plan's NCCL share) leaves
+            refuse(cand, OOM_BOUND if b.memory > cap + cluster.reserved_gib * GiB else RESERVE)
+            short = b.memory - rank_capacity(cluster, cand)
+            if smallest_need is None or short < smallest_need[0] - rank_capacity(cluster, smallest_need[1]):
                 smallest_need = (b.memory, cand)
             return
-        item = QueueItem(max(b.time, floor), i, 0, cand, costs, cand_modes)
+        item = QueueItem(max(b.time, floor), i, 0, cand, costs, cand_modes, tail=tail)
         item.reported = max(reported_of(item, b.time), floor)
         heap.append(item)
 
@@ -263,13 +277,18 @@ def search(
 
     def tighten(item: QueueItem) -> QueueItem | None:
         """The item with its next level of bounds; None (and the rejection counted) if nothing fits."""
-        b = lower_bounds(graph, item.costs, item.cand, cluster, options, item.modes, run, joint=item.level == 1)
+        tot = totals[_totals_key(item.cand, item.modes)]
+        b = lower_bounds(
+            graph, item.costs, item.cand, cluster, options, item.modes, run, item.level == 1, tot, item.tail
+        )
         if not b.feasible:
-            rejected[(_region(item.cand), OOM_BOUND)] += 1
+            refuse(item.cand, OOM_BOUND)
             return None
         nxt = item.level + 1 if run is not None else 2
         tight = b.block or b.interval
-        out = QueueItem(max(item.bound, b.time), item.index, nxt, item.cand, item.costs, item.modes, tight)
+        out = QueueItem(
+            max(item.bound, b.time), item.index, nxt, item.cand, item.costs, item.modes, tight, tail=item.tail
+        )
         comm = 0.0
         if by_reported and not linear_bounds_reported(item.cand):
             comm = comm_bound(graph, item.cand, cluster, run)
@@ -301,7 +320,8 @@ def search(
             costs = [_only(c, pins.recompute) for c in costs]
         if optimum is not None:
             ev = evaluate(graph, cluster, twin, optimum[0], optimum[1], costs, options)
-            if max(ev.rank_memory.values()) <= cap and ev.objective <= linear_low * (1 + DOMINANCE_TOL):
+            fits = max(ev.rank_memory.values()) <= rank_capacity(cluster, twin)
+            if fits and ev.objective <= linear_low * (1 + DOMINANCE_TOL):
                 revived += 1
                 if ev.reported > linear_low * (1 + 1e-9):
                     unresolved.append(linear_low)
@@ -316,7 +336,7 @@ def search(
     def brute(item: QueueItem) -> None:
         res = brute_force_reported(graph, cluster, item.cand, item.costs, item.modes, options)
         if res is None:
-            rejected[(_region(item.cand), "out of memory: no stage partition fits every rank")] += 1
+            refuse(item.cand, "out of memory: no stage partition fits every rank")
             return
         ev, least_linear = res
         add(ev)
@@ -346,7 +366,7 @@ def search(
                         heapq.heappush(heap, nxt_item)
                     continue
                 if cutoff is not None and item.reported >= cutoff:
-                    rejected[(_region(item.cand), NOT_TOP_K)] += 1
+                    refuse(item.cand, NOT_TOP_K)
                     done += 1
                     continue
                 if small(item):
@@ -371,15 +391,15 @@ def search(
                     # the linear optimum is at least the cutoff: so is the reported figure where it bounds it
                     if not exact_linear and cutoff is not None and item.reported < cutoff:
                         doubtful.append(item)
-                    rejected[(_region(cand), NOT_TOP_K)] += 1
+                    refuse(cand, NOT_TOP_K)
                     continue
                 if res.status == "not_solved":
                     status = "time_limit" if time_limit is not None else "node_limit"
-                    rejected[(_region(cand), "the ILP stopped at its limit before finding a plan")] += 1
+                    refuse(cand, "the ILP stopped at its limit before finding a plan")
                     unresolved.append(item.reported)
                     continue
                 if res.status == "infeasible" or res.partition is None:
-                    rejected[(_region(cand), "out of memory: no stage partition fits every rank")] += 1
+                    refuse(cand, "out of memory: no stage partition fits every rank")
                     continue
                 assert res.objective is not None and res.recompute is not None
                 if res.status in ("time_limit", "node_limit") and res.objective <= bound * (1 + 1e-9):
@@ -399,7 +419,7 @@ def search(
                     # of the fill, or how uneven stages of one rank stall each other): keep the balanced
                     # start when the reported figure says it is faster and it fits.
                     alt = evaluate(graph, cluster, cand, res.start[0], res.start[1], costs, options)
-                    if alt.reported < ev.reported and max(alt.rank_memory.values()) <= cap:
+                    if alt.reported < ev.reported and max(alt.rank_memory.values()) <= rank_capacity(cluster, cand):
                         ev = alt
                 linear_low = res.objective if found == "optimal" else bound
                 if by_reported and cand.stages > 1:
@@ -449,6 +469,7 @@ def search(
         pool.shutdown()
     if not ranked:
         raise InfeasibleError(_nothing_fits(graph, cluster, smallest_need, space.candidates))
+    rejected.update(_regions(refused, ranked))
     best_figure = score(ranked[0])
     least = min(unresolved, default=best_figure)
     return SearchResult(
@@ -504,25 +525,53 @@ def _key(c: Candidate) -> tuple[object, ...]:
 
 
 def _region(c: Candidate) -> str:
-    return f"dp={c.dp} tp={c.tp} pp={c.pp}" + (f" ep={c.ep}" if c.ep > 1 else "")
+    """What a rejection names: every setting of the candidate but the micro-batch size (which `_regions`
+    lists) and the micro-batch count (which follows from it), so that a region never covers a plan of a
+    different ZeRO stage, schedule or sequence parallelism than the ones rejected."""
+    out = f"dp={c.dp} tp={c.tp}" + ("+sp" if c.sequence_parallel else "") + f" pp={c.pp}"
+    if c.virtual_stages > 1:
+        out += f"x{c.virtual_stages}"
+    if c.ep > 1:
+        out += f" ep={c.ep}"
+    if c.pp > 1:
+        out += f" {c.schedule}"
+    return out + f" zero={c.zero_stage}"
+
+
+def _regions(refused: dict[Candidate, str], ranked: list[Evaluated]) -> Counter[tuple[str, str]]:
+    """The search's rejections grouped by (region, reason), each region listing its micro-batch sizes
+    ("dp=64 tp=1 pp=1 ep=2 zero=0 mbs=1,2,4"). A candidate that was rejected on the way and still made the
+    ranking (a pruned candidate settled later) is left out: no region contradicts the plans listed."""
+    listed = {ev.cand for ev in ranked}
+    sizes: dict[tuple[str, str], set[int]] = {}
+    for c, why in refused.items():
+        if c not in listed:
+            sizes.setdefault((_region(c), why), set()).add(c.micro_batch_size)
+    out: Counter[tuple[str, str]] = Counter()
+    for (region, why), mbs in sizes.items():
+        out[(f"{region} mbs={','.join(str(b) for b in sorted(mbs))}", why)] = len(mbs)
+    return out
 
 
 def _nothing_fits(
     graph: ModelGraph, cluster: ClusterSpec, need: tuple[float, Candidate] | None, cands: list[Candidate]
 ) -> str:
-    cap = cluster.gpu.memory_bytes
     msg = f"The model does not fit on {cluster.world_size} x {cluster.gpu.display_name} in any configuration."
+    reserved = False
     if need is not None:
         mem, cand = need
+        cap = rank_capacity(cluster, cand)
+        reserve = cluster.reserved_gib + comm_reserve_bytes(cluster.nccl_bytes_per_group, cand) / GiB
+        reserved = reserve > 0
         msg += (
             f" The most memory-frugal layout ({cand.label()}, full recomputation) still needs at least "
             f"{mem / GiB:.1f} GiB on its busiest pipeline rank, {(mem - cap) / GiB:.1f} GiB over the "
             f"{cap / GiB:.0f} GiB per GPU"
-            + (f" left after the {cluster.reserved_gib:.2f} GiB memory reserve." if cluster.reserved_gib else ".")
+            + (f" left after its {reserve:.2f} GiB memory reserve." if reserved else ".")
         )
     msg += (
         " To make it fit: use more GPUs (--nodes), allow ZeRO-3/FSDP and full recomputation (unpin "
         "--zero-stage/--recompute), a smaller micro-batch size, or a GPU with more memory"
-        + (" (or a smaller --memory-reserve)." if cluster.reserved_gib else ".")
+        + (" (or a smaller --memory-reserve)." if reserved else ".")
     )
     return msg

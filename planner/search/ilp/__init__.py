@@ -47,7 +47,10 @@ Constraint families (`constraints`, one function each):
   with a = a_s (v = 1) or A_r >= a_s for the rank's stages (v > 1); in GiB.
 
 `solve.solve_partition` picks the encoding, builds the model, warm-starts CBC from the best of the
-bound's and a balanced partition, and decodes the result with its `Status`.
+bound's and a balanced partition, and decodes the result with its `Status`. With one stage per rank
+(GPipe, 1F1B) on any unit sequence it first runs `chain.solve_chain`, an exact dynamic program (branch
+and bound over the largest stage time and the largest tail, shortest paths under both caps), and calls
+CBC only when that gives up after `chain.MAX_PATHS` paths.
 """
 
 from planner.search.ilp.forms import block_run

@@ -14,6 +14,7 @@ from planner.cost.model import Candidate, CostOptions, UnitCost
 from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches
 from planner.cost.terms import (
     comm_buffer_bytes,
+    comm_reserve_bytes,
     dp_sync_time,
     model_state_bytes,
     optimizer_step_time,
@@ -181,8 +182,9 @@ def add_memory(
     prob: pulp.LpProblem, ex: StageExprs, cand: Candidate, cluster: ClusterSpec, options: CostOptions,
     state: StateBytes, ranks: list[int], costs: list[UnitCost],
 ) -> None:
-    """Per rank r: rank_peak_bytes(sum_{s on r} states_s + buffers_s, k_r * act) <= capacity, with act the
-    stage's activations (one stage per rank) or A_r >= act_s of each of the rank's stages (several)."""
+    """Per rank r: rank_peak_bytes(sum_{s on r} states_s + buffers_s, k_r * act) + the NCCL buffers of the
+    candidate's process groups (`terms.comm_reserve_bytes`) <= capacity, with act the stage's activations (one
+    stage per rank) or A_r >= act_s of each of the rank's stages (several)."""
     S = cand.stages
     largest = max(c.largest_param_bytes for c in costs)
     cap = cluster.gpu.memory_bytes
@@ -206,4 +208,5 @@ def add_memory(
             acts = (
                 rank_in_flight_microbatches(cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, r) * A
             )
-        prob += rank_peak_bytes(states, acts, options) * MEM_SCALE <= cap * MEM_SCALE
+        nccl = comm_reserve_bytes(cluster.nccl_bytes_per_group, cand)
+        prob += (rank_peak_bytes(states, acts, options) + nccl) * MEM_SCALE <= cap * MEM_SCALE

@@ -12,6 +12,7 @@ import pulp
 from planner.cost.memory import model_state_bytes_per_param
 from planner.cost.model import Candidate, CostOptions, UnitCost
 from planner.cost.placement import stage_rank
+from planner.cost.terms import rank_capacity
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
 from planner.names import SolveStatus
@@ -28,6 +29,8 @@ from planner.search.bounds import (
 )
 from planner.search.evaluate import evaluate
 from planner.search.ilp import constraints as rows
+from planner.search.ilp.chain import ChainResult, solve_chain
+from planner.search.ilp.chain import applies as chain_applies
 from planner.search.ilp.forms import (
     AssignForm,
     CountForm,
@@ -124,6 +127,15 @@ def solve_partition(
                 if cutoff is not None and obj >= cutoff * (1 + 1e-9):
                     return ILPResult("cutoff", None, None, None, form=kind or "interval")
                 return ILPResult("optimal", obj, part, rec, form=kind or "interval", start=(part, rec))
+        if force_form is None and chain_applies(cand):
+            # one stage per rank: the exact dynamic program (chain.py) instead of CBC, unless it gives up
+            low = work + comm_bound(graph, cand, cluster) + (floor.joint if floor is not None else 0.0)
+            limit = None if cutoff is None else cutoff * (1 + 1e-9)
+            got = solve_chain(graph, cluster, cand, costs, modes, options, tables, limit, start_sol, low)
+            log.debug("%s: chain %s, %d shortest paths", cand.label(), got and got.objective, got and got.paths)
+            done = _chain_result(graph, cluster, cand, costs, options, got, cutoff, start_sol)
+            if done is not None:
+                return done
         if not all(ivars.values()):
             return ILPResult(
                 "cutoff" if cutoff is not None else "infeasible", None, None, None, form=kind or "interval"
@@ -177,6 +189,30 @@ def solve_partition(
     obj = pulp.value(prob.objective) / OBJ_SCALE
     start = None if start_sol is None else (start_sol[0], start_sol[1])
     return ILPResult(res_status, float(obj), partition, recompute, form=form.name, start=start)
+
+
+def _chain_result(
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    cand: Candidate,
+    costs: list[UnitCost],
+    options: CostOptions,
+    got: ChainResult | None,
+    cutoff: float | None,
+    start_sol: tuple[Partition, list[str], float] | None,
+) -> ILPResult | None:
+    """The dynamic program's answer as an ILPResult (optimal, or cutoff / infeasible when no plan below the
+    cutoff, or none at all, fits), its plan scored by the cost model itself; None (solve with CBC) when it
+    gave up, or when its plan does not fit memory by the cost model's own sum (a rounding edge)."""
+    if got is None:
+        return None
+    if got.partition is None or got.recompute is None:
+        return ILPResult("cutoff" if cutoff is not None else "infeasible", None, None, None, form="chain")
+    ev = evaluate(graph, cluster, cand, got.partition, got.recompute, costs, options)
+    if max(ev.rank_memory.values()) > rank_capacity(cluster, cand):
+        return None
+    start = None if start_sol is None else (start_sol[0], start_sol[1])
+    return ILPResult("optimal", ev.objective, got.partition, got.recompute, form="chain", start=start)
 
 
 def _solve_cbc(
@@ -274,7 +310,7 @@ def _best_start(
         if cand.virtual_stages > 1 and len(set(rec)) > 1:
             continue
         ev = evaluate(graph, cluster, cand, part, rec, costs, options)
-        if max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes and (best is None or ev.objective < best[2]):
+        if max(ev.rank_memory.values()) <= rank_capacity(cluster, cand) and (best is None or ev.objective < best[2]):
             best = (part, rec, ev.objective)
     return best
 
