@@ -49,6 +49,18 @@ class Transfer(NamedTuple):
     end: float
 
 
+class PathCounts(NamedTuple):
+    """A path of the iteration's DAG as counts: per stage, how many of its forward, backward (full, or the
+    input-gradient pass under zero-bubble) and weight-gradient actions lie on it; per stage boundary
+    s -> s+1, how many times it crosses that link between two ranks. Its length is the sum of those
+    counts times the durations (and link times): linear in them."""
+
+    fwd: list[int]
+    bwd: list[int]
+    wgt: list[int]
+    links: list[int]
+
+
 @dataclass(frozen=True)
 class SimResult:
     """Outcome of `simulate`. Times are in the unit of the inputs (seconds throughout the planner)."""
@@ -85,6 +97,61 @@ class SimResult:
     def transfers(self) -> list[Transfer]:
         """Point-to-point sends between different ranks with non-zero duration, in the order of `events`."""
         return _transfers(self.log, self.stage_ranks, self.p2p)
+
+    def rank_paths(self) -> list[PathCounts]:
+        """For each rank, a longest path of the iteration ending at the rank's last action (`PathCounts`).
+
+        The simulated time is the longest path of a DAG whose nodes are the actions, weighted by their
+        durations, and whose edges join each action to the next of its rank and to the actions that wait
+        for it (a forward to the next stage's, a backward to the previous stage's, a stage's last forward
+        to its backward, an input-gradient pass to its weight pass), the edges between ranks weighted by
+        the link's time. Walking back from an action to the predecessor that finished last gives such a
+        path; any path of the DAG (ties broken either way) is at most the iteration time for every
+        choice of durations and links, which is what `planner.search.pathbound` uses."""
+        n, m = len(self.stage_ranks), self.m
+        size = n * m
+        end = [0.0] * (3 * size)
+        at: dict[int, tuple[int, int]] = {}
+        for r, log in enumerate(self.log):
+            for i, (k, s, j, _, t) in enumerate(log):
+                key = k * size + s * m + j
+                end[key] = t
+                at[key] = (r, i)
+        ranks, link = self.stage_ranks, self.p2p
+        out = []
+        for r0, log0 in enumerate(self.log):
+            if not log0:
+                continue
+            counts = PathCounts([0] * n, [0] * n, [0] * n, [0] * max(n - 1, 0))
+            r, i = r0, len(log0) - 1
+            while True:
+                k, s, j, _, _ = self.log[r][i]
+                (counts.fwd, counts.bwd, counts.wgt)[k][s] += 1
+                best: tuple[float, int, int] | None = None  # (ready time, action key, boundary crossed or -1)
+                if i > 0:
+                    pk, ps, pj, _, pt = self.log[r][i - 1]
+                    best = (pt, pk * size + ps * m + pj, -1)
+                deps: list[tuple[int, int]] = []  # (action key, boundary crossed or -1)
+                if k == F and s > 0:
+                    deps.append((F * size + (s - 1) * m + j, s - 1 if ranks[s - 1] != ranks[s] else -1))
+                elif k == B:
+                    deps.append((F * size + s * m + j, -1))
+                    if s < n - 1:
+                        deps.append((B * size + (s + 1) * m + j, s if ranks[s + 1] != ranks[s] else -1))
+                elif k == W:
+                    deps.append((B * size + s * m + j, -1))
+                for key, cross in deps:
+                    t = end[key] + (link[cross] if cross >= 0 else 0.0)
+                    if best is None or t > best[0]:
+                        best = (t, key, cross)
+                if best is None:
+                    break
+                _, key, cross = best
+                if cross >= 0:
+                    counts.links[cross] += 1
+                r, i = at[key]
+            out.append(counts)
+        return out
 
 
 # --- per-rank action orders, mirroring torch.distributed.pipelining.schedules ---------------------------

@@ -520,13 +520,17 @@ def comm_bound(
     """Fill/drain point-to-point: one forward and one backward send per stage boundary, each at least the
     smallest tensor a boundary can carry (in the count form a block's output or the prefix's; otherwise
     the output of any unit but the last)."""
-    if run is None:
-        smallest = min(u.output_bytes for u in graph.units[:-1])
-    else:
-        start = run[0]
-        smallest = min(graph.units[u].output_bytes for u in range(max(0, start - 1), start + 1))
-    out: float = 2.0 * (cand.stages - 1) * p2p_time(smallest, cand, cluster)
+    out: float = 2.0 * (cand.stages - 1) * p2p_time(smallest_boundary(graph, run), cand, cluster)
     return out
+
+
+def smallest_boundary(graph: ModelGraph, run: tuple[int, int, int] | None = None) -> float:
+    """The fewest bytes a stage boundary can carry: in the count form a block's output or the prefix's,
+    otherwise the output of any unit but the last."""
+    if run is None:
+        return min(u.output_bytes for u in graph.units[:-1])
+    start = run[0]
+    return min(graph.units[u].output_bytes for u in range(max(0, start - 1), start + 1))
 
 
 @dataclass
@@ -545,6 +549,10 @@ class BlockBounds:
     # block counts per stage and recomputation per stage built from the relaxation's optimum: starting
     # points for CBC (they may not fit memory; the ILP checks)
     starts: list[tuple[list[int], list[str]]] = field(default_factory=list)
+    # the most blocks memory lets a stage (one stage per rank) or a rank (several, their activation peak
+    # relaxed to the mean of the rank's stages) hold in some recomputation mode: `pathbound`'s caps
+    block_caps: list[float] = field(default_factory=list)
+    rank_block_caps: list[float] = field(default_factory=list)
 
     def total(self) -> float:
         """Lower bound on `iteration_linear` without point-to-point time (pipeline plus tail)."""
@@ -735,6 +743,7 @@ def _block_bound(
         if Z is None:
             return None
         work = L * min(t_q.values()) + sum(min(st.ext_time[r] for r in modes) for st in stages)
+        mem_caps = [float(x) for x in np.max([mem[r] for r in modes], axis=0)]
         # the window of a stage's sync is its own backward: at most that of the slowest mode
         win_blk = max(blk.bwd[r] for r in modes)
         tails = np.array(
@@ -744,9 +753,12 @@ def _block_bound(
             ]
         )
         if not joint:
-            return BlockBounds(cand, work=work, stage_max={r: Z for r in modes}, joint={r: (m - 1) * Z for r in modes})
+            out = BlockBounds(cand, work=work, stage_max={r: Z for r in modes}, joint={r: (m - 1) * Z for r in modes})
+            out.block_caps = mem_caps
+            return out
         value, arg = _joint(m - 1, values(ext_of, t_of), Z, caps, 0.0, [0.0], 0.0, lambda c: tails, L)
         out = BlockBounds(cand, work=work, stage_max={r: Z for r in modes}, joint={r: value for r in modes})
+        out.block_caps = mem_caps
         if arg is not None:
             # a start for the ILP: block counts inside the relaxation's optimum, each stage's fastest
             # recomputation mode that still fits its time and memory caps
@@ -829,6 +841,8 @@ def _block_bound(
 
         out.rank_max[r_mode] = Y
         out.stage_max[r_mode] = Z
+        caps_r = [float(x) for x in rank_mem]
+        out.rank_block_caps = caps_r if not out.rank_block_caps else list(map(max, out.rank_block_caps, caps_r))
         if not joint:
             out.joint[r_mode] = m * Y + (p - 1) * c_start
             continue

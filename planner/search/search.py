@@ -46,6 +46,7 @@ from planner.search.bounds import (
 )
 from planner.search.evaluate import Evaluated, evaluate, simulate_evaluated
 from planner.search.ilp import ILPResult, block_run, solve_partition
+from planner.search.pathbound import pipeline_bound
 from planner.search.reference import brute_force_reported, choices_count
 from planner.search.space import Pins, enumerate_space
 
@@ -58,8 +59,6 @@ ILP_WORKERS = 2  # CBC processes at once
 # A pipelined candidate with at most this many (partition, recomputation) choices is settled by simulating
 # every one of them (exact for the reported figure) instead of solving its ILP.
 REFINE_LIMIT = 256
-# How many bounds the search may tighten after the queue is done, to narrow the reported gap.
-GAP_TIGHTENINGS = 8
 # GPipe's twin is dominated when the 1F1B plan's reported figure is within this relative tolerance of the
 # linear optimum (the figures are sums of the same floats in different orders).
 DOMINANCE_TOL = 1e-12
@@ -88,6 +87,7 @@ class QueueItem:
     bounds: BlockBounds | IntervalBounds | None = field(default=None, compare=False, repr=False)
     reported: float = field(default=0.0, compare=False)
     tail: float = field(default=0.0, compare=False)  # `bounds.tail_bound` of the candidate
+    paths: bool = field(default=False, compare=False)  # `reported` raised by `pathbound.pipeline_bound`
 
 
 @dataclass
@@ -105,9 +105,11 @@ class SearchResult:
     # of a candidate the search did not settle for it (too many partitions to simulate each, REFINE_LIMIT,
     # and either the linear optimum's partition is not proven best by the simulator or the candidate was
     # pruned by its linear bound only). 0 when the choice is the proven minimum of the reported figure
-    # over the whole space searched. What keeps it open on large cases (GPT-3 175B on 1024 A100s: 10.3%):
-    # zero-bubble and interleaved candidates with few micro-batches (m < 2p), whose bound sees the busiest
-    # rank's m W / p and one micro-batch's chain but not the fill of the schedule over uneven partitions.
+    # over the whole space searched. Candidates left below the choice get their bounds tightened to the
+    # last level and raised by the schedule's longest paths (`pathbound`), which see the fill and drain
+    # over uneven partitions. What keeps it open (GPT-3 175B on 1024 A100s: 3.1%): interleaved and
+    # zero-bubble candidates with one to three blocks per stage, whose fractional partitions (which the
+    # path bound relaxes to) simulate below the choice while their whole-block ones do not.
     reported_gap: float = 0.0
 
 
@@ -249,6 +251,8 @@ def search(
     revived = 0
     # valid lower bounds on the reported figure of candidates not settled exactly for it
     unresolved: list[float] = []
+    # candidates whose ILP plan is not proven the least reported figure: (valid bound, item), settled last
+    unsettled: list[tuple[float, QueueItem]] = []
     # pipelined candidates pruned by their linear bound whose reported bound is lower: settled at the end
     doubtful: list[QueueItem] = []
 
@@ -342,6 +346,13 @@ def search(
         add(ev)
         settled_1f1b(item.cand, least_linear, ev.reported, item.index)
 
+    def path_raised(item: QueueItem, low: float) -> float:
+        """`low`, a valid bound on the item's reported figure, raised by the schedule's longest paths
+        (`pathbound.pipeline_bound`, aiming at the choice's figure) plus the tail bound."""
+        target = score(ranked[0]) - item.tail
+        pipe = pipeline_bound(graph, item.costs, item.cand, cluster, item.modes, run, item.bounds, target)
+        return max(low, pipe + item.tail)
+
     def small(item: QueueItem) -> bool:
         return by_reported and item.cand.stages > 1 and choices_count(n_units, item.cand, item.modes) <= REFINE_LIMIT
 
@@ -427,7 +438,7 @@ def search(
                     # the linear optimum (at most the reported figure of every partition)
                     low = max(item.reported, linear_low) if linear_bounds_reported(cand) else item.reported
                     if ev.reported > low * (1 + 1e-9):
-                        unresolved.append(low)
+                        unsettled.append((low, item))
                         log.debug("not settled: %s, plan %.6g, bound %.6g", cand.label(), ev.reported, low)
                 optimum = (res.partition, res.recompute) if found == "optimal" else None
                 settled_1f1b(cand, linear_low, ev.reported, item.index, optimum)
@@ -438,15 +449,14 @@ def search(
             # where it bounds the reported figure. The others are settled by simulation when small, else
             # their reported bound is tightened and, if still below the choice, counts in the gap.
             # The least bound first: small candidates below the choice are settled by simulating every
-            # partition. A large one has its bound tightened (at most GAP_TIGHTENINGS times in all, a count
-            # so that the result does not depend on the machine) and goes back; the first large one left
-            # below the choice with its bound final, or once the tightenings are spent, has the least bound
-            # of those left and fixes the gap: then only small candidates are still worth settling.
+            # partition. A large one has its bound tightened to the last level, then raised by the
+            # schedule's longest paths, going back each time; the first large one left below the choice
+            # with its bound final has the least bound of those left and fixes the gap: then only small
+            # candidates are still worth settling.
             rest = [it for it in doubtful + heap if not linear_bounds_reported(it.cand)]
             sweep = [(it.reported, it.index, it) for it in rest]
             heapq.heapify(sweep)
             gap_found = False
-            budget = GAP_TIGHTENINGS
             while sweep:
                 _, _, item = heapq.heappop(sweep)
                 if not ranked or item.reported >= score(ranked[0]):
@@ -456,15 +466,28 @@ def search(
                     continue
                 if gap_found:
                     continue
-                if item.level < 2 and budget > 0:
-                    budget -= 1
+                if item.level < 2:
                     nxt_item = tighten(item)
                     if nxt_item is not None:
                         heapq.heappush(sweep, (nxt_item.reported, nxt_item.index, nxt_item))
                     continue
+                if not item.paths:
+                    item.paths = True
+                    item.reported = path_raised(item, item.reported)
+                    heapq.heappush(sweep, (item.reported, item.index, item))
+                    continue
                 unresolved.append(item.reported)
                 gap_found = True
                 log.debug("reported gap set by %s: bound %.6g", item.cand.label(), item.reported)
+            # Solved candidates whose plan is not proven their least reported figure: their bounds raised
+            # by the longest paths, least first; one at or above the least bound so far cannot lower it.
+            for low, item in sorted(unsettled, key=lambda e: (e[0], e[1].index)):
+                if low >= min(unresolved, default=score(ranked[0])):
+                    break
+                low = path_raised(item, low)
+                if low < score(ranked[0]):
+                    unresolved.append(low)
+                    log.debug("not settled: %s, bound %.6g", item.cand.label(), low)
     finally:
         pool.shutdown()
     if not ranked:
