@@ -220,6 +220,20 @@ def parallel_style(style: str, module: nn.Module) -> ParallelStyle:
     raise ValueError(f"Unknown TP style {style!r}: expected colwise, rowwise or colwise_gather.")
 
 
+def splits_unevenly(module: nn.Module, style: str, size: int, tp: int, chunks: int = 1) -> bool:
+    """Whether `size` rows of this module may be split over tp ranks in unequal shares: the vocabulary of an
+    LM head whose logits are all-gathered (colwise_gather) or of an nn.Embedding looked up row-parallel.
+    DTensor shards them as torch.chunk does (GPT-2's 50257 tokens over tp 2: 25129 and 25128 rows) and
+    gathers or sums the whole result, so nothing downstream sees the split; but every rank must get a row
+    (FSDP2 cannot shard an empty tensor). Everything else must divide: a column-parallel Linear feeds its
+    shard to a row-parallel one, and head counts split with it."""
+    if chunks > 1 or is_conv1d(module) or size <= -(-size // tp) * (tp - 1):
+        return False
+    if style == "colwise_gather":
+        return isinstance(module, nn.Linear)
+    return style == "rowwise" and isinstance(module, nn.Embedding) and not splits_own_vocab(module)
+
+
 def is_conv1d(module: nn.Module) -> bool:
     """Hugging Face's Conv1D (GPT-2): a Linear whose weight is stored [in, out], applied as x @ W + b."""
     weight = getattr(module, "weight", None)
@@ -455,7 +469,8 @@ def retie(root: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
 
 def check_tp(roots: list[nn.Module], layout: Layout) -> None:
     """Whether the TP plan applies to the modules under `roots`: each sharded weight's split dimension (each
-    chunk's, for a fused projection) and each head-count attribute divides by tp, and each module is what
+    chunk's, for a fused projection; a vocabulary may split unevenly, `splits_unevenly`) and each head-count
+    attribute divides by tp, and each module is what
     the plan says (nn.Linear / nn.Embedding, or a Conv1D listed in TP_TRANSPOSED). Raises RunError naming
     the module (also at plan time)."""
     for root in roots:
@@ -485,7 +500,7 @@ def check_tp(roots: list[nn.Module], layout: Layout) -> None:
                     f"TP_FUSED splits {name} ({style}, size {size}) into {chunks} equal chunks: only a colwise "
                     "projection whose width the chunks divide can be. Re-plan the model."
                 )
-            if (size // chunks) % layout.tp:
+            if (size // chunks) % layout.tp and not splits_unevenly(module, style, size, layout.tp, chunks):
                 what = f"each of its {chunks} chunks (size {size // chunks})" if chunks > 1 else f"size {size}"
                 raise RunError(
                     f"TP_PLAN splits {name} ({style}, {what}) over tp={layout.tp}: the size must divide. "

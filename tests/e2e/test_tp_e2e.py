@@ -51,10 +51,10 @@ _spec.loader.exec_module(hf_tiny)
 example_inputs = hf_tiny.example_inputs
 
 
-def build_model(arch="llama", **_):
+def build_model(arch="llama", vocab=hf_tiny.VOCAB, **_):
     import transformers as tf
 
-    cfg = hf_tiny._config(arch)
+    cfg = hf_tiny._config(arch, vocab)
     for key, value in sorted(vars(cfg).items()):
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(cfg, key, 0.0)
@@ -85,6 +85,8 @@ def plan_cli(name: str, out: Path, *pins: str):
 CASES = {
     **{f"{name}_tp2_dp2": (name, ("--tp", "2", "--dp", "2")) for name in (*HF_ARCHS, *FIXTURES)},
     "moduledict_llama_pp2_tp2": ("moduledict_llama", ("--tp", "2", "--pp", "2", "--schedule", "1f1b")),
+    # An odd vocabulary (GPT-2's is 50257): the tied wte / lm_head split 64 + 63 rows, under FSDP2 too.
+    "gpt2_odd_vocab_tp2_dp2_zero3": ("gpt2", ("--tp", "2", "--dp", "2", "--zero-stage", "3", "--model-arg", "vocab=127")),
 }
 
 
