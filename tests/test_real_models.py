@@ -24,6 +24,13 @@ HF_STRUCTURE = {
         "MoE MixtralSparseMoeBlock in model.layers.0.mlp: 4 experts, top-2, router MixtralTopKRouter (replicated "
         "under TP)",
     ],
+    # DeepSeek-V2: the first layer dense, the others routed experts plus a shared one (the MoE line names the
+    # first MoE layer); multi-head latent attention. Only torch.export traces it.
+    "deepseek_v2": [
+        "4 x DeepseekV2DecoderLayer in model.layers (ModuleList)",
+        "MoE DeepseekV2Moe in model.layers.1.mlp: 4 experts, top-2, router DeepseekV2TopkRouter (replicated "
+        "under TP)",
+    ],
     "gpt2": ["4 x GPT2Block in transformer.h (ModuleList)"],
     "bert": ["4 x BertLayer in bert.encoder.layer (ModuleList)"],
     "t5": ["2 x T5Block in encoder.block (ModuleList)", "2 x T5Block in decoder.block (ModuleList)"],
