@@ -138,6 +138,22 @@ def test_attention_is_a_tp_pair(name):
     assert u.tp_styles[prefix + row] == "rowwise"
 
 
+def test_deepseek_v2_latent_attention_stays_replicated_with_its_reason():
+    """DeepSeek-V2 writes its keys in place (`k[..., d:].copy_(k_rot)`) from a rotary key that one replicated
+    projection (kv_a_proj_with_mqa) gives all heads: sharding the heads would leave each rank only its heads'
+    share of that projection's gradient. Attention is not paired (with the reason); the shared expert is."""
+    g = graph_of("deepseek_v2")
+    u = next(u for u in g.units if u.name == "model.layers.1")
+    assert not u.tp_shards_attention
+    assert not any("self_attn" in m for m in u.tp_styles)
+    assert any(
+        "self_attn.o_proj is not sharded: its heads also read model.layers.1.self_attn.kv_a_proj_with_mqa" in r
+        for r in u.tp_refused
+    ), u.tp_refused
+    assert u.tp_styles["model.layers.1.mlp.shared_experts.down_proj"] == "rowwise"
+    assert not any(m.endswith(".mlp.gate") or ".mlp.experts" in m for m in u.tp_styles)  # router, routed experts
+
+
 def test_head_count_gpt_divides_its_head_attributes_and_splits_the_fused_qkv():
     """Issue 10's example: `split(self.dim)` and `view(b, s, self.heads, -1)` on a fused qkv."""
     u = _block(graph_of("headcount_gpt"))
