@@ -32,6 +32,7 @@ from planner.plan import (
     StagePlan,
     TrainingConfig,
 )
+from planner.runtime.layout import runs_traced_graph
 from planner.search.search import Evaluated, SearchResult, search, simulate_evaluated
 from planner.search.space import Pins
 
@@ -127,6 +128,16 @@ def _expert_comm(ev: Evaluated, graph: ModelGraph, cluster: ClusterSpec) -> floa
         if graph.units[u].experts
     )
     return per_mb * ev.cand.num_micro_batches / max(1, ev.cand.pp)
+
+
+def _kept_experts(ev: Evaluated, graph: ModelGraph) -> dict[str, int]:
+    """The MoE experts modules the script shards (ep > 1) or keeps as module calls in a traced graph (a
+    pipeline, or sequence parallelism: the experts then run their own code on the rank's device, not the
+    path the model took when traced on meta), with their expert counts; else none."""
+    c = ev.cand
+    if c.ep == 1 and not runs_traced_graph(c.pp, c.tp, c.sequence_parallel):
+        return {}
+    return {name: n for u in graph.units for name, n in u.experts.items()}
 
 
 def _optimizer_only(ev: Evaluated, cluster: ClusterSpec, graph: ModelGraph, options: CostOptions) -> float:
@@ -244,7 +255,7 @@ def build_plan(
         tp_transposed=sorted(transposed),
         tp_refused=refused,
         structure=graph.structure,
-        experts={name: n for u in graph.units for name, n in u.experts.items()} if best.cand.ep > 1 else {},
+        experts=_kept_experts(best, graph),
         source_spec=graph.source_spec,
         source_settings=graph.source_settings,
         stages=stages,

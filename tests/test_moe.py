@@ -464,3 +464,34 @@ def test_search_with_experts_equals_brute_force_and_its_bounds_hold(memory_gib, 
     assert got.best.objective == pytest.approx(expected[0], rel=1e-9), (got.best.cand, expected[1])
     if (memory_gib, dp) == (30.0, 2):  # the one where experts sharded inside pipeline stages win
         assert (got.best.cand.pp, got.best.cand.ep) == (2, 2), got.best.cand.label()
+
+
+@pytest.mark.parametrize("layout", ["pp2xdp2", "dp4"])
+def test_a_traced_graph_without_ep_still_names_the_experts_it_calls(layout, tmp_path):
+    """Without expert parallelism a pipeline stage still calls each experts module as a module (the experts
+    then run their own code on the rank's device, not the GPU path a meta trace inlines: transformers' int32
+    histc): plan.json and train.py name them. The model as written (dp4) needs no such list."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from planner.codegen.render import runtime_objects
+    from planner.plan import load_plan
+
+    out = tmp_path / "plan"
+    pins = ["--pp", "2", "--dp", "2", "--schedule", "1f1b"] if layout == "pp2xdp2" else ["--dp", "4"]
+    result = CliRunner().invoke(
+        app,
+        ["plan", str(MODELS / "deepseek_moe.py"), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4",
+         "--global-batch-size", "8", "--micro-batch-size", "2", *pins, "--ep", "1", "--out", str(out), "--quiet"],
+    )
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    script = (out / "train.py").read_text()
+    assert plan.parallel.ep == 1
+    if layout == "dp4":
+        assert plan.experts == {} and "EXPERTS" not in script
+        return
+    assert plan.experts and all(n == 4 for n in plan.experts.values())
+    assert "EXPERTS = {" in script and "ep=EP, experts=EXPERTS" in script
+    layout_obj = runtime_objects(plan)[0]
+    assert set(layout_obj.experts) == set(plan.experts) and not layout_obj.ep_enabled

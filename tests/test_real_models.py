@@ -24,6 +24,13 @@ HF_STRUCTURE = {
         "MoE MixtralSparseMoeBlock in model.layers.0.mlp: 4 experts, top-2, router MixtralTopKRouter (replicated "
         "under TP)",
     ],
+    # DeepSeek-V2: the first layer dense, the others routed experts plus a shared one (the MoE line names the
+    # first MoE layer); multi-head latent attention. Only torch.export traces it.
+    "deepseek_v2": [
+        "4 x DeepseekV2DecoderLayer in model.layers (ModuleList)",
+        "MoE DeepseekV2Moe in model.layers.1.mlp: 4 experts, top-2, router DeepseekV2TopkRouter (replicated "
+        "under TP)",
+    ],
     "gpt2": ["4 x GPT2Block in transformer.h (ModuleList)"],
     "bert": ["4 x BertLayer in bert.encoder.layer (ModuleList)"],
     "t5": ["2 x T5Block in encoder.block (ModuleList)", "2 x T5Block in decoder.block (ModuleList)"],
@@ -129,6 +136,22 @@ def test_attention_is_a_tp_pair(name):
     assert any(p.column == [prefix + c for c in cols] and p.row == prefix + row for p in u.tp_pairs), u.tp_pairs
     assert u.tp_shards_attention and not u.tp_refused
     assert u.tp_styles[prefix + row] == "rowwise"
+
+
+def test_deepseek_v2_latent_attention_stays_replicated_with_its_reason():
+    """DeepSeek-V2 writes its keys in place (`k[..., d:].copy_(k_rot)`) from a rotary key that one replicated
+    projection (kv_a_proj_with_mqa) gives all heads: sharding the heads would leave each rank only its heads'
+    share of that projection's gradient. Attention is not paired (with the reason); the shared expert is."""
+    g = graph_of("deepseek_v2")
+    u = next(u for u in g.units if u.name == "model.layers.1")
+    assert not u.tp_shards_attention
+    assert not any("self_attn" in m for m in u.tp_styles)
+    assert any(
+        "self_attn.o_proj is not sharded: its heads also read model.layers.1.self_attn.kv_a_proj_with_mqa" in r
+        for r in u.tp_refused
+    ), u.tp_refused
+    assert u.tp_styles["model.layers.1.mlp.shared_experts.down_proj"] == "rowwise"
+    assert not any(m.endswith(".mlp.gate") or ".mlp.experts" in m for m in u.tp_styles)  # router, routed experts
 
 
 def test_head_count_gpt_divides_its_head_attributes_and_splits_the_fused_qkv():

@@ -293,3 +293,62 @@ def test_a_graph_with_integer_histc_is_refused_for_cpu_runs_only():
     assert unsupported_on(gm, values, "cuda") is None
     gm, values, _ = trace(Counts(), (torch.randn(2, 4),))
     assert unsupported_on(gm, values, "cpu") is None
+
+
+GROUPED = '''
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+
+class Net(nn.Module):
+    """67M parameters (checked on meta); HF's packed-sequence branch outside tracing, and experts run by
+    torch._grouped_mm, whose meta kernel (the GPU's path, as transformers' MoE takes off the CPU) takes bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj_in = nn.Linear(16, 8192)
+        self.big = nn.Linear(8192, 8192)
+        self.down = nn.Linear(8192, 64)
+        self.experts = nn.Parameter(torch.randn(4, 64, 64))
+        self.register_buffer("scale", torch.ones(64))  # buffers stay fp32 under mixed precision
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x):
+        h = self.down(self.big(self.proj_in(x.to(self.proj_in.weight.dtype))))
+        if not isinstance(x, FakeTensor) and bool((x[:, -1] == 0).all()):
+            h = h * 2
+        assert self.scale.dtype == torch.float32
+        offs = torch.full((4,), h.shape[0], dtype=torch.int32, device=h.device)
+        h = torch._grouped_mm(h, self.experts, offs=offs)
+        return self.head(h)
+
+
+def build_model(**kwargs):
+    return Net()
+
+
+def example_inputs(batch_size, **kwargs):
+    return (torch.randn(batch_size, 16),)
+'''
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_a_large_model_is_checked_in_the_dtype_the_gpus_compute_in(tmp_path, dtype):
+    """Mixtral-8x7B's experts call torch._grouped_mm on GPUs, which takes bf16 only: the run's mixed precision
+    casts the weights to bf16, so the check on fake tensors casts them as well (buffers stay fp32). An fp32 run
+    would fail there, and is refused."""
+    path = tmp_path / "grouped.py"
+    path.write_text(GROUPED)
+    plan = make_plan("mlp", dp=1, gpu="h100-sxm-80gb")
+    plan = plan.model_copy(
+        update={
+            "model": plan.model.model_copy(update={"path": str(path), "loss_fn": None, "dtype": dtype}),
+            "training": plan.training.model_copy(update={"dtype": dtype}),
+        }
+    )
+    if dtype == "bf16":
+        assert check_plan_runs(plan) == "module"
+    else:
+        with pytest.raises(PlanError, match="fails on the meta device"):
+            check_plan_runs(plan)

@@ -245,6 +245,16 @@ def meta_like(x):
     )
 
 
+def returned_nodes(graph) -> object:
+    """What a unit's graph returns, as positions of its nodes (the output's structure kept): equal for two
+    units that return the same values."""
+    import torch
+
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    out = next(n for n in graph.nodes if n.op == "output")
+    return repr(torch.fx.graph.map_arg(out.args[0], lambda n: index[n]))
+
+
 def run_units_once(parts, inputs: tuple, keys: dict[int, str]):
     """Run the split model on meta, executing each distinct (unit structure, input shapes) only once.
 
@@ -257,7 +267,7 @@ def run_units_once(parts, inputs: tuple, keys: dict[int, str]):
     env: dict = {}
     captured: dict[int, tuple] = {}
     sigs: dict[int, str] = {}
-    cache: dict[str, object] = {}
+    cache: dict[tuple[str, object], object] = {}
     it = iter(inputs)
     out = None
     with torch.no_grad():
@@ -272,9 +282,14 @@ def run_units_once(parts, inputs: tuple, keys: dict[int, str]):
                 sig = hashlib.sha256(repr((keys[idx], shapes)).encode()).hexdigest()[:16]
                 sigs[idx] = sig
                 captured[idx] = args
-                if sig not in cache:
-                    cache[sig] = getattr(parts, node.target)(*args)
-                env[node] = meta_like(cache[sig])
+                part = getattr(parts, node.target)
+                # Identical blocks can differ in what they return: a value made in one block and read by the
+                # later ones (torch.export traces DeepSeek-V2's `position_embeddings.to(device)`, which returns
+                # its input, as made in the first block) is passed on by every block but the last.
+                run = (sig, returned_nodes(part.graph))
+                if run not in cache:
+                    cache[run] = part(*args)
+                env[node] = meta_like(cache[run])
             elif node.op == "call_function":
                 args = tuple(env[a] if isinstance(a, torch.fx.Node) else a for a in node.args)
                 env[node] = node.target(*args)
@@ -309,16 +324,16 @@ def _experts_of(mod) -> int:
 
 
 def _moe_blocks(model, blocks: set[str]) -> list[str]:
-    """Mixture-of-experts layers in the first block of each type: experts, top-k and router, one line each."""
+    """Mixture-of-experts layers in the first block of each type that has them (DeepSeek's first layers are
+    dense blocks of the same type): experts, top-k and router, one line each."""
     import torch.nn as nn
 
     lines: list[str] = []
     seen: set[str] = set()
-    for root in sorted(blocks):
+    for root in sorted(blocks, key=_natural):
         block = model.get_submodule(root)
         if type(block).__name__ in seen:
             continue
-        seen.add(type(block).__name__)
         for name, mod in block.named_modules():
             experts = getattr(mod, "experts", None)
             if not isinstance(experts, nn.Module) or not _experts_of(experts):
@@ -332,9 +347,15 @@ def _moe_blocks(model, blocks: set[str]) -> list[str]:
                 None,
             )
             where = f"{root}.{name}" if name else root
+            seen.add(type(block).__name__)
             lines.append(
                 f"MoE {type(mod).__name__} in {where}: {_experts_of(experts)} experts"
                 + (f", top-{top_k}" if top_k else "")
                 + (f", router {type(router).__name__} (replicated under TP)" if router is not None else "")
             )
     return lines
+
+
+def _natural(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key putting model.layers.2 before model.layers.10."""
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in name.split("."))

@@ -133,6 +133,12 @@ def _is_tensor_node(node) -> bool:
     return isinstance(m, torch.Tensor) or (hasattr(m, "shape") and hasattr(m, "dtype"))
 
 
+def _holds_tensors(node) -> bool:
+    """A node whose value is a tuple or list of tensors (what split returns, before getitem picks one)."""
+    m = val_meta(node)
+    return isinstance(m, (list, tuple)) and any(hasattr(t, "shape") and hasattr(t, "dtype") for t in m)
+
+
 def _is_mixing(node) -> bool:
     name = getattr(node.target, "__name__", str(node.target))
     if node.op == "call_module":
@@ -157,6 +163,33 @@ def _ancestor_placeholders(nodes) -> set:
             found.add(n)
         stack.extend(n.all_input_nodes)
     return found
+
+
+# Ops whose result shares its input's storage: an in-place op on one writes into that input.
+_VIEWS = {"slice", "select", "narrow", "view", "as_strided", "unsqueeze", "squeeze", "transpose", "permute",
+          "expand", "getitem", "unflatten", "diagonal", "t", "alias"}
+
+
+def _in_place_writes(graph) -> dict:
+    """node -> the in-place ops that write into it or into a view of it (DeepSeek-V2 builds its keys as
+    `k = x.new_empty(...); k[..., :d].copy_(k_nope); k[..., d:].copy_(k_rot)`): the values they write are
+    part of the node's value, though no edge of the graph leads from them to its users."""
+    import operator
+
+    import torch.fx
+
+    writes: dict = {}
+    for n in graph.nodes:
+        if n.op not in ("call_function", "call_method") or not n.args or not isinstance(n.args[0], torch.fx.Node):
+            continue
+        if not (_op_name(n).endswith("_") or n.target is operator.setitem):
+            continue
+        base = n.args[0]
+        while _op_name(base) in _VIEWS and base.args and isinstance(base.args[0], torch.fx.Node):
+            writes.setdefault(base, []).append(n)
+            base = base.args[0]
+        writes.setdefault(base, []).append(n)
+    return writes
 
 
 def _shape(node) -> tuple | None:
@@ -430,6 +463,7 @@ def detect_tp_pairs(sub, names: ModuleNames, constants: frozenset = frozenset())
         elif w.failure and (w.attention or w.fused or w.groups):
             refused.append(f"{linears[a]} is not sharded: {w.failure}")
     terminal = {a: next(iter(w.ends)) for a, w in walks.items()}
+    writes = _in_place_writes(sub.graph)
     pairs = []
     by_row: dict = {}
     for a, r in terminal.items():
@@ -453,8 +487,16 @@ def detect_tp_pairs(sub, names: ModuleNames, constants: frozenset = frozenset())
             if n in linears:
                 if n not in col_set:
                     ok = False
+                    if any(walks[c].attention for c in cols):
+                        # DeepSeek-V2's rotary key: one replicated projection broadcast over the sharded heads;
+                        # each rank's backward would sum its gradient over its own heads only.
+                        refused.append(
+                            f"{', '.join(sorted(linears[c] for c in cols))} -> {linears[r]} is not sharded: its "
+                            f"heads also read {linears[n]}, which is not sharded with them (each rank would "
+                            "compute only its own heads' share of that projection's gradient)"
+                        )
                 continue
-            if n.op == "get_attr" or not _is_tensor_node(n):
+            if n.op == "get_attr" or not (_is_tensor_node(n) or _holds_tensors(n)):
                 continue  # parameters, buffers and shape arithmetic (x.shape[0]) carry no sharded values
             if n.op == "placeholder":
                 if n.name in constants or n not in streams:
@@ -462,6 +504,8 @@ def detect_tp_pairs(sub, names: ModuleNames, constants: frozenset = frozenset())
                 ok = False
                 break
             stack.extend(n.all_input_nodes)
+            for w in writes.get(n, ()):
+                stack.extend(w.all_input_nodes)
         if not ok:
             continue
         groups = 0

@@ -187,7 +187,7 @@ def _run_model(
         raise
     except Exception as e:  # noqa: BLE001 - retried for real below when small enough
         if sum(p.numel() for p in meta_model.parameters()) > SMALL:
-            if _runs_on_fake_tensors(meta_model, example, n_inputs, loss_fn):
+            if _runs_on_fake_tensors(meta_model, example, n_inputs, loss_fn, COMPUTE_DTYPES.get(training.dtype)):
                 return
             first = str(e).strip().splitlines()[0][:400] if str(e).strip() else ""
             raise RunError(
@@ -205,14 +205,29 @@ def _run_model(
 
 
 def _runs_on_fake_tensors(
-    meta_model: nn.Module, example: tuple[torch.Tensor, ...], n_inputs: int, loss_fn: Callable[..., torch.Tensor]
+    meta_model: nn.Module,
+    example: tuple[torch.Tensor, ...],
+    n_inputs: int,
+    loss_fn: Callable[..., torch.Tensor],
+    compute_dtype: torch.dtype | None = None,
 ) -> bool:
     """Whether forward, loss and backward run under FakeTensorMode: a large model whose forward branches on
     values where it sees real tensors but skips that branch while tracing (Hugging Face's packed-sequence
     check calls .item() unless `is_tracing`) fails on plain meta tensors yet runs on the cluster. Fake tensors
-    are what torch.export traces with, so this is the meta run with the model's own tracing paths."""
+    are what torch.export traces with, so this is the meta run with the model's own tracing paths.
+
+    `compute_dtype` (bf16/fp16 on GPUs): the parameters are cast to it first, as the run's mixed precision
+    casts them (FSDP2's param_dtype; buffers stay fp32). The meta device takes a model's GPU paths, and some
+    exist only in that dtype (torch._grouped_mm, which transformers' MoE experts call, takes bf16 alone)."""
+    import logging
+
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    if compute_dtype is not None:
+        _cast_parameters(meta_model, compute_dtype)
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs each failing kernel with a traceback
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             meta = tuple(t.to("meta") for t in example)
@@ -224,8 +239,25 @@ def _runs_on_fake_tensors(
     except Exception:  # noqa: BLE001 - the meta run's error is the one reported
         return False
     finally:
+        quiet.setLevel(level)
         meta_model.zero_grad(set_to_none=True)  # no fake gradients left on the meta model
     return True
+
+
+# The dtype a GPU run computes in (runtime.parallel.apply_data_parallel's param_dtype), by Training.dtype.
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Replace the model's floating-point parameters by copies in `dtype` (a weight shared by two modules
+    stays one parameter); buffers keep their dtype, as under FSDP2's mixed precision."""
+    cast: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_floating_point() and p.dtype != dtype:
+                if id(p) not in cast:
+                    cast[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                module._parameters[name] = cast[id(p)]
 
 
 def _check_loss(loss: Any) -> None:

@@ -186,8 +186,10 @@ def trace_and_cut(
     meta_model = build_model(user, spec, seed, everything_on_meta=True)
     inputs = tuple(t.to("meta") for t in example[: input_count(meta_model, len(example))])
     meta_input = inputs[0]
-    # Expert parallelism swaps each experts module for this rank's slice after the cut: keep them as calls.
-    leaves = frozenset(layout.experts) if layout.ep_enabled else frozenset()
+    # The experts modules stay calls in the graph: expert parallelism swaps each for this rank's slice after
+    # the cut, and without it they still run their own code on this rank's device (traced on meta, their
+    # code takes the GPU's path: transformers' grouped-mm experts count tokens with an int32 histc).
+    leaves = frozenset(layout.experts)
     gm, values, method = trace(meta_model, inputs, log, leaves)
     why = unsupported_on(gm, values, device_type)
     if why is not None:
@@ -199,8 +201,8 @@ def trace_and_cut(
     missing = sorted(leaves - called)
     if missing:
         raise RunError(
-            f"EXPERTS names modules the traced graph does not call as modules: {missing[:5]}; expert parallelism "
-            "in a pipeline swaps each experts module for its expert-parallel slice. Re-plan the model."
+            f"EXPERTS names modules the traced graph does not call as modules: {missing[:5]}; a traced stage "
+            "calls each experts module as a module (expert parallelism swaps it for its slice). Re-plan the model."
         )
     if layout.tp_enabled and layout.tp_head_attrs:
         raise RunError(

@@ -1,12 +1,14 @@
-"""The real-model corpus (9 Hugging Face architectures and 3 fixtures, tests/e2e/hf_plans.py) x {dp4, pp2xdp2}
+"""The real-model corpus (10 Hugging Face architectures and 3 fixtures, tests/e2e/hf_plans.py) x {dp4, pp2xdp2}
 for 4 CPU ranks: `planner plan` (which runs the plan-time check) either writes a plan or refuses with the
 reason below (exit 2, nothing written); never a plan that then fails at launch.
 
 Training runs only where no other e2e file already trains that model and layout (test_hf_e2e.py: llama,
 bert, gpt2 pp2xdp2, resnet dp4, vit dp4 with ZeRO-3 pinned; test_tp_e2e.py: tp2xdp2; test_moe_e2e.py:
-mixtral dp4 ep2): ViT dp4 as planned (recompute on a model that reads a checkpointed child's attributes),
-T5 pp2xdp2 (an encoder-decoder cut into a pipeline) and the CNN of one top-level Sequential pp2xdp2. The
-whole matrix trains in bench/corpus_train.py.
+mixtral and deepseek_v2 dp4 ep2): ViT dp4 as planned (recompute on a model that reads a checkpointed child's
+attributes), T5 pp2xdp2 (an encoder-decoder cut into a pipeline), the CNN of one top-level Sequential
+pp2xdp2, and the MoE models pp2xdp2 without expert parallelism (Mixtral, DeepSeek-V2: each stage calls the
+experts modules as modules, so the CPU ranks run the experts' CPU code, not the int32 histc of the GPU path
+the meta trace took). The whole matrix trains in bench/corpus_train.py.
 """
 
 from __future__ import annotations
@@ -26,10 +28,14 @@ from planner.plan import load_plan
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.e2e
 
-# (model, layout) -> what the refusal says. transformers' grouped-mm experts count tokens per expert with an
-# int32 histc unless the device is the CPU; a pipeline runs the graph traced on meta, which took that path.
-REFUSED = {("mixtral", "pp2xdp2"): "torch.histc on torch.int32"}
-TRAINED = [("vit", "dp4"), ("t5", "pp2xdp2"), ("sequential_cnn", "pp2xdp2")]
+# (model, layout) -> what the refusal says. None today: Mixtral pp2xdp2 was refused (the stages ran the
+# experts' GPU path, an int32 histc, traced on meta) until the stages kept the experts as module calls.
+REFUSED: dict[tuple[str, str], str] = {}
+TRAINED = [
+    ("vit", "dp4"), ("t5", "pp2xdp2"), ("sequential_cnn", "pp2xdp2"), ("mixtral", "pp2xdp2"),
+    ("deepseek_v2", "pp2xdp2"),
+]
+MOE = ("mixtral", "deepseek_v2")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -41,6 +47,11 @@ def test_corpus_model_plans_or_is_refused_with_its_reason(model, layout, tmp_pat
     if reason is None:
         assert result.exit_code == 0, result.output
         assert (out / "plan.json").exists() and (out / "launch.sh").exists()
+        if model in MOE and layout != "dp4":
+            # A pipeline without expert parallelism still names the experts: its stages call them as modules.
+            plan = load_plan(out)
+            assert plan.parallel.ep == 1 and plan.experts and all(n == 4 for n in plan.experts.values())
+            assert "EXPERTS = {" in (out / "train.py").read_text()
     else:
         assert result.exit_code == 2, result.output
         message = " ".join(result.output.split())

@@ -4,6 +4,7 @@ launch.sh shards each MoE layer's experts over 2 ranks (all-to-all dispatch and 
 3 steps with the loss and gradient norm of a single-process run of the same micro-batches.
 
 - tiny HF Mixtral: stacked expert weights (MixtralExperts), each rank keeping 2 of the 4 experts;
+- tiny HF DeepSeek-V2: the same stacked experts in 3 of its 4 layers (the first is dense), plus a shared expert;
 - the DeepSeek-style fixture: experts in an nn.ModuleList plus a shared expert.
 
 With a pipeline each stage's traced graph keeps the experts modules as calls (torch.fx leaves for the
@@ -32,8 +33,10 @@ MIXTRAL = (MODELS / "hf_tiny.py", ["--model-arg", "arch=mixtral"])
 DEEPSEEK = (MODELS / "deepseek_moe.py", [])
 DP4 = ["--dp", "4", "--ep", "2"]
 PP2_DP2 = ["--pp", "2", "--dp", "2", "--ep", "2"]
+DEEPSEEK_V2 = (MODELS / "hf_tiny.py", ["--model-arg", "arch=deepseek_v2"])
 CASES = {
     "mixtral_dp4_ep2": (*MIXTRAL, DP4),
+    "deepseek_v2_dp4_ep2": (*DEEPSEEK_V2, DP4),
     "deepseek_style_dp4_ep2": (*DEEPSEEK, DP4),
     "deepseek_style_pp2_dp2_ep2": (*DEEPSEEK, PP2_DP2),
     "mixtral_pp2_dp2_ep2": (*MIXTRAL, PP2_DP2),

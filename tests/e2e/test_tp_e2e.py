@@ -5,6 +5,9 @@ gradient norms equal to a single-process run of the same micro-batches.
 What each model adds to the sharding:
 - llama, qwen2, moduledict_llama: separate q/k/v and gate/up Linears (qwen2: q/k/v biases), GQA heads;
 - mixtral: attention sharded, the router and experts replicated (the non-expert parts);
+- deepseek_v2: the shared expert sharded; the latent attention, the routed experts and the router
+  replicated (all heads read one rotary key projection, whose gradient a head split would divide);
+  only torch.export traces it;
 - gpt2: HF Conv1D (weight stored [in, out]) sharded transposed, its fused c_attn chunk by chunk (q, k, v),
   split_size and nf divided by tp;
 - headcount_gpt: a fused qkv Linear split with `split(self.dim)` and heads reshaped by `self.heads`;
@@ -35,7 +38,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.e2e
 
 MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
-HF_ARCHS = ("llama", "qwen2", "mixtral", "gpt2", "bert", "t5", "bart", "vit")
+HF_ARCHS = ("llama", "qwen2", "mixtral", "deepseek_v2", "gpt2", "bert", "t5", "bart", "vit")
 FIXTURES = ("headcount_gpt", "moduledict_llama")
 NO_TP_PAIRS = ("resnet", "sequential_cnn")
 
