@@ -89,7 +89,9 @@ CASES = {
     **{f"{name}_tp2_dp2": (name, ("--tp", "2", "--dp", "2")) for name in (*HF_ARCHS, *FIXTURES)},
     "moduledict_llama_pp2_tp2": ("moduledict_llama", ("--tp", "2", "--pp", "2", "--schedule", "1f1b")),
     # An odd vocabulary (GPT-2's is 50257): the tied wte / lm_head split 64 + 63 rows, under FSDP2 too.
-    "gpt2_odd_vocab_tp2_dp2_zero3": ("gpt2", ("--tp", "2", "--dp", "2", "--zero-stage", "3", "--model-arg", "vocab=127")),
+    "gpt2_odd_vocab_tp2_dp2_zero3": (
+        "gpt2", ("--tp", "2", "--dp", "2", "--zero-stage", "3", "--model-arg", "vocab=127")
+    ),
 }
 
 
