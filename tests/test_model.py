@@ -82,6 +82,15 @@ def test_tiny_gpt_units_tp_and_repeated_blocks(tmp_path):
     assert graph.total_params == sum(u.params for u in graph.units)
 
 
+def test_a_head_narrower_than_its_input_stays_replicated():
+    """sample_models/mlp.py ends in a regression head of one output: not worth a vocab-parallel split (and a
+    single row cannot go to every rank), so tensor parallelism shards the blocks only."""
+    mlp = Path(__file__).parents[1] / "sample_models" / "mlp.py"
+    graph = analyse_model(load_model_file(mlp, {"layers": 2, "width": 64}))
+    assert graph.units[-1].tp_styles == {}
+    assert graph.units[1].tp_styles == {"blocks.0.fc1": "colwise", "blocks.0.fc2": "rowwise"}
+
+
 def test_export_fallback_plans_what_symbolic_tracing_cannot(tmp_path):
     f = tmp_path / "branchy.py"
     f.write_text(SHAPE_BRANCH)

@@ -74,6 +74,34 @@ def test_tp_decisions_that_cannot_apply_are_refused(tp, plan, heads, message):
         check_tp([Net()], _layout(tp, plan, heads))
 
 
+class Vocab(nn.Module):
+    def __init__(self, vocab: int = 5) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 8)
+        self.head = nn.Linear(8, vocab)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "tp", "ok"), [(5, 2, True), (5, 3, True), (5, 4, False), (3, 4, False), (7, 4, True)]
+)
+def test_a_vocabulary_splits_unevenly_while_every_rank_keeps_a_row(vocab, tp, ok):
+    # torch.chunk's shares: 5 over 4 is 2, 2, 1 and an empty fourth, which FSDP2 cannot shard.
+    layout = Layout(pp=1, dp=1, tp=tp, micro_batch_size=1, num_micro_batches=1, stages=[(0, ["emb", "head"])],
+                    tp_plan={"emb": "rowwise", "head": "colwise_gather"})
+    if ok:
+        check_tp([Vocab(vocab)], layout)
+    else:
+        with pytest.raises(RunError, match=rf"splits emb \(rowwise, size {vocab}\) over tp={tp}"):
+            check_tp([Vocab(vocab)], layout)
+
+
+def test_an_uneven_split_of_a_paired_projection_is_refused():
+    layout = Layout(pp=1, dp=1, tp=2, micro_batch_size=1, num_micro_batches=1, stages=[(0, ["emb", "head"])],
+                    tp_plan={"head": "colwise"})  # a column-parallel Linear feeds a row-parallel one: must divide
+    with pytest.raises(RunError, match=r"splits head \(colwise, size 5\) over tp=2"):
+        check_tp([Vocab(5)], layout)
+
+
 def test_a_model_stage_runs_the_model_and_checkpoints_its_planned_modules():
     torch.manual_seed(0)
     net = Net()

@@ -652,11 +652,16 @@ def tp_info(sub, args: tuple, model, names: ModuleNames, constants: frozenset, m
         lin = model.get_submodule(name)
         if is_conv1d(lin):
             continue
+        fin, fout = projection_dims(lin)
+        if fout <= fin:
+            # A head narrower than its input (a classifier, a regression output) costs less than the block
+            # before it: sharding saves little, its all-gather costs, and a few outputs cannot give every
+            # rank a row. It stays replicated; only vocabulary-wide heads are split.
+            continue
         info.styles[name] = "colwise_gather"
         info.gather_bytes += nbytes_of_meta(val_meta(node))
         info.shard_params += lin.weight.numel() + (lin.bias.numel() if lin.bias is not None else 0)
         out_bytes = nbytes_of_meta(val_meta(node))
-        fin, fout = projection_dims(lin)
         tokens = max(1, out_bytes // max(1, fout * _elem(node)))
         info.shard_flops += 2.0 * fin * fout * tokens
     for node in sub.graph.nodes:

@@ -71,6 +71,8 @@ def model_args(name: str, where: Path) -> list[str]:
         path = where / "hf_tiny_no_dropout.py"
         path.write_text(NO_DROPOUT.format(path=str(MODELS / "hf_tiny.py")))
         return [str(path), "--model-arg", f"arch={name!r}"]
+    if name == "sample_mlp":
+        return [str(MODELS.parents[2] / "sample_models" / "mlp.py")]
     return [str(MODELS / f"{name}.py")]
 
 
@@ -89,6 +91,8 @@ CASES = {
     **{f"{name}_tp2_dp2": (name, ("--tp", "2", "--dp", "2")) for name in (*HF_ARCHS, *FIXTURES)},
     "moduledict_llama_pp2_tp2": ("moduledict_llama", ("--tp", "2", "--pp", "2", "--schedule", "1f1b")),
     # An odd vocabulary (GPT-2's is 50257): the tied wte / lm_head split 64 + 63 rows, under FSDP2 too.
+    # A regression head of one output (sample_models/mlp.py): narrower than its input, it stays replicated.
+    "sample_mlp_tp2_dp2": ("sample_mlp", ("--tp", "2", "--dp", "2")),
     "gpt2_odd_vocab_tp2_dp2_zero3": (
         "gpt2", ("--tp", "2", "--dp", "2", "--zero-stage", "3", "--model-arg", "vocab=127")
     ),
