@@ -135,12 +135,17 @@ def test_deepseek_v3_expert_flops_are_the_routed_work(tmp_path):
 
 
 @pytest.mark.parametrize(("model", "flavor"), [("qwen3", "debugmodel_moe"), ("gpt_oss", "debugmodel")])
-def test_other_torchtitan_moe_models_are_recognised(tmp_path, model, flavor):
+def test_other_torchtitan_moe_models_are_recognised(model, flavor):
     """qwen3's MoE flavors and gpt_oss use the same torchtitan MoE; gpt_oss's experts also hold biases
     [E, out], which are not matrices: one routed token costs 2 x (the weights of one expert) forward."""
+    import importlib
+
+    import torch
+
     from planner.model.moe import find_moe_layers
 
-    built, _ = _titan_meta(tmp_path, model, flavor)
+    with torch.device("meta"):
+        built = importlib.import_module(f"torchtitan.models.{model}").model_registry(flavor).model.build()
     layers = find_moe_layers(built)
     blocks = [name for name, mod in built.layers.items() if getattr(mod, "moe", None) is not None]
     assert [layer.name for layer in layers] == [f"layers.{b}.moe" for b in blocks] and layers
@@ -152,3 +157,19 @@ def test_other_torchtitan_moe_models_are_recognised(tmp_path, model, flavor):
         assert layer.num_experts == inner.num_experts and layer.top_k == built.layers[blocks[0]].moe.router.top_k
         assert layer.fwd_flops_per_token == sum(2 * w.shape[1] * w.shape[2] for w in weights)
         assert layer.expert_params == sum(p.numel() for p in inner.parameters())
+
+
+def test_gpt_oss_is_refused_rather_than_planned_with_other_attention(tmp_path):
+    """gpt_oss's attention (learned sinks, sliding windows on alternate layers) has no causal-SDPA
+    equivalent: refused with the reason, exit 2, nothing written."""
+    out = tmp_path / "plan"
+    result = CliRunner().invoke(
+        app,
+        [
+            "plan", "torchtitan:gpt_oss", "--flavor", "debugmodel", "-a", "seq=32", "--gpu", "cpu", "--nodes", "1",
+            "--gpus-per-node", "4", "--global-batch-size", "8", "--out", str(out), "--quiet",
+        ],
+    )
+    assert result.exit_code == 2, result.output
+    assert "sliding-window attention" in result.output and "sinks" in result.output
+    assert "Traceback" not in result.output and not out.exists()
