@@ -59,20 +59,25 @@ CONFIGS = {
 }
 
 
-MOE = ("mistralai/Mixtral-8x7B-v0.1", "deepseek-ai/DeepSeek-V2-Lite", "Qwen/Qwen1.5-MoE-A2.7B")
+MOE = (
+    "mistralai/Mixtral-8x7B-v0.1", "deepseek-ai/DeepSeek-V2-Lite", "Qwen/Qwen1.5-MoE-A2.7B", "torchtitan:deepseek_v3",
+)
 
 
-def search_only(cfg: Path, name: str, ep: str) -> None:
+def search_only(cfg: str, name: str, ep: str) -> None:
     """Child process: the search and the Plan without the plan-time check (planner.pipeline through the CLI's
-    request builder), the plan document on stdout. For a model whose check fails for a reason of its own."""
+    request builder), the plan document on stdout. For a model whose check fails for a reason of its own.
+    `cfg`: the HF config's path, or a torchtitan source's flavor."""
     from cli._options import DType, plan_request
     from cli.plan import run_search
 
+    titan = name.startswith("torchtitan:")
     request = plan_request(
-        Path(f"hf:{name}"), ["seq=4096"], gpu="h100-sxm-80gb", nodes=8, gpus_per_node=None, global_batch_size=512,
-        dp=None, tp=None, pp=None, virtual_stages=None, micro_batch_size=None, schedule=None, zero_stage=None,
-        recompute=None, sequence_parallel=None, dtype=DType.bf16, build_fn="build_model", inputs_fn="example_inputs",
-        loss_fn=None, top_k=5, time_limit=None, no_overlap=False, seed=0, lr=1e-4, steps=10, hf_config=cfg,
+        Path(name if titan else f"hf:{name}"), ["seq=4096"], gpu="h100-sxm-80gb", nodes=8, gpus_per_node=None,
+        global_batch_size=512, dp=None, tp=None, pp=None, virtual_stages=None, micro_batch_size=None, schedule=None,
+        zero_stage=None, recompute=None, sequence_parallel=None, dtype=DType.bf16, build_fn="build_model",
+        inputs_fn="example_inputs", loss_fn=None, top_k=5, time_limit=None, no_overlap=False, seed=0, lr=1e-4,
+        steps=10, hf_config=None if titan else Path(cfg), flavor=cfg if titan else None,
         ep=int(ep) if ep != "-" else None,
     )
     plan, _, _ = run_search(request, show_progress=False)
@@ -127,7 +132,7 @@ def plan(name: str, config: dict | str, work: Path) -> None:
         if ep == "-" and done.returncode == 0:
             continue
         start = time.perf_counter()
-        child = [sys.executable, __file__, "--search-only", str(cfg), name, ep]
+        child = [sys.executable, __file__, "--search-only", config if isinstance(config, str) else str(cfg), name, ep]
         res = subprocess.run(child, cwd=ROOT, capture_output=True, text=True)
         wall = time.perf_counter() - start
         how = "search only, ep searched" if ep == "-" else "search only, --ep 1"
@@ -140,7 +145,7 @@ def plan(name: str, config: dict | str, work: Path) -> None:
 def main() -> None:
     if sys.argv[1:2] == ["--search-only"]:
         sys.path.insert(0, str(ROOT))
-        search_only(Path(sys.argv[2]), sys.argv[3], sys.argv[4])
+        search_only(sys.argv[2], sys.argv[3], sys.argv[4])
         return
     import importlib.util
 

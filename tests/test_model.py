@@ -135,3 +135,68 @@ def test_math_attention_building_its_mask_from_q_device_keeps_attention_sharded(
     assert block.tp_styles["blocks.0.attn.q"] == "colwise"
     assert block.tp_styles["blocks.0.attn.o"] == "rowwise"
     assert not any(u.tp_refused for u in graph.units)
+
+
+ATTENTION = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k, v = (t.unflatten(-1, (4, -1)).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(o.transpose(1, 2).flatten(-2))
+
+
+class Net(nn.Module):
+    def __init__(self, branch):
+        super().__init__()
+        self.branch = branch
+        self.inp = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.out = nn.Linear(32, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.branch and h.shape[1] % 2 == 0:  # symbolic tracing cannot branch on a shape: torch.export does
+            h = h * 1.0
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def build_model(branch=False, **kwargs):
+    return Net(branch)
+
+
+def example_inputs(batch_size, **kwargs):
+    return (torch.randn(batch_size, 64, 8),)
+'''
+
+
+def test_attention_in_an_exported_graph_is_costed_as_flash_attention_too(tmp_path):
+    """scaled_dot_product_attention reaches the counter as F.scaled_dot_product_attention from an fx graph and
+    as aten.scaled_dot_product_attention from an exported one (the fallback for models fx cannot follow: HF
+    models, torchtitan's deepseek_v3): both are costed as flash attention (attention FLOPs, no s x s map
+    saved), so the same block gets the same attention figures whichever tracer followed it."""
+    f = tmp_path / "attention.py"
+    f.write_text(ATTENTION)
+    fx_graph = analyse_model(load_model_file(f, {"branch": False}))
+    ex_graph = analyse_model(load_model_file(f, {"branch": True}))
+    assert (fx_graph.trace_method, ex_graph.trace_method) == ("fx", "export")
+    fx_block, ex_block = fx_graph.unit("blocks.0"), ex_graph.unit("blocks.0")
+    assert fx_block.uses_flash_attention and ex_block.uses_flash_attention
+    assert ex_block.attention_flops == fx_block.attention_flops == 4 * 4 * 64 * 64 * 8
+    assert ex_block.bwd_attention_flops == fx_block.bwd_attention_flops == 2 * fx_block.attention_flops
+    assert ex_block.matmul_flops == fx_block.matmul_flops
+    # No 4 x 64 x 64 attention map saved (64 KiB; counted before, 106,496 bytes against fx's 25,600): the
+    # exported graph saves at most one hidden-state-sized tensor (64 x 32 fp32) more than fx's.
+    assert fx_block.activation_bytes <= ex_block.activation_bytes <= fx_block.activation_bytes + 64 * 32 * 4

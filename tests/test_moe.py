@@ -360,10 +360,13 @@ def test_layout_validates_ep():
 
 
 @pytest.mark.parametrize("method", ["fx", "export"])
-def test_a_pipeline_trace_keeps_the_experts_as_module_calls(method):
+@pytest.mark.parametrize("interface", ["hf", "torchtitan"])
+def test_a_pipeline_trace_keeps_the_experts_as_module_calls(method, interface):
     """Under expert parallelism a traced stage must call its experts modules (to swap them for this rank's
     slice): torch.fx keeps them as leaves; torch.export's graph gets them back from an opaque op. Either
-    way no expert weight is read by the graph, and the experts' code is not inlined."""
+    way no expert weight is read by the graph, and the experts' code is not inlined. The call keeps the
+    model's arguments: HF's (hidden, top_k_index, top_k_weights), torchtitan's routed_experts (x, scores,
+    expert_ids, tokens_per_expert)."""
     from torch import nn
 
     from planner.runtime.stages import _export_keeping, trace
@@ -373,7 +376,7 @@ def test_a_pipeline_trace_keeps_the_experts_as_module_calls(method):
             super().__init__()
             self.w = nn.Parameter(torch.ones(4, 8, 8))
 
-        def forward(self, hidden, index, weights):
+        def forward(self, hidden, index, weights, *counts):
             return torch.einsum("th,thk->tk", hidden, self.w[index[:, 0]]) * weights[:, :1]
 
     class Block(nn.Module):
@@ -384,7 +387,9 @@ def test_a_pipeline_trace_keeps_the_experts_as_module_calls(method):
 
         def forward(self, x):
             w, i = torch.topk(self.gate(x).softmax(-1), 2)
-            return x + self.experts(x, i, w)
+            if interface == "hf":
+                return x + self.experts(x, i, w)
+            return x + self.experts(x, i, w, torch.nn.functional.one_hot(i, 4).sum(dim=(0, 1)))
 
     model = nn.Sequential(Block(), nn.Linear(8, 8)).to("meta")
     x = torch.randn(5, 8, device="meta")
@@ -395,7 +400,7 @@ def test_a_pipeline_trace_keeps_the_experts_as_module_calls(method):
     else:
         gm = _export_keeping(model, (x,), leaves)
     calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "0.experts"]
-    assert len(calls) == 1 and len(calls[0].args) == 3
+    assert len(calls) == 1 and len(calls[0].args) == (3 if interface == "hf" else 4)
     assert not any(n.op == "get_attr" and str(n.target).startswith("0.experts.") for n in gm.graph.nodes)
     assert not any("einsum" in str(n.target) for n in gm.graph.nodes)
     assert gm(x).shape == (5, 8)
@@ -495,3 +500,120 @@ def test_a_traced_graph_without_ep_still_names_the_experts_it_calls(layout, tmp_
     assert "EXPERTS = {" in script and "ep=EP, experts=EXPERTS" in script
     layout_obj = runtime_objects(plan)[0]
     assert set(layout_obj.experts) == set(plan.experts) and not layout_obj.ep_enabled
+
+
+# ------------------------------------------------------------- torchtitan's routed experts under ep
+
+
+class _TitanGroupedExperts(torch.nn.Module):
+    """torchtitan's GroupedExperts (models/common/moe.py): grouped weights [E, out, in] run by
+    torch._grouped_mm in bf16 on tokens sorted by expert, with the count of each."""
+
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.w1_EFD = torch.nn.Parameter(torch.randn(experts, hidden, dim) * 0.2)
+        self.w2_EDF = torch.nn.Parameter(torch.randn(experts, dim, hidden) * 0.2)
+        self.w3_EFD = torch.nn.Parameter(torch.randn(experts, hidden, dim) * 0.2)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+        def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch._grouped_mm(a, w.bfloat16().transpose(-2, -1), offs=offs)
+
+        h = torch.nn.functional.silu(mm(x.bfloat16(), self.w1_EFD)) * mm(x.bfloat16(), self.w3_EFD)
+        return mm(h, self.w2_EDF).type_as(x)
+
+
+class _TitanRoutedExperts(torch.nn.Module):
+    """torchtitan's RoutedExperts with its local dispatcher: tokens sorted by expert, the grouped experts, the
+    router scores applied in fp32, a scatter-add back to the tokens."""
+
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.inner_experts = _TitanGroupedExperts(experts, dim, hidden)
+        self.token_dispatcher = object()  # torchtitan's is not a module; shard_experts recognises the pair
+
+    def forward(self, x, scores, ids, counts):
+        b, s, d = x.shape
+        k = ids.shape[-1]
+        flat = x.view(-1, d)
+        order = torch.argsort(ids.view(-1), stable=True)
+        token = order // k
+        y = self.inner_experts(flat[token], counts)
+        y = (y.float() * scores.reshape(-1)[order].reshape(-1, 1)).to(y.dtype)
+        return torch.zeros_like(flat).scatter_add(0, token.reshape(-1, 1).expand(-1, d), y).view(b, s, d)
+
+
+def _titan_inputs(rank: int, experts: int, top_k: int, only: int | None):
+    """One rank's tokens and routing; `only`: every token routed among the first `only` experts."""
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(2, 6, 16, generator=g)
+    logits = torch.randn(2, 6, experts if only is None else only, generator=g)
+    scores, ids = torch.topk(logits.softmax(-1), top_k)
+    counts = torch.zeros(2, 6, experts, dtype=torch.bool).scatter_(-1, ids, True).sum(dim=(0, 1))
+    return x, scores, ids, counts
+
+
+def _titan_ep_worker(rank: int, init: str, results: str) -> None:
+    import copy
+
+    import torch.distributed as dist
+
+    from planner.runtime.experts import GroupedExpertParallel, shard_experts
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        for only in (None, 2):  # 2: every token goes to rank 0's experts, rank 1 receives none
+            torch.manual_seed(0)
+            whole = torch.nn.Module()
+            whole.moe = _TitanRoutedExperts(4, 16, 32)
+            sharded = copy.deepcopy(whole)
+            (got,) = shard_experts(sharded, {"moe": 4}, 2, rank, dist.group.WORLD)
+            assert isinstance(got, GroupedExpertParallel) and got.local.w1_EFD.shape == (2, 32, 16)
+            assert got.local.num_experts == 2
+            # The whole experts on both ranks' tokens: this rank's output and input gradients, and the experts'
+            # gradients summed over both ranks' tokens.
+            mine = None
+            for r in range(2):
+                x, scores, ids, counts = _titan_inputs(r, 4, 2, only)
+                x.requires_grad_(True)
+                scores.requires_grad_(True)
+                out = whole.moe(x, scores, ids, counts)
+                (out * torch.arange(out.numel()).view_as(out).cos()).sum().backward()
+                if r == rank:
+                    mine = (out.detach(), x.grad, scores.grad)
+            x, scores, ids, counts = _titan_inputs(rank, 4, 2, only)
+            x.requires_grad_(True)
+            scores.requires_grad_(True)
+            out = sharded.moe(x, scores, ids, counts)
+            (out * torch.arange(out.numel()).view_as(out).cos()).sum().backward()
+            torch.testing.assert_close(out, mine[0], rtol=0, atol=0)
+            torch.testing.assert_close(x.grad, mine[1], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(scores.grad, mine[2], rtol=1e-6, atol=1e-7)
+            for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
+                want = whole.moe.inner_experts.get_parameter(name).grad[2 * rank : 2 * rank + 2]
+                # The slice's gradient is scaled by 1/ep inside (FSDP's mean over dp/ep replicas then equals
+                # the mean over dp): times ep, the sum over both ranks' tokens. The grouped matmul's weight
+                # gradient is rounded to bf16 once per call (one call over both ranks' tokens here, two for the
+                # whole module): equal within bf16's resolution (2^-8) of the largest entry.
+                grad = got.local.get_parameter(name).grad * 2
+                assert (grad - want).abs().max() <= 2**-6 * want.abs().max(), (name, only)
+                assert bool(grad.any()) == bool(want.any()), (name, only)
+        if rank == 0:
+            Path(results).write_text("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torchtitan_routed_experts_sharded_over_two_ranks_equal_the_whole(tmp_path):
+    """shard_experts recognises torchtitan's routed experts (inner_experts beside a token_dispatcher) and
+    keeps this rank's half of the grouped weights: on 2 gloo ranks each rank's output and input gradients
+    equal the whole module's on its tokens, and each slice's weight gradients the whole one's over both ranks'
+    tokens; also when one rank receives no token (its experts' gradients are zeros)."""
+    import torch.multiprocessing as mp
+
+    results = tmp_path / "ok"
+    mp.spawn(_titan_ep_worker, args=(f"file://{tmp_path / 'rendezvous'}", str(results)), nprocs=2, join=True)
+    assert results.read_text() == "ok"

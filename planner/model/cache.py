@@ -4,8 +4,8 @@ re-planning the same model skips building, tracing and counting.
 The key covers the model file's bytes (not its path: a source compiled into each plan directory hits, and
 the graph takes the path it was loaded from), the .py and .json files beside it (sibling imports, a compiled
 source's config.json), the function names, --model-arg values and dtype, the planner's version and the
-source of planner.model (the analysis itself), and the torch and transformers versions (what tracing and
-Hugging Face models depend on). Files live in ``$PLANNER_CACHE_DIR/analysis`` (default
+source of planner.model (the analysis itself), and the torch, transformers and torchtitan versions (what
+tracing, Hugging Face and torchtitan models depend on). Files live in ``$PLANNER_CACHE_DIR/analysis`` (default
 ``~/.cache/planner/analysis``); ``PLANNER_NO_CACHE=1`` bypasses the cache. An unreadable or mismatched entry
 is ignored (and rewritten). The plan-time check's passes are remembered beside it (``checks/``).
 """
@@ -72,6 +72,7 @@ def analysis_key(source: ModelSource) -> str:
             "planner.model": _files_digest(list(here.glob("*.py"))),
             "torch": _version("torch"),
             "transformers": _version("transformers"),
+            "torchtitan": _version("torchtitan"),  # torchtitan:MODEL sources build from its registry
         },
         sort_keys=True,
     )

@@ -167,10 +167,13 @@ def _flash_mode(counts: Counts):
             counts.bwd_flops += flops
             return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
+    # An fx graph calls the function; a torch.export graph (the fallback tracer) the aten op it records.
+    sdpa = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+
     class FlashMode(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func is F.scaled_dot_product_attention:
+            if func in sdpa:
                 q, k, v = args[:3]
                 if kwargs.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
                     rep = q.shape[-3] // k.shape[-3]

@@ -311,22 +311,11 @@ def model_input_count(model, available: int) -> int:
     return input_count(model, available)
 
 
-def _experts_of(mod) -> int:
-    """Number of experts a module named 'experts' holds: a container's children, or the leading dimension
-    of stacked 3-D expert weights (Mixtral's MixtralExperts), else 0."""
-    if _is_container(mod):
-        return len(list(mod.children()))
-    n = getattr(mod, "num_experts", None)
-    if isinstance(n, int) and not isinstance(n, bool):
-        return n
-    dims = {int(p.shape[0]) for p in mod.parameters(recurse=False) if p.dim() == 3}
-    return dims.pop() if len(dims) == 1 else 0
-
-
 def _moe_blocks(model, blocks: set[str]) -> list[str]:
     """Mixture-of-experts layers in the first block of each type that has them (DeepSeek's first layers are
-    dense blocks of the same type): experts, top-k and router, one line each."""
-    import torch.nn as nn
+    dense blocks of the same type): experts, top-k and router, one line each (recognised by
+    planner.model.moe's rules)."""
+    from planner.model.moe import experts_count, experts_module, router_of, top_k_of
 
     lines: list[str] = []
     seen: set[str] = set()
@@ -335,21 +324,14 @@ def _moe_blocks(model, blocks: set[str]) -> list[str]:
         if type(block).__name__ in seen:
             continue
         for name, mod in block.named_modules():
-            experts = getattr(mod, "experts", None)
-            if not isinstance(experts, nn.Module) or not _experts_of(experts):
+            found = experts_module(mod)
+            if found is None or not experts_count(found[1]):
                 continue
-            router = next(
-                (c for n, c in mod.named_children() if n in ("gate", "router") or "Router" in type(c).__name__), None
-            )
-            top_k = next(
-                (v for src in (mod, router) if src is not None for k in ("top_k", "num_experts_per_tok")
-                 if isinstance(v := getattr(src, k, None), int)),
-                None,
-            )
+            router, top_k = router_of(mod), top_k_of(mod)
             where = f"{root}.{name}" if name else root
             seen.add(type(block).__name__)
             lines.append(
-                f"MoE {type(mod).__name__} in {where}: {_experts_of(experts)} experts"
+                f"MoE {type(mod).__name__} in {where}: {experts_count(found[1])} experts"
                 + (f", top-{top_k}" if top_k else "")
                 + (f", router {type(router).__name__} (replicated under TP)" if router is not None else "")
             )

@@ -7,6 +7,14 @@ experts, and an expert's Linear of weight [out, in] costs 2*out*in FLOPs per tok
 backward (input and weight gradient). Shared experts and the router run on every token as ordinary
 modules, so the op counter already counts them exactly.
 
+Two layouts are recognised. Hugging Face (Mixtral, Qwen-MoE, DeepSeek): the block holds `experts` (a list of
+expert modules, or stacked 3-D weights) and a router `gate`. torchtitan (`torchtitan.models.common.moe.MoE`:
+deepseek_v3, qwen3's MoE flavors, gpt_oss): the block holds `routed_experts` (its token reordering plus
+`inner_experts`, the grouped weights [E, out, in] that `torch._grouped_mm` runs, in bf16, for which torch has
+no FLOP formula) and a `router` holding `top_k` and its `gate` Linear. There the experts module the planner
+names, keeps as a call and shards is `routed_experts`, called as `routed_experts(x, top_k_scores,
+top_k_expert_ids, tokens_per_expert)`.
+
 Expert parallelism (`ep`) shards the experts of every MoE layer over a sub-group of the data-parallel
 ranks; `MoELayer.dispatch_bytes` is what one all-to-all moves per sample (each routed token's hidden
 vector, once to its expert and once back).
@@ -17,8 +25,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Names a MoE block gives its router (HF Mixtral and DeepSeek: `gate`; torchtitan: `router`).
+# Names a MoE block gives its router (HF Mixtral and DeepSeek: `gate`; torchtitan: `router`) and its experts
+# (HF: `experts`; torchtitan: `routed_experts`, whose grouped weights sit in its child `inner_experts`).
 _ROUTER_NAMES = ("gate", "router")
+_EXPERTS_NAMES = ("experts", "routed_experts")
+_INNER_EXPERTS = "inner_experts"
 _TOP_K_NAMES = ("top_k", "num_experts_per_tok")
 
 
@@ -44,10 +55,14 @@ class MoELayer:
 
 
 def experts_count(mod) -> int:
-    """Number of experts a module named 'experts' holds: a container's children, or the leading dimension
-    of stacked 3-D expert weights (Mixtral's MixtralExperts), else 0."""
+    """Number of experts an experts module holds: a container's children, or the leading dimension of
+    stacked 3-D expert weights (Mixtral's MixtralExperts; torchtitan's GroupedExperts, under its
+    RoutedExperts' `inner_experts`), else 0."""
     import torch.nn as nn
 
+    inner = getattr(mod, _INNER_EXPERTS, None)
+    if isinstance(inner, nn.Module):
+        return experts_count(inner)
     if isinstance(mod, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
         return len(list(mod.children()))
     n = getattr(mod, "num_experts", None)
@@ -55,6 +70,13 @@ def experts_count(mod) -> int:
         return n
     dims = {int(p.shape[0]) for p in mod.parameters(recurse=False) if p.dim() == 3}
     return dims.pop() if len(dims) == 1 else 0
+
+
+def experts_module(mod):
+    """(attribute, module) of a block's experts (`experts`, or torchtitan's `routed_experts`), or None."""
+    import torch.nn as nn
+
+    return next(((a, m) for a in _EXPERTS_NAMES if isinstance(m := getattr(mod, a, None), nn.Module)), None)
 
 
 def router_of(mod):
@@ -77,12 +99,15 @@ def top_k_of(mod) -> int | None:
 
 
 def _matrices(mod) -> list:
-    """The 2-D weights of one expert (3-D stacked weights: one expert's slice each)."""
+    """The 2-D weights of one expert (3-D stacked weights: one expert's slice each). Beside stacked weights a
+    2-D parameter [E, out] is the experts' biases (gpt_oss), not a matrix."""
+    params = list(mod.parameters())
+    stacked = any(p.dim() == 3 for p in params)
     out = []
-    for p in mod.parameters():
+    for p in params:
         if p.dim() == 3:
             out.append(p[0])
-        elif p.dim() == 2:
+        elif p.dim() == 2 and not stacked:
             out.append(p)
     return out
 
@@ -91,22 +116,25 @@ def _hidden_of(mod, experts) -> int:
     """Width of the tokens a MoE block routes: the router's input features, else the experts' input."""
     router = router_of(mod)
     if router is not None:
-        w = getattr(router, "weight", None)
-        if w is not None and w.dim() == 2:
-            return int(w.shape[1])
+        for holder in (router, getattr(router, "gate", None)):  # torchtitan's router holds a `gate` Linear
+            w = getattr(holder, "weight", None)
+            if w is not None and w.dim() == 2:
+                return int(w.shape[1])
     mats = _matrices(experts)
     return int(mats[0].shape[-1]) if mats else 0
 
 
 def find_moe_layers(model, prefix: str = "") -> list[MoELayer]:
-    """Every MoE block under `model` (a block holds an `experts` module and a top-k), in definition order."""
+    """Every MoE block under `model` (a block holds an `experts` or `routed_experts` module and a top-k), in
+    definition order."""
     import torch.nn as nn
 
     layers: list[MoELayer] = []
     for name, mod in model.named_modules():
-        experts = getattr(mod, "experts", None)
-        if not isinstance(experts, nn.Module):
+        found = experts_module(mod)
+        if found is None:
             continue
+        attr, experts = found
         n = experts_count(experts)
         k = top_k_of(mod)
         if not n or not k:
@@ -120,7 +148,7 @@ def find_moe_layers(model, prefix: str = "") -> list[MoELayer]:
         layers.append(
             MoELayer(
                 name=full,
-                experts=f"{full}.experts" if full else "experts",
+                experts=f"{full}.{attr}" if full else attr,
                 num_experts=n,
                 top_k=k,
                 hidden=_hidden_of(mod, experts),

@@ -362,6 +362,19 @@ def _compile_titan(spec: str, out: Path, flavor: str | None, seq: int) -> Path:
             f"({type(config).__qualname__}), which is what the planner builds from torchtitan. Plan it from a "
             "model file whose build_model() returns it and whose example_inputs() makes its inputs."
         )
+    windowed = [i for i, a in enumerate(attentions) if getattr(a, "sliding_window_size", None) is not None]
+    if windowed:
+        # gpt_oss: its attention rescales by learned per-head sinks (FlexAttention's out_transform) and its
+        # even layers see a sliding window; the causal SDPA the planner sets has neither, so the planned and
+        # trained model would not be the one named.
+        raise ModelLoadError(
+            f"torchtitan:{model} --flavor {flavor} has sliding-window attention (layers {windowed[:4]}, window "
+            f"{attentions[windowed[0]].sliding_window_size}) with learned attention sinks, which need torchtitan's "
+            "FlexAttention and its data loader's masks; the planner replaces attention by causal "
+            "scaled_dot_product_attention, which has neither, so it refuses this model rather than plan a "
+            "different one. Plan it from a model file whose build_model() keeps its attention and whose "
+            "example_inputs() makes the inputs that attention needs."
+        )
     out.mkdir(parents=True, exist_ok=True)
     settings = {**TITAN_SETTINGS, "rope_max_seq_len": int(seq)}
     text = _TITAN_TEMPLATE.format(

@@ -3,7 +3,11 @@
 The plan names every experts module (``EXPERTS``: module -> number of experts). Each is replaced by an
 `ExpertParallel` module holding this rank's E/ep experts, called as the model calls its experts:
 ``experts(hidden [T, h], top_k_index [T, k], top_k_weights [T, k]) -> [T, h]`` (Hugging Face's MoE
-interface: Mixtral, Qwen-MoE, DeepSeek). Forward:
+interface: Mixtral, Qwen-MoE, DeepSeek), or, for torchtitan's ``routed_experts`` (its token reordering
+around ``inner_experts``, grouped weights run by ``torch._grouped_mm``), `GroupedExpertParallel`:
+``routed_experts(x [B, L, h], top_k_scores [B, L, k], top_k_expert_ids [B, L, k], tokens_per_expert [E])
+-> [B, L, h]``, the local ``inner_experts`` called as torchtitan calls it, on tokens sorted by expert with
+their counts. Forward:
 
 1. every (token, slot) pair is sent to the rank holding its expert: one ``all_to_all_single`` of the
    token vectors (dispatch), sizes exchanged first (no capacity limit, no token dropped);
@@ -123,8 +127,47 @@ class ExpertParallel(nn.Module):
         x = _ScaleGrad.apply(x, float(self.ep))  # type: ignore[no-untyped-call]
         y: torch.Tensor = _ScaleGrad.apply(self._run_local(x, local_expert), 1.0 / self.ep)  # type: ignore[no-untyped-call]
         y = _AllToAll.apply(y, in_splits, out_splits, self.group)  # type: ignore[no-untyped-call]
+        # (y * w: an fp32 router weight promotes y to fp32 before rounding back, as torchtitan's combine does.)
         w = top_k_weights.reshape(-1)[order].unsqueeze(1)
         return hidden.new_zeros(hidden.shape).index_add(0, token, (y * w).to(hidden.dtype))
+
+
+class GroupedExpertParallel(ExpertParallel):
+    """torchtitan's routed experts sharded over the ep group: the same dispatch and combine (the routed
+    tokens' order, the router weights applied after the combine in fp32, as torchtitan's combine does),
+    called as ``routed_experts(x, top_k_scores, top_k_expert_ids, tokens_per_expert)``. ``local`` is its
+    ``inner_experts`` cut to this rank's experts, called on the received tokens sorted by local expert with
+    the count of each, as torchtitan's local dispatcher calls it."""
+
+    def _run_local(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        # Every local weight stays in the graph (adds 0), so the gradient sync reduces the same tensors on
+        # every rank even when no token reached this one.
+        keep = sum(p.reshape(-1)[:1].sum() for p in self.local.parameters()) * 0.0
+        if x.shape[0] == 0:  # nothing to run (torch._grouped_mm's backward can refuse an empty input)
+            return x + keep
+        order = torch.argsort(expert, stable=True)
+        counts = torch.bincount(expert, minlength=self.per_rank)
+        y: torch.Tensor = self.local(x.index_select(0, order), counts)
+        return torch.empty_like(y).index_copy(0, order, y) + keep
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, top_k_scores: torch.Tensor, top_k_expert_ids: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+    ) -> torch.Tensor:
+        # tokens_per_expert counts this rank's tokens for all E experts; the received counts per local
+        # expert are recomputed after the exchange.
+        del tokens_per_expert
+        k = top_k_expert_ids.shape[-1]
+        flat = x.reshape(-1, x.shape[-1])
+        out = super().forward(flat, top_k_expert_ids.reshape(-1, k), top_k_scores.reshape(-1, k))
+        return out.view(x.shape)
+
+
+def _grouped_experts(mod: nn.Module) -> nn.Module | None:
+    """torchtitan's RoutedExperts holds its grouped weights in ``inner_experts`` beside a
+    ``token_dispatcher``; that inner module, or None for any other experts module."""
+    inner = getattr(mod, "inner_experts", None)
+    return inner if isinstance(inner, nn.Module) and hasattr(mod, "token_dispatcher") else None
 
 
 def _slice_stacked(experts: nn.Module, lo: int, hi: int, total: int) -> nn.Module:
@@ -153,14 +196,16 @@ def shard_experts(
             raise RunError(f"{name} holds {total} experts, which EP ({ep}) does not divide. Re-plan.")
         per = total // ep
         lo, hi = ep_rank * per, (ep_rank + 1) * per
+        inner = _grouped_experts(mod)
         if isinstance(mod, (nn.ModuleList, nn.Sequential)):
             children = list(mod.children())
             if len(children) != total:
                 raise RunError(f"{name} holds {len(children)} experts, the plan says {total}. Re-plan.")
             local: nn.Module = nn.ModuleList(children[lo:hi])
         else:
-            local = _slice_stacked(mod, lo, hi, total)
-        wrapped = ExpertParallel(local, total, ep_rank, ep, group)
+            local = _slice_stacked(inner if inner is not None else mod, lo, hi, total)
+        kind = GroupedExpertParallel if inner is not None else ExpertParallel
+        wrapped = kind(local, total, ep_rank, ep, group)
         parent_name, _, leaf = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         setattr(parent, leaf, wrapped)

@@ -122,15 +122,16 @@ def trace(
 
 
 @torch.library.custom_op("planner_runtime::module_call", mutates_args=())
-def _module_call(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, name: str) -> torch.Tensor:
-    """Stands for the module `name` called as experts(hidden, top_k_index, top_k_weights) -> hidden's shape,
+def _module_call(args: list[torch.Tensor], name: str) -> torch.Tensor:
+    """Stands for the module `name` called on tensors `args` returning the first one's shape (HF experts:
+    (hidden, top_k_index, top_k_weights); torchtitan's routed_experts: (x, scores, expert_ids, counts)),
     while torch.export traces; `_export_keeping` replaces it by the module call. Never run."""
     raise RunError(f"internal error: the placeholder for {name} was left in the graph")
 
 
 @_module_call.register_fake
-def _(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, name: str) -> torch.Tensor:
-    return torch.empty_like(hidden)
+def _(args: list[torch.Tensor], name: str) -> torch.Tensor:
+    return torch.empty_like(args[0])
 
 
 # Per exported graph, the stand-ins of the modules it keeps as calls (by name).
@@ -140,7 +141,7 @@ _KEPT: weakref.WeakKeyDictionary[fx.GraphModule, dict[str, nn.Module]] = weakref
 class _ShapeOf(nn.Module):
     """The meta graph's stand-in for an experts module kept as a call: the output's shape and dtype."""
 
-    def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, *routing: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(hidden)
 
 
@@ -159,8 +160,8 @@ def _export_keeping(model: nn.Module, inputs: tuple[torch.Tensor, ...], leaves: 
         mod = owned[name]
         saved[name] = mod.__dict__.get("forward")
 
-        def call(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, _name: str = name) -> torch.Tensor:
-            out: torch.Tensor = torch.ops.planner_runtime.module_call(hidden, index, weights, _name)
+        def call(*args: torch.Tensor, _name: str = name) -> torch.Tensor:
+            out: torch.Tensor = torch.ops.planner_runtime.module_call(list(args), _name)
             return out
 
         mod.forward = call
@@ -176,11 +177,11 @@ def _export_keeping(model: nn.Module, inputs: tuple[torch.Tensor, ...], leaves: 
     kept = _KEPT[gm] = {}
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is op:
-            hidden, index, weights, name = node.args
+            args, name = node.args
             gm.add_submodule(name, _ShapeOf())  # over the plain holder of its weights export may have made
             kept[name] = gm.get_submodule(name)
             with gm.graph.inserting_before(node):
-                call_node = gm.graph.call_module(name, (hidden, index, weights))
+                call_node = gm.graph.call_module(name, tuple(args))
             call_node.meta = dict(node.meta)
             node.replace_all_uses_with(call_node)
             gm.graph.erase_node(node)
