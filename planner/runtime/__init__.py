@@ -16,6 +16,7 @@ Modules, by job:
   tied.py      weights shared by several pipeline stages: a copy per stage, gradients summed over them
   check.py     the plan-time check: one micro-batch, stage by stage, on the meta device
   meta.py      running on the meta device without importing torch._dynamo (planning and the check)
+  memo.py      running repeated identical ops on the meta device once (tracing's shape run and the check)
   digest.py    the digest train.py checks before importing its copy of this package
 
 What the run does with the models people have:

@@ -16,10 +16,11 @@ from .errors import RunError
 from .layout import Layout, ModelFile, Training
 from .loop import trace_and_cut, uses_graph
 from .loss import default_loss
+from .memo import MetaMemo
 from .meta import meta_without_dynamo
 from .model import build_model, input_count, load_model_file, make_batch, materialise
 from .parallel import apply_ac, check_tp
-from .stages import ModelStage, StageModule, fetch, shared_weights, with_structure
+from .stages import ModelStage, Piece, StageModule, fetch, shared_weights, with_structure
 
 SMALL = 50_000_000  # parameters: a model this small is rerun on the CPU when the meta device cannot run it
 
@@ -62,6 +63,23 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
                 f"The weight {name} is used by stages {users}, of which two run on the same pp rank: their "
                 "copies cannot be kept apart there. Re-plan with another schedule or stage split."
             )
+    with MetaMemo():  # each distinct op runs its meta kernel once: repeated blocks cost one
+        _run_stages(layout, spec, gm, pieces, meta_model, example, n_inputs, loss_fn)
+    return method
+
+
+def _run_stages(
+    layout: Layout,
+    spec: ModelFile,
+    gm: fx.GraphModule,
+    pieces: list[Piece],
+    meta_model: nn.Module,
+    example: tuple[torch.Tensor, ...],
+    n_inputs: int,
+    loss_fn: Callable[..., torch.Tensor],
+) -> None:
+    """Forward of one micro-batch stage by stage on meta, as the pipeline's stages would run it (each stage
+    checkpointed as planned), then the loss and backward."""
     meta = torch.device("meta")
     values: Any = tuple(t.to(meta) for t in example[:n_inputs])
     # A piece (one module's run of nodes) whose graph and modules are those of an earlier piece, given inputs
@@ -95,7 +113,6 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
         loss = with_structure(loss_fn, pieces[-1].out_spec)(values, *inputs)
         _check_loss(loss)
         loss.backward()
-    return method
 
 
 def with_recompute(stage: ModelStage | StageModule, recompute: str, schedule: str) -> None:
@@ -178,10 +195,11 @@ def _run_model(
     recompute = layout.stages[0].recompute
     with_recompute(ModelStage(meta_model, list(layout.stages[0].modules)), recompute, layout.schedule)
     try:
-        meta = tuple(t.to("meta") for t in example)
-        loss = loss_fn(meta_model(*meta[:n_inputs]), *meta)
-        _check_loss(loss)
-        loss.backward()
+        with MetaMemo():  # each distinct op runs its meta kernel once: repeated blocks cost one
+            meta = tuple(t.to("meta") for t in example)
+            loss = loss_fn(meta_model(*meta[:n_inputs]), *meta)
+            _check_loss(loss)
+            loss.backward()
         return
     except RunError:
         raise

@@ -18,15 +18,21 @@ from torch import fx, nn
 
 from .errors import RunError
 from .layout import Layout, ModelFile
+from .memo import MetaMemo
 from .model import build_model, materialise
 
 
 class ValueRecorder(fx.Interpreter):
-    """Runs a graph on meta tensors and keeps what each node produced (shapes, and tensor or not)."""
+    """Runs a graph on meta tensors and keeps what each node produced (shapes, and tensor or not). Repeated
+    identical blocks run their meta kernels once (MetaMemo)."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
         self.values: dict[fx.Node, Any] = {}
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        with MetaMemo():
+            return super().run(*args, **kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         self.values[n] = result = super().run_node(n)
