@@ -60,6 +60,8 @@ def trace_model(model, inputs: tuple, model_path: str, check=None) -> Traced:
     import torch
     import torch.fx
 
+    from planner.runtime.stages import without_stack_traces
+
     fx_error: str | None = None
     try:
         gm = symbolic_trace(model)
@@ -90,7 +92,11 @@ def trace_model(model, inputs: tuple, model_path: str, check=None) -> Traced:
         disabled = logging.root.manager.disable
         logging.disable(logging.CRITICAL)
         try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            with (
+                contextlib.redirect_stdout(io.StringIO()),
+                contextlib.redirect_stderr(io.StringIO()),
+                without_stack_traces(),
+            ):
                 ep = torch.export.export(model, tuple(inputs), strict=False)
         finally:
             logging.disable(disabled)

@@ -8,9 +8,10 @@ plan's TP names apply to them.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeAlias
 
 import torch
@@ -73,6 +74,21 @@ class BufferTracer(fx.Tracer):
         return super().create_arg(a)
 
 
+@contextlib.contextmanager
+def without_stack_traces() -> Iterator[None]:
+    """torch.export records the Python stack of every op it traces (node.meta["stack_trace"], for debugging
+    output; neither the planner nor the run reads it): symbolising those stacks takes about 0.7 s of the 5 s
+    export of Llama-3-70B. torch.fx.config.do_not_emit_stack_traces turns it off; the setting is restored."""
+    import torch.fx.config as config
+
+    before = getattr(config, "do_not_emit_stack_traces", False)
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
+
+
 def bind_defaults(gm: fx.GraphModule, n_inputs: int) -> None:
     """Replace the placeholders after the first `n_inputs` (forward's optional arguments) by their defaults."""
     for node in [n for n in gm.graph.nodes if n.op == "placeholder"][n_inputs:]:
@@ -118,9 +134,10 @@ def trace(
         recorder.run(*inputs)  # a symbolic trace can succeed yet bake in a wrong shape path
     except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
         log(f"torch.fx symbolic tracing failed ({type(e).__name__}: {e}); using torch.export")
-        gm = _export_keeping(model, tuple(inputs), leaves) if leaves else torch.export.export(
-            model, tuple(inputs), strict=False
-        ).module()
+        with without_stack_traces():
+            gm = _export_keeping(model, tuple(inputs), leaves) if leaves else torch.export.export(
+                model, tuple(inputs), strict=False
+            ).module()
         method = "export"
         recorder = ValueRecorder(gm)
         recorder.run(*inputs)
