@@ -55,7 +55,9 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
         _run_model(user, spec, layout, training, meta_model, example, n_inputs, loss_fn)
         return "module"
     with _failing_as("Tracing the model"):
-        gm, pieces, _, method = trace_and_cut(user, spec, layout, training.seed, example, None, device_type=device_type)
+        gm, pieces, _, method = trace_and_cut(
+            user, spec, layout, training.seed, example, None, device_type=device_type, meta_model=meta_model
+        )
     for name, users in shared_weights(gm, pieces).items():
         ranks = [layout.stages[s].pp_rank for s in users]
         if len(set(ranks)) < len(ranks):
@@ -90,18 +92,14 @@ def _run_stages(
         mine = [p for p in pieces if p.stage == i]
         what = f"Stage {i} ({', '.join(stage.modules[:3])}{', ...' if len(stage.modules) > 3 else ''})"
         with _failing_as(what):
-            modules = []
-            keys = []
-            for p in mine:
+            for p in mine:  # in order, each taking what the one before returns: what StageModule.forward does
                 targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
                 attrs = {t: fetch(meta_model, gm, t, meta) for t in targets}
-                modules.append(fx.GraphModule(attrs, p.graph))
-                keys.append(piece_key(p.graph, p.owner, attrs))
-            stage_module = StageModule(modules, [p.owner for p in mine])
-            with_recompute(stage_module, stage.recompute, layout.schedule)
-            for piece, piece_graph_key in zip(stage_module.pieces, keys):  # what StageModule.forward does
-                key = (piece_graph_key, value_key(values))
+                key = (piece_key(p.graph, p.owner, attrs), value_key(values))
                 if key not in outputs:
+                    # A piece that runs is built as the run builds its stage's pieces, and checkpointed as planned.
+                    piece = StageModule([fx.GraphModule(attrs, p.graph)], [p.owner])
+                    with_recompute(piece, stage.recompute, layout.schedule)
                     outputs[key] = piece(*values)
                 values = outputs[key]
         if i < len(layout.stages) - 1 and not (

@@ -180,10 +180,13 @@ def trace_and_cut(
     tp_mesh: DeviceMesh | None,
     log: Callable[[str], None] = lambda _: None,
     device_type: str = "cuda",
+    meta_model: nn.Module | None = None,
 ) -> tuple[fx.GraphModule, list[Piece], dict[str, ParallelStyle], str]:
     """Trace the model on the meta device and cut it into pieces, each in one stage (the same on every
-    rank: every rank cuts the whole model, then builds only its own stages), for a run on `device_type`."""
-    meta_model = build_model(user, spec, seed, everything_on_meta=True)
+    rank: every rank cuts the whole model, then builds only its own stages), for a run on `device_type`.
+    `meta_model`: the model already built on meta (the plan-time check's), else it is built here."""
+    if meta_model is None:
+        meta_model = build_model(user, spec, seed, everything_on_meta=True)
     inputs = tuple(t.to("meta") for t in example[: input_count(meta_model, len(example))])
     meta_input = inputs[0]
     # Expert parallelism swaps each experts module for this rank's slice after the cut: keep them as calls.
