@@ -1,6 +1,7 @@
 """Planning on the meta device does not import torch._dynamo (nor torch.distributed.pipelining): the meta
 kernels' lazy dynamo import is answered by planner.runtime.meta, and the runtime's loop imports the pipeline
-code only when it trains. Pins the behaviour, not the time (the time is bench/search_speed.py's)."""
+code only when it trains. The `planner` process runs no full garbage collection while it plans (cli.main's
+GC_THRESHOLDS). Pins the behaviour, not the time (the time is bench/search_speed.py's)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,27 @@ def test_meta_results_are_unchanged_by_the_patch():
     assert y.shape == (4, 8) and y.dtype == torch.float32
     y.sum().backward()
     assert x.grad is not None and x.grad.shape == (4, 8) and x.grad.dtype == torch.bfloat16
+
+
+GC_COUNT = """
+import atexit, gc, sys
+full = []
+gc.callbacks.append(lambda phase, info: full.append(1) if phase == "stop" and info["generation"] == 2 else None)
+atexit.register(lambda: print("full collections", len(full)))
+sys.argv = ["planner", *sys.argv[1:]]
+from cli.main import main
+main()
+"""
+
+
+def test_the_planner_process_runs_no_full_garbage_collection(tmp_path):
+    """With Python's default thresholds this plan (imports included) runs about five full collections."""
+    args = ["plan", str(ROOT / "sample_models" / "gpt.py"), "--gpu", "a100-sxm-80gb", "--nodes", "1",
+            "--global-batch-size", "8", "--out", str(tmp_path / "out"), "--quiet"]
+    for arg in ("layers=2", "hidden=64", "heads=4", "seq=32", "vocab=128"):
+        args += ["--model-arg", arg]
+    env = {**os.environ, "PLANNER_NO_CACHE": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", GC_COUNT, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "out" / "plan.json").exists()
+    assert done.stdout.strip().splitlines()[-1] == "full collections 0"
