@@ -1,6 +1,7 @@
-"""Planning on the meta device does not import torch._dynamo (nor torch.distributed.pipelining): the meta
-kernels' lazy dynamo import is answered by planner.runtime.meta, and the runtime's loop imports the pipeline
-code only when it trains. The `planner` process runs no full garbage collection while it plans (cli.main's
+"""Planning on the meta device does not import torch._dynamo (nor torch.distributed.pipelining, DTensor or
+FSDP): the meta kernels' lazy dynamo import is answered by planner.runtime.meta, the runtime's loop imports the
+pipeline code only when it trains, and the plan-time check takes the TP rules and checkpointing from modules
+that do not import torch.distributed's. The `planner` process runs no full garbage collection while it plans (cli.main's
 GC_THRESHOLDS). Pins the behaviour, not the time (the time is bench/search_speed.py's)."""
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Modules planning and checking on meta do without: the compiler stack, the pipeline schedules, DTensor and FSDP.
+HEAVY = ("torch._dynamo", "torch.distributed.pipelining", "torch.distributed.tensor", "torch.distributed.fsdp")
 PLAN = """
 import json, sys
 from planner.pipeline import PlanRequest, plan_model
@@ -23,7 +26,7 @@ for model, args, pins in json.loads(sys.argv[1]):
     request = PlanRequest(model_path=model, model_args=args, gpu="a100-sxm-80gb", nodes=1, global_batch_size=8,
                           pins=pins)
     check_plan_runs(plan_model(request)[0])
-print(json.dumps({m: m in sys.modules for m in ("torch._dynamo", "torch.distributed.pipelining")}))
+print(json.dumps({m: m in sys.modules for m in json.loads(sys.argv[2])}))
 """
 
 
@@ -36,11 +39,11 @@ def test_planning_and_checking_on_meta_imports_no_dynamo():
         [str(ROOT / "sample_models" / "mlp.py"), {"layers": 4, "width": 64}, {}],
     ]
     env = {**os.environ, "PLANNER_NO_CACHE": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", PLAN, json.dumps(cases)], cwd=ROOT, env=env, capture_output=True,
-                          text=True)
+    done = subprocess.run([sys.executable, "-c", PLAN, json.dumps(cases), json.dumps(HEAVY)], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     imported = json.loads(done.stdout.strip().splitlines()[-1])
-    assert imported == {"torch._dynamo": False, "torch.distributed.pipelining": False}
+    assert imported == dict.fromkeys(HEAVY, False)
 
 
 def test_the_patched_kernels_go_through_dynamo_disable_once_dynamo_is_imported():

@@ -14,13 +14,23 @@ from torch import fx, nn
 
 from .errors import RunError
 from .layout import Layout, ModelFile, Training
-from .loop import trace_and_cut, uses_graph
 from .loss import default_loss
 from .memo import MetaMemo
 from .meta import meta_without_dynamo
 from .model import build_model, input_count, load_model_file, make_batch, materialise
-from .parallel import apply_ac, check_tp
-from .stages import ModelStage, Piece, StageModule, fetch, shared_weights, with_structure
+from .recompute import apply_ac
+from .stages import (
+    ModelStage,
+    Piece,
+    StageModule,
+    cut_into_pieces,
+    fetch,
+    shared_weights,
+    trace_for_plan,
+    uses_graph,
+    with_structure,
+)
+from .tp_rules import check_tp
 
 SMALL = 50_000_000  # parameters: a model this small is rerun on the CPU when the meta device cannot run it
 
@@ -55,9 +65,10 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
         _run_model(user, spec, layout, training, meta_model, example, n_inputs, loss_fn)
         return "module"
     with _failing_as("Tracing the model"):
-        gm, pieces, _, method = trace_and_cut(
-            user, spec, layout, training.seed, example, None, device_type=device_type, meta_model=meta_model
+        gm, values, method = trace_for_plan(
+            user, spec, layout, training.seed, example, device_type=device_type, meta_model=meta_model
         )
+        pieces = cut_into_pieces(gm, values, layout)
     for name, users in shared_weights(gm, pieces).items():
         ranks = [layout.stages[s].pp_rank for s in users]
         if len(set(ranks)) < len(ranks):
@@ -114,7 +125,7 @@ def _run_stages(
 
 
 def with_recompute(stage: ModelStage | StageModule, recompute: str, schedule: str) -> None:
-    """Checkpoint the stage's units as the run does (parallel.apply_ac), so that a model that breaks under
+    """Checkpoint the stage's units as the run does (recompute.apply_ac), so that a model that breaks under
     activation checkpointing fails here, not on the cluster."""
     if recompute != "none":
         with _failing_as(f"Activation checkpointing ({recompute})"):

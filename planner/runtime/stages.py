@@ -18,9 +18,9 @@ import torch
 from torch import fx, nn
 
 from .errors import RunError
-from .layout import Layout, ModelFile
+from .layout import Layout, ModelFile, runs_traced_graph
 from .memo import MetaMemo
-from .model import build_model, materialise
+from .model import build_model, input_count, materialise
 
 
 class ValueRecorder(fx.Interpreter):
@@ -583,3 +583,61 @@ def build_local_stages(
             modules.append(fx.GraphModule({t: fetch(model, gm, t, device) for t in targets}, p.graph))
         stages.append(StageModule(modules, [p.owner for p in mine], sends=i < last))
     return stages, model
+
+
+def uses_graph(layout: Layout) -> bool:
+    """Whether the run cuts a traced graph: for pipeline stages, or to rewrite it for sequence parallelism.
+    Otherwise the one stage is the user's model itself (ModelStage), as written."""
+    return runs_traced_graph(layout.pp, layout.tp, layout.sequence_parallel)
+
+
+def trace_for_plan(
+    user: Any,
+    spec: ModelFile,
+    layout: Layout,
+    seed: int,
+    example: tuple[torch.Tensor, ...],
+    log: Callable[[str], None] = lambda _: None,
+    device_type: str = "cuda",
+    meta_model: nn.Module | None = None,
+) -> tuple[fx.GraphModule, dict[fx.Node, Any], str]:
+    """Trace the model on the meta device for a run of the plan on `device_type`, and check that the graph is
+    one the plan's stages, TP and experts can be cut from (loop.trace_and_cut cuts it; so does the plan-time
+    check). `meta_model`: the model already built on meta (the plan-time check's), else it is built here."""
+    if meta_model is None:
+        meta_model = build_model(user, spec, seed, everything_on_meta=True)
+    inputs = tuple(t.to("meta") for t in example[: input_count(meta_model, len(example))])
+    # Expert parallelism swaps each experts module for this rank's slice after the cut: keep them as calls.
+    leaves = frozenset(layout.experts) if layout.ep_enabled else frozenset()
+    gm, values, method = trace(meta_model, inputs, log, leaves)
+    why = unsupported_on(gm, values, device_type)
+    if why is not None:
+        raise RunError(
+            f"A pipeline cannot run this model on the {device_type.upper()}: {why}. Re-plan with pp=1 (the model "
+            "as written runs the CPU's own path), or run on GPUs."
+        )
+    called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    missing = sorted(leaves - called)
+    if missing:
+        raise RunError(
+            f"EXPERTS names modules the traced graph does not call as modules: {missing[:5]}; expert parallelism "
+            "in a pipeline swaps each experts module for its expert-parallel slice. Re-plan the model."
+        )
+    if layout.tp_enabled and layout.tp_head_attrs:
+        raise RunError(
+            "TP_HEAD_ATTRS changes head counts the model reads in forward, which a traced pipeline stage has "
+            "already baked into its graph: re-plan with pp=1 (or tp=1), or reshape heads with -1 in the model."
+        )
+    if layout.tp_enabled and method != "fx":
+        raise RunError(
+            "Tensor parallelism needs the model's Linear modules in the graph, but only torch.export could "
+            "trace it. Make the model traceable by torch.fx (no Python branches on tensors) or re-plan "
+            "with tp=1."
+        )
+    if method == "fx":
+        known = {n for n, _ in gm.named_modules()} | {n for n, _ in gm.named_parameters()}
+        unknown = [m for s in layout.stages for m in s.modules if m not in known]
+        unknown += [n for n in layout.tp_plan if n not in known]
+        if unknown:
+            raise RunError(f"The plan names modules the model lacks: {unknown[:5]}. Re-plan the model.")
+    return gm, values, method
