@@ -19,7 +19,7 @@ from planner.model.grouping import (
 from planner.model.load import DTYPE_BYTES, LoadedModel, build_meta_model, meta_inputs
 from planner.model.moe import correct_counts, ep_granularity, expert_storages, unit_moe_layers
 from planner.model.tp import ModuleNames, TPInfo, constant_inputs, renamer, tp_info
-from planner.model.trace import trace_model
+from planner.model.trace import lazy_graph_modules, trace_model
 
 
 def analyse_model(loaded: LoadedModel) -> ModelGraph:
@@ -38,7 +38,7 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
 
     def split_and_run(gm):
         groups, node_unit = group_units(gm, roots, blocks, structure.stateless)
-        with _lazy_code():
+        with lazy_graph_modules():
             parts = split_module(gm, model, lambda n: node_unit[n], keep_original_order=True)
         keys = {i: structure_key(model, g, blocks) for i, g in enumerate(groups)}
         out, captured, sigs = run_units_once(parts, inputs[:n_in], keys)
@@ -186,20 +186,6 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
         source_settings=dict(getattr(loaded.module, "SETTINGS", {})) if _compiled(loaded) else {},
         dtype_bytes=dtype_bytes,
     )
-
-
-def _lazy_code():
-    """split_module makes a GraphModule per unit, and each compiles its Python code when made (twice: again when
-    the parent compiles); only the distinct units ever run (run_units_once). torch's lazy graph modules compile on
-    first use instead: 0.15 s of GPT-3 175B's analysis. The same code either way (without them, where a torch
-    lacks the switch, they compile at once)."""
-    import contextlib
-
-    try:
-        from torch.fx._lazy_graph_module import _use_lazy_graph_module
-    except ImportError:
-        return contextlib.nullcontext()
-    return _use_lazy_graph_module(True)
 
 
 def _rename_text(rename, first: list[str], group: list[str], text: str) -> str:
