@@ -34,13 +34,23 @@ def symbolic_trace(model):
     The stock tracer looks up every tensor attribute it meets (a rotary table read in each block) by
     walking all of the model's buffers, which is quadratic in depth: minutes for an 80-layer model.
     """
-    import torch.fx
-
     from planner.runtime.stages import BufferTracer  # the generated script traces with the same tracer
 
     tracer = BufferTracer()
     graph = tracer.trace(model)
-    return torch.fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+    with lazy_graph_modules():  # the analysis splits the graph and never runs the whole of it: no code to compile
+        return _make_graph_module(tracer.root, graph, model.__class__.__name__)
+
+
+def _make_graph_module(root, graph, name):
+    """A GraphModule, lazy inside lazy_graph_modules() where torch has them."""
+    import torch.fx
+
+    try:
+        from torch.fx._lazy_graph_module import _make_graph_module as make
+    except ImportError:
+        return torch.fx.GraphModule(root, graph, name)
+    return make(root, graph, name)
 
 
 def lazy_graph_modules():
