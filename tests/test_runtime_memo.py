@@ -101,3 +101,39 @@ def test_arguments_are_keyed_exactly():
         assert a.t().contiguous().stride() == (4, 1)
         assert a.to(torch.bfloat16).dtype == torch.bfloat16 and a.to(torch.float16).dtype == torch.float16
     assert memo.hits == 0
+
+
+def test_under_a_fake_mode_repeats_are_fresh_fake_tensors_with_the_same_gradients():
+    """The check's run of a model that branches on values unless traced runs under FakeTensorMode."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with torch.device("meta"):
+        model = Blocks([16] * 6).to(torch.bfloat16)
+
+    def run(memo: bool) -> tuple[object, ...]:
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            m = MetaMemo() if memo else None
+            if m is not None:
+                m.__enter__()
+            x = torch.empty(2, 8, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+            out = model(x)
+            out.float().sum().backward()
+            if m is not None:
+                m.__exit__(None, None, None)
+                assert m.hits > 5 * 4
+            assert isinstance(out, FakeTensor) and out.fake_mode is fake
+            grads = tuple(_described(p.grad) for p in model.parameters())
+        model.zero_grad(set_to_none=True)
+        return _described(out), grads
+
+    assert run(True) == run(False)
+
+
+def test_fake_constants_keep_their_values():
+    """A fake mode computes with one-element constants' values (so .item() works on them): not memoised."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), MetaMemo() as memo:
+        for value in (3.0, 4.0):
+            assert (torch.tensor(value) * 2).item() == 2 * value
+    assert memo.hits == 0

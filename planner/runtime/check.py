@@ -241,7 +241,7 @@ def _runs_on_fake_tensors(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), MetaMemo():
             meta = tuple(t.to("meta") for t in example)
             loss = loss_fn(meta_model(*meta[:n_inputs]), *meta)
             _check_loss(loss)
