@@ -137,3 +137,15 @@ def test_fake_constants_keep_their_values():
         for value in (3.0, 4.0):
             assert (torch.tensor(value) * 2).item() == 2 * value
     assert memo.hits == 0
+
+
+def test_a_factory_op_follows_the_default_dtype():
+    before = torch.get_default_dtype()
+    try:
+        with MetaMemo():
+            torch.set_default_dtype(torch.float32)
+            assert torch.ones(3, device="meta").dtype == torch.float32
+            torch.set_default_dtype(torch.float64)
+            assert torch.ones(3, device="meta").dtype == torch.float64
+    finally:
+        torch.set_default_dtype(before)

@@ -134,7 +134,8 @@ class MetaMemo(TorchDispatchMode):
         if not _functional(func, self.functional):
             return func(*args, **kwargs)
         try:
-            key = (func, arg_key(args), arg_key(kwargs))
+            # A factory op given no dtype takes the default dtype, the one global its result depends on.
+            key = (func, arg_key(args), arg_key(kwargs), torch.get_default_dtype())
         except _Unkeyable:
             return func(*args, **kwargs)
         spec = self.results.get(key)
