@@ -13,6 +13,7 @@ Importing this module imports neither torch nor the planner's solver: `planner -
 
 from __future__ import annotations
 
+import gc
 import sys
 import traceback
 from typing import Annotated, Any
@@ -34,6 +35,12 @@ from planner.errors import ModelLoadError, PlannerError
 
 USER_ERROR = 2
 INTERNAL_ERROR = 1
+# The cyclic garbage collector's thresholds for the planner's process. Python's defaults (700, 10, 10) run a
+# full collection every hundred or so young ones, and each full one walks every object alive: torch's modules,
+# the traced graphs, the model. A plan is a short process whose heap is nearly all such long-lived objects, so
+# those passes found little and cost about 1 s of a 4 s GPT-3 175B plan and 2.5 s of a Llama-3-70B one. Young
+# collections stay as they are; a full one now waits for a thousand of them (memory: +10 MB for Llama-3-70B).
+GC_THRESHOLDS = (700, 10, 1000)
 
 
 class _PlannerGroup(TyperGroup):
@@ -139,6 +146,7 @@ app.add_typer(hardware_app, name="hardware")
 
 def main() -> None:
     """Console-script entry point (`planner = "cli.main:main"`)."""
+    gc.set_threshold(*GC_THRESHOLDS)
     app(prog_name="planner")
 
 

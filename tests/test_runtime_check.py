@@ -256,7 +256,7 @@ def _recomputed_plan(tmp_path, once: bool, recompute: str):
 def test_checkpointed_units_stay_the_models_own_modules(tmp_path, recompute):
     """Activation checkpointing runs each unit's own forward under checkpoint, in place: the model's own
     attribute reads of a checkpointed child keep working, and the unit keeps its type."""
-    from planner.runtime.parallel import apply_ac
+    from planner.runtime.recompute import apply_ac
     from planner.runtime.stages import ModelStage
 
     assert check_plan_runs(_recomputed_plan(tmp_path, once=False, recompute=recompute)) == "module"

@@ -11,14 +11,10 @@ import torch
 from torch import nn
 
 from planner.runtime import Layout, RunError
-from planner.runtime.parallel import (
-    apply_ac,
-    apply_head_attrs,
-    check_tp,
-    chunk_shard_order,
-    interleave_fused,
-)
+from planner.runtime.parallel import apply_head_attrs, chunk_shard_order, interleave_fused
+from planner.runtime.recompute import apply_ac
 from planner.runtime.stages import ModelStage
+from planner.runtime.tp_rules import check_tp
 
 
 class Attention(nn.Module):

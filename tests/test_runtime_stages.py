@@ -274,3 +274,24 @@ def test_a_sending_stage_sends_contiguous_tensors():
     torch.testing.assert_close(sent[0], x.t(), rtol=0, atol=0)
     kept = StageModule([Transposes()], [None])(x)  # the last stage hands its output to the loss as it is
     assert not kept[0].is_contiguous()
+
+
+class BranchesOnShape(nn.Module):
+    """torch.fx cannot follow `if` on a shape; torch.export (the fallback) can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) if x.shape[0] > 2 else x
+
+
+def test_the_export_fallback_records_no_stack_traces_and_restores_the_setting():
+    import torch.fx.config
+
+    gm, values, method = trace(BranchesOnShape(), (torch.randn(3, 4),))
+    assert method == "export"
+    assert any(n.op == "call_function" for n in gm.graph.nodes)
+    assert not any(n.meta.get("stack_trace") for n in gm.graph.nodes)
+    assert torch.fx.config.do_not_emit_stack_traces is False

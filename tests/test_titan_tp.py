@@ -196,7 +196,7 @@ def test_selective_recompute_of_a_block_that_fills_tensors_in_place_matches_no_r
     """Selective recompute saves every op's output but the attention core's; outputs the block then mutates
     in place are kept as left ("Tensor cached during selective activation checkpoint has been mutated"
     before, which refused torchtitan deepseek_v3 at plan time). Loss and gradients equal the plain run."""
-    from planner.runtime.parallel import checkpoint_in_place
+    from planner.runtime.recompute import checkpoint_in_place
 
     torch.manual_seed(0)
     plain = RouterBlock()

@@ -19,7 +19,7 @@ from planner.model.grouping import (
 from planner.model.load import DTYPE_BYTES, LoadedModel, build_meta_model, meta_inputs
 from planner.model.moe import correct_counts, ep_granularity, expert_storages, unit_moe_layers
 from planner.model.tp import ModuleNames, TPInfo, constant_inputs, renamer, tp_info
-from planner.model.trace import trace_model
+from planner.model.trace import lazy_graph_modules, trace_model
 
 
 def analyse_model(loaded: LoadedModel) -> ModelGraph:
@@ -38,7 +38,8 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
 
     def split_and_run(gm):
         groups, node_unit = group_units(gm, roots, blocks, structure.stateless)
-        parts = split_module(gm, model, lambda n: node_unit[n], keep_original_order=True)
+        with lazy_graph_modules():
+            parts = split_module(gm, model, lambda n: node_unit[n], keep_original_order=True)
         keys = {i: structure_key(model, g, blocks) for i, g in enumerate(groups)}
         out, captured, sigs = run_units_once(parts, inputs[:n_in], keys)
         return groups, node_unit, parts, out, captured, sigs

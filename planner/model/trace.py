@@ -34,13 +34,35 @@ def symbolic_trace(model):
     The stock tracer looks up every tensor attribute it meets (a rotary table read in each block) by
     walking all of the model's buffers, which is quadratic in depth: minutes for an 80-layer model.
     """
-    import torch.fx
-
     from planner.runtime.stages import BufferTracer  # the generated script traces with the same tracer
 
     tracer = BufferTracer()
     graph = tracer.trace(model)
-    return torch.fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+    with lazy_graph_modules():  # the analysis splits the graph and never runs the whole of it: no code to compile
+        return _make_graph_module(tracer.root, graph, model.__class__.__name__)
+
+
+def _make_graph_module(root, graph, name):
+    """A GraphModule, lazy inside lazy_graph_modules() where torch has them."""
+    import torch.fx
+
+    try:
+        from torch.fx._lazy_graph_module import _make_graph_module as make
+    except ImportError:
+        return torch.fx.GraphModule(root, graph, name)
+    return make(root, graph, name)
+
+
+def lazy_graph_modules():
+    """Graph modules made inside compile their Python code on first use, not when made (torch's lazy graph
+    modules): split_module makes one per unit (and compiles each twice) where only the distinct units run, and
+    torch.export recompiles the whole graph after several of its passes. GPT-3 175B's split: 0.15 s -> 0.04 s;
+    Llama-3-70B's export: ~0.4 s less. The same code either way (where torch lacks the switch, at once)."""
+    try:
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:
+        return contextlib.nullcontext()
+    return _use_lazy_graph_module(True)
 
 
 def _shape_check(gm, inputs) -> object:
@@ -59,6 +81,8 @@ def trace_model(model, inputs: tuple, model_path: str, check=None) -> Traced:
     check = check or (lambda gm: _shape_check(gm, inputs))
     import torch
     import torch.fx
+
+    from planner.runtime.stages import without_stack_traces
 
     fx_error: str | None = None
     try:
@@ -90,7 +114,12 @@ def trace_model(model, inputs: tuple, model_path: str, check=None) -> Traced:
         disabled = logging.root.manager.disable
         logging.disable(logging.CRITICAL)
         try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            with (
+                contextlib.redirect_stdout(io.StringIO()),
+                contextlib.redirect_stderr(io.StringIO()),
+                without_stack_traces(),
+                lazy_graph_modules(),
+            ):
                 ep = torch.export.export(model, tuple(inputs), strict=False)
         finally:
             logging.disable(disabled)

@@ -9,13 +9,17 @@ Modules, by job:
   model.py     importing the model file, building on meta, materialising a rank's weights, batches
   stages.py    tracing (torch.fx, torch.export as the fallback) and cutting the graph into stages
   parallel.py  TP / sequence parallelism, activation checkpointing, FSDP2 / replicate, in torchtitan's order
+  tp_rules.py  the TP plan's rules on the model's modules (split dimensions, what must divide)
+  recompute.py activation checkpointing of a stage's units (full or selective)
   schedule.py  the torch.distributed.pipelining schedule and the last stage's loss
   loss.py      the default loss
   loop.py      process group and mesh, the training step, metrics.json
   experts.py   expert parallelism: each rank's slice of the experts, all-to-all token dispatch/combine
   tied.py      weights shared by several pipeline stages: a copy per stage, gradients summed over them
-  check.py     the plan-time check: one micro-batch, stage by stage, on the meta device
+  check.py     the plan-time check: one micro-batch, stage by stage, on the meta device (imports neither
+               DTensor nor FSDP: tp_rules.py and recompute.py hold what it shares with parallel.py)
   meta.py      running on the meta device without importing torch._dynamo (planning and the check)
+  memo.py      running repeated identical ops on the meta device once (tracing's shape run and the check)
   digest.py    the digest train.py checks before importing its copy of this package
 
 What the run does with the models people have:

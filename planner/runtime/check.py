@@ -14,12 +14,23 @@ from torch import fx, nn
 
 from .errors import RunError
 from .layout import Layout, ModelFile, Training
-from .loop import trace_and_cut, uses_graph
 from .loss import default_loss
+from .memo import MetaMemo
 from .meta import meta_without_dynamo
 from .model import build_model, input_count, load_model_file, make_batch, materialise
-from .parallel import apply_ac, check_tp
-from .stages import ModelStage, StageModule, fetch, shared_weights, with_structure
+from .recompute import apply_ac
+from .stages import (
+    ModelStage,
+    Piece,
+    StageModule,
+    cut_into_pieces,
+    fetch,
+    shared_weights,
+    trace_for_plan,
+    uses_graph,
+    with_structure,
+)
+from .tp_rules import check_tp
 
 SMALL = 50_000_000  # parameters: a model this small is rerun on the CPU when the meta device cannot run it
 
@@ -54,7 +65,10 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
         _run_model(user, spec, layout, training, meta_model, example, n_inputs, loss_fn)
         return "module"
     with _failing_as("Tracing the model"):
-        gm, pieces, _, method = trace_and_cut(user, spec, layout, training.seed, example, None, device_type=device_type)
+        gm, values, method = trace_for_plan(
+            user, spec, layout, training.seed, example, device_type=device_type, meta_model=meta_model
+        )
+        pieces = cut_into_pieces(gm, values, layout)
     for name, users in shared_weights(gm, pieces).items():
         ranks = [layout.stages[s].pp_rank for s in users]
         if len(set(ranks)) < len(ranks):
@@ -62,6 +76,23 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
                 f"The weight {name} is used by stages {users}, of which two run on the same pp rank: their "
                 "copies cannot be kept apart there. Re-plan with another schedule or stage split."
             )
+    with MetaMemo():  # each distinct op runs its meta kernel once: repeated blocks cost one
+        _run_stages(layout, spec, gm, pieces, meta_model, example, n_inputs, loss_fn)
+    return method
+
+
+def _run_stages(
+    layout: Layout,
+    spec: ModelFile,
+    gm: fx.GraphModule,
+    pieces: list[Piece],
+    meta_model: nn.Module,
+    example: tuple[torch.Tensor, ...],
+    n_inputs: int,
+    loss_fn: Callable[..., torch.Tensor],
+) -> None:
+    """Forward of one micro-batch stage by stage on meta, as the pipeline's stages would run it (each stage
+    checkpointed as planned), then the loss and backward."""
     meta = torch.device("meta")
     values: Any = tuple(t.to(meta) for t in example[:n_inputs])
     # A piece (one module's run of nodes) whose graph and modules are those of an earlier piece, given inputs
@@ -72,18 +103,14 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
         mine = [p for p in pieces if p.stage == i]
         what = f"Stage {i} ({', '.join(stage.modules[:3])}{', ...' if len(stage.modules) > 3 else ''})"
         with _failing_as(what):
-            modules = []
-            keys = []
-            for p in mine:
+            for p in mine:  # in order, each taking what the one before returns: what StageModule.forward does
                 targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
                 attrs = {t: fetch(meta_model, gm, t, meta) for t in targets}
-                modules.append(fx.GraphModule(attrs, p.graph))
-                keys.append(piece_key(p.graph, p.owner, attrs))
-            stage_module = StageModule(modules, [p.owner for p in mine])
-            with_recompute(stage_module, stage.recompute, layout.schedule)
-            for piece, piece_graph_key in zip(stage_module.pieces, keys):  # what StageModule.forward does
-                key = (piece_graph_key, value_key(values))
+                key = (piece_key(p.graph, p.owner, attrs), value_key(values))
                 if key not in outputs:
+                    # A piece that runs is built as the run builds its stage's pieces, and checkpointed as planned.
+                    piece = StageModule([fx.GraphModule(attrs, p.graph)], [p.owner])
+                    with_recompute(piece, stage.recompute, layout.schedule)
                     outputs[key] = piece(*values)
                 values = outputs[key]
         if i < len(layout.stages) - 1 and not (
@@ -95,11 +122,10 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
         loss = with_structure(loss_fn, pieces[-1].out_spec)(values, *inputs)
         _check_loss(loss)
         loss.backward()
-    return method
 
 
 def with_recompute(stage: ModelStage | StageModule, recompute: str, schedule: str) -> None:
-    """Checkpoint the stage's units as the run does (parallel.apply_ac), so that a model that breaks under
+    """Checkpoint the stage's units as the run does (recompute.apply_ac), so that a model that breaks under
     activation checkpointing fails here, not on the cluster."""
     if recompute != "none":
         with _failing_as(f"Activation checkpointing ({recompute})"):
@@ -178,10 +204,11 @@ def _run_model(
     recompute = layout.stages[0].recompute
     with_recompute(ModelStage(meta_model, list(layout.stages[0].modules)), recompute, layout.schedule)
     try:
-        meta = tuple(t.to("meta") for t in example)
-        loss = loss_fn(meta_model(*meta[:n_inputs]), *meta)
-        _check_loss(loss)
-        loss.backward()
+        with MetaMemo():  # each distinct op runs its meta kernel once: repeated blocks cost one
+            meta = tuple(t.to("meta") for t in example)
+            loss = loss_fn(meta_model(*meta[:n_inputs]), *meta)
+            _check_loss(loss)
+            loss.backward()
         return
     except RunError:
         raise
@@ -229,7 +256,7 @@ def _runs_on_fake_tensors(
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), MetaMemo():
             meta = tuple(t.to("meta") for t in example)
             loss = loss_fn(meta_model(*meta[:n_inputs]), *meta)
             _check_loss(loss)

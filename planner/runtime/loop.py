@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .errors import RunError
 from .experts import ExpertParallel, shard_experts
-from .layout import Layout, ModelFile, Training, runs_traced_graph
+from .layout import Layout, ModelFile, Training
 from .loss import default_loss
 from .model import build_model, input_count, load_model_file, make_batch, materialise
 from .parallel import parallelize, plan_sequence_parallel
@@ -37,8 +37,8 @@ from .stages import (
     build_local_stages,
     cut_into_pieces,
     shared_weights,
-    trace,
-    unsupported_on,
+    trace_for_plan,
+    uses_graph,
     with_structure,
 )
 from .tied import TiedWeights
@@ -165,12 +165,6 @@ def parse_args(argv: Sequence[str] | None, description: str, steps: int, metrics
     return parser.parse_args(argv)
 
 
-def uses_graph(layout: Layout) -> bool:
-    """Whether the run cuts a traced graph: for pipeline stages, or to rewrite it for sequence parallelism.
-    Otherwise the one stage is the user's model itself (ModelStage), as written."""
-    return runs_traced_graph(layout.pp, layout.tp, layout.sequence_parallel)
-
-
 def trace_and_cut(
     user: Any,
     spec: ModelFile,
@@ -183,47 +177,11 @@ def trace_and_cut(
 ) -> tuple[fx.GraphModule, list[Piece], dict[str, ParallelStyle], str]:
     """Trace the model on the meta device and cut it into pieces, each in one stage (the same on every
     rank: every rank cuts the whole model, then builds only its own stages), for a run on `device_type`."""
-    meta_model = build_model(user, spec, seed, everything_on_meta=True)
-    inputs = tuple(t.to("meta") for t in example[: input_count(meta_model, len(example))])
-    meta_input = inputs[0]
-    # The experts modules stay calls in the graph: expert parallelism swaps each for this rank's slice after
-    # the cut, and without it they still run their own code on this rank's device (traced on meta, their
-    # code takes the GPU's path: transformers' grouped-mm experts count tokens with an int32 histc).
-    leaves = frozenset(layout.experts)
-    gm, values, method = trace(meta_model, inputs, log, leaves)
-    why = unsupported_on(gm, values, device_type)
-    if why is not None:
-        raise RunError(
-            f"A pipeline cannot run this model on the {device_type.upper()}: {why}. Re-plan with pp=1 (the model "
-            "as written runs the CPU's own path), or run on GPUs."
-        )
-    called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
-    missing = sorted(leaves - called)
-    if missing:
-        raise RunError(
-            f"EXPERTS names modules the traced graph does not call as modules: {missing[:5]}; a traced stage "
-            "calls each experts module as a module (expert parallelism swaps it for its slice). Re-plan the model."
-        )
-    if layout.tp_enabled and layout.tp_head_attrs:
-        raise RunError(
-            "TP_HEAD_ATTRS changes head counts the model reads in forward, which a traced pipeline stage has "
-            "already baked into its graph: re-plan with pp=1 (or tp=1), or reshape heads with -1 in the model."
-        )
-    if layout.tp_enabled and method != "fx":
-        raise RunError(
-            "Tensor parallelism needs the model's Linear modules in the graph, but only torch.export could "
-            "trace it. Make the model traceable by torch.fx (no Python branches on tensors) or re-plan "
-            "with tp=1."
-        )
-    if method == "fx":
-        known = {n for n, _ in gm.named_modules()} | {n for n, _ in gm.named_parameters()}
-        unknown = [m for s in layout.stages for m in s.modules if m not in known]
-        unknown += [n for n in layout.tp_plan if n not in known]
-        if unknown:
-            raise RunError(f"The plan names modules the model lacks: {unknown[:5]}. Re-plan the model.")
+    gm, values, method = trace_for_plan(user, spec, layout, seed, example, log, device_type)
     sp_styles: dict[str, ParallelStyle] = {}
     if layout.sp_enabled and tp_mesh is not None:
-        seq_len = meta_input.shape[1] if meta_input.dim() >= 2 else 0
+        first = example[0]
+        seq_len = first.shape[1] if first.dim() >= 2 else 0
         if not seq_len or seq_len % layout.tp:
             raise RunError(
                 f"Sequence parallelism splits the sequence (length {seq_len}) over tp={layout.tp}: it must "
@@ -282,8 +240,8 @@ def run(
     description: str = "Train the planned model.",
 ) -> None:
     """Train as the plan says; `script` is the train.py path (metrics.json goes next to it by default)."""
-    # Imported here, not at the top: torch.distributed.pipelining imports torch._dynamo, which the planner's
-    # plan-time check (planner.runtime.check uses trace_and_cut from this module) does not need.
+    # Imported here, not at the top: torch.distributed.pipelining imports torch._dynamo, which nothing else in
+    # the runtime needs.
     from torch.distributed.pipelining import PipelineStage
 
     from .schedule import MicroBatchLoss, build_schedule

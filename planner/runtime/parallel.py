@@ -3,7 +3,6 @@ activation checkpointing, then FSDP2 / replicate over the data-parallel ranks.""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,12 +19,13 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .errors import RunError
 from .experts import ExpertParallel
 from .layout import Layout
+from .recompute import apply_ac
 from .stages import LocalStage, contains_tensor, has_module, module_paths
+from .tp_rules import check_tp, split_dim, splits_own_vocab
 
 
 def _find_replicate() -> Callable[..., object] | None:
@@ -220,37 +220,6 @@ def parallel_style(style: str, module: nn.Module) -> ParallelStyle:
     raise ValueError(f"Unknown TP style {style!r}: expected colwise, rowwise or colwise_gather.")
 
 
-def splits_unevenly(module: nn.Module, style: str, size: int, tp: int, chunks: int = 1) -> bool:
-    """Whether `size` rows of this module may be split over tp ranks in unequal shares: the vocabulary of an
-    LM head whose logits are all-gathered (colwise_gather) or of an nn.Embedding looked up row-parallel.
-    DTensor shards them as torch.chunk does (GPT-2's 50257 tokens over tp 2: 25129 and 25128 rows) and
-    gathers or sums the whole result, so nothing downstream sees the split; but every rank must get a row
-    (FSDP2 cannot shard an empty tensor). Everything else must divide: a column-parallel Linear feeds its
-    shard to a row-parallel one, and head counts split with it."""
-    if chunks > 1 or is_conv1d(module) or size <= -(-size // tp) * (tp - 1):
-        return False
-    if style == "colwise_gather":
-        return isinstance(module, nn.Linear)
-    return style == "rowwise" and isinstance(module, nn.Embedding) and not splits_own_vocab(module)
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's Conv1D (GPT-2): a Linear whose weight is stored [in, out], applied as x @ W + b."""
-    weight = getattr(module, "weight", None)
-    return type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2
-
-
-def split_dim(module: nn.Module, style: str) -> int:
-    """The weight dimension a TP style splits: Linear weights are [out, in], Conv1D's [in, out], Embedding's
-    [vocab, features] (colwise splits the outputs / features, rowwise the inputs / vocabulary)."""
-    column = style.startswith("colwise")
-    if is_conv1d(module):
-        return 1 if column else 0
-    if isinstance(module, nn.Embedding):
-        return 1 if column else 0
-    return 0 if column else 1
-
-
 def chunk_shard_order(width: int, chunks: int, tp: int) -> torch.Tensor:
     """Indices that reorder a fused output of `chunks` equal parts (q | k | v) so that its contiguous tp
     slices are [q_r | k_r | v_r] for each rank r: a plain Shard then gives every rank its own heads' slice
@@ -330,16 +299,6 @@ class ShardedConv1D(nn.Module):
         if self.bias is not None:
             out = out + self.local(self.bias)  # row-parallel: added once, after the sum
         return out.view(*x.shape[:-1], w.shape[1])
-
-
-def splits_own_vocab(module: nn.Module) -> bool:
-    """torchtitan's Embedding (torchtitan.models.common.embedding): its own forward runs the vocabulary-parallel
-    lookup once given a `tp_group` (masks the ids outside its rows, looks up in its local weight, returns
-    partial rows), and unwraps a DTensor weight, so torch's RowwiseParallel (DTensor ids) cannot drive it."""
-    return (
-        isinstance(module, nn.Embedding) and hasattr(module, "tp_group")
-        and type(module).forward is not nn.Embedding.forward
-    )
 
 
 def _sum_partial_rows(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
@@ -467,63 +426,6 @@ def retie(root: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
                 setattr(holder, name, first)
 
 
-def check_tp(roots: list[nn.Module], layout: Layout) -> None:
-    """Whether the TP plan applies to the modules under `roots`: each sharded weight's split dimension (each
-    chunk's, for a fused projection; a vocabulary may split unevenly, `splits_unevenly`) and each head-count
-    attribute divides by tp, and each module is what
-    the plan says (nn.Linear / nn.Embedding, or a Conv1D listed in TP_TRANSPOSED). Raises RunError naming
-    the module (also at plan time)."""
-    for root in roots:
-        for name, style in layout.tp_plan.items():
-            if not has_module(root, name):
-                continue
-            module = root.get_submodule(name)
-            conv = is_conv1d(module)
-            if conv != (name in layout.tp_transposed):
-                listed = "lists it in" if name in layout.tp_transposed else "does not list it in"
-                raise RunError(
-                    f"TP_PLAN shards {name}, a {type(module).__name__}, but the plan {listed} TP_TRANSPOSED "
-                    "(weight stored [in, out] is HF's Conv1D only). Re-plan the model."
-                )
-            if not conv and not isinstance(module, (nn.Linear, nn.Embedding)):
-                raise RunError(
-                    f"TP_PLAN shards {name}, a {type(module).__name__} ({style}), but torch's ColwiseParallel and "
-                    "RowwiseParallel take only nn.Linear and nn.Embedding (and the script HF's Conv1D). Re-plan "
-                    "without this pair (or with tp=1)."
-                )
-            weight = module.weight
-            assert isinstance(weight, torch.Tensor)
-            size = weight.shape[split_dim(module, style)]
-            chunks = layout.tp_fused.get(name, 1)
-            if chunks > 1 and (style != "colwise" or size % chunks):
-                raise RunError(
-                    f"TP_FUSED splits {name} ({style}, size {size}) into {chunks} equal chunks: only a colwise "
-                    "projection whose width the chunks divide can be. Re-plan the model."
-                )
-            if (size // chunks) % layout.tp and not splits_unevenly(module, style, size, layout.tp, chunks):
-                what = f"each of its {chunks} chunks (size {size // chunks})" if chunks > 1 else f"size {size}"
-                raise RunError(
-                    f"TP_PLAN splits {name} ({style}, {what}) over tp={layout.tp}: the size must divide. "
-                    "Re-plan with a tp degree that divides it."
-                )
-        for name, attrs in layout.tp_head_attrs.items():
-            if not has_module(root, name):
-                continue
-            module = root.get_submodule(name)
-            for attr in attrs:
-                value = getattr(module, attr, None)
-                if not isinstance(value, int) or isinstance(value, bool):
-                    raise RunError(
-                        f"TP_HEAD_ATTRS names {name}.{attr}, which is {type(value).__name__}, not a head count. "
-                        "Re-plan the model."
-                    )
-                if value % layout.tp:
-                    raise RunError(
-                        f"{name}.{attr} = {value} heads cannot be split over tp={layout.tp}: it must divide. "
-                        "Re-plan with a tp degree that divides the head count."
-                    )
-
-
 def apply_head_attrs(roots: list[nn.Module], layout: Layout) -> None:
     """Divide the head-count attributes of TP_HEAD_ATTRS by tp (as torchtitan's parallelize does
     `attn.n_heads //= tp`): code that reshapes by the head count then sees this rank's heads."""
@@ -533,64 +435,6 @@ def apply_head_attrs(roots: list[nn.Module], layout: Layout) -> None:
                 module = root.get_submodule(name)
                 for attr in attrs:
                     setattr(module, attr, getattr(module, attr) // layout.tp)
-
-
-# Ops of the attention core (QK^T, softmax, AV): what selective recomputation recomputes in backward
-# (Korthikanti et al. 2022, section 5); every other op's output is kept.
-ATTENTION_CORE = {
-    getattr(torch.ops.aten, name).default
-    for name in (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_attention_math",
-        "_softmax",
-        "bmm",
-    )
-    if hasattr(torch.ops.aten, name)
-}
-
-
-def recompute_attention_core(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.PREFER_RECOMPUTE if op in ATTENTION_CORE else CheckpointPolicy.MUST_SAVE
-
-
-def checkpoint_in_place(unit: nn.Module, selective: bool) -> None:
-    """Activation checkpointing of `unit` without replacing it: its own forward runs under torch's checkpoint.
-    The model still holds its module, so code reading a child's attributes (HF ViT reads
-    `embeddings.patch_embeddings`) or checking its type keeps working, and parameter names do not change.
-    (torch's composable checkpoint does the same with hooks, but cannot recompute twice, as zero-bubble's
-    split backward does.) FSDP's hooks stay outside the checkpointed region, as with a wrapper module."""
-    inner = unit.forward  # the class's forward, bound
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if selective:
-            # A saved output that the forward then fills in place (torch's composite rms_norm on CPU and meta:
-            # `mean(x*x).add_(eps)`; torchtitan's router: `zeros_like(s).scatter_(...)`) is returned as it was
-            # left: the in-place op is saved too, and only the attention core, which reads no tensor that is
-            # mutated after it, is recomputed. Without this, such blocks fail in backward ("Tensor cached
-            # during selective activation checkpoint has been mutated").
-            context = functools.partial(
-                create_selective_checkpoint_contexts, recompute_attention_core, allow_cache_entry_mutation=True
-            )
-            return checkpoint(inner, *args, use_reentrant=False, context_fn=context, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-    unit.forward = forward
-
-
-def apply_ac(stage: LocalStage, recompute: str, schedule: str) -> None:
-    """Checkpoint each unit (one block) that holds parameters: keep its inputs, recompute it in backward.
-    "full" recomputes the whole block; "selective" keeps everything but the attention core."""
-    if recompute not in ("full", "selective"):
-        raise ValueError(f"Unknown recompute policy {recompute!r}: expected none, selective or full.")
-    # Selective checkpointing allows one backward per region, but zero-bubble splits each backward in two
-    # (input gradients, then weight gradients): there, recompute everything instead.
-    selective = recompute == "selective" and schedule != "zero-bubble"
-    for unit in stage.units():
-        if any(True for _ in unit.parameters()):
-            checkpoint_in_place(unit, selective)
 
 
 def apply_expert_data_parallel(

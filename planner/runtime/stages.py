@@ -8,25 +8,32 @@ plan's TP names apply to them.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeAlias
 
 import torch
 from torch import fx, nn
 
 from .errors import RunError
-from .layout import Layout, ModelFile
-from .model import build_model, materialise
+from .layout import Layout, ModelFile, runs_traced_graph
+from .memo import MetaMemo
+from .model import build_model, input_count, materialise
 
 
 class ValueRecorder(fx.Interpreter):
-    """Runs a graph on meta tensors and keeps what each node produced (shapes, and tensor or not)."""
+    """Runs a graph on meta tensors and keeps what each node produced (shapes, and tensor or not). Repeated
+    identical blocks run their meta kernels once (MetaMemo)."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
         self.values: dict[fx.Node, Any] = {}
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        with MetaMemo():
+            return super().run(*args, **kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         self.values[n] = result = super().run_node(n)
@@ -67,9 +74,25 @@ class BufferTracer(fx.Tracer):
         return super().create_arg(a)
 
 
-def bind_defaults(gm: fx.GraphModule, n_inputs: int) -> None:
-    """Replace the placeholders after the first `n_inputs` (forward's optional arguments) by their defaults."""
-    for node in [n for n in gm.graph.nodes if n.op == "placeholder"][n_inputs:]:
+@contextlib.contextmanager
+def without_stack_traces() -> Iterator[None]:
+    """torch.export records the Python stack of every op it traces (node.meta["stack_trace"], for debugging
+    output; neither the planner nor the run reads it): symbolising those stacks takes about 0.7 s of the 5 s
+    export of Llama-3-70B. torch.fx.config.do_not_emit_stack_traces turns it off; the setting is restored."""
+    import torch.fx.config as config
+
+    before = getattr(config, "do_not_emit_stack_traces", False)
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
+
+
+def bind_defaults(graph: fx.Graph, n_inputs: int) -> None:
+    """Replace the placeholders after the first `n_inputs` (forward's optional arguments) by their defaults
+    (before the graph's module is built, which compiles its code once)."""
+    for node in [n for n in graph.nodes if n.op == "placeholder"][n_inputs:]:
         if not node.args:
             raise RunError(
                 f"The model's forward() takes an input `{node.target}` without a default beyond the "
@@ -83,8 +106,18 @@ def bind_defaults(gm: fx.GraphModule, n_inputs: int) -> None:
         for user in list(node.users):
             user.args = fx.map_arg(user.args, bind)
             user.kwargs = fx.map_arg(user.kwargs, bind)
-        gm.graph.erase_node(node)
-    gm.recompile()
+        graph.erase_node(node)
+
+
+def _uncompiled_graph_module(root: nn.Module, graph: fx.Graph, name: str) -> fx.GraphModule:
+    """The traced model as a GraphModule that compiles its Python code only if something calls it or reads it:
+    the whole graph is run by an Interpreter and cut into pieces (each compiled), never called as one (for GPT-3
+    175B's 2,000 nodes the compile is 0.05 s). torch's lazy graph module; a plain one where torch lacks it."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:
+        return fx.GraphModule(root, graph, name)
+    return _LazyGraphModule(root, graph, name)
 
 
 def trace(
@@ -105,16 +138,18 @@ def trace(
     try:
         forward_params = list(inspect.signature(model.forward).parameters.values())[len(inputs) :]
         concrete = {p.name: p.default for p in forward_params if p.default is not inspect.Parameter.empty}
-        gm = fx.GraphModule(model, BufferTracer(leaves).trace(model, concrete or None), type(model).__name__)
-        bind_defaults(gm, len(inputs))
+        graph = BufferTracer(leaves).trace(model, concrete or None)
+        bind_defaults(graph, len(inputs))
+        gm = _uncompiled_graph_module(model, graph, type(model).__name__)
         method = "fx"
         recorder = ValueRecorder(gm)
         recorder.run(*inputs)  # a symbolic trace can succeed yet bake in a wrong shape path
     except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
         log(f"torch.fx symbolic tracing failed ({type(e).__name__}: {e}); using torch.export")
-        gm = _export_keeping(model, tuple(inputs), leaves) if leaves else torch.export.export(
-            model, tuple(inputs), strict=False
-        ).module()
+        with without_stack_traces():
+            gm = _export_keeping(model, tuple(inputs), leaves) if leaves else torch.export.export(
+                model, tuple(inputs), strict=False
+            ).module()
         method = "export"
         recorder = ValueRecorder(gm)
         recorder.run(*inputs)
@@ -313,13 +348,15 @@ def cut_into_pieces(gm: fx.GraphModule, values: dict[fx.Node, Any], layout: Layo
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     produced = {n: -1 for n in placeholders} | piece_of
-    order = [n for n in gm.graph.nodes if n in produced]
+    # Values piece k receives: made before it and still needed by it or a later piece, in graph order (one
+    # pass over each value's span, not over every value for every piece: 100 pieces of a 2,000-node graph).
+    received: list[list[fx.Node]] = [[] for _ in keys]
+    for v in (n for n in gm.graph.nodes if n in produced):
+        for k in range(produced[v] + 1, max(needed(v), default=-1) + 1):
+            received[k].append(v)
 
     def live_into(k: int) -> list[fx.Node]:
-        """Values piece k receives: made before it and still needed by it or a later piece."""
-        if k == 0:
-            return placeholders
-        return [v for v in order if produced[v] < k <= max(needed(v), default=-1)]
+        return placeholders if k == 0 else received[k]
 
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     model_output = output_node.args[0]
@@ -558,3 +595,63 @@ def build_local_stages(
             modules.append(fx.GraphModule({t: fetch(model, gm, t, device) for t in targets}, p.graph))
         stages.append(StageModule(modules, [p.owner for p in mine], sends=i < last))
     return stages, model
+
+
+def uses_graph(layout: Layout) -> bool:
+    """Whether the run cuts a traced graph: for pipeline stages, or to rewrite it for sequence parallelism.
+    Otherwise the one stage is the user's model itself (ModelStage), as written."""
+    return runs_traced_graph(layout.pp, layout.tp, layout.sequence_parallel)
+
+
+def trace_for_plan(
+    user: Any,
+    spec: ModelFile,
+    layout: Layout,
+    seed: int,
+    example: tuple[torch.Tensor, ...],
+    log: Callable[[str], None] = lambda _: None,
+    device_type: str = "cuda",
+    meta_model: nn.Module | None = None,
+) -> tuple[fx.GraphModule, dict[fx.Node, Any], str]:
+    """Trace the model on the meta device for a run of the plan on `device_type`, and check that the graph is
+    one the plan's stages, TP and experts can be cut from (loop.trace_and_cut cuts it; so does the plan-time
+    check). `meta_model`: the model already built on meta (the plan-time check's), else it is built here."""
+    if meta_model is None:
+        meta_model = build_model(user, spec, seed, everything_on_meta=True)
+    inputs = tuple(t.to("meta") for t in example[: input_count(meta_model, len(example))])
+    # The experts modules stay calls in the graph: expert parallelism swaps each for this rank's slice after
+    # the cut, and without it they still run their own code on this rank's device (traced on meta, their
+    # code takes the GPU's path: transformers' grouped-mm experts count tokens with an int32 histc).
+    leaves = frozenset(layout.experts)
+    gm, values, method = trace(meta_model, inputs, log, leaves)
+    why = unsupported_on(gm, values, device_type)
+    if why is not None:
+        raise RunError(
+            f"A pipeline cannot run this model on the {device_type.upper()}: {why}. Re-plan with pp=1 (the model "
+            "as written runs the CPU's own path), or run on GPUs."
+        )
+    called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    missing = sorted(leaves - called)
+    if missing:
+        raise RunError(
+            f"EXPERTS names modules the traced graph does not call as modules: {missing[:5]}; a traced stage "
+            "calls each experts module as a module (expert parallelism swaps it for its slice). Re-plan the model."
+        )
+    if layout.tp_enabled and layout.tp_head_attrs:
+        raise RunError(
+            "TP_HEAD_ATTRS changes head counts the model reads in forward, which a traced pipeline stage has "
+            "already baked into its graph: re-plan with pp=1 (or tp=1), or reshape heads with -1 in the model."
+        )
+    if layout.tp_enabled and method != "fx":
+        raise RunError(
+            "Tensor parallelism needs the model's Linear modules in the graph, but only torch.export could "
+            "trace it. Make the model traceable by torch.fx (no Python branches on tensors) or re-plan "
+            "with tp=1."
+        )
+    if method == "fx":
+        known = {n for n, _ in gm.named_modules()} | {n for n, _ in gm.named_parameters()}
+        unknown = [m for s in layout.stages for m in s.modules if m not in known]
+        unknown += [n for n in layout.tp_plan if n not in known]
+        if unknown:
+            raise RunError(f"The plan names modules the model lacks: {unknown[:5]}. Re-plan the model.")
+    return gm, values, method

@@ -1,0 +1,70 @@
+"""Activation checkpointing of a stage's units (full, or selective: only the attention core recomputed), as the
+run applies it and the plan-time check applies it on meta. No torch.distributed here."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from .stages import LocalStage
+
+# Ops of the attention core (QK^T, softmax, AV): what selective recomputation recomputes in backward
+# (Korthikanti et al. 2022, section 5); every other op's output is kept.
+ATTENTION_CORE = {
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_attention_math",
+        "_softmax",
+        "bmm",
+    )
+    if hasattr(torch.ops.aten, name)
+}
+
+
+def recompute_attention_core(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE if op in ATTENTION_CORE else CheckpointPolicy.MUST_SAVE
+
+
+def checkpoint_in_place(unit: nn.Module, selective: bool) -> None:
+    """Activation checkpointing of `unit` without replacing it: its own forward runs under torch's checkpoint.
+    The model still holds its module, so code reading a child's attributes (HF ViT reads
+    `embeddings.patch_embeddings`) or checking its type keeps working, and parameter names do not change.
+    (torch's composable checkpoint does the same with hooks, but cannot recompute twice, as zero-bubble's
+    split backward does.) FSDP's hooks stay outside the checkpointed region, as with a wrapper module."""
+    inner = unit.forward  # the class's forward, bound
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if selective:
+            # A saved output that the forward then fills in place (torch's composite rms_norm on CPU and meta:
+            # `mean(x*x).add_(eps)`; torchtitan's router: `zeros_like(s).scatter_(...)`) is returned as it was
+            # left: the in-place op is saved too, and only the attention core, which reads no tensor that is
+            # mutated after it, is recomputed. Without this, such blocks fail in backward ("Tensor cached
+            # during selective activation checkpoint has been mutated").
+            context = functools.partial(
+                create_selective_checkpoint_contexts, recompute_attention_core, allow_cache_entry_mutation=True
+            )
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=context, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    unit.forward = forward
+
+
+def apply_ac(stage: LocalStage, recompute: str, schedule: str) -> None:
+    """Checkpoint each unit (one block) that holds parameters: keep its inputs, recompute it in backward.
+    "full" recomputes the whole block; "selective" keeps everything but the attention core."""
+    if recompute not in ("full", "selective"):
+        raise ValueError(f"Unknown recompute policy {recompute!r}: expected none, selective or full.")
+    # Selective checkpointing allows one backward per region, but zero-bubble splits each backward in two
+    # (input gradients, then weight gradients): there, recompute everything instead.
+    selective = recompute == "selective" and schedule != "zero-bubble"
+    for unit in stage.units():
+        if any(True for _ in unit.parameters()):
+            checkpoint_in_place(unit, selective)

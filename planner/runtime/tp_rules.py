@@ -1,0 +1,109 @@
+"""The TP plan's rules on the model's own modules: which weight dimension a style splits, and whether the plan
+applies (module types, divisibility). No torch.distributed here: the plan-time check applies them on meta
+without importing DTensor and FSDP (parallel.py shards with them)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .errors import RunError
+from .layout import Layout
+from .stages import has_module
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's Conv1D (GPT-2): a Linear whose weight is stored [in, out], applied as x @ W + b."""
+    weight = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def split_dim(module: nn.Module, style: str) -> int:
+    """The weight dimension a TP style splits: Linear weights are [out, in], Conv1D's [in, out], Embedding's
+    [vocab, features] (colwise splits the outputs / features, rowwise the inputs / vocabulary)."""
+    column = style.startswith("colwise")
+    if is_conv1d(module):
+        return 1 if column else 0
+    if isinstance(module, nn.Embedding):
+        return 1 if column else 0
+    return 0 if column else 1
+
+
+def splits_own_vocab(module: nn.Module) -> bool:
+    """torchtitan's Embedding (torchtitan.models.common.embedding): its own forward runs the vocabulary-parallel
+    lookup once given a `tp_group` (masks the ids outside its rows, looks up in its local weight, returns
+    partial rows), and unwraps a DTensor weight, so torch's RowwiseParallel (DTensor ids) cannot drive it."""
+    return (
+        isinstance(module, nn.Embedding) and hasattr(module, "tp_group")
+        and type(module).forward is not nn.Embedding.forward
+    )
+
+
+def splits_unevenly(module: nn.Module, style: str, size: int, tp: int, chunks: int = 1) -> bool:
+    """Whether `size` rows of this module may be split over tp ranks in unequal shares: the vocabulary of an
+    LM head whose logits are all-gathered (colwise_gather) or of an nn.Embedding looked up row-parallel.
+    DTensor shards them as torch.chunk does (GPT-2's 50257 tokens over tp 2: 25129 and 25128 rows) and
+    gathers or sums the whole result, so nothing downstream sees the split; but every rank must get a row
+    (FSDP2 cannot shard an empty tensor). Everything else must divide: a column-parallel Linear feeds its
+    shard to a row-parallel one, and head counts split with it."""
+    if chunks > 1 or is_conv1d(module) or size <= -(-size // tp) * (tp - 1):
+        return False
+    if style == "colwise_gather":
+        return isinstance(module, nn.Linear)
+    return style == "rowwise" and isinstance(module, nn.Embedding) and not splits_own_vocab(module)
+
+
+def check_tp(roots: list[nn.Module], layout: Layout) -> None:
+    """Whether the TP plan applies to the modules under `roots`: each sharded weight's split dimension (each
+    chunk's, for a fused projection; a vocabulary may split unevenly, `splits_unevenly`) and each head-count
+    attribute divides by tp, and each module is what the plan says (nn.Linear / nn.Embedding, or a Conv1D
+    listed in TP_TRANSPOSED). Raises RunError naming the module (also at plan time)."""
+    for root in roots:
+        for name, style in layout.tp_plan.items():
+            if not has_module(root, name):
+                continue
+            module = root.get_submodule(name)
+            conv = is_conv1d(module)
+            if conv != (name in layout.tp_transposed):
+                listed = "lists it in" if name in layout.tp_transposed else "does not list it in"
+                raise RunError(
+                    f"TP_PLAN shards {name}, a {type(module).__name__}, but the plan {listed} TP_TRANSPOSED "
+                    "(weight stored [in, out] is HF's Conv1D only). Re-plan the model."
+                )
+            if not conv and not isinstance(module, (nn.Linear, nn.Embedding)):
+                raise RunError(
+                    f"TP_PLAN shards {name}, a {type(module).__name__} ({style}), but torch's ColwiseParallel and "
+                    "RowwiseParallel take only nn.Linear and nn.Embedding (and the script HF's Conv1D). Re-plan "
+                    "without this pair (or with tp=1)."
+                )
+            weight = module.weight
+            assert isinstance(weight, torch.Tensor)
+            size = weight.shape[split_dim(module, style)]
+            chunks = layout.tp_fused.get(name, 1)
+            if chunks > 1 and (style != "colwise" or size % chunks):
+                raise RunError(
+                    f"TP_FUSED splits {name} ({style}, size {size}) into {chunks} equal chunks: only a colwise "
+                    "projection whose width the chunks divide can be. Re-plan the model."
+                )
+            if (size // chunks) % layout.tp and not splits_unevenly(module, style, size, layout.tp, chunks):
+                what = f"each of its {chunks} chunks (size {size // chunks})" if chunks > 1 else f"size {size}"
+                raise RunError(
+                    f"TP_PLAN splits {name} ({style}, {what}) over tp={layout.tp}: the size must divide. "
+                    "Re-plan with a tp degree that divides it."
+                )
+        for name, attrs in layout.tp_head_attrs.items():
+            if not has_module(root, name):
+                continue
+            module = root.get_submodule(name)
+            for attr in attrs:
+                value = getattr(module, attr, None)
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise RunError(
+                        f"TP_HEAD_ATTRS names {name}.{attr}, which is {type(value).__name__}, not a head count. "
+                        "Re-plan the model."
+                    )
+                if value % layout.tp:
+                    raise RunError(
+                        f"{name}.{attr} = {value} heads cannot be split over tp={layout.tp}: it must divide. "
+                        "Re-plan with a tp degree that divides the head count."
+                    )
