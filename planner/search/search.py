@@ -59,9 +59,9 @@ ILP_WORKERS = 2  # CBC processes at once
 # Nodes the branch and bound for several stages per rank (`ilp.ranks`) may expand over the whole search, and
 # per candidate at most / at least (counts, never time: the result must not depend on the machine). A
 # candidate stopped by its share keeps its best plan, and its lower bound enters SearchResult.gap.
-SEARCH_BB_NODES = 20_000
-BB_NODES_MAX = 5_000
-BB_NODES_MIN = 500
+SEARCH_BB_NODES = 12_000
+BB_NODES_MAX = 4_000
+BB_NODES_MIN = 100
 # A pipelined candidate with at most this many (partition, recomputation) choices is settled by simulating
 # every one of them (exact for the reported figure) instead of solving its ILP.
 REFINE_LIMIT = 256

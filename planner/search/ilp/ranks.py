@@ -29,9 +29,11 @@ objective. A rank whose memory row (`constraints.add_memory`, the ILP's own: sta
 stages plus its in-flight count times its largest stage activations) is exceeded is dropped.
 
 Order: best first (the open node of least bound), diving from it to a leaf along the children of least
-bound, so that good plans come early and the least open bound rises. The search counts nodes (never time,
-so that the result never depends on the machine): past ``max_nodes`` it stops with the best plan found
-and the least bound of the nodes still open, a valid lower bound on the optimum.
+bound, so that good plans come early and the least open bound rises. The search counts its work (never
+time, so that the result never depends on the machine): each node expanded, plus one per EFFORT_BOUNDS
+(child, rank) bounds it evaluates, so that a budget means about the same time on a model of 20 units and
+4 ranks as on one of 100 units and 32 ranks. Past ``max_nodes`` of it, the search stops with the best
+plan found and the least bound of the nodes still open, a valid lower bound on the optimum.
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ from planner.search.bounds import IntervalTables
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.intp]
 INF = float("inf")
-# Nodes the branch and bound may expand (all modes together) before it stops with its gap.
+# Work (nodes, see EFFORT_BOUNDS) the branch and bound may spend (all modes together) before it stops.
 MAX_NODES = 20_000
+EFFORT_BOUNDS = 512  # (child, rank) bounds that count as one more node
 EPS = 1e-12
 
 
@@ -74,7 +77,7 @@ EPS = 1e-12
 class RanksResult:
     """The best plan found (objective, partition, recomputation; None when no plan below the limit fits),
     ``low`` a valid lower bound on the optimum below the limit (equal to the objective when proven), and the
-    nodes expanded."""
+    work spent (`MAX_NODES`)."""
 
     objective: float | None
     partition: list[list[int]] | None
@@ -246,6 +249,8 @@ class _Search:
         self.bwd_left: list[FloatArray] = []
         self.future_first = [[x for x in range(p) if self.first[x] > s] for s in range(S)]
         self.placed_first = [[x for x in range(p) if self.first[x] <= s] for s in range(S)]
+        self.placed_before = [np.array([self.first[x] < s for x in range(p)]) for s in range(S)]
+        self.has_sync = cand.dp > 1  # without data parallelism a rank's tail is its optimizer step
         no_send = np.zeros(U + 1)
         for q in modes:
             T = np.where(valid, np.maximum(tables.t[q], gather), INF)
@@ -316,49 +321,54 @@ class _Search:
         ok = np.isfinite(t_ij) & (mem <= self.budget)
         js, t_ij = js[ok], t_ij[ok]
         n = len(js)
-        load = np.repeat(nd.load[None, :], n, axis=0)
-        load[:, r] += t_ij
         sy_j = nd.sy[r] + self.sync[i, js]
         par_j = nd.par[r] + self.params[i, js]
         w_j = self.win[q][i, js] if self.first[r] == s else nd.win[r]
         tau = np.maximum(0.0, sy_j - w_j) + np.where(par_j > 0, self.a_step * par_j + self.c_step, 0.0)
         tails = np.maximum(nd.tail, tau)
+        load = np.repeat(nd.load[None, :], n, axis=0)
+        load[:, r] += t_ij
         par = np.repeat(nd.par[None, :], n, axis=0)
         par[:, r] = par_j
-        # exposed sync so far of the ranks whose first stage is placed (it only grows with their stages)
-        placed = np.array([self.first[x] < s for x in range(p)])
-        exposed = np.repeat(np.where(placed, np.maximum(0.0, nd.sy - nd.win), 0.0)[None, :], n, axis=0)
-        exposed[:, r] = np.maximum(0.0, sy_j - w_j)
-
         act_r = self.active[s + 1]
         y = _round_up(_level(load, self.work_left[q][js], act_r), self.sums[q])
         tail = np.maximum(tails, self.a_step * _level(par, self.params_left[js], act_r) + self.step_low)
         slow = self.slow[q][s + 1, js]
-        start = m * load + exposed + self.a_step * par
-        joint = (start + self.ranked[q][:, s + 1, js].T).max(axis=1) + self.step_low
-        # m R_r + sync_r - window_r + step_r <= m R_r + tau_r, every part a sum over the rank's stages
-        sy = np.repeat(nd.sy[None, :], n, axis=0)
-        sy[:, r] = sy_j
-        opened = np.repeat(np.where(placed, nd.win, 0.0)[None, :], n, axis=0)
-        opened[:, r] = w_j if self.first[r] <= s else 0.0
-        joint_sync = m * load + sy - opened + self.a_step * par + self.synced[q][:, s + 1, js].T
-        joint = np.maximum(joint, joint_sync.max(axis=1) + self.step_low)
-        # tail >= max_r (sync_r - window_r + step_r): the syncs and steps left add up to tail_left, the
-        # windows of the first stages still to come to at most their backward (a water level once every
-        # rank's window is known, which makes every addition non-negative; the mean over ranks before)
-        x = sy - opened + self.a_step * par
-        future = self.future_first[s]
-        rem = (
-            self.tail_left[js]
-            + (S - 1 - s) * self.c_sync_low
-            - (self.a_win_up * self.bwd_left[q][js] + len(future) * self.c_win_up if future else 0.0)
-        )
-        if future:
-            known = x[:, self.placed_first[s]].max(axis=1)
-            spread = np.maximum(known, (x[:, act_r].sum(axis=1) + rem) / len(act_r))
-        else:
-            spread = _level(x, rem, act_r)
-        tail = np.maximum(tail, spread + self.step_low)
+
+        def per_rank(base: FloatArray, col: FloatArray, later: FloatArray) -> FloatArray:
+            """max over ranks of base (the other ranks) or col (rank r), each plus its later share."""
+            others = base[:, None] + later
+            others[r] = -INF
+            out: FloatArray = np.maximum(others.max(axis=0), col + later[r])
+            return out
+
+        # m R_r + tau_r >= m R_r + exposed sync so far + step_r, per rank plus what its later stages add
+        placed = self.placed_before[s]
+        exposed = np.where(placed, np.maximum(0.0, nd.sy - nd.win), 0.0)
+        own = m * (nd.load[r] + t_ij) + np.maximum(0.0, sy_j - w_j) + self.a_step * par_j
+        joint = per_rank(m * nd.load + exposed + self.a_step * nd.par, own, self.ranked[q][:, s + 1, js])
+        if self.has_sync:
+            # m R_r + sync_r - window_r + step_r <= m R_r + tau_r, every part a sum over the rank's stages
+            opened = np.where(placed, nd.win, 0.0)
+            base = nd.sy - opened + self.a_step * nd.par
+            col = sy_j - w_j + self.a_step * par_j
+            joint_sync = per_rank(m * nd.load + base, m * (nd.load[r] + t_ij) + col, self.synced[q][:, s + 1, js])
+            joint = np.maximum(joint, joint_sync)
+            # tail >= max_r (sync_r - window_r + step_r): the syncs and steps left add up to tail_left, the
+            # windows of the first stages still to come to at most their backward (a water level once every
+            # rank's window is known, which makes every addition non-negative; the mean over ranks before)
+            x = np.repeat(base[None, :], n, axis=0)
+            x[:, r] = col
+            future = self.future_first[s]
+            rem = self.tail_left[js] + (S - 1 - s) * self.c_sync_low
+            if future:
+                rem = rem - (self.a_win_up * self.bwd_left[q][js] + len(future) * self.c_win_up)
+                known = x[:, self.placed_first[s]].max(axis=1)
+                spread = np.maximum(known, (x[:, act_r].sum(axis=1) + rem) / len(act_r))
+            else:
+                spread = _level(x, rem, act_r)
+            tail = np.maximum(tail, spread + self.step_low)
+        joint = joint + self.step_low
         z = np.maximum(np.maximum(nd.zc, self.Z[q][i, js]), self.zlow[q][s + 1, js])
         here = nd.sc + (0.0 if last else self.send[js])
         lows = np.maximum(m * y + slow + tail, joint) + here + (p - 1) * z
@@ -417,8 +427,9 @@ def solve_ranks(
     if best_obj < INF:
         bb.integral(costs, best_obj / cand.num_micro_batches)
     for q in range(len(modes)):
-        push(bb.expand(bb.root(q)))
-        nodes += 1
+        top = bb.expand(bb.root(q))
+        nodes += 1 + len(top.js) * bb.p // EFFORT_BOUNDS
+        push(top)
     while heap:
         low, _, ch = heapq.heappop(heap)
         if low >= best_obj * (1 - EPS):
@@ -441,7 +452,7 @@ def solve_ranks(
                     best_obj, best = obj, (part, [modes[ch.node.mode]] * bb.S, obj)
                 break
             nxt = bb.expand(bb.child(ch, c))
-            nodes += 1
+            nodes += 1 + len(nxt.js) * bb.p // EFFORT_BOUNDS
             if not len(nxt.js) or nxt.lows[0] >= best_obj * (1 - EPS):
                 break
             ch = nxt

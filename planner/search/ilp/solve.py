@@ -123,7 +123,6 @@ def solve_partition(
         tot_ = Totals.of(costs, modes)
         work = tot_.work if cand.virtual_stages == 1 else cand.num_micro_batches * tot_.work / cand.pp
         rest = work + comm_bound(graph, cand, cluster) + tail_bound(tot_, cand, cluster, dtype, options)
-        ivars = interval_vars(tables, cand, modes, U, min(limits) if limits else None, rest)
         if cuts and force_form is None and start_sol is not None and cand.virtual_stages == 1:
             # One stage per rank: the objective is at least work + p2p + (m-1) Z + tail, each term at least
             # its bound; a start that reaches that sum is optimal without branching.
@@ -151,6 +150,8 @@ def solve_partition(
             done = _ranks_result(graph, cluster, cand, costs, options, got_r, cutoff, start_sol)
             if done is not None:
                 return done
+        # the intervals an optimal plan can use, for CBC (the dynamic programs above need none)
+        ivars = interval_vars(tables, cand, modes, U, min(limits) if limits else None, rest)
         if not all(ivars.values()):
             return ILPResult(
                 "cutoff" if cutoff is not None else "infeasible", None, None, None, form=kind or "interval"
