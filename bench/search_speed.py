@@ -47,8 +47,10 @@ HUNDRED_UNITS = [
     ("MLP 98 blocks x 4096 (100 units)", MLP, {"layers": 98, "width": 4096}, 64, 512),
     ("MLP 98 blocks, 5 sizes (100 units)", MLP, {"layers": 98, "width": 4096, "ffn_cycle": 5}, 64, 512),
     ("CNN 98 residual blocks (100 units)", CNN, {"blocks": 98, "channels": 256}, 64, 512),
-    # harder: several stages per rank win or come close (interleaved, zero-bubble) on unit sequences that are
-    # not one run of identical blocks (ilp/ranks.py's branch and bound instead of CBC)
+]
+# --units only: harder cases, where several stages per rank win or come close (interleaved, zero-bubble) on
+# unit sequences that are not one run of identical blocks (ilp/ranks.py's branch and bound instead of CBC)
+HARD_UNITS = [
     ("MLP 24 blocks, 5 sizes (26 units)", MLP, {"layers": 24, "width": 4096, "ffn_cycle": 5}, 32, 256),
     ("MLP 24 blocks, 5 sizes (26 units)", MLP, {"layers": 24, "width": 4096, "ffn_cycle": 5}, 8, 256),
     ("MLP 48 blocks, 5 sizes (50 units)", MLP, {"layers": 48, "width": 4096, "ffn_cycle": 5}, 32, 256),
@@ -126,12 +128,12 @@ def ratio(repeats: int) -> None:
         print(f"  plan {label:<20} {m:6.2f} s = {m / t:4.2f} x import torch  (runs {each})")
 
 
-def hundred_units() -> None:
+def hundred_units(cases: list[tuple[str, str, dict, int, int]] = HUNDRED_UNITS) -> None:
     """Models of up to about 100 units: the search alone (in this process, after the model was analysed, as
     `one` measures it) with its status, ILP gap and reported gap, and the whole `planner plan` command
     (fresh process, cold: no analysis cache); "refused" where the command's plan-time check refuses the
     plan (the search's figures stand)."""
-    for label, model, args, gpus, batch in HUNDRED_UNITS:
+    for label, model, args, gpus, batch in cases:
         req = PlanRequest(model_path=model, model_args=args, gpu=GPU, nodes=gpus // 8, global_batch_size=batch)
         graph = analyse(req)
         plan, _, result = plan_model(req, graph=graph)
@@ -158,7 +160,7 @@ def main() -> None:
         ratio(args.ratio)
         return
     if args.units:
-        hundred_units()
+        hundred_units(HUNDRED_UNITS + HARD_UNITS)
         return
     ratio(3)
     print("models of about 100 units (cold)")
