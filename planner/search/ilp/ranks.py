@@ -69,7 +69,7 @@ IntArray = npt.NDArray[np.intp]
 INF = float("inf")
 # Work (nodes, see EFFORT_BOUNDS) the branch and bound may spend (all modes together) before it stops.
 MAX_NODES = 20_000
-EFFORT_BOUNDS = 512  # (child, rank) bounds that count as one more node
+EFFORT_BOUNDS = 128  # (child, rank) bounds that count as one more node
 EPS = 1e-12
 
 
