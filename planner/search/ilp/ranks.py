@@ -70,6 +70,7 @@ INF = float("inf")
 # Work (nodes, see EFFORT_BOUNDS) the branch and bound may spend (all modes together) before it stops.
 MAX_NODES = 20_000
 EFFORT_BOUNDS = 128  # (child, rank) bounds that count as one more node
+POLISH_STEPS = 64  # moves of the local search that improves the start and the plan found
 EPS = 1e-12
 
 
@@ -130,8 +131,9 @@ GRID = 1e12  # subset sums are kept on a grid of hi / GRID, each rounded down (a
 
 def _subset_sums(values: list[float], hi: float) -> tuple[FloatArray, float] | None:
     """The sorted sums at most ``hi`` of the subsets of ``values`` (non-negative), each rounded down to a grid
-    of hi / GRID, and how far below the sum it stands for a rounded one may be (one grid step per distinct
-    value); None past MAX_SUMS sums. Equal values are added together (k of them: 0..k times the value)."""
+    of hi / GRID and one step more, and how far below the sum it stands for a rounded one may be (one grid
+    step per distinct value, and two); None past MAX_SUMS sums. Equal values are added together (k of them:
+    0..k times the value)."""
     if hi <= 0 or not np.isfinite(hi):
         return None
     top = int(GRID)
@@ -146,8 +148,9 @@ def _subset_sums(values: list[float], hi: float) -> tuple[FloatArray, float] | N
         keys = np.unique(more[more <= top])
         if len(keys) > MAX_SUMS:
             return None
-    out: FloatArray = np.asarray(keys * (hi / GRID), dtype=np.float64)
-    return out, (len(counts) + 1) * hi / GRID
+    # one step lower still, so that the float product never lands above the sum it stands for
+    out: FloatArray = np.asarray(np.maximum(keys - 1, 0) * (hi / GRID), dtype=np.float64)
+    return out, (len(counts) + 2) * hi / GRID
 
 
 def _round_up(x: FloatArray, table: tuple[FloatArray, float] | None) -> FloatArray:
@@ -249,6 +252,7 @@ class _Search:
         self.bwd_left: list[FloatArray] = []
         self.future_first = [[x for x in range(p) if self.first[x] > s] for s in range(S)]
         self.placed_first = [[x for x in range(p) if self.first[x] <= s] for s in range(S)]
+        self.rank_stages = np.array([[st for st in range(S) if self.ranks[st] == r] for r in range(p)])
         self.placed_before = [np.array([self.first[x] < s for x in range(p)]) for s in range(S)]
         self.has_sync = cand.dp > 1  # without data parallelism a rank's tail is its optimizer step
         no_send = np.zeros(U + 1)
@@ -299,6 +303,45 @@ class _Search:
             None if self.gathers else _subset_sums([c.fwd + c.bwd[q] for c in costs], hi * (1 + 1e-9))
             for q in self.modes
         ]
+
+    def objective(self, q: int, C: IntArray) -> FloatArray:
+        """The linear objective of each row of stage starts C (rows x S+1, C[:, 0] = 0, C[:, S] = U) in mode
+        q, as a leaf of the branch and bound counts it; INF where a rank's memory row fails."""
+        a, b = C[:, :-1], C[:, 1:]
+        T, Z = self.T[q][a, b], self.Z[q][a, b]
+        idx = self.rank_stages  # p x v stage indices
+        R = T[:, idx].sum(axis=2)
+        P = self.params[a, b][:, idx].sum(axis=2)
+        sy = self.sync[a, b][:, idx].sum(axis=2)
+        win = self.win[q][a, b][:, self.first]
+        tau = np.maximum(0.0, sy - win) + np.where(P > 0, self.a_step * P + self.c_step, 0.0)
+        send = self.send[b[:, :-1]].sum(axis=1)
+        buf = np.concatenate([self.buf_mid[b[:, :-1]], np.full((len(C), 1), self.buf_last)], axis=1)
+        mem = (self.states[a, b] + buf)[:, idx].sum(axis=2) + np.array(self.k) * self.act[q][a, b][:, idx].max(axis=2)
+        obj = self.m * R.max(axis=1) + (self.p - 1) * Z.max(axis=1) + send + tau.max(axis=1)
+        out: FloatArray = np.where((mem <= self.budget).all(axis=1), obj, INF)
+        return out
+
+    def polish(self, q: int, cuts: list[int], steps: int = POLISH_STEPS) -> tuple[list[int], float]:
+        """Local search from a partition (its stage starts and U): move one stage boundary by one unit at a
+        time, the best move first, while the objective falls (at most ``steps`` moves: a count)."""
+        C = np.array([cuts])
+        obj = float(self.objective(q, C)[0])
+        S = self.S
+        for _ in range(steps):
+            moves = np.repeat(C, 2 * (S - 1), axis=0)
+            k = np.repeat(np.arange(1, S), 2)
+            moves[np.arange(len(k)), k] += np.tile([-1, 1], S - 1)
+            ok = (np.diff(moves, axis=1) >= 1).all(axis=1)
+            moves = moves[ok]
+            if not len(moves):
+                break
+            vals = self.objective(q, moves)
+            i = int(np.argmin(vals))
+            if not vals[i] < obj * (1 - EPS):
+                break
+            C, obj = moves[i : i + 1], float(vals[i])
+        return [int(x) for x in C[0]], obj
 
     def root(self, mode: int) -> _Node:
         z = np.zeros(self.p)
@@ -413,6 +456,20 @@ def solve_ranks(
     best: tuple[list[list[int]], list[str], float] | None = None
     if incumbent is not None and incumbent[2] < best_obj:
         best_obj, best = incumbent[2], incumbent
+
+    def polished(part: list[list[int]], rec: list[str]) -> None:
+        """Keep the local search's improvement of a plan (one mode for every stage) when it beats the best."""
+        nonlocal best_obj, best
+        if len(set(rec)) != 1 or rec[0] not in modes:
+            return
+        q = modes.index(rec[0])
+        cuts, obj = bb.polish(q, [units[0] for units in part] + [bb.U])
+        if obj < best_obj * (1 - EPS):
+            best_obj = obj
+            best = ([list(range(cuts[t], cuts[t + 1])) for t in range(bb.S)], [rec[0]] * bb.S, obj)
+
+    if best is not None:
+        polished(best[0], best[1])
     nodes = 0
     # open nodes' children lists, keyed by their next child's bound (then by a counter: deterministic)
     heap: list[tuple[float, int, _Children]] = []
@@ -459,6 +516,8 @@ def solve_ranks(
             if max_nodes is not None and nodes >= max_nodes:
                 push(ch)
                 break
+    if heap and best is not None:
+        polished(best[0], best[1])  # stopped early: the plan found, improved where a move helps
     open_low = min((h[0] for h in heap if h[0] < best_obj * (1 - EPS)), default=INF)
     if best is None:
         return RanksResult(None, None, None, open_low if open_low < INF else INF, nodes)
