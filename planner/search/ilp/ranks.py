@@ -11,20 +11,22 @@ R_r = sum_{rank(s)=r} T_s the rank's time (T_s with its ZeRO-3 gathers), Z_s the
 gradient sync behind its first stage's backward, plus the optimizer step of all its parameters). The
 stages of a rank are not contiguous, so the rank sums do not decompose along a shortest path over
 (stage, units placed). The search places the stages left to right instead: a node is a prefix of the
-partition (stages 0..s-1 ending at unit j), its children the ends of stage s. A node's lower bound is the
-largest of three valid ones, each plus (p-1) times the larger of the largest Z so far and the least
-largest Z of the units left over the stages left (a bottleneck dynamic program, computed once), the larger
-of two:
+partition (stages 0..s-1 ending at unit j), its children the ends of stage s. A node's lower bound is
+(p-1) times the larger of the largest Z so far and the least largest Z of the units left over the stages
+left (a bottleneck dynamic program, computed once), plus the sends so far, plus the larger of
 
 - m times the water level of the work left over the ranks that still get stages (the least possible
-  largest rank however the rest is split), the sends so far plus the least sum of the sends left (a
-  shortest path), and the larger of the largest rank tail so far and the optimizer step of the water
-  level of the parameters;
-- for each rank, m times its time plus its exposed sync and optimizer step so far plus the least its later
-  stages and every later send can add (a shortest path per rank: every stage holds at least one unit,
-  which the water levels do not see): m R_r + tau_r <= m max R + max tau.
+  largest rank however the rest is split; without ZeRO-3 gathers raised to the least subset sum of unit
+  times at or above it, since a rank holds whole units), plus the least sum of the sends left (a shortest
+  path), plus a tail bound: the largest of the largest rank tail so far, the optimizer step of the water
+  level of the parameters and, with data parallelism, the water level (the mean while some rank's first
+  stage is still to come) of sync - window + step;
+- for each rank, m times its time plus its exposed sync and its optimizer step so far plus the least its
+  later stages and every later send can add (a shortest path per rank: every stage holds at least one
+  unit, which the water levels do not see), as m R_r + tau_r <= m max R + max tau; with data parallelism
+  also with the sync less the window unclipped, summed over the rank's stages.
 
-A rank's tail and memory only grow with its stages, and at a complete partition every bound is its
+A rank's tail and memory only grow with its stages, and at a complete partition the bound is its
 objective. A rank whose memory row (`constraints.add_memory`, the ILP's own: states and buffers of its
 stages plus its in-flight count times its largest stage activations) is exceeded is dropped.
 
@@ -33,7 +35,9 @@ bound, so that good plans come early and the least open bound rises. The search 
 time, so that the result never depends on the machine): each node expanded, plus one per EFFORT_BOUNDS
 (child, rank) bounds it evaluates, so that a budget means about the same time on a model of 20 units and
 4 ranks as on one of 100 units and 32 ranks. Past ``max_nodes`` of it, the search stops with the best
-plan found and the least bound of the nodes still open, a valid lower bound on the optimum.
+plan found and the least bound of the nodes still open, a valid lower bound on the optimum. The start
+and a plan stopped so are improved by a local search (one stage boundary moved by one unit, the best move
+first, at most POLISH_STEPS moves), which scores partitions as a leaf does (`_Search.objective`).
 """
 
 from __future__ import annotations
