@@ -3,7 +3,7 @@
     python bench/search_speed.py            # the two headline cases and the growth tables
     python bench/search_speed.py --quick    # headline cases only
     python bench/search_speed.py --ratio 5  # GPT-3 175B: plan time / `import torch` time, medians of 5
-    python bench/search_speed.py --units    # models of about 100 units, transformer or not: plan times, gap
+    python bench/search_speed.py --units    # models of up to 100 units, transformer or not: times, gaps
 
 "plan" is the wall time of the `planner plan` command in a fresh process (interpreter start, torch
 import, loading and tracing on the meta device, the search, the simulator, writing plan.json, train.py,
@@ -14,7 +14,8 @@ the issue are < 5 s for GPT-3 175B on 1024 A100s and < 15 s for a 1T model (128 
 on 3072 GPUs, on a 2-core machine, and (issue 11 item 5) GPT-3 175B in at most 2x the time of
 `python -c "import torch"` measured in the same run: --ratio prints both medians and their ratio, cold
 (PLANNER_NO_CACHE=1: build, trace and analyse, check) and warm (re-plan with the analysis cache,
-planner.model.cache, primed).
+planner.model.cache, primed); and any model of up to 100 units searched in under 5 s, proven optimal or
+with its gap: --units.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ GPT = str(ROOT / "sample_models" / "gpt.py")
 MLP = str(ROOT / "sample_models" / "mlp.py")
 GPU = "a100-sxm-80gb"
 CNN = str(ROOT / "tests" / "fixtures" / "models" / "sequential_cnn.py")
+HF = str(ROOT / "tests" / "fixtures" / "models" / "hf_tiny.py")
 GROWTH = {"hidden": 4096, "heads": 32, "seq": 2048, "vocab": 51200}
 # Issue 11 item 5: any model of up to 100 units planned in under 5 s, proven optimal or with its gap.
 HUNDRED_UNITS = [
@@ -46,13 +48,27 @@ HUNDRED_UNITS = [
     ("MLP 98 blocks, 5 sizes (100 units)", MLP, {"layers": 98, "width": 4096, "ffn_cycle": 5}, 64, 512),
     ("CNN 98 residual blocks (100 units)", CNN, {"blocks": 98, "channels": 256}, 64, 512),
 ]
+# --units only: harder cases, where several stages per rank win or come close (interleaved, zero-bubble) on
+# unit sequences that are not one run of identical blocks (ilp/ranks.py's branch and bound instead of CBC)
+HARD_UNITS = [
+    ("MLP 24 blocks, 5 sizes (26 units)", MLP, {"layers": 24, "width": 4096, "ffn_cycle": 5}, 32, 256),
+    ("MLP 24 blocks, 5 sizes (26 units)", MLP, {"layers": 24, "width": 4096, "ffn_cycle": 5}, 8, 256),
+    ("MLP 48 blocks, 5 sizes (50 units)", MLP, {"layers": 48, "width": 4096, "ffn_cycle": 5}, 32, 256),
+    ("CNN 48 residual blocks x 512 (50 units)", CNN, {"blocks": 48, "channels": 512}, 32, 256),
+    ("T5 24+24 layers x 2048 (51 units)", HF, {"arch": "t5", "layers": 24, "hidden": 2048}, 32, 256),
+    ("BART 24+24 layers x 2048 (51 units)", HF, {"arch": "bart", "layers": 24, "hidden": 2048}, 8, 256),
+    ("T5 48+48 layers x 2048 (99 units)", HF, {"arch": "t5", "layers": 48, "hidden": 2048}, 64, 512),
+    ("BART 48+48 layers x 2048 (99 units)", HF, {"arch": "bart", "layers": 48, "hidden": 2048}, 64, 512),
+]
 
 
 def cli_seconds(
-    model_args: dict, gpus: int, batch: int, model: str = GPT, env: dict | None = None, gpu: str = GPU
+    model_args: dict, gpus: int, batch: int, model: str = GPT, env: dict | None = None, gpu: str = GPU,
+    check: bool = True,
 ) -> tuple[float, dict]:
     """Wall time of `planner plan` in a new process, and the plan it wrote (``env``: extra variables; by
-    default the analysis cache is off, so each run traces and analyses)."""
+    default the analysis cache is off, so each run traces and analyses; ``check`` False: a plan the command
+    refuses gives an empty dict)."""
     env = {"PLANNER_NO_CACHE": "1", **(env or {})}
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "cli.main", "plan", model, "--gpu", gpu, "--nodes", str(gpus // 8)]
@@ -60,8 +76,12 @@ def cli_seconds(
         for k, v in model_args.items():
             cmd += ["--model-arg", f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"]
         t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+        done = subprocess.run(
+            cmd, check=check, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, capture_output=not check
+        )
         wall = time.perf_counter() - t0
+        if done.returncode != 0:
+            return wall, {}
         return wall, json.loads((Path(out) / "plan.json").read_text())
 
 
@@ -108,17 +128,23 @@ def ratio(repeats: int) -> None:
         print(f"  plan {label:<20} {m:6.2f} s = {m / t:4.2f} x import torch  (runs {each})")
 
 
-def hundred_units() -> None:
-    """`planner plan` (fresh process, cold: no analysis cache) of models of about 100 units, with the search's
-    status and gap (0 when proven optimal)."""
-    for label, model, args, gpus, batch in HUNDRED_UNITS:
-        wall, plan = cli_seconds(args, gpus, batch, model)
-        p, search = plan["parallel"], plan["search"]
+def hundred_units(cases: list[tuple[str, str, dict, int, int]] = HUNDRED_UNITS) -> None:
+    """Models of up to about 100 units: the search alone (in this process, after the model was analysed, as
+    `one` measures it) with its status, ILP gap and reported gap, and the whole `planner plan` command
+    (fresh process, cold: no analysis cache); "refused" where the command's plan-time check refuses the
+    plan (the search's figures stand)."""
+    for label, model, args, gpus, batch in cases:
+        req = PlanRequest(model_path=model, model_args=args, gpu=GPU, nodes=gpus // 8, global_batch_size=batch)
+        graph = analyse(req)
+        plan, _, result = plan_model(req, graph=graph)
+        p = plan.parallel
+        wall, written = cli_seconds(args, gpus, batch, model, check=False)
+        cli = f"plan {wall:6.2f} s" if written else f"plan {wall:6.2f} s refused"
         print(
-            f"{label:<38} {gpus:>4} GPUs  plan {wall:6.2f} s  {search['status']:<10} gap {search['gap'] * 100:5.2f}%  "
-            f"reported gap {search.get('reported_gap', float('nan')) * 100:5.2f}%  "
-            f"{len(plan['structure'])} structure lines, {sum(len(s['units']) for s in plan['stages'])} units -> "
-            f"dp{p['dp']} tp{p['tp']} pp{p['pp']}x{p['virtual_stages']} mbs{p['micro_batch_size']}",
+            f"{label:<40} {gpus:>4} GPUs  search {result.seconds:5.2f} s  {cli:<20} {result.status:<10} "
+            f"gap {result.gap * 100:5.2f}%  reported gap {result.reported_gap * 100:5.2f}%  "
+            f"ILPs {result.ilps_solved:>3} of {result.candidates:>4}  {len(graph.units)} units -> "
+            f"dp{p.dp} tp{p.tp} pp{p.pp}x{p.virtual_stages} mbs{p.micro_batch_size} {p.schedule}",
             flush=True,
         )
 
@@ -134,7 +160,7 @@ def main() -> None:
         ratio(args.ratio)
         return
     if args.units:
-        hundred_units()
+        hundred_units(HUNDRED_UNITS + HARD_UNITS)
         return
     ratio(3)
     print("models of about 100 units (cold)")

@@ -45,8 +45,17 @@ def instance(memory_gib: float = 80.0):
 def test_optimal_and_node_limit():
     graph, cl, costs = instance()
     exact = solve_partition(graph, cl, CAND, costs, MODES, CostOptions())
-    assert exact.status == "optimal" and exact.form == "interval"
+    assert exact.status == "optimal" and exact.form == "ranks"
+    # the branch and bound for several stages per rank stopped at once (past the root of each recomputation
+    # mode): its plan (the start) and a valid lower bound
+    stopped = solve_partition(graph, cl, CAND, costs, MODES, CostOptions(), bb_nodes=1)
+    assert stopped.status == "node_limit" and stopped.form == "ranks" and stopped.nodes == len(MODES)
+    assert stopped.objective >= exact.objective * (1 - 1e-9)
+    assert stopped.low is not None and stopped.low <= exact.objective * (1 + 1e-9)
     for form in ("interval", "assign"):
+        assert solve_partition(graph, cl, CAND, costs, MODES, CostOptions(), force_form=form).objective == (
+            pytest.approx(exact.objective, rel=1e-6)
+        )
         stopped = solve_partition(graph, cl, CAND, costs, MODES, CostOptions(), max_nodes=1, force_form=form)
         assert stopped.status == "node_limit" and stopped.form == form
         assert stopped.objective >= exact.objective * (1 - 1e-9)
@@ -55,7 +64,9 @@ def test_optimal_and_node_limit():
 
 def test_time_limit_is_named_when_one_was_asked_for():
     graph, cl, costs = instance()
-    stopped = solve_partition(graph, cl, CAND, costs, MODES, CostOptions(), time_limit=60.0, max_nodes=1)
+    stopped = solve_partition(
+        graph, cl, CAND, costs, MODES, CostOptions(), time_limit=60.0, max_nodes=1, force_form="interval"
+    )
     assert stopped.status == "time_limit"
 
 

@@ -966,15 +966,22 @@ def interval_bound(
     def reach(Z: float, only: tuple[str, ...]) -> tuple[list[BoolArray], dict[int, BoolArray]]:
         """reach[s][j]: units 0..j-1 fit in stages 0..s-1 (with the mode and start of each stage)."""
         fits: dict[int, BoolArray] = {}
+        under = {r: t[r] <= Z * (1 + 1e-12) for r in only}
+        common = valid & (gather <= Z * (1 + 1e-12))
+        shared: BoolArray | None = None
         for s in range(S):
+            if cand.virtual_stages > 1 and shared is not None:
+                fits[s] = shared  # no memory row per stage: the same intervals fit every stage
+                continue
             f = np.zeros_like(valid)
             for r in only:
-                f |= (t[r] <= Z * (1 + 1e-12)) & (mem_ok[s, r] if cand.virtual_stages == 1 else True)
-            fits[s] = f & valid & (gather <= Z * (1 + 1e-12))
+                f |= under[r] & mem_ok[s, r] if cand.virtual_stages == 1 else under[r]
+            fits[s] = shared = f & common
         rows: list[BoolArray] = [np.zeros(U + 1, dtype=bool)]
         rows[0][0] = True
         for s in range(S):
-            rows.append(np.asarray((rows[-1][:, None] & fits[s]).any(axis=0)))
+            # the stages that can start where stages 0..s-1 end
+            rows.append(np.asarray(fits[s][rows[-1]].any(axis=0)))
         return rows, fits
 
     def least(only: tuple[str, ...]) -> float | None:

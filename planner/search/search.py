@@ -56,6 +56,12 @@ __all__ = ["Evaluated", "SearchResult", "evaluate", "search", "simulate_evaluate
 log = logging.getLogger(__name__)
 GiB = 2**30
 ILP_WORKERS = 2  # CBC processes at once
+# Nodes the branch and bound for several stages per rank (`ilp.ranks`) may expand over the whole search, and
+# per candidate at most / at least (counts, never time: the result must not depend on the machine). A
+# candidate stopped by its share keeps its best plan, and its lower bound enters SearchResult.gap.
+SEARCH_BB_NODES = 12_000
+BB_NODES_MAX = 4_000
+BB_NODES_MIN = 100
 # A pipelined candidate with at most this many (partition, recomputation) choices is settled by simulating
 # every one of them (exact for the reported figure) instead of solving its ILP.
 REFINE_LIMIT = 256
@@ -256,7 +262,16 @@ def search(
     # pipelined candidates pruned by their linear bound whose reported bound is lower: settled at the end
     doubtful: list[QueueItem] = []
 
-    def solve(item: QueueItem, cutoff: float | None) -> ILPResult:
+    bb_left = SEARCH_BB_NODES
+
+    def bb_share() -> int | None:
+        """One candidate's branch-and-bound nodes: what the search has left, split over a batch, and never
+        more than ``max_nodes`` (the nodes of one candidate, whichever solver runs it)."""
+        if max_nodes is None:
+            return None
+        return min(max_nodes, max(BB_NODES_MIN, min(BB_NODES_MAX, bb_left // ILP_WORKERS)))
+
+    def solve(item: QueueItem, cutoff: float | None, nodes: int | None) -> ILPResult:
         return solve_partition(
             graph,
             cluster,
@@ -268,6 +283,7 @@ def search(
             max_nodes=max_nodes,
             cutoff=cutoff,
             bounds=item.bounds,
+            bb_nodes=nodes,
         )
 
     def cutoff_now() -> float | None:
@@ -393,8 +409,10 @@ def search(
             if progress is not None:
                 progress(done, total)
             done += len(batch)
-            results = list(pool.map(solve, batch, [cutoff] * len(batch)))
+            share = bb_share()
+            results = list(pool.map(solve, batch, [cutoff] * len(batch), [share] * len(batch)))
             solved += len(batch)
+            bb_left = max(0, bb_left - sum(r.nodes for r in results))
             for item, res in zip(batch, results, strict=True):
                 bound, cand, costs = item.bound, item.cand, item.costs
                 exact_linear = linear_bounds_reported(cand) or not by_reported
@@ -408,11 +426,16 @@ def search(
                     status = "time_limit" if time_limit is not None else "node_limit"
                     refuse(cand, "the ILP stopped at its limit before finding a plan")
                     unresolved.append(item.reported)
+                    if res.low is not None and cutoff is not None and res.low < cutoff:
+                        # no plan found: the gap is the k-th plan's to the candidate's proven bound
+                        gaps.append((cutoff - max(bound, res.low)) / cutoff)
                     continue
                 if res.status == "infeasible" or res.partition is None:
                     refuse(cand, "out of memory: no stage partition fits every rank")
                     continue
                 assert res.objective is not None and res.recompute is not None
+                if res.low is not None:
+                    bound = max(bound, res.low)  # the solver's own proof, when it stopped early
                 if res.status in ("time_limit", "node_limit") and res.objective <= bound * (1 + 1e-9):
                     res.status = "optimal"  # stopped early, but the candidate's lower bound proves it
                 found: SearchStatus = "optimal"

@@ -50,7 +50,12 @@ Constraint families (`constraints`, one function each):
 bound's and a balanced partition, and decodes the result with its `Status`. With one stage per rank
 (GPipe, 1F1B) on any unit sequence it first runs `chain.solve_chain`, an exact dynamic program (branch
 and bound over the largest stage time and the largest tail, shortest paths under both caps), and calls
-CBC only when that gives up after `chain.MAX_PATHS` paths.
+CBC only when that gives up after `chain.MAX_PATHS` paths. With several stages per rank (interleaved,
+zero-bubble) on a unit sequence that is not one run of identical blocks it runs `ranks.solve_ranks`, an
+exact branch and bound over the stages' ends (best first with dives; bounds from water levels, per-rank
+shortest paths and subset sums of unit times) under a node budget (`bb_nodes`, a count): stopped there,
+its plan comes back as node_limit with its proven lower bound (`ILPResult.low`). CBC runs these
+candidates only where the branch and bound's plan fails the cost model's own memory sum (a rounding edge).
 """
 
 from planner.search.ilp.forms import block_run

@@ -42,6 +42,8 @@ from planner.search.ilp.forms import (
     block_run,
     count_partition,
 )
+from planner.search.ilp.ranks import MAX_NODES, RanksResult, solve_ranks
+from planner.search.ilp.ranks import applies as ranks_applies
 from planner.search.ilp.tailcut import TailFloor, tail_floor
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,9 @@ class ILPResult:
     form: str = ""
     # the balanced partition used as CBC's incumbent, when there was one (partition, recompute)
     start: tuple[list[list[int]], list[str]] | None = None
+    # a valid lower bound on the candidate's optimum when the solver stopped at its limit (None: unknown)
+    low: float | None = None
+    nodes: int = 0  # nodes the branch and bound for several stages per rank expanded (0: not used)
 
 
 def solve_partition(
@@ -75,13 +80,15 @@ def solve_partition(
     cutoff: float | None = None,
     cuts: bool = True,
     bounds: BlockBounds | IntervalBounds | None = None,
+    bb_nodes: int | None = MAX_NODES,
 ) -> ILPResult:
     """Solve the partition + recomputation ILP of one candidate exactly (or to the time limit).
 
     `cutoff`: only solutions with an objective below it are wanted (the search passes the k-th best plan
     so far); when none exists the status is "cutoff". `cuts`: add the valid integer bounds of
     `planner.search.bounds.block_bound` on the maxima (count form), which close most of the LP gap;
-    `bounds`: that function's result when the caller has it already.
+    `bounds`: that function's result when the caller has it already. `bb_nodes`: the nodes the branch and
+    bound for several stages per rank (`ranks.solve_ranks`) may expand (None: no limit).
     """
     U = len(graph.units)
     S = cand.stages
@@ -116,7 +123,6 @@ def solve_partition(
         tot_ = Totals.of(costs, modes)
         work = tot_.work if cand.virtual_stages == 1 else cand.num_micro_batches * tot_.work / cand.pp
         rest = work + comm_bound(graph, cand, cluster) + tail_bound(tot_, cand, cluster, dtype, options)
-        ivars = interval_vars(tables, cand, modes, U, min(limits) if limits else None, rest)
         if cuts and force_form is None and start_sol is not None and cand.virtual_stages == 1:
             # One stage per rank: the objective is at least work + p2p + (m-1) Z + tail, each term at least
             # its bound; a start that reaches that sum is optimal without branching.
@@ -136,6 +142,16 @@ def solve_partition(
             done = _chain_result(graph, cluster, cand, costs, options, got, cutoff, start_sol)
             if done is not None:
                 return done
+        if force_form is None and cuts and ranks_applies(cand):
+            # several stages per rank: the branch and bound (ranks.py) instead of CBC
+            limit = None if cutoff is None else cutoff * (1 + 1e-9)
+            got_r = solve_ranks(graph, cluster, cand, costs, modes, options, tables, limit, start_sol, bb_nodes)
+            log.debug("%s: ranks %s, %d nodes", cand.label(), got_r.objective, got_r.nodes)
+            done = _ranks_result(graph, cluster, cand, costs, options, got_r, cutoff, start_sol)
+            if done is not None:
+                return done
+        # the intervals an optimal plan can use, for CBC (the dynamic programs above need none)
+        ivars = interval_vars(tables, cand, modes, U, min(limits) if limits else None, rest)
         if not all(ivars.values()):
             return ILPResult(
                 "cutoff" if cutoff is not None else "infeasible", None, None, None, form=kind or "interval"
@@ -213,6 +229,35 @@ def _chain_result(
         return None
     start = None if start_sol is None else (start_sol[0], start_sol[1])
     return ILPResult("optimal", ev.objective, got.partition, got.recompute, form="chain", start=start)
+
+
+def _ranks_result(
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    cand: Candidate,
+    costs: list[UnitCost],
+    options: CostOptions,
+    got: RanksResult,
+    cutoff: float | None,
+    start_sol: tuple[Partition, list[str], float] | None,
+) -> ILPResult | None:
+    """The branch and bound's answer as an ILPResult: optimal when proven, else node_limit with its
+    valid lower bound (`ILPResult.low`); cutoff / infeasible when it proved no plan below the cutoff fits;
+    None (solve with CBC) when its plan does not fit memory by the cost model's own sum (a rounding edge)."""
+    start = None if start_sol is None else (start_sol[0], start_sol[1])
+    if got.partition is None or got.recompute is None:
+        if got.proven:
+            return ILPResult(
+                "cutoff" if cutoff is not None else "infeasible", None, None, None, form="ranks", nodes=got.nodes
+            )
+        return ILPResult("not_solved", None, None, None, form="ranks", low=got.low, nodes=got.nodes)
+    ev = evaluate(graph, cluster, cand, got.partition, got.recompute, costs, options)
+    if max(ev.rank_memory.values()) > rank_capacity(cluster, cand):
+        return None
+    status: SolveStatus = "optimal" if got.proven else "node_limit"
+    return ILPResult(
+        status, ev.objective, got.partition, got.recompute, form="ranks", start=start, low=got.low, nodes=got.nodes
+    )
 
 
 def _solve_cbc(
