@@ -150,18 +150,19 @@ def plan(
     )
     quiet = is_quiet(ctx, quiet)
     result_plan, graph, result = run_search(request, show_progress=not quiet, load_timeout=load_timeout)
+    from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
+
+    # A plan the script cannot run exits 2 here, before anything is written (or gives way to the next
+    # runner-up that runs). The check runs the model's code again, so under the same guard (exits, hangs,
+    # prints kept off stdout) as the tracing.
+    limit = DEFAULT_TIME_LIMIT_S if load_timeout is None else (load_timeout or None)
+    with user_code(request.model_path, "Checking that the plan runs", limit):
+        result_plan, result = best_that_runs(request, result_plan, graph, result)
     if timestamp:
         from datetime import datetime, timezone
 
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         result_plan = result_plan.model_copy(update={"created_at": created})
-    from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
-
-    # A plan the script cannot run exits 2 here, before anything is written. The check runs the model's
-    # code again, so under the same guard (exits, hangs, prints kept off stdout) as the tracing.
-    limit = DEFAULT_TIME_LIMIT_S if load_timeout is None else (load_timeout or None)
-    with user_code(request.model_path, "Checking that the plan runs", limit):
-        check_plan(result_plan)
     source_files = compiled_source_files(model_file, request.model_path)
     if source_files:  # hf:/module: sources: the compiled model file travels with the plan
         from planner.model.sources import SOURCE_FILE
@@ -191,6 +192,36 @@ def check_training_options(lr: float) -> None:
             f"--lr {lr:g} is not a usable learning rate: AdamW needs a finite number above 0 (torch refuses a "
             "negative one, and nan or inf would turn every weight into nan). Pass e.g. --lr 1e-4."
         )
+
+
+def best_that_runs(
+    request: PlanRequest, plan: Plan, graph: ModelGraph, result: SearchResult
+) -> tuple[Plan, SearchResult]:
+    """The best ranked plan that passes the plan-time check. A plan the script cannot run for its layout (a
+    weight tied across two stages that one pp rank holds, a TP degree a vocabulary or head count cannot
+    take, a pipeline on a device the traced graph cannot run on) gives way to the next runner-up, and is
+    listed under the rejected regions with the check's reason; when none of the ranked plans runs, the
+    first failure is raised (exit 2, nothing written), naming how many were tried. A failure of the model
+    itself (its loss, its code on the meta device) is raised at once: no other layout fixes it."""
+    from planner.errors import LayoutRefusedError
+    from planner.pipeline import without_best
+
+    first: LayoutRefusedError | None = None
+    tried = 0
+    while True:
+        try:
+            check_plan(plan)
+            return plan, result
+        except LayoutRefusedError as e:
+            first = first or e
+            tried += 1
+            reason = "fails the plan-time check: " + str(e).removeprefix("The plan cannot run: ")
+            nxt = without_best(request, graph, result, reason)
+            if nxt is None:
+                if tried > 1:
+                    raise LayoutRefusedError(f"{first} (The {tried - 1} runner-up plans fail the check too.)") from None
+                raise first from None
+            plan, result = nxt
 
 
 def check_plan(plan: Plan) -> None:

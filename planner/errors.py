@@ -25,5 +25,9 @@ class PlanError(PlannerError):
     """A plan file is malformed, of another schema version, or inconsistent with the request."""
 
 
+class LayoutRefusedError(PlanError):
+    """The plan-time check found that the model cannot run in the chosen layout (another layout may)."""
+
+
 class ConfigError(PlannerError):
     """Command-line options contradict each other or name impossible values."""

@@ -33,7 +33,7 @@ from planner.plan import (
     TrainingConfig,
 )
 from planner.runtime.layout import runs_traced_graph
-from planner.search.search import Evaluated, SearchResult, search, simulate_evaluated
+from planner.search.search import Evaluated, SearchResult, region_of, search, simulate_evaluated
 from planner.search.space import Pins
 
 
@@ -382,3 +382,26 @@ def plan_model(
         request.max_nodes,
     )
     return build_plan(graph, cluster, request, result, options), graph, result
+
+
+def without_best(
+    request: PlanRequest, graph: ModelGraph, result: SearchResult, reason: str
+) -> tuple[Plan, SearchResult] | None:
+    """The plan of the next ranked configuration, its predecessor rejected for `reason` (the plan-time check
+    found that the generated script cannot run it: e.g. a weight tied across two stages of one pp rank);
+    None when no ranked configuration is left. The search's exactness is unaffected: what it ranked below
+    the rejected plan is still the best of the rest."""
+    import dataclasses
+
+    from planner.hardware.load import load_cluster
+
+    if len(result.ranked) < 2:
+        return None
+    rejected = result.rejected.copy()
+    rejected[(region_of(result.best.cand), reason)] += 1
+    rest = dataclasses.replace(result, best=result.ranked[1], ranked=result.ranked[1:], rejected=rejected)
+    cluster = load_cluster(request.gpu, request.nodes, request.gpus_per_node).with_memory_reserve(
+        request.memory_reserve_gib
+    )
+    options = CostOptions(overlap_dp_comm=request.overlap_dp_comm)
+    return build_plan(graph, cluster, request, rest, options), rest

@@ -4,9 +4,9 @@ device, one process), its errors turned into PlanError so `planner plan` exits 2
 from __future__ import annotations
 
 from planner.codegen.render import runtime_objects
-from planner.errors import PlanError
+from planner.errors import LayoutRefusedError, PlanError
 from planner.plan import Plan
-from planner.runtime.errors import RunError
+from planner.runtime.errors import RefusedLayout, RunError
 
 
 def check_plan_runs(plan: Plan) -> str:
@@ -17,5 +17,7 @@ def check_plan_runs(plan: Plan) -> str:
     try:
         device_type = "cpu" if plan.cluster.gpu.lower() == "cpu" else "cuda"  # the device launch.sh passes
         return runtime_check(*runtime_objects(plan), device_type=device_type)
+    except RefusedLayout as e:
+        raise LayoutRefusedError(f"The plan cannot run: {e}") from None
     except RunError as e:
         raise PlanError(f"The plan cannot run: {e}") from None

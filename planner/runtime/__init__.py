@@ -64,9 +64,10 @@ from __future__ import annotations
 
 # Only the torch-free parts here: the planner reads layout rules and digests without importing torch; the
 # training run is `from planner_runtime.loop import run`.
-from .errors import LayoutError, RunError
+from .errors import LayoutError, RefusedLayout, RunError
 from .layout import Layout, ModelFile, Stage, Training, read_layout_file, stage_rank
 
 __all__ = [
-    "Layout", "LayoutError", "ModelFile", "RunError", "Stage", "Training", "read_layout_file", "stage_rank",
+    "Layout", "LayoutError", "ModelFile", "RefusedLayout", "RunError", "Stage", "Training", "read_layout_file",
+    "stage_rank",
 ]

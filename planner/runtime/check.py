@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .errors import RunError
+from .errors import RefusedLayout, RunError
 from .layout import Layout, ModelFile, Training
 from .loss import default_loss
 from .memo import MetaMemo
@@ -72,7 +72,7 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
     for name, users in shared_weights(gm, pieces).items():
         ranks = [layout.stages[s].pp_rank for s in users]
         if len(set(ranks)) < len(ranks):
-            raise RunError(
+            raise RefusedLayout(
                 f"The weight {name} is used by stages {users}, of which two run on the same pp rank: their "
                 "copies cannot be kept apart there. Re-plan with another schedule or stage split."
             )
@@ -116,7 +116,9 @@ def _run_stages(
         if i < len(layout.stages) - 1 and not (
             isinstance(values, tuple) and all(isinstance(v, torch.Tensor) for v in values)
         ):
-            raise RunError(f"{what} would send {type(values).__name__} to the next stage; a pipeline sends tensors.")
+            raise RefusedLayout(
+                f"{what} would send {type(values).__name__} to the next stage; a pipeline sends tensors."
+            )
     inputs = tuple(t.to(meta) for t in example)
     with _failing_as(f"The loss ({spec.loss_fn or 'default_loss'}) on the last stage's output"):
         loss = with_structure(loss_fn, pieces[-1].out_spec)(values, *inputs)

@@ -17,7 +17,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import fx, nn
 
-from .errors import RunError
+from .errors import RefusedLayout, RunError
 from .layout import Layout, ModelFile, runs_traced_graph
 from .memo import MetaMemo
 from .model import build_model, input_count, materialise
@@ -328,7 +328,7 @@ def cut_into_pieces(gm: fx.GraphModule, values: dict[fx.Node, Any], layout: Layo
     last = len(keys) - 1
     missing = set(range(layout.num_stages)) - {k[0] for k in keys}
     if missing:
-        raise RunError(f"Stages {sorted(missing)} run no part of the model; re-plan with fewer stages.")
+        raise RefusedLayout(f"Stages {sorted(missing)} run no part of the model; re-plan with fewer stages.")
 
     needed_memo: dict[fx.Node, set[int]] = {}
 
@@ -626,7 +626,7 @@ def trace_for_plan(
     gm, values, method = trace(meta_model, inputs, log, leaves)
     why = unsupported_on(gm, values, device_type)
     if why is not None:
-        raise RunError(
+        raise RefusedLayout(
             f"A pipeline cannot run this model on the {device_type.upper()}: {why}. Re-plan with pp=1 (the model "
             "as written runs the CPU's own path), or run on GPUs."
         )
@@ -638,12 +638,12 @@ def trace_for_plan(
             "calls each experts module as a module (expert parallelism swaps it for its slice). Re-plan the model."
         )
     if layout.tp_enabled and layout.tp_head_attrs:
-        raise RunError(
+        raise RefusedLayout(
             "TP_HEAD_ATTRS changes head counts the model reads in forward, which a traced pipeline stage has "
             "already baked into its graph: re-plan with pp=1 (or tp=1), or reshape heads with -1 in the model."
         )
     if layout.tp_enabled and method != "fx":
-        raise RunError(
+        raise RefusedLayout(
             "Tensor parallelism needs the model's Linear modules in the graph, but only torch.export could "
             "trace it. Make the model traceable by torch.fx (no Python branches on tensors) or re-plan "
             "with tp=1."

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import RunError
+from .errors import RefusedLayout, RunError
 from .layout import Layout
 from .stages import has_module
 
@@ -87,7 +87,7 @@ def check_tp(roots: list[nn.Module], layout: Layout) -> None:
                 )
             if (size // chunks) % layout.tp and not splits_unevenly(module, style, size, layout.tp, chunks):
                 what = f"each of its {chunks} chunks (size {size // chunks})" if chunks > 1 else f"size {size}"
-                raise RunError(
+                raise RefusedLayout(
                     f"TP_PLAN splits {name} ({style}, {what}) over tp={layout.tp}: the size must divide. "
                     "Re-plan with a tp degree that divides it."
                 )
@@ -103,7 +103,7 @@ def check_tp(roots: list[nn.Module], layout: Layout) -> None:
                         "Re-plan the model."
                     )
                 if value % layout.tp:
-                    raise RunError(
+                    raise RefusedLayout(
                         f"{name}.{attr} = {value} heads cannot be split over tp={layout.tp}: it must divide. "
                         "Re-plan with a tp degree that divides the head count."
                     )

@@ -584,6 +584,11 @@ def _region(c: Candidate) -> str:
     return out + f" zero={c.zero_stage}"
 
 
+def region_of(c: Candidate) -> str:
+    """The rejected-region label of one candidate, its micro-batch size included (as `_regions` writes it)."""
+    return f"{_region(c)} mbs={c.micro_batch_size}"
+
+
 def _regions(refused: dict[Candidate, str], ranked: list[Evaluated]) -> Counter[tuple[str, str]]:
     """The search's rejections grouped by (region, reason), each region listing its micro-batch sizes
     ("dp=64 tp=1 pp=1 ep=2 zero=0 mbs=1,2,4"). A candidate that was rejected on the way and still made the
