@@ -2,7 +2,7 @@
 and compare with one process: a table arch x layout of trained / refused(reason) / failed, the largest loss
 difference over 3 steps and the largest relative gradient-norm difference.
 
-    python bench/corpus_train.py                      # the full matrix (12 models x dp4, pp2xdp2)
+    python bench/corpus_train.py                      # the full matrix (16 models x dp4, pp2xdp2)
     python bench/corpus_train.py --models t5,bart --layouts pp2xdp2 --keep /tmp/corpus
 
 CI plans and checks all of this matrix and trains the cases no other e2e file trains

@@ -31,6 +31,9 @@ HF_STRUCTURE = {
         "MoE DeepseekV2Moe in model.layers.1.mlp: 4 experts, top-2, router DeepseekV2TopkRouter (replicated "
         "under TP)",
     ],
+    "gemma": ["4 x GemmaDecoderLayer in model.layers (ModuleList)"],
+    "gpt_neox": ["4 x GPTNeoXLayer in gpt_neox.layers (ModuleList)"],
+    "phi3": ["4 x Phi3DecoderLayer in model.layers (ModuleList)"],
     "gpt2": ["4 x GPT2Block in transformer.h (ModuleList)"],
     "bert": ["4 x BertLayer in bert.encoder.layer (ModuleList)"],
     "t5": ["2 x T5Block in encoder.block (ModuleList)", "2 x T5Block in decoder.block (ModuleList)"],
@@ -120,6 +123,10 @@ ATTENTION = {
     "llama": (["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"], "self_attn.o_proj"),
     "qwen2": (["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"], "self_attn.o_proj"),
     "mixtral": (["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"], "self_attn.o_proj"),
+    "gemma": (["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"], "self_attn.o_proj"),
+    # GPT-NeoX's fused query_key_value holds q, k, v head by head (viewed as [.., heads, 3 x head_dim], then
+    # chunked): a contiguous column split gives each rank whole heads, no chunk-wise sharding needed.
+    "gpt_neox": (["attention.query_key_value"], "attention.dense"),
     "bert": (["attention.self.key", "attention.self.query", "attention.self.value"], "attention.output.dense"),
     "vit": (["attention.k_proj", "attention.q_proj", "attention.v_proj"], "attention.o_proj"),
     "moduledict_llama": (["attention.wk", "attention.wq", "attention.wv"], "attention.wo"),
@@ -251,6 +258,20 @@ def test_a_fused_projection_of_unequal_chunks_stays_replicated_and_is_costed_so(
     assert not u.tp_fused and not u.tp_shards_attention
     assert f"{u.name}.attn.qkv" not in u.tp_styles and f"{u.name}.attn.proj" not in u.tp_styles
     assert u.tp_shardable_params == 64 * 128 + 128 + 128 * 64  # the MLP only
+
+
+def test_phi3_qkv_sliced_at_fixed_offsets_stays_replicated_and_its_mlp_shards():
+    """Phi-3 takes q, k and v from its fused qkv_proj by slicing at offsets computed from the config
+    (`qkv[..., :heads * head_dim]`): split over ranks, those offsets would take the wrong columns (the
+    generated script failed at launch). The pair is refused with the reason; the fused gate_up_proj, chunked
+    in two equal halves, still shards."""
+    u = _block(graph_of("phi3"))
+    assert any("qkv_proj is not sharded: slice takes part of it at fixed offsets" in r for r in u.tp_refused), (
+        u.tp_refused
+    )
+    assert not u.tp_shards_attention
+    assert f"{u.name}.self_attn.qkv_proj" not in u.tp_styles and f"{u.name}.self_attn.o_proj" not in u.tp_styles
+    assert u.tp_styles[f"{u.name}.mlp.gate_up_proj"] == "colwise" and u.tp_fused == {f"{u.name}.mlp.gate_up_proj": 2}
 
 
 def test_t5_position_bias_over_all_heads_refuses_attention():

@@ -230,6 +230,7 @@ _RESHAPES = {"view", "reshape", "unsafe_view", "flatten", "unflatten", "contiguo
 _TRANSPOSES = {"transpose", "swapaxes", "t"}
 _COMPLEX_VIEWS = {"view_as_complex", "view_as_real"}
 _SPLITS = {"split", "split_with_sizes", "chunk", "tensor_split", "unbind"}
+_PARTS = {"slice", "narrow", "select"}
 _ATTENTION_FNS = ("scaled_dot_product", "flash_attention", "efficient_attention")
 _BATCHED_MATMULS = {"matmul", "bmm", "baddbmm", "einsum"}
 _METADATA_ATTRS = {"device", "dtype", "is_cuda", "requires_grad", "ndim", "layout"}
@@ -247,6 +248,7 @@ class _Walk:
     fused: int = 0  # chunks the column's width is split into before its heads (fused q/k/v)
     attention: bool = False
     groups: int = 0  # how many pieces the sharded dimension holds where heads are split off (the head count)
+    parted: bool = False  # part of it is taken at fixed offsets (a fused projection split by slicing)
 
 
 def _size_args(node) -> list:
@@ -289,6 +291,9 @@ def _walk_column(col, linears: dict, activation_arg: dict, sub, from_columns: se
         elif name == "getitem":
             src_meta = val_meta(src)
             if not isinstance(src_meta, (list, tuple)) and out is not None and out != src_shape:
+                if len(out) == rank and out[pos] != src_shape[pos]:
+                    w.failure = f"{name} takes part of it at fixed offsets along the sharded dimension"
+                    w.parted = True
                 new = _matching_dim(src_shape, out, pos)
         elif name in _SPLITS:
             dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)
@@ -308,6 +313,16 @@ def _walk_column(col, linears: dict, activation_arg: dict, sub, from_columns: se
                     size = n.args[1] if len(n.args) > 1 else None
                     if isinstance(size, int) and name == "split":
                         w.literals.append((n, size))
+        elif name in _PARTS and isinstance(out, tuple):
+            # Part of a tensor by fixed offsets (torch.export's slice of `qkv[..., :q_width]`, as Phi-3 takes q,
+            # k and v from its fused projection): along the sharded dimension the offsets are the unsharded
+            # ones, so each rank would take the wrong columns.
+            dim = _norm_dim(n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0), rank)
+            if dim == pos and (name == "select" or out[pos] != src_shape[pos]):
+                w.failure = f"{name} takes part of it at fixed offsets along the sharded dimension"
+                w.parted = True
+            elif name == "select" and dim is not None and dim < pos:
+                new = pos - 1
         elif out is None:
             new = pos  # a tuple (split) or a non-tensor: its items keep the dimension
         elif name in _RESHAPES or name == "expand":
@@ -460,7 +475,7 @@ def detect_tp_pairs(sub, names: ModuleNames, constants: frozenset = frozenset())
         w = _walk_column(a, linears, activation_arg, sub, from_columns)
         if not w.failure and len(w.ends) == 1:
             walks[a] = w
-        elif w.failure and (w.attention or w.fused or w.groups):
+        elif w.failure and (w.attention or w.fused or w.groups or w.parted):
             refused.append(f"{linears[a]} is not sharded: {w.failure}")
     terminal = {a: next(iter(w.ends)) for a, w in walks.items()}
     writes = _in_place_writes(sub.graph)

@@ -1,4 +1,4 @@
-"""Plans for the real-model corpus (tests/fixtures/models: 10 Hugging Face architectures and 3 fixtures) planned
+"""Plans for the real-model corpus (tests/fixtures/models: 13 Hugging Face architectures and 3 fixtures) planned
 by `planner plan` for 4 CPU ranks, shared by tests/e2e/test_hf_e2e.py and bench/corpus_train.py; and hand-built
 plans for the Hugging Face fixtures of tests/fixtures/hf (module names as the model defines them), kept where
 they add a layout `planner plan` does not choose (FSDP, ZeRO-1 with tp)."""
@@ -16,7 +16,10 @@ HF = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 
 # The corpus: name -> (model file, --model-arg options).
-HF_ARCHS = ("llama", "qwen2", "mixtral", "deepseek_v2", "gpt2", "bert", "t5", "bart", "vit", "resnet")
+HF_ARCHS = (
+    "llama", "qwen2", "mixtral", "deepseek_v2", "gemma", "gpt_neox", "phi3", "gpt2", "bert", "t5", "bart", "vit",
+    "resnet",
+)
 FIXTURES = ("moduledict_llama", "sequential_cnn", "headcount_gpt")
 CORPUS: dict[str, tuple[Path, list[str]]] = {
     **{a: (MODELS / "hf_tiny.py", ["--model-arg", f"arch={a!r}"]) for a in HF_ARCHS},

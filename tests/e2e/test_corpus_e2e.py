@@ -1,4 +1,4 @@
-"""The real-model corpus (10 Hugging Face architectures and 3 fixtures, tests/e2e/hf_plans.py) x {dp4, pp2xdp2}
+"""The real-model corpus (13 Hugging Face architectures and 3 fixtures, tests/e2e/hf_plans.py) x {dp4, pp2xdp2}
 for 4 CPU ranks: `planner plan` (which runs the plan-time check) either writes a plan or refuses with the
 reason below (exit 2, nothing written); never a plan that then fails at launch.
 
@@ -8,7 +8,9 @@ mixtral and deepseek_v2 dp4 ep2): ViT dp4 as planned (recompute on a model that 
 attributes), T5 pp2xdp2 (an encoder-decoder cut into a pipeline), the CNN of one top-level Sequential
 pp2xdp2, and the MoE models pp2xdp2 without expert parallelism (Mixtral, DeepSeek-V2: each stage calls the
 experts modules as modules, so the CPU ranks run the experts' CPU code, not the int32 histc of the GPU path
-the meta trace took). The whole matrix trains in bench/corpus_train.py.
+the meta trace took), and pp2xdp2 of Gemma (tied embeddings on the first and last stage), GPT-NeoX (fused
+query_key_value, parallel attention and MLP) and Phi-3 (fused qkv_proj and gate_up_proj). The whole matrix
+trains in bench/corpus_train.py.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ pytestmark = pytest.mark.e2e
 REFUSED: dict[tuple[str, str], str] = {}
 TRAINED = [
     ("vit", "dp4"), ("t5", "pp2xdp2"), ("sequential_cnn", "pp2xdp2"), ("mixtral", "pp2xdp2"),
-    ("deepseek_v2", "pp2xdp2"),
+    ("deepseek_v2", "pp2xdp2"), ("gemma", "pp2xdp2"), ("gpt_neox", "pp2xdp2"), ("phi3", "pp2xdp2"),
 ]
 MOE = ("mixtral", "deepseek_v2")
 

@@ -27,6 +27,7 @@ import math
 from pathlib import Path
 
 import pytest
+from e2e.hf_plans import HF_ARCHS as CORPUS_HF_ARCHS
 from e2e.plans import reference_of
 from e2e.test_train_e2e import STEPS, run, train
 from typer.testing import CliRunner
@@ -38,9 +39,9 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.e2e
 
 MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
-HF_ARCHS = ("llama", "qwen2", "mixtral", "deepseek_v2", "gpt2", "bert", "t5", "bart", "vit")
-FIXTURES = ("headcount_gpt", "moduledict_llama")
 NO_TP_PAIRS = ("resnet", "sequential_cnn")
+HF_ARCHS = tuple(a for a in CORPUS_HF_ARCHS if a not in NO_TP_PAIRS)  # every HF model of the corpus with TP pairs
+FIXTURES = ("headcount_gpt", "moduledict_llama")
 
 
 # hf_tiny.py keeps the configs' default dropout (GPT-2, BERT, T5, BART: 0.1), and random dropout masks cannot
