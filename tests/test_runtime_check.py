@@ -105,7 +105,98 @@ def test_tp_on_a_conv1d_the_plan_does_not_mark_transposed_is_refused_at_plan_tim
         check_plan_runs(plan)
     plan = plan.model_copy(update={"tp_transposed": ["transformer.h.0.attn.c_attn"]})
     plan = plan.model_copy(update={"tp_fused": {"transformer.h.0.attn.c_attn": 3}})
+    # Marked transposed and fused, c_attn alone still cannot run: GPT-2 splits its output at split_size and
+    # c_proj expects all heads. The sharded run on meta (rank 0's shard) says so, as the launch would.
+    with pytest.raises(PlanError, match=r"sharded for tp 2 .* fails on one micro-batch"):
+        check_plan_runs(plan)
+    # The whole pair, as `planner plan` writes it, runs.
+    attn = "transformer.h.0.attn"
+    plan = plan.model_copy(update={
+        "tp_plan": {f"{attn}.c_attn": "colwise", f"{attn}.c_proj": "rowwise"},
+        "tp_transposed": [f"{attn}.c_attn", f"{attn}.c_proj"],
+        "tp_head_attrs": {attn: ["split_size"], f"{attn}.c_attn": ["nf"]},
+    })
     check_plan_runs(plan)
+
+
+SLICED_QKV = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    \"\"\"Attention whose fused qkv is sliced at fixed offsets (as Phi-3's): q 4 heads, k and v 2 each.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(32, 64)
+        self.o = nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(x)
+        q, k, v = qkv[..., :32], qkv[..., 32:48], qkv[..., 48:]
+        q = q.view(b, s, -1, 8).transpose(1, 2)
+        k = k.view(b, s, -1, 8).transpose(1, 2).repeat_interleave(2, dim=1)
+        v = v.view(b, s, -1, 8).transpose(1, 2).repeat_interleave(2, dim=1)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def build_model(**kwargs):
+    return Net()
+
+
+def example_inputs(batch_size, **kwargs):
+    return (torch.randn(batch_size, 8, 32),)
+
+
+def loss_fn(output, x):
+    return output.pow(2).mean()
+"""
+
+
+def test_a_tp_plan_whose_shard_cannot_run_is_refused_and_leaves_no_process_group(tmp_path):
+    """The planner does not pair a projection sliced at fixed offsets (planner/model/tp.py); a plan that
+    shards it anyway (an older planner, an edited plan.json) is refused by the sharded run on meta, with the
+    shape error the launch would hit; the fake process group is gone afterwards, pass or fail."""
+    import torch.distributed as dist
+
+    path = tmp_path / "sliced.py"
+    path.write_text(SLICED_QKV)
+    out = tmp_path / "out"
+    args = ["plan", str(path), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "4",
+            "--tp", "2", "--out", str(out), "--quiet"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output  # nothing to shard: tp 2 has no pair
+    message = " ".join(result.output.split())
+    assert "no Linear pairs" in message and "qkv is not sharded: getitem takes part of it at fixed offsets" in message
+    plan = make_plan("mlp", tp=1, dp=1)
+    plan = plan.model_copy(update={
+        "model": plan.model.model_copy(update={"path": str(path), "loss_fn": "loss_fn"}),
+        "parallel": plan.parallel.model_copy(update={"tp": 2, "dp": 1}),
+        "tp_plan": {f"blocks.{i}.{m}": style for i in range(2) for m, style in (("qkv", "colwise"), ("o", "rowwise"))},
+    })
+    blocks = ["blocks.0", "blocks.1"]
+    plan = plan.model_copy(update={"stages": [plan.stages[0].model_copy(update={"modules": blocks, "units": blocks})]})
+    with pytest.raises(PlanError, match=r"sharded for tp 2 \(rank 0's shard, TP_PLAN applied\) fails on one micro"):
+        check_plan_runs(plan)
+    assert not dist.is_initialized()
+    o_only = plan.model_copy(update={"tp_plan": {f"blocks.{i}.o": "rowwise" for i in range(2)}})
+    with pytest.raises(PlanError, match="sharded for tp 2"):  # o alone row-parallel: its input is whole, not split
+        check_plan_runs(o_only)
+    assert not dist.is_initialized()
 
 
 def _runs(monkeypatch) -> list[int]:

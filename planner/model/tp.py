@@ -290,7 +290,9 @@ def _walk_column(col, linears: dict, activation_arg: dict, sub, from_columns: se
                 w.failure = f"{type(sub.get_submodule(n.target)).__name__} is applied to it"
         elif name == "getitem":
             src_meta = val_meta(src)
-            if not isinstance(src_meta, (list, tuple)) and out is not None and out != src_shape:
+            # fx's TensorMetadata is a NamedTuple: a tuple of values is one without a shape
+            of_tuple = isinstance(src_meta, (list, tuple)) and not hasattr(src_meta, "shape")
+            if not of_tuple and out is not None and out != src_shape:
                 if len(out) == rank and out[pos] != src_shape[pos]:
                     w.failure = f"{name} takes part of it at fixed offsets along the sharded dimension"
                     w.parted = True

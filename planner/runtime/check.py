@@ -42,11 +42,15 @@ def _failing_as(what: str) -> Iterator[None]:
     except RunError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of the user's code is reported with where it happened
-        first = str(e).strip().splitlines()[0][:400] if str(e).strip() else ""
-        raise RunError(
-            f"{what} fails on one micro-batch ({type(e).__name__}: {first}). Fix the model file, or re-plan "
-            "with other pins (e.g. another --pp, or --tp 1)."
-        ) from e
+        raise _run_error(what, e) from e
+
+
+def _run_error(what: str, e: Exception) -> RunError:
+    first = str(e).strip().splitlines()[0][:400] if str(e).strip() else ""
+    return RunError(
+        f"{what} fails on one micro-batch ({type(e).__name__}: {first}). Fix the model file, or re-plan "
+        "with other pins (e.g. another --pp, or --tp 1)."
+    )
 
 
 def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_type: str = "cuda") -> str:
@@ -63,6 +67,8 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
         check_tp([meta_model], layout)
     if not uses_graph(layout):
         _run_model(user, spec, layout, training, meta_model, example, n_inputs, loss_fn)
+        if layout.tp_enabled:
+            _run_tp_shard(user, spec, layout, training, example, n_inputs, loss_fn)
         return "module"
     with _failing_as("Tracing the model"):
         gm, values, method = trace_for_plan(
@@ -233,6 +239,82 @@ def _run_model(
         loss.backward()
 
 
+def _run_tp_shard(
+    user: Any,
+    spec: ModelFile,
+    layout: Layout,
+    training: Training,
+    example: tuple[torch.Tensor, ...],
+    n_inputs: int,
+    loss_fn: Callable[..., torch.Tensor],
+) -> None:
+    """Forward, loss and backward of tp rank 0's shard of the model as written: the run's own apply_tp
+    (parallelize_module, fused chunks, head attributes, Conv1D) over a fake process group of tp ranks
+    (torch's "fake" backend: collectives do nothing, as in torchtitan's dry runs). Shapes that the sharding
+    leaves inconsistent (a projection sliced at fixed offsets, a head count that does not follow) fail here
+    with the error the run would hit at launch. It runs on fake meta tensors in the run's compute dtype, as
+    the large-model check does; a small model that fails there (code whose meta path differs from the CPU's,
+    as transformers' grouped-mm experts) runs its shard on the CPU instead."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():  # inside someone's process group: leave it alone (the check runs its rules only)
+        return
+    what = f"The model sharded for tp {layout.tp} (rank 0's shard, TP_PLAN applied)"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.tp)
+    try:
+        mesh = init_device_mesh("cpu", (layout.tp,), mesh_dim_names=("tp",))
+        try:
+            _tp_shard_step(user, spec, layout, training, example, n_inputs, loss_fn, mesh, on_cpu=False)
+        except RunError:
+            raise
+        except Exception as e:  # noqa: BLE001 - retried on the CPU below when small enough
+            model = build_model(user, spec, training.seed, everything_on_meta=True)
+            if sum(p.numel() for p in model.parameters()) > SMALL:
+                raise _run_error(what, e) from e
+            with _failing_as(what):
+                _tp_shard_step(user, spec, layout, training, example, n_inputs, loss_fn, mesh, on_cpu=True)
+    except RunError as e:
+        raise RefusedLayout(str(e)) from e
+    finally:
+        dist.destroy_process_group()
+
+
+def _tp_shard_step(
+    user: Any,
+    spec: ModelFile,
+    layout: Layout,
+    training: Training,
+    example: tuple[torch.Tensor, ...],
+    n_inputs: int,
+    loss_fn: Callable[..., torch.Tensor],
+    mesh: Any,
+    on_cpu: bool,
+) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .parallel import apply_tp
+
+    model = build_model(user, spec, training.seed, everything_on_meta=not on_cpu)
+    if on_cpu:
+        materialise(model, {n for n, _ in model.named_modules()}, torch.device("cpu"), training.seed)
+    apply_tp(ModelStage(model, list(layout.stages[0].modules)), mesh, layout, {})
+    if on_cpu:
+        loss = loss_fn(model(*example[:n_inputs]), *example)
+        _check_loss(loss)
+        loss.backward()
+        return
+    compute_dtype = COMPUTE_DTYPES.get(training.dtype)
+    if compute_dtype is not None:
+        _cast_parameters(model, compute_dtype)
+    with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
+        meta = tuple(t.to("meta") for t in example)
+        loss = loss_fn(model(*meta[:n_inputs]), *meta)
+        _check_loss(loss)
+        loss.backward()
+
+
 def _runs_on_fake_tensors(
     meta_model: nn.Module,
     example: tuple[torch.Tensor, ...],
@@ -248,17 +330,12 @@ def _runs_on_fake_tensors(
     `compute_dtype` (bf16/fp16 on GPUs): the parameters are cast to it first, as the run's mixed precision
     casts them (FSDP2's param_dtype; buffers stay fp32). The meta device takes a model's GPU paths, and some
     exist only in that dtype (torch._grouped_mm, which transformers' MoE experts call, takes bf16 alone)."""
-    import logging
-
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if compute_dtype is not None:
         _cast_parameters(meta_model, compute_dtype)
-    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs each failing kernel with a traceback
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), MetaMemo():
+        with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), MetaMemo():
             meta = tuple(t.to("meta") for t in example)
             loss = loss_fn(meta_model(*meta[:n_inputs]), *meta)
             _check_loss(loss)
@@ -268,9 +345,22 @@ def _runs_on_fake_tensors(
     except Exception:  # noqa: BLE001 - the meta run's error is the one reported
         return False
     finally:
-        quiet.setLevel(level)
         meta_model.zero_grad(set_to_none=True)  # no fake gradients left on the meta model
     return True
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """FakeTensorMode logs each failing kernel with a traceback; the check reports the error itself."""
+    import logging
+
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        quiet.setLevel(level)
 
 
 # The dtype a GPU run computes in (runtime.parallel.apply_data_parallel's param_dtype), by Training.dtype.

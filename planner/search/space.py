@@ -183,7 +183,9 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
             rej[(f"tp={tp}", f"tensor parallelism must stay inside a node ({gpn} GPUs per node)")] += 1
             continue
         if tp > 1 and not has_tp:
-            rej[(f"tp={tp}", "the model has no Linear pairs that tensor parallelism can shard")] += 1
+            first = next((r for u in graph.units for r in u.tp_refused), "")
+            rej[(f"tp={tp}", "the model has no Linear pairs that tensor parallelism can shard"
+                 + (f" (first refused: {first})" if first else ""))] += 1
             continue
         if tp > 1 and max_tp % tp:
             rej[(f"tp={tp}", f"the model's heads/hidden sizes split only into divisors of {max_tp}")] += 1
