@@ -167,12 +167,7 @@ def loss_fn(output, x):
 """
 
 
-def test_a_tp_plan_whose_shard_cannot_run_is_refused_and_leaves_no_process_group(tmp_path):
-    """The planner does not pair a projection sliced at fixed offsets (planner/model/tp.py); a plan that
-    shards it anyway (an older planner, an edited plan.json) is refused by the sharded run on meta, with the
-    shape error the launch would hit; the fake process group is gone afterwards, pass or fail."""
-    import torch.distributed as dist
-
+def test_tp_of_a_projection_sliced_at_fixed_offsets_is_not_planned(tmp_path):
     path = tmp_path / "sliced.py"
     path.write_text(SLICED_QKV)
     out = tmp_path / "out"
@@ -182,20 +177,50 @@ def test_a_tp_plan_whose_shard_cannot_run_is_refused_and_leaves_no_process_group
     assert result.exit_code == 2, result.output  # nothing to shard: tp 2 has no pair
     message = " ".join(result.output.split())
     assert "no Linear pairs" in message and "qkv is not sharded: getitem takes part of it at fixed offsets" in message
-    plan = make_plan("mlp", tp=1, dp=1)
+
+
+# (pp, sequence parallelism): the model as written, and a traced graph (sequence parallelism, a pipeline).
+SHARD_LAYOUTS = {"module": (1, False), "sp": (1, True), "pp2": (2, False), "pp2_sp": (2, True)}
+
+
+@pytest.mark.parametrize("layout", list(SHARD_LAYOUTS))
+def test_a_tp_plan_whose_shard_cannot_run_is_refused_and_leaves_no_process_group(tmp_path, layout):
+    """The planner does not pair a projection sliced at fixed offsets (above); a plan that shards it anyway
+    (an older planner, an edited plan.json) is refused by tp rank 0's sharded run on meta, with the shape
+    error the launch would hit, with or without a pipeline and sequence parallelism; the fake process group
+    is gone afterwards, pass or fail."""
+    import torch.distributed as dist
+
+    path = tmp_path / "sliced.py"
+    path.write_text(SLICED_QKV)
+    pp, sp = SHARD_LAYOUTS[layout]
+    plan = make_plan("mlp", pp=pp)
     plan = plan.model_copy(update={
         "model": plan.model.model_copy(update={"path": str(path), "loss_fn": "loss_fn"}),
-        "parallel": plan.parallel.model_copy(update={"tp": 2, "dp": 1}),
+        "parallel": plan.parallel.model_copy(update={"tp": 2, "sequence_parallel": sp}),
         "tp_plan": {f"blocks.{i}.{m}": style for i in range(2) for m, style in (("qkv", "colwise"), ("o", "rowwise"))},
+        "cluster": plan.cluster.model_copy(update={"gpus_per_node": 2 * pp}),
     })
-    blocks = ["blocks.0", "blocks.1"]
-    plan = plan.model_copy(update={"stages": [plan.stages[0].model_copy(update={"modules": blocks, "units": blocks})]})
-    with pytest.raises(PlanError, match=r"sharded for tp 2 \(rank 0's shard, TP_PLAN applied\) fails on one micro"):
+    split = [["blocks.0", "blocks.1"]] if pp == 1 else [["blocks.0"], ["blocks.1"]]
+    plan = plan.model_copy(update={"stages": [
+        s.model_copy(update={"modules": m, "units": m}) for s, m in zip(plan.stages, split, strict=True)
+    ]})
+    with pytest.raises(PlanError, match=r"sharded for tp 2 \(rank 0's shard, TP_PLAN applied\)"):
         check_plan_runs(plan)
     assert not dist.is_initialized()
     o_only = plan.model_copy(update={"tp_plan": {f"blocks.{i}.o": "rowwise" for i in range(2)}})
     with pytest.raises(PlanError, match="sharded for tp 2"):  # o alone row-parallel: its input is whole, not split
         check_plan_runs(o_only)
+    assert not dist.is_initialized()
+    whole = plan.model_copy(update={"tp_plan": {}, "parallel": plan.parallel.model_copy(update={"tp": 1})})
+    check_plan_runs(whole)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_sharded_pipeline_of_the_sample_gpt_passes(sp):
+    import torch.distributed as dist
+
+    assert check_plan_runs(make_plan("gpt", tp=2, pp=2, sequence_parallel=sp)) == "fx"
     assert not dist.is_initialized()
 
 

@@ -20,6 +20,7 @@ from .meta import meta_without_dynamo
 from .model import build_model, input_count, load_model_file, make_batch, materialise
 from .recompute import apply_ac
 from .stages import (
+    SP_MODULE_PREFIX,
     ModelStage,
     Piece,
     StageModule,
@@ -84,6 +85,8 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
             )
     with MetaMemo():  # each distinct op runs its meta kernel once: repeated blocks cost one
         _run_stages(layout, spec, gm, pieces, meta_model, example, n_inputs, loss_fn)
+    if layout.tp_enabled:
+        _run_tp_stages(user, spec, layout, training, gm, values, example, n_inputs, loss_fn)
     return method
 
 
@@ -96,9 +99,12 @@ def _run_stages(
     example: tuple[torch.Tensor, ...],
     n_inputs: int,
     loss_fn: Callable[..., torch.Tensor],
+    prepare: Callable[[StageModule], None] | None = None,
+    label: str = "",
 ) -> None:
     """Forward of one micro-batch stage by stage on meta, as the pipeline's stages would run it (each stage
-    checkpointed as planned), then the loss and backward."""
+    checkpointed as planned), then the loss and backward. ``prepare``: applied to each piece before its
+    checkpointing, as parallelize() applies TP first (``label`` then says so in errors)."""
     meta = torch.device("meta")
     values: Any = tuple(t.to(meta) for t in example[:n_inputs])
     # A piece (one module's run of nodes) whose graph and modules are those of an earlier piece, given inputs
@@ -107,7 +113,7 @@ def _run_stages(
     outputs: dict[Any, Any] = {}
     for i, stage in enumerate(layout.stages):
         mine = [p for p in pieces if p.stage == i]
-        what = f"Stage {i} ({', '.join(stage.modules[:3])}{', ...' if len(stage.modules) > 3 else ''})"
+        what = f"Stage {i} ({', '.join(stage.modules[:3])}{', ...' if len(stage.modules) > 3 else ''}){label}"
         with _failing_as(what):
             for p in mine:  # in order, each taking what the one before returns: what StageModule.forward does
                 targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
@@ -116,6 +122,8 @@ def _run_stages(
                 if key not in outputs:
                     # A piece that runs is built as the run builds its stage's pieces, and checkpointed as planned.
                     piece = StageModule([fx.GraphModule(attrs, p.graph)], [p.owner])
+                    if prepare is not None:
+                        prepare(piece)
                     with_recompute(piece, stage.recompute, layout.schedule)
                     outputs[key] = piece(*values)
                 values = outputs[key]
@@ -126,7 +134,7 @@ def _run_stages(
                 f"{what} would send {type(values).__name__} to the next stage; a pipeline sends tensors."
             )
     inputs = tuple(t.to(meta) for t in example)
-    with _failing_as(f"The loss ({spec.loss_fn or 'default_loss'}) on the last stage's output"):
+    with _failing_as(f"The loss ({spec.loss_fn or 'default_loss'}) on the last stage's output{label}"):
         loss = with_structure(loss_fn, pieces[-1].out_spec)(values, *inputs)
         _check_loss(loss)
         loss.backward()
@@ -144,6 +152,8 @@ def _relative(name: str, owner: str | None) -> str:
     """`name` relative to the piece's owner module (blocks.7.attn.qkv in blocks.7: @.attn.qkv)."""
     if owner is not None and (name == owner or name.startswith(owner + ".")):
         return "@" + name[len(owner) :]
+    if name.startswith(SP_MODULE_PREFIX) and name[len(SP_MODULE_PREFIX) :].isdigit():
+        return SP_MODULE_PREFIX  # a sequence-parallel conversion: which one is told by what it is (_describe)
     return name
 
 
@@ -239,6 +249,59 @@ def _run_model(
         loss.backward()
 
 
+@contextlib.contextmanager
+def _fake_tp_mesh(tp: int) -> Iterator[Any]:
+    """A DeviceMesh of `tp` ranks over torch's "fake" process group (collectives do nothing; torchtitan's dry
+    runs use it), this process rank 0; None inside someone's process group (left alone: the check then runs
+    the TP rules only). The group is destroyed afterwards, pass or fail."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        yield None
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        yield init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_tp_stages(
+    user: Any,
+    spec: ModelFile,
+    layout: Layout,
+    training: Training,
+    gm: fx.GraphModule,
+    values: dict[fx.Node, Any],
+    example: tuple[torch.Tensor, ...],
+    n_inputs: int,
+    loss_fn: Callable[..., torch.Tensor],
+) -> None:
+    """The pipeline's stages as tp rank 0 runs them: the graph rewritten for sequence parallelism where the
+    plan has it, cut again, each piece of a fresh meta model sharded by the run's apply_tp over a fake
+    process group, then forward, loss and backward on meta (each distinct piece once). A rewrite or shard
+    that cannot run is a refused layout, with the error the launch would hit."""
+    from .parallel import apply_tp, sequence_parallel
+
+    with _fake_tp_mesh(layout.tp) as mesh:
+        if mesh is None:
+            return
+        try:
+            with _failing_as(f"Sequence parallelism for tp {layout.tp}"):
+                sp_styles = sequence_parallel(gm, values, example, mesh, layout) if layout.sp_enabled else {}
+                pieces = cut_into_pieces(gm, values, layout)
+            model = build_model(user, spec, training.seed, everything_on_meta=True)
+            _run_stages(
+                layout, spec, gm, pieces, model, example, n_inputs, loss_fn,
+                prepare=lambda piece: apply_tp(piece, mesh, layout, sp_styles),
+                label=f", sharded for tp {layout.tp} (rank 0's shard, TP_PLAN applied)",
+            )
+        except RunError as e:
+            raise RefusedLayout(str(e)) from e
+
+
 def _run_tp_shard(
     user: Any,
     spec: ModelFile,
@@ -249,36 +312,28 @@ def _run_tp_shard(
     loss_fn: Callable[..., torch.Tensor],
 ) -> None:
     """Forward, loss and backward of tp rank 0's shard of the model as written: the run's own apply_tp
-    (parallelize_module, fused chunks, head attributes, Conv1D) over a fake process group of tp ranks
-    (torch's "fake" backend: collectives do nothing, as in torchtitan's dry runs). Shapes that the sharding
-    leaves inconsistent (a projection sliced at fixed offsets, a head count that does not follow) fail here
-    with the error the run would hit at launch. It runs on fake meta tensors in the run's compute dtype, as
-    the large-model check does; a small model that fails there (code whose meta path differs from the CPU's,
-    as transformers' grouped-mm experts) runs its shard on the CPU instead."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():  # inside someone's process group: leave it alone (the check runs its rules only)
-        return
+    (parallelize_module, fused chunks, head attributes, Conv1D) over a fake process group of tp ranks.
+    Shapes that the sharding leaves inconsistent (a projection sliced at fixed offsets, a head count that
+    does not follow) fail here with the error the run would hit at launch. It runs on fake meta tensors in
+    the run's compute dtype, as the large-model check does; a small model that fails there (code whose meta
+    path differs from the CPU's, as transformers' grouped-mm experts) runs its shard on the CPU instead."""
     what = f"The model sharded for tp {layout.tp} (rank 0's shard, TP_PLAN applied)"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.tp)
-    try:
-        mesh = init_device_mesh("cpu", (layout.tp,), mesh_dim_names=("tp",))
+    with _fake_tp_mesh(layout.tp) as mesh:
+        if mesh is None:
+            return
         try:
-            _tp_shard_step(user, spec, layout, training, example, n_inputs, loss_fn, mesh, on_cpu=False)
-        except RunError:
-            raise
-        except Exception as e:  # noqa: BLE001 - retried on the CPU below when small enough
-            model = build_model(user, spec, training.seed, everything_on_meta=True)
-            if sum(p.numel() for p in model.parameters()) > SMALL:
-                raise _run_error(what, e) from e
-            with _failing_as(what):
-                _tp_shard_step(user, spec, layout, training, example, n_inputs, loss_fn, mesh, on_cpu=True)
-    except RunError as e:
-        raise RefusedLayout(str(e)) from e
-    finally:
-        dist.destroy_process_group()
+            try:
+                _tp_shard_step(user, spec, layout, training, example, n_inputs, loss_fn, mesh, on_cpu=False)
+            except RunError:
+                raise
+            except Exception as e:  # noqa: BLE001 - retried on the CPU below when small enough
+                model = build_model(user, spec, training.seed, everything_on_meta=True)
+                if sum(p.numel() for p in model.parameters()) > SMALL:
+                    raise _run_error(what, e) from e
+                with _failing_as(what):
+                    _tp_shard_step(user, spec, layout, training, example, n_inputs, loss_fn, mesh, on_cpu=True)
+        except RunError as e:
+            raise RefusedLayout(str(e)) from e
 
 
 def _tp_shard_step(

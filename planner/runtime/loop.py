@@ -28,7 +28,7 @@ from .experts import ExpertParallel, shard_experts
 from .layout import Layout, ModelFile, Training
 from .loss import default_loss
 from .model import build_model, input_count, load_model_file, make_batch, materialise
-from .parallel import parallelize, plan_sequence_parallel
+from .parallel import parallelize, sequence_parallel
 from .stages import (
     LocalStage,
     ModelStage,
@@ -180,14 +180,7 @@ def trace_and_cut(
     gm, values, method = trace_for_plan(user, spec, layout, seed, example, log, device_type)
     sp_styles: dict[str, ParallelStyle] = {}
     if layout.sp_enabled and tp_mesh is not None:
-        first = example[0]
-        seq_len = first.shape[1] if first.dim() >= 2 else 0
-        if not seq_len or seq_len % layout.tp:
-            raise RunError(
-                f"Sequence parallelism splits the sequence (length {seq_len}) over tp={layout.tp}: it must "
-                "divide. Re-plan with sequence parallelism off or a tp degree that divides the sequence."
-            )
-        sp_styles = plan_sequence_parallel(gm, values, seq_len, tp_mesh, layout.tp_plan)
+        sp_styles = sequence_parallel(gm, values, example, tp_mesh, layout)
     return gm, cut_into_pieces(gm, values, layout), sp_styles, method
 
 

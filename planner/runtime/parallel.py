@@ -24,7 +24,7 @@ from .errors import RunError
 from .experts import ExpertParallel
 from .layout import Layout
 from .recompute import apply_ac
-from .stages import LocalStage, contains_tensor, has_module, module_paths
+from .stages import SP_MODULE_PREFIX, LocalStage, contains_tensor, has_module, module_paths
 from .tp_rules import check_tp, split_dim, splits_own_vocab
 
 
@@ -70,6 +70,9 @@ class FromSequenceShard(nn.Module):
         full = sliced.redistribute(self.mesh, [Replicate()])
         return full if self.as_dtensor else full.to_local()
 
+    def extra_repr(self) -> str:  # the plan-time check tells conversions apart by their repr
+        return f"as_dtensor={self.as_dtensor}"
+
 
 class SumGradient(torch.autograd.Function):
     @staticmethod
@@ -97,9 +100,31 @@ class SumGradientOverTP(nn.Module):
         return summed
 
 
+def _dotted_prefixes(path: str) -> list[str]:
+    """blocks.7.attn.q -> blocks, blocks.7, blocks.7.attn, blocks.7.attn.q."""
+    parts = path.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
 def inside(paths: list[str], module: str) -> bool:
     """Whether any of the module paths is `module` or lies under it."""
     return any(p == module or p.startswith(module + ".") for p in paths)
+
+
+def sequence_parallel(
+    gm: fx.GraphModule, values: dict[fx.Node, Any], example: tuple[torch.Tensor, ...], mesh: DeviceMesh,
+    layout: Layout,
+) -> dict[str, ParallelStyle]:
+    """plan_sequence_parallel for the example batch's sequence (dimension 1 of the first input), which tp
+    must divide."""
+    first = example[0]
+    seq_len = first.shape[1] if first.dim() >= 2 else 0
+    if not seq_len or seq_len % layout.tp:
+        raise RunError(
+            f"Sequence parallelism splits the sequence (length {seq_len}) over tp={layout.tp}: it must "
+            "divide. Re-plan with sequence parallelism off or a tp degree that divides the sequence."
+        )
+    return plan_sequence_parallel(gm, values, seq_len, mesh, layout.tp_plan)
 
 
 def plan_sequence_parallel(
@@ -127,7 +152,7 @@ def plan_sequence_parallel(
         """Feed `node` with `arg` converted: "slice", "gather" (for the model output), "gather-dtensor"
         (entering a TP region) or "sum-grad" (a weight used on slices)."""
         if (kind, arg) not in converted:
-            name = f"sequence_parallel_{len(converted)}"
+            name = f"{SP_MODULE_PREFIX}{len(converted)}"
             makers: dict[str, Callable[[], nn.Module]] = {
                 "slice": lambda: ToSequenceShard(mesh),
                 "gather": lambda: FromSequenceShard(mesh, as_dtensor=False),
@@ -158,7 +183,10 @@ def plan_sequence_parallel(
                     convert(node, a, "gather")
             continue
         paths = module_paths(node)
-        region = next((r for r in sorted(regions) if inside(paths, r)), "")
+        # The first TP region (in sorted order) that one of the paths is or lies under: the regions among
+        # the paths' dotted prefixes (not a scan of every region for every node: 96 layers have 192).
+        prefixes = {q for p in paths for q in _dotted_prefixes(p)}
+        region = min(prefixes & regions, default="")
         target = str(node.target)
         if region:
             # Entering a TP region: gather the sliced inputs that come from outside it.

@@ -22,6 +22,9 @@ from .layout import Layout, ModelFile, runs_traced_graph
 from .memo import MetaMemo
 from .model import build_model, input_count, materialise
 
+# The modules sequence parallelism adds to the graph (parallel.plan_sequence_parallel) are named this and a
+# number: a conversion is the same wherever it sits, so the plan-time check compares pieces without the number.
+SP_MODULE_PREFIX = "sequence_parallel_"
 
 class ValueRecorder(fx.Interpreter):
     """Runs a graph on meta tensors and keeps what each node produced (shapes, and tensor or not). Repeated
