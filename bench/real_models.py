@@ -3,15 +3,19 @@
     python bench/real_models.py            # Llama-3-70B, Mixtral-8x7B, DeepSeek-V2-Lite on 64 H100s (8 nodes)
                                            # + torchtitan llama3 70B and deepseek_v3 16B when installed
     python bench/real_models.py Mixtral    # only the models whose name contains the word
+    python bench/real_models.py --warm     # a re-plan of each, from the analysis cache
 
 The configs are written from transformers' config classes with the published sizes (nothing downloads);
 each plan runs `planner plan hf:NAME --hf-config ...` in a fresh process, so the time includes importing
-torch and transformers and tracing on the meta device. A benchmark, not a test: it prints, it asserts nothing.
+torch and transformers and tracing on the meta device. Cold by default (PLANNER_NO_CACHE=1: no analysis
+cache, no remembered check); `--warm` plans each model twice and times the second, from the cache. A
+benchmark, not a test: it prints, it asserts nothing.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -105,6 +109,8 @@ def describe(name: str, p: dict, wall: float, how: str) -> None:
             print(f"  rejected {r['region']}: {r['reason']} ({r.get('count', 1)})")
 
 
+WARM = False  # --warm: time a re-plan from the analysis cache
+
 # torchtitan's own registry (torchtitan:MODEL --flavor NAME), built on meta; skipped without the titan extra.
 TITAN = {"torchtitan:llama3": "70B", "torchtitan:deepseek_v3": "16B"}
 
@@ -120,8 +126,11 @@ def plan(name: str, config: dict | str, work: Path) -> None:
         source = [f"hf:{name}", "--hf-config", str(cfg)]
     cmd = [sys.executable, "-m", "cli.main", "plan", *source, "--model-arg", "seq=4096",
            "--gpu", "h100-sxm-80gb", "--nodes", "8", "--global-batch-size", "512", "--out", str(out), "--json"]
+    env = {**os.environ, "PLANNER_NO_CACHE": "0" if WARM else "1"}
+    if WARM:  # prime the analysis cache and the remembered check, then time a re-plan
+        subprocess.run([*cmd, "--force"], cwd=ROOT, capture_output=True, text=True, env=env)
     start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run([*cmd, "--force"], cwd=ROOT, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if done.returncode == 0:
         describe(name, json.loads(done.stdout), wall, "planner plan")
@@ -149,7 +158,9 @@ def main() -> None:
         return
     import importlib.util
 
-    only = sys.argv[1:]
+    global WARM
+    WARM = "--warm" in sys.argv
+    only = [a for a in sys.argv[1:] if a != "--warm"]
     models: dict[str, dict | str] = dict(CONFIGS)
     if importlib.util.find_spec("torchtitan") is not None:
         models.update(TITAN)
