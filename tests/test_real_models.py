@@ -352,6 +352,24 @@ def test_hf_source_from_a_config_json_compiles_a_model_file(tmp_path):
     assert direct.exit_code == 0, direct.output
 
 
+def test_hf_source_of_an_architecture_without_sdpa_uses_eager_attention_and_says_so(tmp_path):
+    """transformers refuses sdpa for Gemma-2 (logit soft-capping); asking for it failed every hf: plan."""
+    import json
+
+    import transformers as tf
+
+    cfg = tf.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, max_position_embeddings=64, vocab_size=128)
+    cfg.architectures = ["Gemma2ForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    result = _dry_run("hf:google/gemma-2-tiny", "--hf-config", str(tmp_path / "config.json"), "--model-arg",
+                      "seq=32", "--pp", "2", "--dp", "2")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["source_settings"] == {"attn_implementation": "eager", "return_dict": True, "use_cache": False}
+    assert plan["structure"] == ["2 x Gemma2DecoderLayer in model.layers (ModuleList)"]
+
+
 def test_hf_source_from_the_local_cache(tmp_path, monkeypatch):
     from planner.model.sources import find_hf_config
 

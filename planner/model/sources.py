@@ -22,8 +22,22 @@ CONFIG_FILE = "config.json"
 PREFIXES = ("hf:", "torchtitan:", "module:")
 
 # What real training needs and the generated file sets: no KV cache, no returned past, an attention that
-# traces and runs fused on GPUs (PyTorch's scaled_dot_product_attention).
+# traces and runs fused on GPUs (PyTorch's scaled_dot_product_attention; see hf_settings for the exception).
 HF_SETTINGS = {"use_cache": False, "return_dict": True, "attn_implementation": "sdpa"}
+
+
+def hf_settings(raw: dict) -> dict:
+    """HF_SETTINGS for the config's architecture: its attention through scaled_dot_product_attention, or
+    transformers' eager attention where the class has no sdpa path (Gemma-2's logit soft-capping: asking
+    for sdpa raises), which then runs, traces and is costed as written (matmuls, softmax, the s x s map)."""
+    import transformers
+
+    settings = dict(HF_SETTINGS)
+    arch = (raw.get("architectures") or [""])[0]
+    cls = getattr(transformers, arch, None) if isinstance(arch, str) and arch else None
+    if cls is not None and getattr(cls, "_supports_sdpa", True) is False:
+        settings["attn_implementation"] = "eager"
+    return settings
 
 
 def is_source(spec: str) -> bool:
@@ -173,7 +187,7 @@ def compile_source(
         out.mkdir(parents=True, exist_ok=True)
         if config.resolve() != (out / CONFIG_FILE).resolve():
             shutil.copyfile(config, out / CONFIG_FILE)
-        text = _HF_TEMPLATE.format(spec=spec, config=CONFIG_FILE, settings=HF_SETTINGS, seq=int(seq))
+        text = _HF_TEMPLATE.format(spec=spec, config=CONFIG_FILE, settings=hf_settings(raw), seq=int(seq))
         path = out / SOURCE_FILE
         path.write_text(text)
         return path.resolve()
