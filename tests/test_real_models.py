@@ -274,6 +274,16 @@ def test_phi3_qkv_sliced_at_fixed_offsets_stays_replicated_and_its_mlp_shards():
     assert u.tp_styles[f"{u.name}.mlp.gate_up_proj"] == "colwise" and u.tp_fused == {f"{u.name}.mlp.gate_up_proj": 2}
 
 
+def test_qwen3_head_norms_keep_attention_replicated_with_the_reason():
+    """Qwen3 normalises each head's q and k with one RMSNorm weight (q_norm, k_norm) shared by all heads.
+    Split by heads, each rank would compute only its heads' share of that weight's gradient (tp2 x dp2 then
+    trained with a loss 4.5e-5 off one process and growing): attention stays replicated, the MLP shards."""
+    u = _block(analyse_model(load_model_file(HF, {"arch": "qwen3"}, dtype="fp32")))
+    assert any("q_proj is not sharded: mul applies model.layers.0.self_attn.q_norm.weight" in r for r in u.tp_refused)
+    assert not u.tp_shards_attention
+    assert [p.row for p in u.tp_pairs] == [f"{u.name}.mlp.down_proj"]
+
+
 def test_t5_position_bias_over_all_heads_refuses_attention():
     u = _block(graph_of("t5"))
     assert not u.tp_shards_attention

@@ -258,10 +258,15 @@ def _size_args(node) -> list:
     return args
 
 
-def _walk_column(col, linears: dict, activation_arg: dict, sub, from_columns: set) -> _Walk:
+def _walk_column(
+    col, linears: dict, activation_arg: dict, sub, from_columns: set, weights: dict | None = None
+) -> _Walk:
     """Follow a column Linear's output, tracking which dimension of each tensor is sharded (its width,
-    then its heads), to the row Linears it feeds; fail where an op would mix the sharded dimension."""
+    then its heads), to the row Linears it feeds; fail where an op would mix the sharded dimension, or
+    applies a trainable weight (``weights``: node -> name) to the sharded values: every rank holds that
+    weight whole but would compute only its own heads' share of its gradient (Qwen3's q_norm / k_norm)."""
     w = _Walk()
+    weights = weights or {}
     stack = [(u, col, len(_shape(col) or ()) - 1) for u in col.users]
     seen: set = set()
     while stack and not w.failure:
@@ -365,6 +370,13 @@ def _walk_column(col, linears: dict, activation_arg: dict, sub, from_columns: se
             w.failure = w.failure or _side_input_conflict(n, src, out, new, from_columns)
         if new is None and not w.failure:
             w.failure = f"the sharded dimension cannot be followed through {name}"
+        held = next((weights[a] for a in n.all_input_nodes if a in weights and a is not src), None)
+        if held is not None and not w.failure:
+            w.failure = (
+                f"{name} applies {held} to it, a weight every rank holds whole, whose gradient each rank would "
+                "compute from its own heads only"
+            )
+            w.parted = True  # listed with the reason
         if not w.failure:
             stack.extend((u, n, new) for u in n.users)
     return w
@@ -472,9 +484,10 @@ def detect_tp_pairs(sub, names: ModuleNames, constants: frozenset = frozenset())
         else:
             embeddings.append(name)
     from_columns = _descendants(linears)
+    weights = _trainable_weights(sub, names)
     walks: dict = {}
     for a in linears:
-        w = _walk_column(a, linears, activation_arg, sub, from_columns)
+        w = _walk_column(a, linears, activation_arg, sub, from_columns, weights)
         if not w.failure and len(w.ends) == 1:
             walks[a] = w
         elif w.failure and (w.attention or w.fused or w.groups or w.parted):
@@ -698,6 +711,26 @@ def tp_info(sub, args: tuple, model, names: ModuleNames, constants: frozenset, m
         info.shard_params += model.get_submodule(name).weight.numel()
     info.transposed.sort()
     return info
+
+
+def _trainable_weights(sub, names: ModuleNames) -> dict:
+    """The unit graph's nodes that are trainable parameters (fx get_attr, or torch.export's lifted weights
+    that split_module passes in as placeholders), by node: their qualified names."""
+    import torch
+
+    found = {}
+    for n in sub.graph.nodes:
+        if n.op == "placeholder":
+            obj = names.inputs.get(n)
+        elif n.op == "get_attr":
+            obj = sub
+            for atom in str(n.target).split("."):
+                obj = getattr(obj, atom, None)
+        else:
+            continue
+        if isinstance(obj, torch.nn.Parameter) and obj.requires_grad and id(obj) in names.params:
+            found[n] = names.params[id(obj)][0]
+    return found
 
 
 def _param_weight(node, gm, names: ModuleNames):
