@@ -69,7 +69,8 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
     if not uses_graph(layout):
         _run_model(user, spec, layout, training, meta_model, example, n_inputs, loss_fn)
         if layout.tp_enabled:
-            _run_tp_shard(user, spec, layout, training, example, n_inputs, loss_fn)
+            small = sum(p.numel() for p in meta_model.parameters()) <= SMALL
+            _run_tp_shard(user, spec, layout, training, example, n_inputs, loss_fn, small)
         return "module"
     with _failing_as("Tracing the model"):
         gm, values, method = trace_for_plan(
@@ -224,9 +225,7 @@ def _run_model(
     try:
         with MetaMemo():  # each distinct op runs its meta kernel once: repeated blocks cost one
             meta = tuple(t.to("meta") for t in example)
-            loss = loss_fn(meta_model(*meta[:n_inputs]), *meta)
-            _check_loss(loss)
-            loss.backward()
+            _loss_backward(meta_model, meta, n_inputs, loss_fn)
         return
     except RunError:
         raise
@@ -244,9 +243,7 @@ def _run_model(
     materialise(model, {n for n, _ in model.named_modules()}, torch.device("cpu"), training.seed)
     with_recompute(ModelStage(model, list(layout.stages[0].modules)), recompute, layout.schedule)
     with _failing_as(f"The model ({type(model).__name__}) with its loss"):
-        loss = loss_fn(model(*example[:n_inputs]), *example)
-        _check_loss(loss)
-        loss.backward()
+        _loss_backward(model, example, n_inputs, loss_fn)
 
 
 @contextlib.contextmanager
@@ -310,13 +307,15 @@ def _run_tp_shard(
     example: tuple[torch.Tensor, ...],
     n_inputs: int,
     loss_fn: Callable[..., torch.Tensor],
+    small: bool,
 ) -> None:
     """Forward, loss and backward of tp rank 0's shard of the model as written: the run's own apply_tp
     (parallelize_module, fused chunks, head attributes, Conv1D) over a fake process group of tp ranks.
     Shapes that the sharding leaves inconsistent (a projection sliced at fixed offsets, a head count that
     does not follow) fail here with the error the run would hit at launch. It runs on fake meta tensors in
-    the run's compute dtype, as the large-model check does; a small model that fails there (code whose meta
-    path differs from the CPU's, as transformers' grouped-mm experts) runs its shard on the CPU instead."""
+    the run's compute dtype, as the large-model check does; a `small` model (at most SMALL parameters) that
+    fails there (code whose meta path differs from the CPU's, as transformers' grouped-mm experts) runs its
+    shard on the CPU instead."""
     what = f"The model sharded for tp {layout.tp} (rank 0's shard, TP_PLAN applied)"
     with _fake_tp_mesh(layout.tp) as mesh:
         if mesh is None:
@@ -327,8 +326,7 @@ def _run_tp_shard(
             except RunError:
                 raise
             except Exception as e:  # noqa: BLE001 - retried on the CPU below when small enough
-                model = build_model(user, spec, training.seed, everything_on_meta=True)
-                if sum(p.numel() for p in model.parameters()) > SMALL:
+                if not small:
                     raise _run_error(what, e) from e
                 with _failing_as(what):
                     _tp_shard_step(user, spec, layout, training, example, n_inputs, loss_fn, mesh, on_cpu=True)
@@ -356,18 +354,14 @@ def _tp_shard_step(
         materialise(model, {n for n, _ in model.named_modules()}, torch.device("cpu"), training.seed)
     apply_tp(ModelStage(model, list(layout.stages[0].modules)), mesh, layout, {})
     if on_cpu:
-        loss = loss_fn(model(*example[:n_inputs]), *example)
-        _check_loss(loss)
-        loss.backward()
+        _loss_backward(model, example, n_inputs, loss_fn)
         return
     compute_dtype = COMPUTE_DTYPES.get(training.dtype)
     if compute_dtype is not None:
         _cast_parameters(model, compute_dtype)
     with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
         meta = tuple(t.to("meta") for t in example)
-        loss = loss_fn(model(*meta[:n_inputs]), *meta)
-        _check_loss(loss)
-        loss.backward()
+        _loss_backward(model, meta, n_inputs, loss_fn)
 
 
 def _runs_on_fake_tensors(
@@ -392,9 +386,7 @@ def _runs_on_fake_tensors(
     try:
         with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), MetaMemo():
             meta = tuple(t.to("meta") for t in example)
-            loss = loss_fn(meta_model(*meta[:n_inputs]), *meta)
-            _check_loss(loss)
-            loss.backward()
+            _loss_backward(meta_model, meta, n_inputs, loss_fn)
     except RunError:
         raise
     except Exception:  # noqa: BLE001 - the meta run's error is the one reported
@@ -432,6 +424,15 @@ def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
                 if id(p) not in cast:
                     cast[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
                 module._parameters[name] = cast[id(p)]
+
+
+def _loss_backward(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], n_inputs: int, loss_fn: Callable[..., torch.Tensor]
+) -> None:
+    """Forward of the model's leading inputs, the loss on its output and all inputs, and backward."""
+    loss = loss_fn(model(*inputs[:n_inputs]), *inputs)
+    _check_loss(loss)
+    loss.backward()
 
 
 def _check_loss(loss: Any) -> None:
