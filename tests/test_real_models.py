@@ -284,6 +284,18 @@ def test_qwen3_head_norms_keep_attention_replicated_with_the_reason():
     assert [p.row for p in u.tp_pairs] == [f"{u.name}.mlp.down_proj"]
 
 
+def test_gptj_attention_and_mlp_are_tp_pairs():
+    """GPT-J's rotary stacks each head's (x2, x1) pairs in a new last dimension and flattens them, and its
+    NewGELU reads fc_in's output twice (x and x + 0.044715 x^3): both once refused every pair (the stack
+    moved the sharded heads dimension; the column itself counted as a side input holding all columns)."""
+    u = _block(analyse_model(load_model_file(HF, {"arch": "gptj"}, dtype="fp32")))
+    attn = [f"{u.name}.attn.{p}_proj" for p in ("k", "q", "v")]
+    assert [(p.column, p.row) for p in u.tp_pairs] == [
+        (attn, f"{u.name}.attn.out_proj"), ([f"{u.name}.mlp.fc_in"], f"{u.name}.mlp.fc_out")
+    ], u.tp_refused
+    assert u.tp_shards_attention and not u.tp_refused
+
+
 def test_t5_position_bias_over_all_heads_refuses_attention():
     u = _block(graph_of("t5"))
     assert not u.tp_shards_attention

@@ -339,6 +339,15 @@ def _walk_column(
             sizes = _size_args(n)
             if new is not None and len(sizes) == len(out) and isinstance(sizes[new], int) and sizes[new] != -1:
                 w.literals.append((n, sizes[new]))
+        elif name in ("stack", "unsqueeze") and isinstance(out, tuple):
+            # A new dimension at `dim` of the output (GPT-J's rotary stacks pairs at the end, then flattens
+            # them): the sharded one moves up by one only where the new one lies before it.
+            d = _norm_dim(n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0), len(out))
+            new = pos + 1 if d is not None and d <= pos else pos
+            if name == "stack":
+                other = next((a for a in n.all_input_nodes if a is not src and a not in from_columns), None)
+                if other is not None:
+                    w.failure = f"stack joins it with {other.name}, which every rank holds whole"
         elif name in _COMPLEX_VIEWS:
             # view_as_complex pairs the last dimension into complex numbers (rotary embeddings), view_as_real
             # splits them out again: the dimensions before it keep their places.
@@ -483,7 +492,7 @@ def detect_tp_pairs(sub, names: ModuleNames, constants: frozenset = frozenset())
             refused.append(f"{name} is not sharded (vocab-parallel): {why}")
         else:
             embeddings.append(name)
-    from_columns = _descendants(linears)
+    from_columns = _descendants(linears) | set(linears)  # the columns too: gelu(x) reads x twice
     weights = _trainable_weights(sub, names)
     walks: dict = {}
     for a in linears:
