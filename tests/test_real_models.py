@@ -296,6 +296,20 @@ def test_gptj_attention_and_mlp_are_tp_pairs():
     assert u.tp_shards_attention and not u.tp_refused
 
 
+def test_a_layer_shared_by_every_layer_counts_its_sharded_weights_once():
+    """ALBERT runs one layer's modules 4 times: one pair per call (each call's FLOPs and all-reduce), its
+    parameters once. Counted per call, the sharded parameters exceeded the model's and `--tp 2` ended in an
+    internal error (negative weight bytes)."""
+    import json
+
+    g = analyse_model(load_model_file(HF, {"arch": "albert"}, dtype="fp32"))
+    assert all(u.tp_shardable_params <= u.params for u in g.units)
+    result = _dry_run(str(HF), "--model-arg", "arch='albert'", "--tp", "2", "--dp", "2")
+    assert result.exit_code == 0, result.output
+    layer = "albert.encoder.albert_layer_groups.0.albert_layers.0"
+    assert json.loads(result.output)["tp_plan"][f"{layer}.ffn_output"] == "rowwise"
+
+
 def test_t5_position_bias_over_all_heads_refuses_attention():
     u = _block(graph_of("t5"))
     assert not u.tp_shards_attention

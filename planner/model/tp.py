@@ -677,12 +677,15 @@ def tp_info(sub, args: tuple, model, names: ModuleNames, constants: frozenset, m
         info.pairs.append(TPPair(column=pair.columns, row=pair.row, allreduce_bytes=out_bytes))
         tokens = max(1, out_bytes // max(1, projection_dims(model.get_submodule(pair.row))[1] * _elem(pair.row_node)))
         for name in [*pair.columns, pair.row]:
-            info.styles[name] = "colwise" if name in pair.columns else "rowwise"
+            # A module applied several times (ALBERT's one shared layer, run 12 times) is one pair per call:
+            # each call's FLOPs and all-reduce count, its parameters once.
             lin = model.get_submodule(name)
-            if is_conv1d(lin):
-                info.transposed.append(name)
-            bias = lin.bias.numel() if lin.bias is not None and name in pair.columns else 0
-            info.shard_params += lin.weight.numel() + bias
+            if name not in info.styles:
+                if is_conv1d(lin):
+                    info.transposed.append(name)
+                bias = lin.bias.numel() if lin.bias is not None and name in pair.columns else 0
+                info.shard_params += lin.weight.numel() + bias
+            info.styles[name] = "colwise" if name in pair.columns else "rowwise"
             fin, fout = projection_dims(lin)
             info.shard_flops += 2.0 * fin * fout * tokens
         info.granularity = gcd(info.granularity, pair.groups)
