@@ -25,19 +25,27 @@ CORPUS: dict[str, tuple[Path, list[str]]] = {
     **{a: (MODELS / "hf_tiny.py", ["--model-arg", f"arch={a!r}"]) for a in HF_ARCHS},
     **{f: (MODELS / f"{f}.py", []) for f in FIXTURES},
 }
+# Beyond the corpus, not in CI: more architectures (tests/fixtures/models/hf_zoo.py) for bench/corpus_train.py --zoo.
+ZOO_ARCHS = (
+    "mistral", "qwen3", "olmo", "olmo2", "cohere", "granite", "phi", "gemma2", "falcon", "gptj", "gpt_bigcode",
+    "bloom", "opt", "qwen2_moe", "roberta", "distilbert", "electra", "albert", "mobilebert", "mbart", "swin",
+    "convnext", "deit",
+)
+ZOO: dict[str, tuple[Path, list[str]]] = {a: (MODELS / "hf_zoo.py", ["--model-arg", f"arch={a!r}"]) for a in ZOO_ARCHS}
 # Layouts for 4 CPU ranks; the global batch (8 = 4 micro-batches of 2) is the same for every layout, so one
-# single-process reference per model serves them all.
+# single-process reference per model serves them all. tp2xdp2: trained by test_tp_e2e.py, by the bench here.
 LAYOUTS: dict[str, list[str]] = {"dp4": ["--dp", "4"], "pp2xdp2": ["--pp", "2", "--dp", "2", "--schedule", "1f1b"]}
+TP_LAYOUT = {"tp2xdp2": ["--tp", "2", "--dp", "2"]}
 GLOBAL_BATCH, MICRO_BATCH = 8, 2
 
 
 def corpus_plan_args(name: str, layout: str, out: Path) -> list[str]:
-    """`planner plan` arguments for a corpus model and layout (4 CPU ranks), writing into `out`."""
-    path, args = CORPUS[name]
+    """`planner plan` arguments for a corpus (or zoo) model and layout (4 CPU ranks), writing into `out`."""
+    path, args = {**CORPUS, **ZOO}[name]
     return [
         "plan", str(path), *args, "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4", "--global-batch-size",
-        str(GLOBAL_BATCH), "--micro-batch-size", str(MICRO_BATCH), *LAYOUTS[layout], "--lr", "1e-3", "--out",
-        str(out), "--quiet",
+        str(GLOBAL_BATCH), "--micro-batch-size", str(MICRO_BATCH), *{**LAYOUTS, **TP_LAYOUT}[layout], "--lr",
+        "1e-3", "--out", str(out), "--quiet",
     ]
 
 # Partition units (module names, execution order) of the fixtures' default configs (two blocks each).
