@@ -248,7 +248,7 @@ class _Walk:
     fused: int = 0  # chunks the column's width is split into before its heads (fused q/k/v)
     attention: bool = False
     groups: int = 0  # how many pieces the sharded dimension holds where heads are split off (the head count)
-    parted: bool = False  # part of it is taken at fixed offsets (a fused projection split by slicing)
+    reported: bool = False  # a failure tp_refused lists (a fixed-offset slice, a weight on the sharded values)
 
 
 def _size_args(node) -> list:
@@ -300,7 +300,7 @@ def _walk_column(
             if not of_tuple and out is not None and out != src_shape:
                 if len(out) == rank and out[pos] != src_shape[pos]:
                     w.failure = f"{name} takes part of it at fixed offsets along the sharded dimension"
-                    w.parted = True
+                    w.reported = True
                 new = _matching_dim(src_shape, out, pos)
         elif name in _SPLITS:
             dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)
@@ -327,7 +327,7 @@ def _walk_column(
             dim = _norm_dim(n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0), rank)
             if dim == pos and (name == "select" or out[pos] != src_shape[pos]):
                 w.failure = f"{name} takes part of it at fixed offsets along the sharded dimension"
-                w.parted = True
+                w.reported = True
             elif name == "select" and dim is not None and dim < pos:
                 new = pos - 1
         elif out is None:
@@ -385,7 +385,7 @@ def _walk_column(
                 f"{name} applies {held} to it, a weight every rank holds whole, whose gradient each rank would "
                 "compute from its own heads only"
             )
-            w.parted = True  # listed with the reason
+            w.reported = True
         if not w.failure:
             stack.extend((u, n, new) for u in n.users)
     return w
@@ -499,7 +499,7 @@ def detect_tp_pairs(sub, names: ModuleNames, constants: frozenset = frozenset())
         w = _walk_column(a, linears, activation_arg, sub, from_columns, weights)
         if not w.failure and len(w.ends) == 1:
             walks[a] = w
-        elif w.failure and (w.attention or w.fused or w.groups or w.parted):
+        elif w.failure and (w.attention or w.fused or w.groups or w.reported):
             refused.append(f"{linears[a]} is not sharded: {w.failure}")
     terminal = {a: next(iter(w.ends)) for a, w in walks.items()}
     writes = _in_place_writes(sub.graph)

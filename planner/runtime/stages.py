@@ -26,6 +26,7 @@ from .model import build_model, input_count, materialise
 # number: a conversion is the same wherever it sits, so the plan-time check compares pieces without the number.
 SP_MODULE_PREFIX = "sequence_parallel_"
 
+
 class ValueRecorder(fx.Interpreter):
     """Runs a graph on meta tensors and keeps what each node produced (shapes, and tensor or not). Repeated
     identical blocks run their meta kernels once (MetaMemo)."""
