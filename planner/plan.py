@@ -20,11 +20,13 @@ SCHEMA_VERSION = 1
 # Minor versions add fields with defaults that keep older plans' meaning, so a plan of an older minor loads
 # (a missing field takes its default); one of a newer minor may hold fields this planner ignores: refused.
 # 1: expert parallelism (parallel.ep, experts, predicted.comm.expert_parallel_s).
-SCHEMA_MINOR = 1
+# 2: the TP style norm_heads.
+SCHEMA_MINOR = 2
 
 Source = Literal["measured", "estimated"]
-# colwise_gather: a column-parallel Linear whose output is all-gathered (the vocab-parallel LM head).
-TPStyle = Literal["colwise", "rowwise", "colwise_gather"]
+# colwise_gather: a column-parallel Linear whose output is all-gathered (the vocab-parallel LM head);
+# norm_heads: a norm over each head's features (Qwen3's q_norm), its input split by heads, its weight whole.
+TPStyle = Literal["colwise", "rowwise", "colwise_gather", "norm_heads"]
 
 
 class _Model(BaseModel):

@@ -63,6 +63,7 @@ def test_head_attributes_are_divided_by_tp():
         (2, {}, {"attn": ["heads", "missing"]}, r"attn.missing, which is NoneType, not a head count"),
         (8, {}, {"attn": ["heads"]}, r"attn.heads = 4 heads cannot be split over tp=8"),
         (2, {"attn": "colwise"}, {}, r"shards attn, a Attention \(colwise\), but torch's ColwiseParallel"),
+        (2, {"attn": "norm_heads"}, {}, r"runs attn, a Attention, as a norm over each head \(norm_heads\), but"),
     ],
 )
 def test_tp_decisions_that_cannot_apply_are_refused(tp, plan, heads, message):
@@ -208,6 +209,7 @@ def _tp_worker(rank: int, init: str, results: str) -> None:
         for conv in (False, True):
             _check_attention_shards(mesh, conv)
         _check_tied_weights_stay_tied(mesh)
+        _check_norm_heads(mesh)
         if rank == 0:
             Path(results).write_text("ok")
     finally:
@@ -244,6 +246,54 @@ def _check_attention_shards(mesh, conv: bool) -> None:
         if name.startswith("qkv"):  # the fused column holds its features chunk-reordered
             ref = ref.index_select(col if name.endswith("weight") else 0, order)
         torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class HeadNormAttention(nn.Module):
+    """Qwen3's shape: q and k normalised per head by one RMSNorm over head_dim, shared by all heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+        self.q_norm, self.k_norm = nn.RMSNorm(2), nn.RMSNorm(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_norm(self.q(x).view(b, s, -1, 2)).transpose(1, 2)
+        k = self.k_norm(self.k(x).view(b, s, -1, 2)).transpose(1, 2)
+        v = self.v(x).view(b, s, -1, 2).transpose(1, 2)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def _check_norm_heads(mesh) -> None:
+    """norm_heads: each rank normalises its own heads; the norms' weight gradients, summed over tp by
+    DTensor, equal the whole model's (a plain replicated weight would get its own heads' share only)."""
+    from torch.distributed.tensor import DTensor
+
+    from planner.runtime.parallel import apply_tp
+
+    torch.manual_seed(2)
+    whole = nn.Module()
+    whole.attn = HeadNormAttention()
+    with torch.no_grad():
+        whole.attn.q_norm.weight.uniform_(0.5, 1.5)
+        whole.attn.k_norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 5, 8)
+    want = whole.attn(x)
+    (want * torch.arange(want.numel()).view_as(want).sin()).sum().backward()
+    sharded = copy.deepcopy(whole)
+    sharded.zero_grad(set_to_none=True)
+    plan = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
+            "attn.q_norm": "norm_heads", "attn.k_norm": "norm_heads"}
+    layout = Layout(pp=1, dp=1, tp=2, micro_batch_size=1, num_micro_batches=1, stages=[(0, ["attn"])], tp_plan=plan)
+    apply_tp(ModelStage(sharded, ["attn"]), mesh["tp"], layout, {})
+    got = sharded.attn(x)
+    (got * torch.arange(got.numel()).view_as(got).sin()).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name in ("q_norm.weight", "k_norm.weight", "q.weight", "o.weight"):
+        grad = sharded.attn.get_parameter(name).grad
+        full = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        torch.testing.assert_close(full, whole.attn.get_parameter(name).grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 class TiedLM(nn.Module):
@@ -285,7 +335,7 @@ def _check_tied_weights_stay_tied(mesh) -> None:
 
 def test_apply_tp_on_two_gloo_ranks_matches_one_process(tmp_path):
     """apply_tp itself, fused qkv Linear (chunk reorder + ColwiseParallel) and Conv1D (ShardedConv1D): output,
-    input and weight gradients; and tied embedding / LM head weights.
+    input and weight gradients; tied embedding / LM head weights; norms over each head (norm_heads).
     Spawned: a fork of a pytest-xdist worker can hang in gloo."""
     import torch.multiprocessing as mp
 

@@ -68,7 +68,7 @@ class Unit(_Model):
     tp_shardable_params: int = Field(0, description="parameters that tensor parallelism shards")
     tp_shardable_flops: float = Field(0.0, description="forward FLOPs per sample that TP divides")
     tp_gather_bytes: int = Field(0, description="bytes per sample all-gathered after a vocab-parallel head")
-    tp_styles: dict[str, Literal["colwise", "rowwise", "colwise_gather"]] = Field(
+    tp_styles: dict[str, Literal["colwise", "rowwise", "colwise_gather", "norm_heads"]] = Field(
         default_factory=dict, description="module name -> tensor-parallel style for this unit"
     )
     tp_granularity: int = Field(

@@ -11,6 +11,7 @@ from math import gcd
 
 from planner.model.counting import nbytes_of_meta, val_meta
 from planner.model.graph import TPPair
+from planner.runtime.tp_rules import NORM_HEADS_DIM
 
 _MIXING = (
     "layer_norm",
@@ -249,6 +250,7 @@ class _Walk:
     attention: bool = False
     groups: int = 0  # how many pieces the sharded dimension holds where heads are split off (the head count)
     reported: bool = False  # a failure tp_refused lists (a fixed-offset slice, a weight on the sharded values)
+    norms: set = field(default_factory=set)  # norms over each head it passes (norm_heads: Qwen3's q_norm)
 
 
 def _size_args(node) -> list:
@@ -263,8 +265,10 @@ def _walk_column(
 ) -> _Walk:
     """Follow a column Linear's output, tracking which dimension of each tensor is sharded (its width,
     then its heads), to the row Linears it feeds; fail where an op would mix the sharded dimension, or
-    applies a trainable weight (``weights``: node -> name) to the sharded values: every rank holds that
-    weight whole but would compute only its own heads' share of its gradient (Qwen3's q_norm / k_norm)."""
+    applies a trainable weight (``weights``: node -> (name, its norm module or None)) to the sharded values:
+    every rank holds that weight whole but would compute only its own heads' share of its gradient. A norm
+    over each head's features ([b, s, heads, head_dim], heads sharded: Qwen3's q_norm / k_norm) is kept
+    (``norms``): the run gives it the norm_heads style, which sums its weight's gradient over tp."""
     w = _Walk()
     weights = weights or {}
     stack = [(u, col, len(_shape(col) or ()) - 1) for u in col.users]
@@ -381,11 +385,15 @@ def _walk_column(
             w.failure = f"the sharded dimension cannot be followed through {name}"
         held = next((weights[a] for a in n.all_input_nodes if a in weights and a is not src), None)
         if held is not None and not w.failure:
-            w.failure = (
-                f"{name} applies {held} to it, a weight every rank holds whole, whose gradient each rank would "
-                "compute from its own heads only"
-            )
-            w.reported = True
+            param, norm = held
+            if norm is not None and w.groups and new == NORM_HEADS_DIM and out is not None and len(out) == 4:
+                w.norms.add(norm)
+            else:
+                w.failure = (
+                    f"{name} applies {param} to it, a weight every rank holds whole, whose gradient each rank "
+                    "would compute from its own heads only"
+                )
+                w.reported = True
         if not w.failure:
             stack.extend((u, n, new) for u in n.users)
     return w
@@ -445,6 +453,7 @@ class FoundPair:
     fused: dict[str, int]  # column -> chunks of a fused projection (q, k, v in one Linear)
     attention: bool  # the pair's path runs attention (its FLOPs are split by heads too)
     groups: int  # gcd of the pieces TP splits (head counts, else widths): tp must divide it
+    norms: set = field(default_factory=set)  # norms over each head between the columns and attention
 
 
 def _embedding_indices_inside(node, name: str) -> str:
@@ -561,6 +570,7 @@ def detect_tp_pairs(sub, names: ModuleNames, constants: frozenset = frozenset())
                 fused={linears[c]: walks[c].fused for c in cols if walks[c].fused},
                 attention=any(walks[c].attention for c in cols),
                 groups=groups,
+                norms=set().union(*(walks[c].norms for c in cols)),
             )
         )
     pairs.sort(key=lambda p: p.row)
@@ -688,6 +698,8 @@ def tp_info(sub, args: tuple, model, names: ModuleNames, constants: frozenset, m
             info.styles[name] = "colwise" if name in pair.columns else "rowwise"
             fin, fout = projection_dims(lin)
             info.shard_flops += 2.0 * fin * fout * tokens
+        for norm in sorted(pair.norms):
+            info.styles[norm] = "norm_heads"  # its weight stays whole: nothing more to shard or count
         info.granularity = gcd(info.granularity, pair.groups)
     for name, node in _output_linears(sub, names):
         # A Linear whose output leaves the model unmixed (the LM head): vocab-parallel, output gathered.
@@ -727,7 +739,8 @@ def tp_info(sub, args: tuple, model, names: ModuleNames, constants: frozenset, m
 
 def _trainable_weights(sub, names: ModuleNames) -> dict:
     """The unit graph's nodes that are trainable parameters (fx get_attr, or torch.export's lifted weights
-    that split_module passes in as placeholders), by node: their qualified names."""
+    that split_module passes in as placeholders), by node: their qualified names, and the module holding
+    them where it is a norm (its class name says Norm), else None."""
     import torch
 
     found = {}
@@ -741,7 +754,10 @@ def _trainable_weights(sub, names: ModuleNames) -> dict:
         else:
             continue
         if isinstance(obj, torch.nn.Parameter) and obj.requires_grad and id(obj) in names.params:
-            found[n] = names.params[id(obj)][0]
+            name = names.params[id(obj)][0]
+            owner = name.rpartition(".")[0]
+            norm = "Norm" in type(names.by_name.get(owner)).__name__
+            found[n] = (name, owner if norm else None)
     return found
 
 

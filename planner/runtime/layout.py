@@ -14,7 +14,7 @@ from typing import Any
 from .errors import LayoutError
 from .names import RECOMPUTE_MODES, SCHEDULES
 
-TP_STYLES = ("colwise", "rowwise", "colwise_gather")
+TP_STYLES = ("colwise", "rowwise", "colwise_gather", "norm_heads")
 DTYPES = ("fp32", "bf16", "fp16")
 _FIX = "Re-plan (planner plan ...) or correct the constant at the top of train.py."
 
@@ -97,7 +97,7 @@ class Layout:
     sequence_parallel: bool = False
     mesh_dims: tuple[str, ...] = ("pp", "dp", "tp")  # outer to inner
     global_batch_size: int | None = None  # None: dp * num_micro_batches * micro_batch_size
-    tp_plan: dict[str, str] = field(default_factory=dict)  # module -> colwise | rowwise | colwise_gather
+    tp_plan: dict[str, str] = field(default_factory=dict)  # module -> one of TP_STYLES
     tp_head_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # module -> head-count attributes
     ep: int = 1  # expert parallelism: experts sharded over groups of ep consecutive dp ranks
     experts: dict[str, int] = field(default_factory=dict)  # MoE experts module -> number of experts

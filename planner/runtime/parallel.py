@@ -25,7 +25,7 @@ from .experts import ExpertParallel
 from .layout import Layout
 from .recompute import apply_ac
 from .stages import SP_MODULE_PREFIX, LocalStage, contains_tensor, has_module, module_paths
-from .tp_rules import check_tp, split_dim, splits_own_vocab
+from .tp_rules import NORM_HEADS_DIM, check_tp, split_dim, splits_own_vocab
 
 
 def _find_replicate() -> Callable[..., object] | None:
@@ -234,7 +234,10 @@ def plan_sequence_parallel(
 def parallel_style(style: str, module: nn.Module) -> ParallelStyle:
     """A TP_PLAN style as a torch parallel style. colwise: split a Linear's outputs (an Embedding's
     features); rowwise: split a Linear's inputs (an Embedding's vocabulary), summing the partial outputs;
-    colwise_gather: the vocabulary-parallel LM head, its logits all-gathered."""
+    colwise_gather: the vocabulary-parallel LM head, its logits all-gathered; norm_heads: a norm applied to
+    each head ([b, s, heads, head_dim], Qwen3's q_norm / k_norm) between a column-parallel projection and
+    attention, run on this rank's heads with its weight replicated, so its gradient is summed over tp (as
+    torchtitan's Qwen3 plan does)."""
     if style == "colwise":
         return ColwiseParallel()
     if style == "rowwise":
@@ -245,7 +248,9 @@ def parallel_style(style: str, module: nn.Module) -> ParallelStyle:
         return RowwiseParallel()
     if style == "colwise_gather":
         return ColwiseParallel(output_layouts=Replicate())
-    raise ValueError(f"Unknown TP style {style!r}: expected colwise, rowwise or colwise_gather.")
+    if style == "norm_heads":
+        return SequenceParallel(sequence_dim=NORM_HEADS_DIM, use_local_output=True)
+    raise ValueError(f"Unknown TP style {style!r}: expected colwise, rowwise, colwise_gather or norm_heads.")
 
 
 def chunk_shard_order(width: int, chunks: int, tp: int) -> torch.Tensor:

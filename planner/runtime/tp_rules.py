@@ -29,6 +29,11 @@ def split_dim(module: nn.Module, style: str) -> int:
     return 0 if column else 1
 
 
+# norm_heads: the dimension of the norm's input that holds the heads ([b, s, heads, head_dim]); its input is
+# split there, one rank's heads, and its weight (over head_dim) stays whole.
+NORM_HEADS_DIM = 2
+
+
 def splits_own_vocab(module: nn.Module) -> bool:
     """torchtitan's Embedding (torchtitan.models.common.embedding): its own forward runs the vocabulary-parallel
     lookup once given a `tp_group` (masks the ids outside its rows, looks up in its local weight, returns
@@ -63,6 +68,13 @@ def check_tp(roots: list[nn.Module], layout: Layout) -> None:
             if not has_module(root, name):
                 continue
             module = root.get_submodule(name)
+            if style == "norm_heads":
+                if not isinstance(getattr(module, "weight", None), nn.Parameter):
+                    raise RunError(
+                        f"TP_PLAN runs {name}, a {type(module).__name__}, as a norm over each head (norm_heads), "
+                        "but it has no weight. Re-plan the model."
+                    )
+                continue
             conv = is_conv1d(module)
             if conv != (name in layout.tp_transposed):
                 listed = "lists it in" if name in layout.tp_transposed else "does not list it in"

@@ -68,7 +68,7 @@ def build_model(arch="llama", vocab=hf_tiny.VOCAB, **_):
 
 
 def model_args(name: str, where: Path) -> list[str]:
-    if name in (*HF_ARCHS, "resnet"):
+    if name in (*HF_ARCHS, "resnet", "qwen3"):
         path = where / "hf_tiny_no_dropout.py"
         path.write_text(NO_DROPOUT.format(path=str(MODELS / "hf_tiny.py")))
         return [str(path), "--model-arg", f"arch={name!r}"]
@@ -94,6 +94,8 @@ CASES = {
     # An odd vocabulary (GPT-2's is 50257): the tied wte / lm_head split 64 + 63 rows, under FSDP2 too.
     # A regression head of one output (sample_models/mlp.py): narrower than its input, it stays replicated.
     "sample_mlp_tp2_dp2": ("sample_mlp", ("--tp", "2", "--dp", "2")),
+    # Qwen3's per-head q_norm / k_norm (norm_heads: their weights' gradients summed over tp).
+    "qwen3_tp2_dp2": ("qwen3", ("--tp", "2", "--dp", "2")),
     "gpt2_odd_vocab_tp2_dp2_zero3": (
         "gpt2", ("--tp", "2", "--dp", "2", "--zero-stage", "3", "--model-arg", "vocab=127")
     ),
