@@ -361,6 +361,15 @@ def test_a_layer_shared_by_every_layer_counts_its_sharded_weights_once():
     assert json.loads(result.output)["tp_plan"][f"{layer}.ffn_output"] == "rowwise"
 
 
+def test_bloom_alibi_over_all_heads_refuses_attention_and_the_mlp_still_shards():
+    """BLOOM adds its ALiBi bias ([batch x heads, 1, seq], all heads) in baddbmm: attention was paired, and
+    the plan-time check then refused every tp plan (the sharded run's shapes disagree)."""
+    u = _block(analyse_model(load_model_file(MODELS / "hf_zoo.py", {"arch": "bloom"}, dtype="fp32")))
+    assert any("query_key_value is not sharded: baddbmm combines it" in r for r in u.tp_refused), u.tp_refused
+    assert not u.tp_shards_attention
+    assert [p.row for p in u.tp_pairs] == [f"{u.name}.mlp.dense_4h_to_h"]
+
+
 def test_t5_position_bias_over_all_heads_refuses_attention():
     u = _block(graph_of("t5"))
     assert not u.tp_shards_attention

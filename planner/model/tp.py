@@ -376,6 +376,8 @@ def _walk_column(
                 w.failure = f"{name} contracts the sharded dimension"
             w.attention = True
             new = len(out) - (rank - pos)
+            # baddbmm's added input (BLOOM's ALiBi bias, [batch x heads, 1, seq]) must hold one rank's heads too
+            w.failure = w.failure or _side_input_conflict(n, src, out, new, from_columns)
         elif pos == rank - 1 and _is_mixing(n):
             w.failure = f"{name} mixes the sharded width"
         else:
