@@ -15,8 +15,10 @@ from planner.runtime import Layout, RunError
 from planner.runtime.layout import ModelFile
 from planner.runtime.model import build_model, load_model_file, make_batch, materialise
 from planner.runtime.stages import (
+    ModelStage,
     StageModule,
     build_local_stages,
+    called_units,
     cut_into_pieces,
     fetch,
     module_paths,
@@ -295,3 +297,36 @@ def test_the_export_fallback_records_no_stack_traces_and_restores_the_setting():
     assert any(n.op == "call_function" for n in gm.graph.nodes)
     assert not any(n.meta.get("stack_trace") for n in gm.graph.nodes)
     assert torch.fx.config.do_not_emit_stack_traces is False
+
+
+class LoopedDownsample(nn.Module):
+    """ConvNeXt's stage: a downsampling ModuleList run by a loop (never called itself), then a block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.ModuleList([nn.LayerNorm(4), nn.Linear(4, 8)])
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.down:
+            x = layer(x)
+        return self.block(x)
+
+
+def test_a_planned_container_the_model_never_calls_is_wrapped_child_by_child():
+    """ConvNeXt tp2 x dp2 failed at launch: FSDP's fully_shard refuses a ModuleList unit (no forward), and a
+    checkpointed one would never run its checkpoint. Its children are the units instead."""
+    from planner.runtime.recompute import apply_ac
+
+    model = LoopedDownsample()
+    stage = ModelStage(model, ["down", "block"])
+    assert stage.units() == [model.down[0], model.down[1], model.block]
+    assert called_units([model.down, model.block]) == stage.units()
+    x = torch.randn(3, 4, requires_grad=True)
+    want = model(x)
+    apply_ac(stage, "full", "1f1b")
+    assert "forward" in vars(model.down[1]) and "forward" not in vars(model.down)  # the children checkpointed
+    got = model(x)
+    got.sum().backward()
+    torch.testing.assert_close(got, want)
+    assert x.grad is not None and model.down[1].weight.grad is not None

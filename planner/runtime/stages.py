@@ -515,10 +515,24 @@ class ModelStage(nn.Module):
         return self.model(*inputs)
 
     def units(self) -> list[nn.Module]:
-        return [self.model.get_submodule(n) for n in self.names]
+        return called_units([self.model.get_submodule(n) for n in self.names])
 
     def tp_roots(self) -> list[nn.Module]:
         return [self.model]
+
+
+def called_units(modules: list[nn.Module]) -> list[nn.Module]:
+    """What FSDP and activation checkpointing wrap one by one: each module, or, for a container the model
+    never calls (a ModuleList or ModuleDict has no forward; ConvNeXt's `downsampling_layer` is one, run by a
+    loop over it), its children, recursively. fully_shard refuses such a container, and a checkpointed one
+    would never run its checkpoint."""
+    out: list[nn.Module] = []
+    for m in modules:
+        if type(m).forward is nn.Module.forward:
+            out += called_units(list(m.children()))
+        else:
+            out.append(m)
+    return out
 
 
 # What parallelize() takes: a stage cut from a traced graph, or the model as written.
