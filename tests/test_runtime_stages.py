@@ -330,3 +330,24 @@ def test_a_planned_container_the_model_never_calls_is_wrapped_child_by_child():
     got.sum().backward()
     torch.testing.assert_close(got, want)
     assert x.grad is not None and model.down[1].weight.grad is not None
+
+
+def test_a_receiving_stage_returns_its_input_gradients_contiguous():
+    """torch's pipelining receives a stage's input gradients into buffers of the strides it infers from the
+    stage's backward on meta; ConvNeXt's blocks permute to channels-last and back, so those strides were
+    permuted and gloo refused the receive (pp2 x dp2 failed at launch)."""
+
+    class Permuting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+    for receives, contiguous in ((False, False), (True, True)):
+        stage = StageModule([Permuting()], ["p"], receives=receives)
+        x = torch.randn(2, 4, 3, 3, requires_grad=True)
+        out = stage(x)
+        (grad,) = torch.autograd.grad(out.sum(), x)  # as the pipeline's backward computes input gradients
+        assert grad.is_contiguous() == contiguous

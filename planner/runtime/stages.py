@@ -471,18 +471,41 @@ def used_modules(model: nn.Module, graphs: list[fx.Graph]) -> set[str]:
     return names
 
 
+class ContiguousGrad(torch.autograd.Function):
+    """Identity forward; backward passes the gradient on contiguous (point-to-point needs it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 class StageModule(nn.Module):
     """One pipeline stage: its pieces run in order, each taking exactly what the one before returns. (The
     last stage of an exported graph returns the output's leaves, since torch's pipeline stages return
     tensors; with_structure() rebuilds the structure for the loss.)"""
 
-    def __init__(self, pieces: Sequence[nn.Module], owners: list[str | None], sends: bool = False) -> None:
+    def __init__(
+        self, pieces: Sequence[nn.Module], owners: list[str | None], sends: bool = False, receives: bool = False
+    ) -> None:
         super().__init__()
         self.pieces = nn.ModuleList(pieces)
         self.owners = owners
         self.sends = sends  # not the last stage: its outputs go to the next stage over the network
+        self.receives = receives  # not the first stage: its inputs' gradients go back over the network
 
     def forward(self, *values: Any) -> Any:
+        if self.receives:
+            # The gradients of the inputs go back to the previous stage, which receives them into buffers of
+            # the strides torch's pipelining infers from this stage's backward on meta: a permuted one
+            # (ConvNeXt's blocks permute to channels-last and back) made gloo refuse the receive.
+            values = tuple(
+                ContiguousGrad.apply(v) if isinstance(v, torch.Tensor) and v.requires_grad else v  # type: ignore[no-untyped-call]
+                for v in values
+            )
         for piece in self.pieces:
             values = piece(*values)
         if self.sends:
@@ -611,7 +634,7 @@ def build_local_stages(
             retarget_devices(p.graph, device)
             targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
             modules.append(fx.GraphModule({t: fetch(model, gm, t, device) for t in targets}, p.graph))
-        stages.append(StageModule(modules, [p.owner for p in mine], sends=i < last))
+        stages.append(StageModule(modules, [p.owner for p in mine], sends=i < last, receives=i > 0))
     return stages, model
 
 
