@@ -285,51 +285,11 @@ def test_qwen3_head_norms_shard_with_attention_as_norm_heads():
     assert u.tp_styles[f"{u.name}.self_attn.q_norm"] == u.tp_styles[f"{u.name}.self_attn.k_norm"] == "norm_heads"
 
 
-HEAD_SCALE = """
-import torch
-from torch import nn
 
 
-class Block(nn.Module):
-    \"\"\"Attention whose queries are scaled by one learned vector over head_dim, shared by all heads.\"\"\"
-
-    def __init__(self):
-        super().__init__()
-        self.qkv = nn.Linear(32, 96)
-        self.scale = nn.Parameter(torch.ones(8))
-        self.o = nn.Linear(32, 32)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = (t.view(b, s, -1, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
-        y = torch.nn.functional.scaled_dot_product_attention(q * self.scale, k, v, is_causal=True)
-        return x + self.o(y.transpose(1, 2).reshape(b, s, -1))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(2)])
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def build_model(**kwargs):
-    return Net()
-
-
-def example_inputs(batch_size, **kwargs):
-    return (torch.randn(batch_size, 8, 32),)
-"""
-
-
-def test_a_weight_shared_by_all_heads_that_is_no_norm_keeps_attention_replicated(tmp_path):
-    path = tmp_path / "head_scale.py"
-    path.write_text(HEAD_SCALE)
-    u = _block(analyse_model(load_model_file(path, dtype="fp32")))
+def test_a_weight_shared_by_all_heads_that_is_no_norm_keeps_attention_replicated():
+    loaded = load_model_file(MODELS / "attention_variants.py", {"variant": "head_scale"}, dtype="fp32")
+    u = _block(analyse_model(loaded))
     assert any("qkv is not sharded: mul applies blocks.0.scale to it, a weight every rank holds whole" in r
                for r in u.tp_refused), u.tp_refused
     assert not u.tp_shards_attention and not u.tp_pairs

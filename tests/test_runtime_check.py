@@ -3,6 +3,8 @@ with the stage, module or rule named, and `planner plan` then exits 2 without wr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from e2e.plans import TINY, make_plan
@@ -119,57 +121,11 @@ def test_tp_on_a_conv1d_the_plan_does_not_mark_transposed_is_refused_at_plan_tim
     check_plan_runs(plan)
 
 
-SLICED_QKV = """
-import torch
-from torch import nn
-
-
-class Block(nn.Module):
-    \"\"\"Attention whose fused qkv is sliced at fixed offsets (as Phi-3's): q 4 heads, k and v 2 each.\"\"\"
-
-    def __init__(self):
-        super().__init__()
-        self.qkv = nn.Linear(32, 64)
-        self.o = nn.Linear(32, 32)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        qkv = self.qkv(x)
-        q, k, v = qkv[..., :32], qkv[..., 32:48], qkv[..., 48:]
-        q = q.view(b, s, -1, 8).transpose(1, 2)
-        k = k.view(b, s, -1, 8).transpose(1, 2).repeat_interleave(2, dim=1)
-        v = v.view(b, s, -1, 8).transpose(1, 2).repeat_interleave(2, dim=1)
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return x + self.o(y.transpose(1, 2).reshape(b, s, -1))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(2)])
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def build_model(**kwargs):
-    return Net()
-
-
-def example_inputs(batch_size, **kwargs):
-    return (torch.randn(batch_size, 8, 32),)
-
-
-def loss_fn(output, x):
-    return output.pow(2).mean()
-"""
+SLICED_QKV = Path(__file__).parent / "fixtures" / "models" / "attention_variants.py"  # variant sliced_qkv
 
 
 def test_tp_of_a_projection_sliced_at_fixed_offsets_is_not_planned(tmp_path):
-    path = tmp_path / "sliced.py"
-    path.write_text(SLICED_QKV)
+    path = SLICED_QKV
     out = tmp_path / "out"
     args = ["plan", str(path), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "4",
             "--tp", "2", "--out", str(out), "--quiet"]
@@ -191,8 +147,7 @@ def test_a_tp_plan_whose_shard_cannot_run_is_refused_and_leaves_no_process_group
     is gone afterwards, pass or fail."""
     import torch.distributed as dist
 
-    path = tmp_path / "sliced.py"
-    path.write_text(SLICED_QKV)
+    path = SLICED_QKV
     pp, sp = SHARD_LAYOUTS[layout]
     plan = make_plan("mlp", pp=pp)
     plan = plan.model_copy(update={
