@@ -651,12 +651,14 @@ def test_profile_errors(tmp_path):
 
 
 def test_plan_measure_uses_measured_unit_times(tmp_path, monkeypatch):
-    """--measure profiles each distinct unit on this machine; the plan and its stages say `measured`."""
+    """--measure profiles each distinct unit on this machine; the plan and its stages say `measured`. (tp 1
+    pinned: unit times are measured unsharded, so a tp 2 plan, which noisy measurements on a loaded machine
+    can rank first, is estimated.)"""
     monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "measured"
     result = invoke(
         "plan", ROOT / "sample_models" / "gpt.py", "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2",
-        "--global-batch-size", "4", "--measure", "--out", out, "--quiet",
+        "--global-batch-size", "4", "--tp", "1", "--measure", "--out", out, "--quiet",
     )
     ok(result)
     plan = json.loads((out / "plan.json").read_text())
