@@ -210,6 +210,7 @@ def _tp_worker(rank: int, init: str, results: str) -> None:
             _check_attention_shards(mesh, conv)
         _check_tied_weights_stay_tied(mesh)
         _check_norm_heads(mesh)
+        dist.barrier()
         if rank == 0:
             Path(results).write_text("ok")
     finally:
@@ -290,8 +291,9 @@ def _check_norm_heads(mesh) -> None:
     got = sharded.attn(x)
     (got * torch.arange(got.numel()).view_as(got).sin()).sum().backward()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for name in ("q_norm.weight", "k_norm.weight", "q.weight", "o.weight"):
-        grad = sharded.attn.get_parameter(name).grad
+    # Every gradient, so that every collective behind them is waited for before the group goes away.
+    for name, param in sharded.attn.named_parameters():
+        grad = param.grad
         full = grad.full_tensor() if isinstance(grad, DTensor) else grad
         torch.testing.assert_close(full, whole.attn.get_parameter(name).grad, rtol=1e-5, atol=1e-6, msg=name)
 
