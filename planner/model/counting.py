@@ -207,10 +207,15 @@ def analyse_callable(
     counts = Counts()
     param_keys = {_storage_key(p) for p in params}
     buffer_keys = {_storage_key(b) for b in buffers}
-    # Non-leaf copies: a unit may update its input in place (ReLU(inplace=True) on a residual stream).
+    # Non-leaf copies: a unit may update its input in place (ReLU(inplace=True) on a residual stream). The
+    # unit's own weights passed in as inputs (a torch.export graph reads every weight at its top, so the split
+    # hands them to the unit) stay the parameters: a copy would count them as saved activations.
     ins = tuple(
         t.detach().requires_grad_(True).clone()
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and _storage_key(t) not in buffer_keys
+        if isinstance(t, torch.Tensor)
+        and t.is_floating_point()
+        and _storage_key(t) not in buffer_keys
+        and _storage_key(t) not in param_keys
         else t
         for t in inputs
     )

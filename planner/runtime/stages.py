@@ -77,6 +77,16 @@ class BufferTracer(fx.Tracer):
                 return self.create_node("get_attr", name, (), {})
         return super().create_arg(a)
 
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        """A module's parameter or buffer read in forward (`self.weight` of a norm): found by name, not by
+        walking all of the model's parameters (fx's own lookup, quadratic in depth)."""
+        name = self._names.get(id(attr_val)) if isinstance(attr_val, torch.Tensor) else None
+        if name is None:
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
 
 @contextlib.contextmanager
 def without_stack_traces() -> Iterator[None]:
