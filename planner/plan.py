@@ -21,7 +21,8 @@ SCHEMA_VERSION = 1
 # (a missing field takes its default); one of a newer minor may hold fields this planner ignores: refused.
 # 1: expert parallelism (parallel.ep, experts, predicted.comm.expert_parallel_s).
 # 2: the TP style norm_heads.
-SCHEMA_MINOR = 2
+# 3: trace_method "fx-meta" (symbolic tracing with meta values).
+SCHEMA_MINOR = 3
 
 Source = Literal["measured", "estimated"]
 # colwise_gather: a column-parallel Linear whose output is all-gathered (the vocab-parallel LM head);
@@ -190,7 +191,7 @@ class Plan(_Model):
     model: ModelSource
     model_class: str
     total_params: int = Field(0, description="parameters of the whole model")
-    trace_method: Literal["fx", "export"]
+    trace_method: Literal["fx", "fx-meta", "export"]
     tokens_per_sample: int | None = None
     cluster: ClusterSummary
     parallel: ParallelConfig

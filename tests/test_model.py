@@ -56,6 +56,9 @@ def get_data(step, micro_batch_size, **kwargs):
 '''
 
 VALUE_BRANCH = SHAPE_BRANCH.replace("if h.shape[1] % 2 == 0:", "if h.sum() > 0:")
+# A branch on a tensor made from a shape: fake tensors keep such a constant's value (torch.export follows it),
+# meta tensors do not (the trace with meta values fails on it).
+CONSTANT_BRANCH = SHAPE_BRANCH.replace("if h.shape[1] % 2 == 0:", "if torch.tensor(h.shape[1]) % 2 == 0:")
 
 
 def test_tiny_gpt_units_tp_and_repeated_blocks(tmp_path):
@@ -91,11 +94,14 @@ def test_a_head_narrower_than_its_input_stays_replicated():
     assert graph.units[1].tp_styles == {"blocks.0.fc1": "colwise", "blocks.0.fc2": "rowwise"}
 
 
-def test_export_fallback_plans_what_symbolic_tracing_cannot(tmp_path):
+@pytest.mark.parametrize(("text", "method"), [(SHAPE_BRANCH, "fx-meta"), (CONSTANT_BRANCH, "export")])
+def test_fallbacks_plan_what_symbolic_tracing_cannot(tmp_path, text, method):
+    """A branch on a shape: the symbolic trace with meta values follows it; a branch on a tensor made from a
+    shape: torch.export does. Either way the same units, pairs and FLOPs as plain fx finds without the branch."""
     f = tmp_path / "branchy.py"
-    f.write_text(SHAPE_BRANCH)
+    f.write_text(text)
     graph = analyse_model(load_model_file(f))
-    assert graph.trace_method == "export"
+    assert graph.trace_method == method
     assert [u.name for u in graph.units] == ["inp", "blocks.0", "blocks.1", "blocks.2", "out"]
     assert graph.units[1].tp_styles == {"blocks.0.fc1": "colwise", "blocks.0.fc2": "rowwise"}
     assert graph.units[1].fwd_flops == pytest.approx(2 * 4 * (16 * 32 + 32 * 16))
@@ -166,7 +172,7 @@ class Net(nn.Module):
 
     def forward(self, x):
         h = self.inp(x)
-        if self.branch and h.shape[1] % 2 == 0:  # symbolic tracing cannot branch on a shape: torch.export does
+        if self.branch and torch.tensor(h.shape[1]) % 2 == 0:  # only torch.export follows this branch
             h = h * 1.0
         for b in self.blocks:
             h = b(h)

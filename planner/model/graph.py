@@ -114,7 +114,7 @@ class ModelGraph(_Model):
 
     source: ModelSource
     model_class: str
-    trace_method: Literal["fx", "export"]
+    trace_method: Literal["fx", "fx-meta", "export"]
     units: list[Unit]
     total_params: int
     tokens_per_sample: int | None = Field(

@@ -124,7 +124,11 @@ def _embedding_module(node, gm, names: ModuleNames) -> str | None:
     def is_embedding(m) -> bool:
         return isinstance(m, nn.Embedding)
 
-    return _applied_module(node, gm, names, is_embedding, (torch.ops.aten.embedding.default,), 0)
+    # aten.embedding(weight, indices) from torch.export; F.embedding(indices, weight) where fx traces into an
+    # nn.Embedding subclass's forward (BART's and Gemma's scaled word embeddings call super().forward()).
+    return _applied_module(node, gm, names, is_embedding, (torch.ops.aten.embedding.default,), 0) or _applied_module(
+        node, gm, names, is_embedding, (torch.nn.functional.embedding,), 1
+    )
 
 
 def _is_tensor_node(node) -> bool:
@@ -462,11 +466,13 @@ def _embedding_indices_inside(node, name: str) -> str:
     """Why a vocab-parallel split cannot apply to this embedding lookup: torch's RowwiseParallel masks the
     indices the module is called with, so indices the module computes in its own forward (BART's learned
     positions: `super().forward(arange(...) + offset)`) would meet a sharded weight unmasked. "" if it can."""
+    import torch
+
     from planner.model.grouping import node_module_paths
 
     if node.op != "call_function" or len(node.args) < 2:
         return ""  # an fx call_module: the module is called with its indices
-    indices = node.args[1]
+    indices = node.args[0] if node.target is torch.nn.functional.embedding else node.args[1]
     paths = node_module_paths(indices) if hasattr(indices, "op") else []
     if indices.op != "placeholder" and any(p == name or p.startswith(name + ".") for p in paths):
         return "it computes its indices in its own forward (positions), so its calls' inputs are not the indices"

@@ -7,7 +7,9 @@ Modules, by job:
   layout.py    the validated Layout (degrees, stages, TP plan), ModelFile and Training built from train.py's
                constants (or its layout.json, for module lists too long to read there); derived facts
   model.py     importing the model file, building on meta, materialising a rank's weights, batches
-  stages.py    tracing (torch.fx, torch.export as the fallback) and cutting the graph into stages
+  stages.py    tracing (torch.fx, then with meta values, torch.export as the last fallback) and cutting the
+               graph into stages
+  tracers.py   the fx tracers: parameters read by name; meta values beside each proxy (shape-reading code)
   parallel.py  TP / sequence parallelism, activation checkpointing, FSDP2 / replicate, in torchtitan's order
   tp_rules.py  the TP plan's rules on the model's modules (split dimensions, what must divide)
   recompute.py activation checkpointing of a stage's units (full or selective)

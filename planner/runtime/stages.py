@@ -11,16 +11,18 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeAlias
 
 import torch
 from torch import fx, nn
+from torch.fx.graph import _PyTreeCodeGen
 
 from .errors import RefusedLayout, RunError
 from .layout import Layout, ModelFile, runs_traced_graph
 from .memo import MetaMemo
 from .model import build_model, input_count, materialise
+from .tracers import BufferTracer
 
 # The modules sequence parallelism adds to the graph (parallel.plan_sequence_parallel) are named this and a
 # number: a conversion is the same wherever it sits, so the plan-time check compares pieces without the number.
@@ -42,50 +44,6 @@ class ValueRecorder(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         self.values[n] = result = super().run_node(n)
         return result
-
-
-class BufferTracer(fx.Tracer):
-    """torch.fx's tracer, recording buffers as get_attr nodes like parameters (by default a buffer's value
-    would be frozen into the graph as a constant: here, a meta tensor with no data), with a tensor-name cache.
-
-    The stock tracer looks up every tensor attribute it meets (a rotary table read in each block) by walking
-    all of the model's parameters and buffers, which is quadratic in depth: minutes for an 80-layer model.
-    """
-
-    proxy_buffer_attributes = True
-
-    def __init__(self, leaves: frozenset[str] = frozenset()) -> None:
-        super().__init__()
-        self.leaves = leaves  # qualified names of modules kept as one call (expert-parallel experts)
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
-
-    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        self._names: dict[int, str] = {}
-        if isinstance(root, nn.Module):
-            for n, b in root.named_buffers():
-                self._names.setdefault(id(b), n)
-            for n, p in root.named_parameters():
-                self._names.setdefault(id(p), n)
-        return super().trace(root, concrete_args)
-
-    def create_arg(self, a: Any) -> Any:
-        if isinstance(a, torch.Tensor):
-            name = self._names.get(id(a))
-            if name is not None:
-                return self.create_node("get_attr", name, (), {})
-        return super().create_arg(a)
-
-    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
-        """A module's parameter or buffer read in forward (`self.weight` of a norm): found by name, not by
-        walking all of the model's parameters (fx's own lookup, quadratic in depth)."""
-        name = self._names.get(id(attr_val)) if isinstance(attr_val, torch.Tensor) else None
-        if name is None:
-            return super().getattr(attr, attr_val, parameter_proxy_cache)
-        if name not in parameter_proxy_cache:
-            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
-        return parameter_proxy_cache[name]
 
 
 @contextlib.contextmanager
@@ -140,13 +98,17 @@ def trace(
     log: Callable[[str], None] = lambda _: None,
     leaves: frozenset[str] = frozenset(),
 ) -> tuple[fx.GraphModule, dict[fx.Node, Any], str]:
-    """Symbolic trace of forward(*inputs) (keeps module calls, so TP plan names apply); torch.export if that
-    fails. Returns the graph, each node's value on the meta inputs, and the method ("fx" or "export").
+    """Symbolic trace of forward(*inputs) (keeps module calls, so TP plan names apply); where that fails, the
+    symbolic trace with meta values (`tracers.meta_trace`: Python reading shapes, as transformers' models do), and
+    torch.export where that fails too. Returns the graph, each node's value on the meta inputs, and the method
+    ("fx", "fx-meta" or "export"; the last two are specialised to the inputs' shapes).
 
     `leaves`: modules the graph must call as they are (one call_module node, their code not inlined), so that
     the script can swap them afterwards: the experts under expert parallelism. torch.fx keeps them as leaf
     modules; torch.export inlines every module, so there each is exported as one opaque op
     (`_export_keeping`) that is then turned back into a call of the module."""
+    from .tracers import meta_trace
+
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     try:
@@ -158,15 +120,24 @@ def trace(
         method = "fx"
         recorder = ValueRecorder(gm)
         recorder.run(*inputs)  # a symbolic trace can succeed yet bake in a wrong shape path
+        return gm, recorder.values, method
     except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
-        log(f"torch.fx symbolic tracing failed ({type(e).__name__}: {e}); using torch.export")
-        with without_stack_traces():
-            gm = _export_keeping(model, tuple(inputs), leaves) if leaves else torch.export.export(
-                model, tuple(inputs), strict=False
-            ).module()
-        method = "export"
+        log(f"torch.fx symbolic tracing failed ({type(e).__name__}: {e}); tracing with meta values")
+    try:
+        gm = _uncompiled_graph_module(model, meta_trace(model, tuple(inputs), leaves), type(model).__name__)
+        method = "fx-meta"
         recorder = ValueRecorder(gm)
         recorder.run(*inputs)
+        return gm, recorder.values, method
+    except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
+        log(f"tracing with meta values failed ({type(e).__name__}: {e}); using torch.export")
+    with without_stack_traces():
+        gm = _export_keeping(model, tuple(inputs), leaves) if leaves else torch.export.export(
+            model, tuple(inputs), strict=False
+        ).module()
+    method = "export"
+    recorder = ValueRecorder(gm)
+    recorder.run(*inputs)
     return gm, recorder.values, method
 
 
@@ -376,7 +347,9 @@ def cut_into_pieces(gm: fx.GraphModule, values: dict[fx.Node, Any], layout: Layo
     model_output = output_node.args[0]
     # torch.export flattens the output (a dict, dataclass, ModelOutput, tuple) into a tuple of leaves: the
     # last stage returns the leaves and StageModule rebuilds the structure for the loss.
-    spec = getattr(gm, "_out_spec", None)
+    # (read from the graph: a lazy graph module sets its _out_spec only once it compiles)
+    codegen = gm.graph._codegen
+    spec = codegen.pytree_info.out_spec if isinstance(codegen, _PyTreeCodeGen) else None
     if spec is not None and spec.is_leaf():
         (model_output,) = model_output
         spec = None
@@ -431,6 +404,17 @@ def shared_weights(gm: fx.GraphModule, pieces: list[Piece]) -> dict[str, list[in
                 stages_of.setdefault(id(param), set()).add(piece.stage)
                 name_of.setdefault(id(param), name)
     return {name_of[k]: sorted(v) for k, v in stages_of.items() if len(v) > 1}
+
+
+def weight_aliases(gm: fx.GraphModule, names: Iterable[str]) -> dict[str, list[str]]:
+    """Every name the traced graph's modules give each of these weights: a tied weight is one parameter held
+    by several modules (T5's encoder.embed_tokens, decoder.embed_tokens and lm_head), and a rank builds only
+    its stages' modules, so its copy is found under the name of a module it holds."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    wanted = set(names)
+    return {n: aliases for aliases in by_id.values() for n in aliases if n in wanted}
 
 
 def has_module(root: nn.Module, name: str) -> bool:
@@ -694,12 +678,14 @@ def trace_for_plan(
             "already baked into its graph: re-plan with pp=1 (or tp=1), or reshape heads with -1 in the model."
         )
     if layout.tp_enabled and method != "fx":
+        how = "torch.fx with meta values" if method == "fx-meta" else "torch.export"
         raise RefusedLayout(
-            "Tensor parallelism needs the model's Linear modules in the graph, but only torch.export could "
-            "trace it. Make the model traceable by torch.fx (no Python branches on tensors) or re-plan "
-            "with tp=1."
+            "Tensor parallelism in a traced stage needs a graph whose shapes follow each rank's shard, but only "
+            f"{how} could trace the model, which fixes every shape in the graph (its Python reads shapes or "
+            "values). Make forward() traceable by plain torch.fx or re-plan with tp=1 (or pp=1 without "
+            "sequence parallelism: the model as written is sharded)."
         )
-    if method == "fx":
+    if method == "fx":  # (a graph specialised to its inputs may name a tied module under another holder's name)
         known = {n for n, _ in gm.named_modules()} | {n for n, _ in gm.named_parameters()}
         unknown = [m for s in layout.stages for m in s.modules if m not in known]
         unknown += [n for n in layout.tp_plan if n not in known]

@@ -43,6 +43,7 @@ class TiedWeights:
         model: nn.Module,
         stages: Sequence[nn.Module],
         local: list[int],
+        aliases: dict[str, list[str]] | None = None,
     ) -> None:
         # (group, [(module, attribute) holding this rank's copy], whether this rank's stage is the first user)
         self.groups: list[tuple[dist.ProcessGroup | None, list[tuple[nn.Module, str]], bool]] = []
@@ -57,7 +58,7 @@ class TiedWeights:
             group = pp_subgroup(mesh, layout, ranks) if len(ranks) > 1 else None
             if not mine:
                 continue
-            target = model.get_parameter(name)
+            target = _held(model, (aliases or {}).get(name, []) + [name])
             stage = stages[local.index(mine[0])]
             slots = [(m, a) for m in stage.modules() for a, p in m._parameters.items() if p is target]
             self.groups.append((group, slots, mine[0] == users[0]))
@@ -74,3 +75,17 @@ class TiedWeights:
                 if p.grad is not None:
                     grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                     dist.all_reduce(grad, group=group)
+
+
+def _held(model: nn.Module, names: list[str]) -> nn.Parameter:
+    """The weight under the first of its names that this rank allocated (its stages' modules are off meta;
+    a tied weight's other holders may have stayed on meta here), else under the first name."""
+    found = []
+    for name in names:
+        try:
+            found.append(model.get_parameter(name))
+        except AttributeError:
+            continue
+    if not found:
+        return model.get_parameter(names[0])
+    return next((p for p in found if not p.is_meta), found[0])

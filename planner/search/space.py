@@ -396,7 +396,8 @@ def runtime_traced_tp_refusal(graph: ModelGraph) -> str | None:
     modules are in it) and no head counts read in forward (the graph has them baked in).
     """
     if graph.trace_method != "fx":
-        return "only torch.export could trace the model, so a traced stage has no modules to shard"
+        how = "torch.fx with meta values" if graph.trace_method == "fx-meta" else "torch.export"
+        return f"only {how} could trace the model, which fixes every shape in a traced stage's graph"
     transposed = sorted(m for u in graph.units for m in u.tp_transposed)
     if transposed:
         # fx traces through HF's Conv1D (not a torch.nn leaf): its addmm is in the graph, not the module.

@@ -72,4 +72,4 @@ def test_hf_model_trains_like_one_process(case, tmp_path):
     assert losses == pytest.approx(ref_losses, abs=1e-4), (case, losses, ref_losses)
     norms = [s["grad_norm"] for s in metrics["steps"]]
     assert norms == pytest.approx([s["grad_norm"] for s in expected["steps"]], rel=1e-3)
-    assert metrics["layout"]["trace_method"] == ("export" if p.pp > 1 else "module")
+    assert metrics["layout"]["trace_method"] == ("fx-meta" if p.pp > 1 else "module")

@@ -84,7 +84,9 @@ class TinyGPT(nn.Module):
         nn.init.normal_(self.pos_emb, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        if self.check_length and idx.shape[1] > self.pos_emb.shape[0]:  # a branch torch.fx cannot trace
+        # A branch on a tensor made from the input's shape: torch.fx cannot trace it, nor can the trace with meta
+        # values (a meta tensor holds no value); torch.export can (a fake tensor keeps the constant).
+        if self.check_length and torch.tensor(idx.shape[1]) > self.pos_emb.shape[0]:
             raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than the model's {self.pos_emb.shape[0]}")
         x = self.tok_emb(idx) + self.pos_emb[: idx.shape[1]]
         for block in self.blocks:
@@ -96,7 +98,7 @@ def build_model(
     vocab: int = 256, dim: int = 64, heads: int = 4, layers: int = 4, seq: int = 32, check_length: bool = False,
     tie: bool = False, **_: object,
 ) -> TinyGPT:
-    """check_length=True adds a Python branch on the input's shape, which sends tracing to torch.export;
+    """check_length=True adds a Python branch on a tensor of the input's shape, which sends tracing to torch.export;
     tie=True shares the embedding with the output head."""
     return TinyGPT(vocab, dim, heads, layers, seq, check_length, tie)
 
