@@ -133,3 +133,31 @@ def test_a_valueless_meta_constant_fails_the_meta_trace_and_a_value_branch_falls
         meta_trace(on_meta, (torch.ones(2, 4, device=META),))
     _, _, method = trace(OnAValue(), (torch.ones(2, 4),))
     assert method == "export"
+
+
+class Unpermutes(nn.Module):
+    """transformers' grouped-mm experts restore the token order by item assignment: inv[perm] = arange(n)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        perm = torch.argsort(x[:, 0])
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0), device=x.device)
+        return self.fc(x[perm])[inv]
+
+
+def test_an_item_assignment_is_recorded_and_runs_as_the_model_does():
+    with META:
+        meta_model = Unpermutes()
+    graph = meta_trace(meta_model, (torch.ones(5, 4, device=META),))
+    import operator
+
+    assert operator.setitem in [n.target for n in graph.nodes if n.op == "call_function"]
+    torch.manual_seed(0)
+    model = Unpermutes()
+    x = torch.randn(5, 4)
+    retarget_devices(graph, torch.device("cpu"))
+    assert torch.equal(fx.GraphModule(model, graph)(x), model(x))

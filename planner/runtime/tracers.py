@@ -126,6 +126,11 @@ class MetaProxy(fx.Proxy):
     def __contains__(self, k: Any) -> bool:
         return k in self.value
 
+    def __setitem__(self, key: Any, value: Any) -> None:
+        # An item assignment (transformers' experts: `inv_perm[perm] = arange(...)`) is recorded as a call, and
+        # made on the meta value too.
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
     def keys(self) -> Any:
         return self.value.keys()
 
