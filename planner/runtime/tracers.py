@@ -104,7 +104,8 @@ class BufferTracer(fx.Tracer):
 
 
 class MetaProxy(fx.Proxy):
-    """A proxy holding the meta value of what it stands for (``value``)."""
+    """A proxy holding the meta value of what it stands for (``value``). Truth, length, iteration and keys are
+    the value's (fx's Proxy would ask the tracer, which refuses)."""
 
     value: Any = None
 
@@ -169,15 +170,6 @@ class MetaTracer(BufferTracer):
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return MetaProxy(node, self)
-
-    def to_bool(self, obj: fx.Proxy) -> bool:
-        return bool(_value(obj))
-
-    def iter(self, obj: fx.Proxy) -> Iterator[Any]:
-        return iter([operator.getitem(obj, i) for i in range(len(_value(obj)))])
-
-    def keys(self, obj: fx.Proxy) -> Any:
-        return _value(obj).keys()
 
     def call_module(
         self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -254,9 +246,8 @@ def _recorded_factories(tracer: MetaTracer) -> Iterator[None]:
 
     def recorded(fn: Callable[..., Any]) -> Callable[..., Any]:
         def factory(*args: Any, **kwargs: Any) -> Any:
-            if tracer.running:
-                with torch.device("meta"):
-                    return fn(*args, **kwargs)
+            if tracer.running:  # inside an op run for its meta value: its meta value too
+                return tracer._run("call_function", fn, args, kwargs)
             return tracer.create_proxy("call_function", fn, args, kwargs)
 
         return factory
