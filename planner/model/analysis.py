@@ -97,8 +97,11 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                 unit_params[pn] = p
         for name in root_attrs.get(i, ()):  # root-level parameters fetched by get_attr
             unit_params.setdefault(name, params_by_name[name])
-        # One module under two names (T5's shared embedding is also encoder.embed_tokens): its weights once.
-        unit_params = dict({id(p): (n, p) for n, p in reversed(unit_params.items())}.values())
+        # A weight held under two names (T5's shared embedding is also encoder.embed_tokens) counts once.
+        by_id: dict = {}
+        for pn, p in unit_params.items():
+            by_id.setdefault(id(p), (pn, p))
+        unit_params = dict(by_id.values())
         args = captured.get(i, ())
         sig = unit_sig[i]
         moe = unit_moe_layers(model, group)
