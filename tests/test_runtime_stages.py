@@ -161,6 +161,11 @@ def test_tied_weights_are_found_and_each_copy_starts_equal():
     fresh = build_model(user, spec, training.seed, everything_on_meta=False)
     materialise(fresh, {"tok_emb"}, CPU, training.seed)
     torch.testing.assert_close(fresh.tok_emb.weight, whole.tok_emb.weight, rtol=0, atol=0)
+    # Every holder of the tied weight holds the one allocated tensor, whichever module was asked for: the
+    # gradient sum finds this rank's copy under any of its names (T5's holders outside the stage stayed on meta
+    # and pp2 x dp2 deadlocked in that sum).
+    assert last.tok_emb.weight is last.head.weight and not last.head.weight.is_meta
+    assert fresh.head.weight is fresh.tok_emb.weight
 
 
 class TwoInputs(nn.Module):

@@ -39,7 +39,6 @@ from .stages import (
     shared_weights,
     trace_for_plan,
     uses_graph,
-    weight_aliases,
     with_structure,
 )
 from .tied import TiedWeights
@@ -263,8 +262,7 @@ def run(
         built, model = build_local_stages(user, spec, training.seed, gm, pieces, local, device)
         stages = list(built)
         loss_fn = with_structure(loss_fn, pieces[-1].out_spec)
-        shared = shared_weights(gm, pieces)
-        tied = TiedWeights(shared, layout, mesh, model, stages, local, weight_aliases(gm, shared))
+        tied = TiedWeights(shared_weights(gm, pieces), layout, mesh, model, stages, local)
     else:
         model = build_model(user, spec, training.seed, everything_on_meta=False)
         materialise(model, {n for n, _ in model.named_modules()}, device, training.seed)

@@ -182,7 +182,8 @@ def materialise(model: nn.Module, module_names: set[str], device: torch.device, 
 
     A weight held by several modules (tied: GPT-2's wte and lm_head) takes the value its first holder (in
     named_modules order) gives it, and later holders' resets leave it alone: every rank holding a copy (the
-    first and the last pipeline stage) then starts from the same values.
+    first and the last pipeline stage) then starts from the same values, and every holder of it holds that
+    one tensor.
     """
     cuda = [device] if device.type == "cuda" else []
     first_holder: dict[int, str] = {}
@@ -194,6 +195,7 @@ def materialise(model: nn.Module, module_names: set[str], device: torch.device, 
         if name in module_names:
             wanted.update(first_holder[id(p)] for p in module.parameters(recurse=False))
     allocated: dict[int, nn.Parameter] = {}  # id of the meta parameter -> its tensor (tied weights share one)
+    replaced: dict[int, nn.Parameter] = {}  # id of the meta parameter -> the meta parameter
     for name, module in model.named_modules():
         if name not in wanted:
             continue
@@ -206,6 +208,7 @@ def materialise(model: nn.Module, module_names: set[str], device: torch.device, 
             if id(p) not in allocated:
                 empty = torch.empty_like(p, device=device)
                 allocated[id(p)] = nn.Parameter(empty, requires_grad=p.requires_grad)
+                replaced[id(p)] = p  # kept alive, so that its id names it until the end
             module._parameters[pname] = allocated[id(p)]
         for bname, b in buffers.items():
             module._buffers[bname] = b.to(device)
@@ -224,3 +227,9 @@ def materialise(model: nn.Module, module_names: set[str], device: torch.device, 
                         default_init(pname, p)
             for pname, value in tied.items():
                 module._parameters[pname].copy_(value)
+    # A tied weight's holders outside `module_names` (T5's encoder.embed_tokens, on the rank holding lm_head)
+    # hold the allocated tensor too, as in the model as built: one parameter under each of its names.
+    for module in model.modules():
+        for pname, p in list(module._parameters.items()):
+            if p is not None and replaced.get(id(p)) is p:
+                module._parameters[pname] = allocated[id(p)]

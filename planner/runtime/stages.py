@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeAlias
 
 import torch
@@ -404,17 +404,6 @@ def shared_weights(gm: fx.GraphModule, pieces: list[Piece]) -> dict[str, list[in
                 stages_of.setdefault(id(param), set()).add(piece.stage)
                 name_of.setdefault(id(param), name)
     return {name_of[k]: sorted(v) for k, v in stages_of.items() if len(v) > 1}
-
-
-def weight_aliases(gm: fx.GraphModule, names: Iterable[str]) -> dict[str, list[str]]:
-    """Every name the traced graph's modules give each of these weights: a tied weight is one parameter held
-    by several modules (T5's encoder.embed_tokens, decoder.embed_tokens and lm_head), and a rank builds only
-    its stages' modules, so its copy is found under the name of a module it holds."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in gm.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    wanted = set(names)
-    return {n: aliases for aliases in by_id.values() for n in aliases if n in wanted}
 
 
 def has_module(root: nn.Module, name: str) -> bool:

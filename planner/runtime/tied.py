@@ -43,7 +43,6 @@ class TiedWeights:
         model: nn.Module,
         stages: Sequence[nn.Module],
         local: list[int],
-        aliases: dict[str, list[str]] | None = None,
     ) -> None:
         # (group, [(module, attribute) holding this rank's copy], whether this rank's stage is the first user)
         self.groups: list[tuple[dist.ProcessGroup | None, list[tuple[nn.Module, str]], bool]] = []
@@ -58,7 +57,7 @@ class TiedWeights:
             group = pp_subgroup(mesh, layout, ranks) if len(ranks) > 1 else None
             if not mine:
                 continue
-            target = _held(model, (aliases or {}).get(name, []) + [name])
+            target = model.get_parameter(name)
             stage = stages[local.index(mine[0])]
             slots = [(m, a) for m in stage.modules() for a, p in m._parameters.items() if p is target]
             self.groups.append((group, slots, mine[0] == users[0]))
@@ -76,16 +75,3 @@ class TiedWeights:
                     grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                     dist.all_reduce(grad, group=group)
 
-
-def _held(model: nn.Module, names: list[str]) -> nn.Parameter:
-    """The weight under the first of its names that this rank allocated (its stages' modules are off meta;
-    a tied weight's other holders may have stayed on meta here), else under the first name."""
-    found = []
-    for name in names:
-        try:
-            found.append(model.get_parameter(name))
-        except AttributeError:
-            continue
-    if not found:
-        return model.get_parameter(names[0])
-    return next((p for p in found if not p.is_meta), found[0])
