@@ -16,7 +16,7 @@ from .errors import RefusedLayout, RunError
 from .layout import Layout, ModelFile, Training
 from .loss import default_loss
 from .memo import MetaMemo
-from .meta import meta_without_dynamo
+from .meta import dtensor_on_meta, meta_without_dynamo
 from .model import build_model, input_count, load_model_file, make_batch, materialise
 from .recompute import apply_ac
 from .stages import (
@@ -260,7 +260,8 @@ def _fake_tp_mesh(tp: int) -> Iterator[Any]:
         return
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
     try:
-        yield init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+        with dtensor_on_meta():  # DTensor's shape propagation on meta: no torch._dynamo import (meta.py)
+            yield init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
     finally:
         dist.destroy_process_group()
 

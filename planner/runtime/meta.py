@@ -12,6 +12,7 @@ imported torch._dynamo.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -83,3 +84,60 @@ def meta_without_dynamo(*functions: Callable[..., Any]) -> int:
                 count += 1
     _DONE = True
     return count
+
+
+@contextlib.contextmanager
+def dtensor_on_meta() -> Iterator[None]:
+    """DTensor on meta tensors without importing torch._dynamo, for the plan-time TP check.
+
+    Two calls of DTensor import torch._dynamo on first use: its ``__init__`` (a ``torch._disable_dynamo``
+    wrapper, answered as the meta kernels' are) and the sharding propagator, which derives each op's global
+    output shape under a new ``FakeTensorMode`` (whose constructor reads torch._dynamo.config). Inside this
+    context the propagator derives it on the meta device instead: the same meta kernels a FakeTensorMode
+    runs, on empty tensors of the global shapes, strides and dtypes. Outside it, and once torch._dynamo is
+    imported anyway, torch's own path is used."""
+    if "torch._dynamo" in sys.modules:
+        yield
+        return
+    from torch.distributed.tensor import DTensor
+
+    meta_without_dynamo(DTensor.__init__)
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator._propagate_tensor_meta_non_cached = _tensor_meta_on_meta  # type: ignore[method-assign]  # undone below
+    try:
+        yield
+    finally:
+        del propagator._propagate_tensor_meta_non_cached
+
+
+def _tensor_meta_on_meta(op_schema: Any) -> Any:
+    """torch's ShardingPropagator._propagate_tensor_meta_non_cached (torch 2.13), run on meta tensors."""
+    import torch
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.utils._pytree import tree_map_only
+
+    if op_schema.op == torch.ops.aten.equal.default:
+        return None  # data dependent: no shape to propagate (as torch)
+
+    def empty(spec: DTensorSpec) -> torch.Tensor:
+        meta = spec.tensor_meta
+        if meta is None:
+            raise AssertionError("DTensorSpec does not contain tensor_meta.")
+        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+
+    def leaf(x: Any) -> bool:
+        return isinstance(x, DTensorSpec)
+
+    args = tree_map_only(DTensorSpec, empty, op_schema.args_schema, is_leaf=leaf)
+    kwargs = tree_map_only(DTensorSpec, empty, op_schema.kwargs_schema, is_leaf=leaf)
+    out = op_schema.op(*args, **kwargs)
+
+    def tensor_meta(t: Any) -> TensorMeta | None:
+        return TensorMeta(shape=t.shape, stride=t.stride(), dtype=t.dtype) if isinstance(t, torch.Tensor) else None
+
+    if isinstance(out, torch.Tensor):
+        return tensor_meta(out)
+    if isinstance(out, (tuple, list)):
+        metas = [tensor_meta(t) for t in out]
+        return tuple(metas) if isinstance(out, tuple) else metas
+    return None
