@@ -104,6 +104,43 @@ def test_version():
     assert result.output.startswith("planner ")
 
 
+MAIN = """
+import atexit, sys
+marker = sys.argv.pop(1)
+atexit.register(lambda: open(marker, "w").write("ran"))
+sys.argv[0] = "planner"
+from cli.main import main
+main()
+"""
+
+
+def test_the_process_ends_with_the_commands_status_its_output_flushed_and_atexit_run(planned, tmp_path):
+    """main() ends the process without the interpreter's teardown (cli.main.exit_now)."""
+    marker = tmp_path / "atexit"
+    done = subprocess.run([sys.executable, "-c", MAIN, str(marker), "report", str(planned), "--json"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (planned / "plan.json").read_text()  # all of it, flushed before the exit
+    assert marker.read_text() == "ran"
+    done = subprocess.run([sys.executable, "-c", MAIN, str(marker), "report", str(tmp_path / "none")], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("Error: ") and "Traceback" not in done.stderr
+    done = subprocess.run([sys.executable, "-c", MAIN, str(marker), "plan"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and "Usage:" in done.stderr  # click's usage error keeps its status
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(planned):
+    """`planner report out | head -1`: the pipe closes under rich's output, which exits with status 1; that is
+    not the model file calling sys.exit (the message the CLI gives a SystemExit it did not expect)."""
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "report", str(planned)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the report is written: its first write meets a closed pipe
+    err = proc.stderr.read()
+    assert proc.wait() == 1
+    assert "sys.exit" not in err and "Traceback" not in err and "Error" not in err, err
+
+
 def test_usage_errors_keep_clicks_exit_code():
     result = invoke("plan")  # missing MODEL_FILE and required options
     assert result.exit_code == 2
