@@ -4,13 +4,12 @@ activation checkpointing, then FSDP2 / replicate over the data-parallel ranks.""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -27,17 +26,19 @@ from .recompute import apply_ac
 from .stages import SP_MODULE_PREFIX, LocalStage, contains_tensor, has_module, module_paths
 from .tp_rules import NORM_HEADS_DIM, check_tp, split_dim, splits_own_vocab
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-def _find_replicate() -> Callable[..., object] | None:
-    """FSDP2's replicate: DDP semantics that compose with TP and pipelining (recent torch), else None."""
+
+def find_replicate() -> Callable[..., object] | None:
+    """FSDP2's replicate: DDP semantics that compose with TP and pipelining (recent torch), else None.
+    FSDP is imported when data parallelism is applied, not with this module: the plan-time TP check
+    imports it and shards with DTensor only."""
     try:
         from torch.distributed._composable.replicate_with_fsdp import replicate
     except ImportError:
         return None
     return replicate
-
-
-replicate = _find_replicate()
 
 
 # Sequence parallelism: which values are split along the sequence between the TP regions.
@@ -477,6 +478,9 @@ def apply_expert_data_parallel(
     as torchtitan does for its experts: their gradients are averaged over those replicas only (the
     all-to-all's backward already summed the other ep ranks' tokens in; `ExpertParallel` scales them by
     1/ep so that the result is the mean over dp)."""
+    from torch.distributed.fsdp import fully_shard
+
+    replicate = find_replicate()
     for m in stage.modules():
         if isinstance(m, ExpertParallel):
             if layout.zero_stage == 0:
@@ -495,6 +499,9 @@ def apply_data_parallel(
     Applied even when DP == 1: it is what casts to bf16 on GPUs (MixedPrecisionPolicy, fp32 gradient
     reduction and master weights), and a one-rank reduction is free.
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    replicate = find_replicate()
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
     if device.type == "cuda" and low is not None:
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
