@@ -161,3 +161,37 @@ def test_an_item_assignment_is_recorded_and_runs_as_the_model_does():
     x = torch.randn(5, 4)
     retarget_devices(graph, torch.device("cpu"))
     assert torch.equal(fx.GraphModule(model, graph)(x), model(x))
+
+
+class DataAttributes(nn.Module):
+    """Tensor data attributes (`.T`, `.mT`) read in Python that reads shapes: a tied output projection as
+    written with `weight.T`, and a batched transpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Parameter(torch.randn(10, 8))
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim == 3:  # plain torch.fx cannot branch on this
+            x = self.proj(x).transpose(1, 2).transpose(1, 2)
+        scores = x @ x.mT
+        return torch.softmax(scores, -1) @ x @ self.emb.T
+
+
+def test_tensor_data_attributes_have_meta_values_and_run_as_the_model_does():
+    """`w.T` on a proxy was fx's lazy Attribute without a meta value: the next op's meta run failed and the
+    model went to torch.export."""
+    with META:
+        meta_model = DataAttributes()
+    x = torch.randn(2, 5, 8)
+    gm, values, method = trace(meta_model, (x.to(META),))
+    assert method == "fx-meta"
+    reads = [n.args[1] for n in gm.graph.nodes if n.op == "call_function" and n.target is getattr]
+    assert sorted(reads) == ["T", "mT"]
+    assert [n.target for n in gm.graph.nodes if n.op == "call_method"] == ["transpose", "transpose"]  # as before
+    torch.manual_seed(0)
+    model = DataAttributes()
+    graph = meta_trace(meta_model, (x.to(META),))
+    retarget_devices(graph, torch.device("cpu"))
+    assert torch.equal(fx.GraphModule(model, graph)(x), model(x))

@@ -111,8 +111,14 @@ class MetaProxy(fx.Proxy):
 
     def __getattr__(self, k: str) -> Any:
         value = self.__dict__.get("value")
-        if isinstance(value, torch.Tensor) and (k in _META_ATTRS or k in _META_METHODS):
-            return getattr(value, k)
+        if isinstance(value, torch.Tensor):
+            if k in _META_ATTRS or k in _META_METHODS:
+                return getattr(value, k)
+            if not k.startswith("_") and not callable(getattr(type(value), k, None)) and hasattr(value, k):
+                # A data attribute that is a tensor (`w.T`, `x.mT`, `z.real`): recorded as getattr now, with its
+                # meta value. fx's lazy Attribute would hold none (it is made a node only when used), and a
+                # method (`x.view`) stays one, to become a call_method node when it is called.
+                return self.tracer.create_proxy("call_function", getattr, (self, k), {})
         return super().__getattr__(k)
 
     def __len__(self) -> int:
