@@ -271,8 +271,10 @@ def run_search(
 
     # A wrong --gpu is reported at once, before the (slower) tracing of the model.
     load_cluster(request.gpu, request.nodes, request.gpus_per_node)
+    if not show_progress:  # --quiet: rich is not even imported
+        return plan_model(request, analyse(request))
     console = stderr_console()
-    if not show_progress or not console.is_terminal:
+    if not console.is_terminal:
         return plan_model(request, analyse(request))
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
