@@ -135,6 +135,45 @@ def test_tp_of_a_projection_sliced_at_fixed_offsets_is_not_planned(tmp_path):
     assert "no Linear pairs" in message and "qkv is not sharded: getitem takes part of it at fixed offsets" in message
 
 
+REFUSED_SHARD_QUIETLY = """
+import sys
+import torch._dynamo  # as transformers imports it: DTensor would then propagate shapes under a FakeTensorMode
+from e2e.plans import make_plan
+from planner.codegen.check import check_plan_runs
+from planner.errors import PlanError
+plan = make_plan("mlp", pp=1)
+plan = plan.model_copy(update={
+    "model": plan.model.model_copy(update={"path": sys.argv[1], "loss_fn": "loss_fn"}),
+    "parallel": plan.parallel.model_copy(update={"tp": 2}),
+    "tp_plan": {f"blocks.{i}.{m}": s for i in range(2) for m, s in (("qkv", "colwise"), ("o", "rowwise"))},
+    "cluster": plan.cluster.model_copy(update={"gpus_per_node": 2}),
+    "stages": [s.model_copy(update={"modules": ["blocks.0", "blocks.1"], "units": ["blocks.0", "blocks.1"]})
+               for s in plan.stages],
+})
+try:
+    check_plan_runs(plan)
+except PlanError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_refused_shard_leaves_one_message_even_where_dynamo_is_imported():
+    """With torch._dynamo imported (any Hugging Face model imports it), DTensor's shape propagation ran under a
+    FakeTensorMode, which logs each failing op with a traceback on stderr: a refused TP shard (and `planner
+    plan` moving on to a runner-up) printed torch's traceback around the planner's message."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}"}
+    done = subprocess.run([sys.executable, "-c", REFUSED_SHARD_QUIETLY, str(SLICED_QKV)], env=env, cwd=root,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: The plan cannot run: The model sharded for tp 2" in done.stdout
+    assert "Traceback" not in done.stderr and "fake_tensor" not in done.stderr, done.stderr[-2000:]
+
+
 # (pp, sequence parallelism): the model as written, and a traced graph (sequence parallelism, a pipeline).
 SHARD_LAYOUTS = {"module": (1, False), "sp": (1, True), "pp2": (2, False), "pp2_sp": (2, True)}
 

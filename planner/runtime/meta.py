@@ -88,20 +88,19 @@ def meta_without_dynamo(*functions: Callable[..., Any]) -> int:
 
 @contextlib.contextmanager
 def dtensor_on_meta() -> Iterator[None]:
-    """DTensor on meta tensors without importing torch._dynamo, for the plan-time TP check.
+    """DTensor on meta tensors without importing torch._dynamo, and without a fake mode per op, for the
+    plan-time TP check.
 
     Two calls of DTensor import torch._dynamo on first use: its ``__init__`` (a ``torch._disable_dynamo``
     wrapper, answered as the meta kernels' are) and the sharding propagator, which derives each op's global
     output shape under a new ``FakeTensorMode`` (whose constructor reads torch._dynamo.config). Inside this
     context the propagator derives it on the meta device instead: the same meta kernels a FakeTensorMode
-    runs, on empty tensors of the global shapes, strides and dtypes. Outside it, and once torch._dynamo is
-    imported anyway, torch's own path is used."""
-    if "torch._dynamo" in sys.modules:
-        yield
-        return
+    runs, on empty tensors of the global shapes, strides and dtypes. It does so also where torch._dynamo is
+    imported already (transformers imports it): the fake mode adds nothing on meta but its cost, and it logs
+    each failing op with a traceback on stderr, where a shard the check refuses must leave one message."""
     from torch.distributed.tensor import DTensor
 
-    meta_without_dynamo(DTensor.__init__)
+    meta_without_dynamo(DTensor.__init__)  # nothing to do once torch._dynamo is imported
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator._propagate_tensor_meta_non_cached = _tensor_meta_on_meta  # type: ignore[method-assign]  # undone below
     try:
