@@ -163,10 +163,14 @@ def exit_now(code: object) -> NoReturn:
     Everything a command writes is written (atomically) before it returns; what is left at exit is the
     atexit handlers (run here: temporary model-source folders, logging's flush) and the teardown of every
     module and object alive, which for a plan is torch, the traced graphs and the model: 0.7 s of a 3.4 s
-    GPT-3 175B plan. So the process flushes its streams and ends (as mypy does, for the same reason)."""
+    GPT-3 175B plan. So the process flushes its streams and ends (as mypy does, for the same reason), unless
+    a profiler or tracer runs it (`python -m cProfile -o out -m cli.main ...`, a debugger), which writes its
+    results after the program returns."""
     import atexit
     import os
 
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        sys.exit(code)
     if code is None:
         status = 0
     elif isinstance(code, int):

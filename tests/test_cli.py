@@ -129,6 +129,15 @@ def test_the_process_ends_with_the_commands_status_its_output_flushed_and_atexit
     assert done.returncode == 2 and "Usage:" in done.stderr  # click's usage error keeps its status
 
 
+def test_a_profiler_still_writes_its_results(planned, tmp_path):
+    """Under a profiler the process exits as Python does, so that cProfile writes its file after main()."""
+    out = tmp_path / "profile.out"
+    done = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(out), "-m", "cli.main", "report", str(planned),
+                           "--json"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert out.stat().st_size > 0
+
+
 def test_a_reader_that_goes_away_ends_the_command_quietly(planned):
     """`planner report out | head -1`: the pipe closes under rich's output, which exits with status 1; that is
     not the model file calling sys.exit (the message the CLI gives a SystemExit it did not expect)."""
