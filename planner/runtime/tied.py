@@ -74,4 +74,3 @@ class TiedWeights:
                 if p.grad is not None:
                     grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                     dist.all_reduce(grad, group=group)
-

@@ -115,7 +115,7 @@ class MetaProxy(fx.Proxy):
             if k in _META_ATTRS or k in _META_METHODS:
                 return getattr(value, k)
             if not k.startswith("_") and not callable(getattr(type(value), k, None)) and hasattr(value, k):
-                # A data attribute that is a tensor (`w.T`, `x.mT`, `z.real`): recorded as getattr now, with its
+                # A data attribute (`w.T`, `x.mT`, `z.real`, `x.requires_grad`): recorded as getattr now, with its
                 # meta value. fx's lazy Attribute would hold none (it is made a node only when used), and a
                 # method (`x.view`) stays one, to become a call_method node when it is called.
                 return self.tracer.create_proxy("call_function", getattr, (self, k), {})
