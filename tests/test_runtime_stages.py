@@ -3,6 +3,8 @@ plan's stages, and the pieces computing exactly the model's forward."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -293,6 +295,23 @@ class BranchesOnShape(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.a(x) if torch.tensor(x.shape[0]) > 2 else x
+
+
+def test_a_fresh_process_traces_the_branch_as_any_other():
+    """The trace with meta values makes factories' values on meta through a device context, which recognises
+    factories from a set built on first use; in a process that had not used one before (a fresh test worker ran
+    this model first) the set held the tracer's stand-ins, torch.tensor(3) came out on the CPU and the branch
+    on it was read and baked in: "fx-meta" here, "export" after any other test."""
+    code = (
+        "import sys, torch; sys.path.insert(0, 'tests')\n"
+        "from test_runtime_stages import BranchesOnShape\n"
+        "from planner.runtime.stages import trace\n"
+        "print(trace(BranchesOnShape(), (torch.randn(3, 4),))[2])\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["export"]
 
 
 def test_the_export_fallback_records_no_stack_traces_and_restores_the_setting():

@@ -32,6 +32,7 @@ from torch import fx, nn
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.fx.node import Argument, map_aggregate
 from torch.utils import _pytree as pytree
+from torch.utils._device import _device_constructors
 
 from .memo import MetaMemo
 
@@ -249,6 +250,11 @@ class MetaTracer(BufferTracer):
 def _recorded_factories(tracer: MetaTracer) -> Iterator[None]:
     """torch's tensor factories recorded as graph calls while tracing (run as they are for meta values)."""
     saved = {n: getattr(torch, n) for n in FACTORIES if hasattr(torch, n)}
+    # torch.device("meta") as a context (how `_run` makes a factory's meta value) recognises factories by
+    # identity, from a set it builds on first use: built while these are replaced, it would hold the stand-ins,
+    # and torch.tensor(3) in that context would make a CPU tensor (a value a branch could read) in any process
+    # that had not used a device context before.
+    _device_constructors()
 
     def recorded(fn: Callable[..., Any]) -> Callable[..., Any]:
         def factory(*args: Any, **kwargs: Any) -> Any:
