@@ -198,11 +198,11 @@ def best_that_runs(
     request: PlanRequest, plan: Plan, graph: ModelGraph, result: SearchResult
 ) -> tuple[Plan, SearchResult]:
     """The best ranked plan that passes the plan-time check. A plan the script cannot run for its layout (a
-    weight tied across two stages that one pp rank holds, a TP degree a vocabulary or head count cannot
-    take, a pipeline on a device the traced graph cannot run on) gives way to the next runner-up, and is
-    listed under the rejected regions with the check's reason; when none of the ranked plans runs, the
-    first failure is raised (exit 2, nothing written), naming how many were tried. A failure of the model
-    itself (its loss, its code on the meta device) is raised at once: no other layout fixes it."""
+    TP degree a vocabulary or head count cannot take, a pipeline on a device the traced graph cannot run on)
+    gives way to the next runner-up, and is listed under the rejected regions with the check's reason; when
+    none of the ranked plans runs, the first failure is raised (exit 2, nothing written), naming how many
+    were tried. A failure of the model itself (its loss, its code on the meta device) is raised at once: no
+    other layout fixes it."""
     from planner.errors import LayoutRefusedError
     from planner.pipeline import without_best
 

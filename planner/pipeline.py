@@ -388,7 +388,7 @@ def without_best(
     request: PlanRequest, graph: ModelGraph, result: SearchResult, reason: str
 ) -> tuple[Plan, SearchResult] | None:
     """The plan of the next ranked configuration, its predecessor rejected for `reason` (the plan-time check
-    found that the generated script cannot run it: e.g. a weight tied across two stages of one pp rank);
+    found that the generated script cannot run it: e.g. a TP degree a head count cannot take);
     None when no ranked configuration is left. The search's exactness is unaffected: what it ranked below
     the rejected plan is still the best of the rest."""
     import dataclasses

@@ -30,6 +30,7 @@ from planner.runtime.stages import (
     used_modules,
     with_structure,
 )
+from planner.runtime.tied import TiedWeights, own_copies
 
 CPU = torch.device("cpu")
 
@@ -168,6 +169,35 @@ def test_tied_weights_are_found_and_each_copy_starts_equal():
     # and pp2 x dp2 deadlocked in that sum).
     assert last.tok_emb.weight is last.head.weight and not last.head.weight.is_meta
     assert fresh.head.weight is fresh.tok_emb.weight
+
+
+def test_two_stages_of_one_rank_get_a_copy_each_of_a_tied_weight_and_its_gradient_sum():
+    """ZBV puts the first and last stage (the tied embedding and head) on pp rank 0: the later stage gets its
+    own copy (the pipeline schedule divides each stage's gradients, FSDP shards each stage), equal in value;
+    the model and the first stage keep the one weight; the sum gives each copy the gradient of both uses."""
+    plan = make_plan("tiny", pp=2, virtual_stages=2, schedule="zero-bubble", model_args={**TINY["tiny"], "tie": True})
+    layout, spec, training = runtime_objects(plan)
+    user = load_model_file(spec.path)
+    example = make_batch(user, spec, layout, training.seed, 0, 0)
+    gm, values, _ = trace(build_model(user, spec, training.seed, everything_on_meta=True), example[0].to("meta"))
+    pieces = cut_into_pieces(gm, values, layout)
+    shared = shared_weights(gm, pieces)
+    assert shared == {"tok_emb.weight": [0, 3]} and layout.stages_on(0) == [0, 3]
+    local = layout.stages_on(0)
+    stages, model = build_local_stages(user, spec, training.seed, gm, pieces, local, CPU)
+    weight = model.tok_emb.weight
+    copies = own_copies(shared, model, stages, local)
+    twin = copies[3][id(weight)]
+    assert list(copies) == [3] and twin is not weight
+    torch.testing.assert_close(twin, weight, rtol=0, atol=0)
+    held = {s: [p for p in stage.parameters() if p is weight or p is twin] for s, stage in zip(local, stages)}
+    assert [p is weight for p in held[0]] == [True] and [p is twin for p in held[3]] == [True]
+    assert model.head.weight is weight and model.tok_emb.weight is weight  # the model itself is left as it was
+    tied = TiedWeights(shared, layout, None, model, stages, local, copies)  # one rank: no group, no mesh
+    assert tied.later_copies() == {id(twin)}
+    weight.grad, twin.grad = torch.full_like(weight, 1.0), torch.full_like(twin, 2.0)
+    tied.sum_gradients()
+    assert torch.equal(weight.grad, torch.full_like(weight, 3.0)) and torch.equal(twin.grad, weight.grad)
 
 
 class TwoInputs(nn.Module):

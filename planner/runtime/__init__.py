@@ -48,8 +48,9 @@ What the run does with the models people have:
   encoder output is copied).
 - A weight used by two stages (GPT-2's wte / lm_head) lives in both: each copy starts from the value its
   first holder module gives it, and the copies' gradients are summed over the stages' ranks before the
-  optimizer step (Megatron-LM's embedding group), so they stay equal. Copies on the same pp rank (the
-  first and last stage of a ZBV V) are refused.
+  optimizer step (Megatron-LM's embedding group), so they stay equal. Two stages of one pp rank (the first
+  and last stage of a ZBV V, T5's encoder and decoder embeddings under interleaving) hold a copy each
+  (tied.own_copies), summed on the rank first.
 - TP_HEAD_ATTRS: module attributes holding head counts are divided by tp before parallelize_module (as
   torchtitan does `attn.n_heads //= tp`); only for the model as written, since a traced graph has the
   counts baked in.

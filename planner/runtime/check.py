@@ -31,6 +31,7 @@ from .stages import (
     uses_graph,
     with_structure,
 )
+from .tied import own_copies
 from .tp_rules import check_tp
 
 SMALL = 50_000_000  # parameters: a model this small is rerun on the CPU when the meta device cannot run it
@@ -77,18 +78,33 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
             user, spec, layout, training.seed, example, device_type=device_type, meta_model=meta_model
         )
         pieces = cut_into_pieces(gm, values, layout)
-    for name, users in shared_weights(gm, pieces).items():
-        ranks = [layout.stages[s].pp_rank for s in users]
-        if len(set(ranks)) < len(ranks):
-            raise RefusedLayout(
-                f"The weight {name} is used by stages {users}, of which two run on the same pp rank: their "
-                "copies cannot be kept apart there. Re-plan with another schedule or stage split."
-            )
+    _copy_tied(layout, gm, pieces, meta_model)
     with MetaMemo():  # each distinct op runs its meta kernel once: repeated blocks cost one
         _run_stages(layout, spec, gm, pieces, meta_model, example, n_inputs, loss_fn)
     if layout.tp_enabled:
         _run_tp_stages(user, spec, layout, training, gm, values, example, n_inputs, loss_fn)
     return method
+
+
+def _copy_tied(layout: Layout, gm: fx.GraphModule, pieces: list[Piece], meta_model: nn.Module) -> None:
+    """On every pp rank where two stages use one tied weight, give the later ones their copies as the run
+    does (tied.own_copies), on meta stages built from the model as the run builds its own."""
+    shared = shared_weights(gm, pieces)
+    meta = torch.device("meta")
+    for rank in range(layout.pp):
+        local = layout.stages_on(rank)
+        if not any(len([s for s in users if s in local]) > 1 for users in shared.values()):
+            continue
+        stages = []
+        for i in local:
+            mine = [p for p in pieces if p.stage == i]
+            graphs = []
+            for p in mine:
+                targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
+                graphs.append(fx.GraphModule({t: fetch(meta_model, gm, t, meta) for t in targets}, p.graph))
+            stages.append(StageModule(graphs, [p.owner for p in mine]))
+        with _failing_as(f"Giving the stages of pp rank {rank} their copies of the tied weights"):
+            own_copies(shared, meta_model, stages, local)
 
 
 def _run_stages(

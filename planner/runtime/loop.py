@@ -41,7 +41,7 @@ from .stages import (
     uses_graph,
     with_structure,
 )
-from .tied import TiedWeights
+from .tied import TiedWeights, own_copies
 
 if TYPE_CHECKING:
     from .schedule import MicroBatchLoss
@@ -235,9 +235,7 @@ def run(
     """Train as the plan says; `script` is the train.py path (metrics.json goes next to it by default)."""
     # Imported here, not at the top: torch.distributed.pipelining imports torch._dynamo, which nothing else in
     # the runtime needs.
-    from torch.distributed.pipelining import PipelineStage
-
-    from .schedule import MicroBatchLoss, build_schedule
+    from .schedule import MicroBatchLoss, PlannedStage, build_schedule
 
     script = Path(script).resolve()
     args = parse_args(argv, description, training.steps, script.with_name("metrics.json"))
@@ -262,7 +260,9 @@ def run(
         built, model = build_local_stages(user, spec, training.seed, gm, pieces, local, device)
         stages = list(built)
         loss_fn = with_structure(loss_fn, pieces[-1].out_spec)
-        tied = TiedWeights(shared_weights(gm, pieces), layout, mesh, model, stages, local)
+        shared = shared_weights(gm, pieces)
+        copies = own_copies(shared, model, stages, local)  # a weight two stages of this rank use: one copy each
+        tied = TiedWeights(shared, layout, mesh, model, stages, local, copies)
     else:
         model = build_model(user, spec, training.seed, everything_on_meta=False)
         materialise(model, {n for n, _ in model.named_modules()}, device, training.seed)
@@ -307,7 +307,7 @@ def run(
     schedule = None
     if layout.pp_enabled:
         pipeline = [
-            PipelineStage(stage, i, layout.num_stages, device, group=mesh["pp"].get_group())
+            PlannedStage(stage, i, layout.num_stages, device, group=mesh["pp"].get_group())
             for i, stage in zip(local, stages, strict=True)
         ]
         schedule = build_schedule(layout, pipeline, loss)

@@ -3,7 +3,7 @@ loss it calls on the last stage."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,20 @@ SCHEDULE_CLASSES: dict[str, tuple[type, bool]] = {
 }
 
 
+class PlannedStage(PipelineStage):
+    """torch's PipelineStage, whose dynamic metadata run (the stage's forward on the first micro-batch's input
+    shapes, before the schedule's first step) gets integer inputs of zeros: torch makes them with
+    torch.empty, whose memory can hold any value, and a later stage's embedding (T5's and BART's decoder,
+    which receive the token ids) indexed with it out of range at random."""
+
+    def _to_tensor(self, arg: Any) -> torch.Tensor:
+        out: torch.Tensor = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor) and not (out.is_floating_point() or out.is_complex()):
+            with torch.no_grad():
+                out.zero_()
+        return out
+
+
 class MicroBatchLoss:
     """The loss a pipeline schedule calls on the last stage.
 
@@ -41,7 +55,7 @@ class MicroBatchLoss:
         return self.loss_fn(output, *self.batches[int(index)])
 
 
-def build_schedule(layout: Layout, stages: list[PipelineStage], loss: MicroBatchLoss) -> Any:
+def build_schedule(layout: Layout, stages: Sequence[PipelineStage], loss: MicroBatchLoss) -> Any:
     """The schedule object running this rank's `stages` (one, or several for the multi-stage schedules)."""
     if layout.schedule not in SCHEDULE_CLASSES:
         raise ValueError(f"Unknown schedule {layout.schedule!r}: expected one of {', '.join(SCHEDULE_CLASSES)}.")

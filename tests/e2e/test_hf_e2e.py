@@ -7,6 +7,10 @@ One layout per model, each adding something the others do not (the CI cost of a 
 - BERT pp2 x dp2, planned by `planner plan`: an integer attention mask as a second input, reaching the
   stages that use it, and the model file's loss_fn on the structured output;
 - GPT-2 pp2 x dp2: lm_head tied to wte across the first and last stage (the gradients summed over them);
+- T5 and BART pp2 interleaved (4 stages on 2 ranks), planned by `planner plan`: the shared embedding is used by
+  two stages of one rank (T5: the encoder's and decoder's embeddings on rank 0; BART: the decoder's embedding
+  and the tied lm_head on rank 1), each with its own copy, the copies' gradients summed on the rank and then
+  over the ranks;
 - Llama tp2 x dp2 (ZeRO-1): tensor parallelism on the model's own modules;
 - ResNet dp4: batch norm's running statistics updated in forward, per replica;
 - ViT dp4 with FSDP (ZeRO-3): an image model's ImageClassifierOutput.
@@ -18,7 +22,7 @@ import json
 import math
 
 import pytest
-from e2e.hf_plans import HF, LOSS_REL, LOSS_TOL, NORM_TOL, hf_plan, llama_tp_plan
+from e2e.hf_plans import HF, LOSS_REL, LOSS_TOL, MODELS, NORM_TOL, hf_plan, llama_tp_plan
 from e2e.plans import reference_of
 from e2e.test_train_e2e import STEPS, run, train
 from typer.testing import CliRunner
@@ -30,11 +34,13 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.e2e
 
 
-def planned(model: str, out, *pins: str) -> Plan:
+def planned(model: str, out, *pins: str, gpus: int = 4) -> Plan:
+    path = [str(HF / f"{model}.py")] if (HF / f"{model}.py").exists() else [str(MODELS / "hf_tiny.py"), "--model-arg",
+                                                                            f"arch={model!r}"]
     result = CliRunner().invoke(
         app,
         [
-            "plan", str(HF / f"{model}.py"), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4",
+            "plan", *path, "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", str(gpus),
             "--global-batch-size", "8", "--micro-batch-size", "2", *pins, "--lr", "1e-3", "--out", str(out),
             "--quiet",
         ],
@@ -43,11 +49,25 @@ def planned(model: str, out, *pins: str) -> Plan:
     return load_plan(out)
 
 
+def interleaved(model: str, out) -> Plan:
+    """pp2 interleaved on 2 ranks; asserts that some rank runs two stages using the one shared embedding."""
+    plan = planned(model, out, "--pp", "2", "--schedule", "interleaved-1f1b", gpus=2)
+    holders = {
+        "t5": ("encoder.embed_tokens", "decoder.embed_tokens"), "bart": ("model.decoder.embed_tokens", "lm_head")
+    }
+    ranks = [next(s.pp_rank for s in plan.stages if m in s.modules) for m in holders[model]]
+    stages = [next(s.index for s in plan.stages if m in s.modules) for m in holders[model]]
+    assert ranks[0] == ranks[1] and stages[0] != stages[1], [(s.pp_rank, s.modules) for s in plan.stages]
+    return plan
+
+
 CASES = {
     "llama_pp2_dp2_planned": lambda out: planned("llama", out, "--pp", "2", "--dp", "2", "--schedule", "1f1b"),
     "bert_pp2_dp2_planned": lambda out: planned("bert", out, "--pp", "2", "--dp", "2", "--schedule", "1f1b"),
     "gpt2_tied_pp2_dp2": lambda out: hf_plan("gpt2", pp=2, dp=2),
     "llama_tp2_dp2_zero1": lambda out: hf_plan("llama", tp=2, dp=2, zero_stage=1, tp_plan=llama_tp_plan()),
+    "t5_tied_pp2_interleaved_planned": lambda out: interleaved("t5", out),
+    "bart_tied_pp2_interleaved_planned": lambda out: interleaved("bart", out),
     "resnet_batchnorm_dp4": lambda out: hf_plan("resnet", dp=4),
     "vit_dp4_zero3": lambda out: hf_plan("vit", dp=4, zero_stage=3),
 }
@@ -58,7 +78,7 @@ def test_hf_model_trains_like_one_process(case, tmp_path):
     out = tmp_path / "plan"
     plan = CASES[case](out)
     p = plan.parallel
-    assert p.world_size == 4
+    assert p.world_size == (2 if "interleaved" in case else 4)
     if not (out / "launch.sh").exists():
         from planner.codegen.render import write_scripts
 

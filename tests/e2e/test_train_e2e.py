@@ -47,6 +47,15 @@ CASES = {
         ),
         4,
     ),
+    # A tied embedding and head on the two ends of the V: both stages on pp rank 0, each with its own copy,
+    # each copy sharded by FSDP, the copies' gradients summed on the rank.
+    "tiny_tied_pp2_zbv_dp2_zero3": (
+        lambda: make_plan(
+            "tiny", pp=2, dp=2, virtual_stages=2, schedule="zero-bubble", num_micro_batches=4, zero_stage=3,
+            model_args={**TINY["tiny"], "tie": True},
+        ),
+        4,
+    ),
     # Beyond the required layouts: sequence parallelism (leaf LayerNorms; custom RMSNorm with FSDP),
     # activation recomputation, the torch.export fallback, and inputs that are not tokens.
     "gpt_tp2_sp_selective": (lambda: make_plan("gpt", tp=2, sequence_parallel=True, recompute="selective"), 2),
