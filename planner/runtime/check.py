@@ -31,7 +31,6 @@ from .stages import (
     uses_graph,
     with_structure,
 )
-from .tied import own_copies
 from .tp_rules import check_tp
 
 SMALL = 50_000_000  # parameters: a model this small is rerun on the CPU when the meta device cannot run it
@@ -103,6 +102,8 @@ def _copy_tied(layout: Layout, gm: fx.GraphModule, pieces: list[Piece], meta_mod
                 targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
                 graphs.append(fx.GraphModule({t: fetch(meta_model, gm, t, meta) for t in targets}, p.graph))
             stages.append(StageModule(graphs, [p.owner for p in mine]))
+        from .tied import own_copies  # imports DTensor (its gradient sum): only where a rank holds two users
+
         with _failing_as(f"Giving the stages of pp rank {rank} their copies of the tied weights"):
             own_copies(shared, meta_model, stages, local)
 
