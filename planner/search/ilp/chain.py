@@ -129,23 +129,29 @@ def solve_chain(
         f[0] = 0.0
         choice: list[tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]] = []
         for s in range(S):
-            per_mode = np.stack([np.where(under[q], fits[s, q], INF) for q in modes])
+            # Stage s starts at a unit i in [s, U - S + s] (each stage before it and after it holds one) and
+            # ends before j in [s + 1, U - S + s + 1]: the rest of the (i, j) table cannot lie on a path to U.
+            rows, cols = slice(s, U - S + s + 1), slice(s + 1, U - S + s + 2)
+            per_mode = np.stack([np.where(under[q][rows, cols], fits[s, q][rows, cols], INF) for q in modes])
             best_mode = per_mode.argmin(axis=0)
             cost = np.take_along_axis(per_mode, best_mode[None], axis=0)[0]
-            tot = f[:, None] + cost
+            tot = f[rows, None] + cost
             src = tot.argmin(axis=0)
-            f = tot[src, np.arange(U + 1)]
+            reach = np.arange(U - S + 1)
+            f = np.full(U + 1, INF)
+            f[cols] = tot[src, reach]
             if s < S - 1:
                 f = f + send
             if path:
-                choice.append((src, best_mode[src, np.arange(U + 1)]))
+                choice.append((src + s, best_mode[src, reach]))
         if not np.isfinite(f[U]) or not path:
             return float(f[U]), None
         out: list[tuple[int, str]] = []
         j = U
         for s in range(S - 1, -1, -1):
-            i = int(choice[s][0][j])
-            out.append((i, modes[int(choice[s][1][j])]))
+            k = j - (s + 1)  # j's column in stage s's slice
+            i = int(choice[s][0][k])
+            out.append((i, modes[int(choice[s][1][k])]))
             j = i
         return float(f[U]), out[::-1]
 
