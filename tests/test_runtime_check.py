@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from planner.codegen.check import check_plan_runs
-from planner.errors import PlanError
+from planner.errors import LayoutRefusedError, PlanError
 
 MODEL = '''
 import torch
@@ -62,6 +62,25 @@ def test_plans_that_run_pass(tmp_path):
     assert check_plan_runs(_plan(tmp_path, pp=2)) == "fx"
     assert check_plan_runs(_plan(tmp_path, dp=2)) == "module"
     assert check_plan_runs(make_plan("tiny", pp=2, model_args={**TINY["tiny"], "check_length": True})) == "export"
+
+
+def test_a_failing_model_is_not_taken_for_a_refused_tp_layout(tmp_path):
+    """With tp the check runs the stages sharded first. A model that fails there and as written too (its loss)
+    is reported at once (PlanError: no layout fixes it), not as a refused layout (LayoutRefusedError: the next
+    runner-up may run; a shard that alone fails, below)."""
+    def sharded(loss: str, tp_plan: dict[str, str]):
+        plan = _plan(tmp_path, loss=loss, pp=2)
+        return plan.model_copy(update={
+            "tp_plan": tp_plan,
+            "parallel": plan.parallel.model_copy(update={"tp": 2}),
+            "cluster": plan.cluster.model_copy(update={"gpus_per_node": 4}),
+        })
+
+    pair = {"blocks.1": "colwise", "blocks.2": "rowwise"}
+    with pytest.raises(PlanError, match="floating-point scalar") as failed:
+        check_plan_runs(sharded("output", pair))
+    assert not isinstance(failed.value, LayoutRefusedError)
+    assert check_plan_runs(sharded("output.mean()", pair)) == "fx"
 
 
 def test_a_plain_tensor_attribute_is_fetched_from_the_model(tmp_path):
@@ -199,7 +218,7 @@ def test_a_tp_plan_whose_shard_cannot_run_is_refused_and_leaves_no_process_group
     plan = plan.model_copy(update={"stages": [
         s.model_copy(update={"modules": m, "units": m}) for s, m in zip(plan.stages, split, strict=True)
     ]})
-    with pytest.raises(PlanError, match=r"sharded for tp 2 \(rank 0's shard, TP_PLAN applied\)"):
+    with pytest.raises(LayoutRefusedError, match=r"sharded for tp 2 \(rank 0's shard, TP_PLAN applied\)"):
         check_plan_runs(plan)
     assert not dist.is_initialized()
     o_only = plan.model_copy(update={"tp_plan": {f"blocks.{i}.o": "rowwise" for i in range(2)}})

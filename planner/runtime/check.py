@@ -78,10 +78,21 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
         )
         pieces = cut_into_pieces(gm, values, layout)
     _copy_tied(layout, gm, pieces, meta_model)
+    refused: RefusedLayout | None = None
+    if layout.tp_enabled:
+        # The stages as the run shards them. Where that runs, so do the stages as written (the same code, each
+        # op on a shard); where it fails, the stages as written tell a failing model (raised at once) from a
+        # layout the model cannot take (the next runner-up may run).
+        try:
+            if _run_tp_stages(layout, spec, gm, values, example, n_inputs, loss_fn, meta_model):
+                return method
+        except RefusedLayout as e:
+            refused = e
+        meta_model = build_model(user, spec, training.seed, everything_on_meta=True)  # the shard changed it
     with MetaMemo():  # each distinct op runs its meta kernel once: repeated blocks cost one
         _run_stages(layout, spec, gm, pieces, meta_model, example, n_inputs, loss_fn)
-    if layout.tp_enabled:
-        _run_tp_stages(user, spec, layout, training, gm, values, example, n_inputs, loss_fn)
+    if refused is not None:
+        raise refused
     return method
 
 
@@ -284,30 +295,29 @@ def _fake_tp_mesh(tp: int) -> Iterator[Any]:
 
 
 def _run_tp_stages(
-    user: Any,
-    spec: ModelFile,
     layout: Layout,
-    training: Training,
+    spec: ModelFile,
     gm: fx.GraphModule,
     values: dict[fx.Node, Any],
     example: tuple[torch.Tensor, ...],
     n_inputs: int,
     loss_fn: Callable[..., torch.Tensor],
-) -> None:
+    model: nn.Module,
+) -> bool:
     """The pipeline's stages as tp rank 0 runs them: the graph rewritten for sequence parallelism where the
-    plan has it, cut again, each piece of a fresh meta model sharded by the run's apply_tp over a fake
-    process group, then forward, loss and backward on meta (each distinct piece once). A rewrite or shard
-    that cannot run is a refused layout, with the error the launch would hit."""
+    plan has it, cut again, each piece of the meta `model` (changed: its modules are sharded) sharded by the
+    run's apply_tp over a fake process group, then forward, loss and backward on meta (each distinct piece
+    once). A rewrite or shard that cannot run is a refused layout, with the error the launch would hit.
+    Returns False where it does not run (inside someone's process group, where the TP rules are checked)."""
     from .parallel import apply_tp, sequence_parallel
 
     with _fake_tp_mesh(layout.tp) as mesh:
         if mesh is None:
-            return
+            return False
         try:
             with _failing_as(f"Sequence parallelism for tp {layout.tp}"):
                 sp_styles = sequence_parallel(gm, values, example, mesh, layout) if layout.sp_enabled else {}
                 pieces = cut_into_pieces(gm, values, layout)
-            model = build_model(user, spec, training.seed, everything_on_meta=True)
             _run_stages(
                 layout, spec, gm, pieces, model, example, n_inputs, loss_fn,
                 prepare=lambda piece: apply_tp(piece, mesh, layout, sp_styles),
@@ -315,6 +325,7 @@ def _run_tp_stages(
             )
         except RunError as e:
             raise RefusedLayout(str(e)) from e
+    return True
 
 
 def _run_tp_shard(
