@@ -48,7 +48,10 @@ def report(
         console = stdout_console()
         console.print(plan_report(plan, timeline=timeline if timeline.is_file() else None, width=console.width))
         console.file.flush()
-    except OSError as e:  # stdout on a full device (/dev/full), a closed pipe, ...
+    except BrokenPipeError:  # a reader that went away (`| head`): nothing to tell it; status 1, as rich's path
+        _quiet_stdout()
+        raise SystemExit(1) from None
+    except OSError as e:  # stdout on a full device (/dev/full), ...
         _quiet_stdout()
         raise ConfigError(
             f"Cannot write the report to standard output: {e.strerror or e}. Redirect it to a file on a device "

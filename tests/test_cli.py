@@ -138,11 +138,13 @@ def test_a_profiler_still_writes_its_results(planned, tmp_path):
     assert out.stat().st_size > 0
 
 
-def test_a_reader_that_goes_away_ends_the_command_quietly(planned):
+@pytest.mark.parametrize("json_out", [False, True])
+def test_a_reader_that_goes_away_ends_the_command_quietly(planned, json_out):
     """`planner report out | head -1`: the pipe closes under rich's output, which exits with status 1; that is
-    not the model file calling sys.exit (the message the CLI gives a SystemExit it did not expect)."""
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "report", str(planned)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    not the model file calling sys.exit (the message the CLI gives a SystemExit it did not expect). --json ends
+    the same way (it said "Cannot write the report to standard output: Broken pipe", status 2)."""
+    cmd = [sys.executable, "-m", "cli.main", "report", str(planned), *(["--json"] if json_out else [])]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # before the report is written: its first write meets a closed pipe
     err = proc.stderr.read()
