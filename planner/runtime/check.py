@@ -83,16 +83,23 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
         # The stages as the run shards them. Where that runs, so do the stages as written (the same code, each
         # op on a shard); where it fails, the stages as written tell a failing model (raised at once) from a
         # layout the model cannot take (the next runner-up may run).
+        # (Zero-bubble's split backward is checked on the stages as written, below.)
         try:
-            if _run_tp_stages(layout, spec, gm, values, example, n_inputs, loss_fn, meta_model):
-                return method
+            ran = _run_tp_stages(layout, spec, gm, values, example, n_inputs, loss_fn, meta_model)
         except RefusedLayout as e:
-            refused = e
+            refused, ran = e, False
+        if ran and layout.schedule != "zero-bubble":
+            return method
         meta_model = build_model(user, spec, training.seed, everything_on_meta=True)  # the shard changed it
     with MetaMemo():  # each distinct op runs its meta kernel once: repeated blocks cost one
-        _run_stages(layout, spec, gm, pieces, meta_model, example, n_inputs, loss_fn)
+        stage_inputs = _run_stages(layout, spec, gm, pieces, meta_model, example, n_inputs, loss_fn)
     if refused is not None:
         raise refused
+    if layout.schedule == "zero-bubble":
+        try:
+            _split_backward(layout, gm, pieces, meta_model, stage_inputs, example, loss_fn)
+        except RunError as e:
+            raise RefusedLayout(str(e)) from e
     return method
 
 
@@ -130,12 +137,14 @@ def _run_stages(
     loss_fn: Callable[..., torch.Tensor],
     prepare: Callable[[StageModule], None] | None = None,
     label: str = "",
-) -> None:
+) -> list[Any]:
     """Forward of one micro-batch stage by stage on meta, as the pipeline's stages would run it (each stage
-    checkpointed as planned), then the loss and backward. ``prepare``: applied to each piece before its
-    checkpointing, as parallelize() applies TP first (``label`` then says so in errors)."""
+    checkpointed as planned), then the loss and backward; returns what each stage received. ``prepare``: applied
+    to each piece before its checkpointing, as parallelize() applies TP first (``label`` then says so in
+    errors)."""
     meta = torch.device("meta")
     values: Any = tuple(t.to(meta) for t in example[:n_inputs])
+    stage_inputs: list[Any] = []  # what each stage received (zero-bubble's split backward is checked below)
     # A piece (one module's run of nodes) whose graph and modules are those of an earlier piece, given inputs
     # of the same shapes, computes outputs of the same shapes on meta: it reuses that piece's outputs (so the
     # backward runs through the earlier one) instead of running again. 96 identical blocks run one block.
@@ -143,6 +152,7 @@ def _run_stages(
     for i, stage in enumerate(layout.stages):
         mine = [p for p in pieces if p.stage == i]
         what = f"Stage {i} ({', '.join(stage.modules[:3])}{', ...' if len(stage.modules) > 3 else ''}){label}"
+        stage_inputs.append(values)
         with _failing_as(what):
             for p in mine:  # in order, each taking what the one before returns: what StageModule.forward does
                 targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
@@ -167,6 +177,66 @@ def _run_stages(
         loss = with_structure(loss_fn, pieces[-1].out_spec)(values, *inputs)
         _check_loss(loss)
         loss.backward()
+    return stage_inputs
+
+
+def _split_backward(
+    layout: Layout,
+    gm: fx.GraphModule,
+    pieces: list[Piece],
+    meta_model: nn.Module,
+    stage_inputs: list[Any],
+    example: tuple[torch.Tensor, ...],
+    loss_fn: Callable[..., torch.Tensor],
+) -> None:
+    """Zero-bubble splits each stage's backward (but the first's) in two: the input gradients first, then, later,
+    the weight gradients, one autograd call per group of weights. Where two groups share saved tensors (T5's
+    relative position bias, computed once and used by every attention layer of the stage), the first call
+    frees them and the second fails at the first step on the cluster. Each distinct stage is run here through
+    torch's own two calls (torch.distributed.pipelining._backward), on detached inputs as a pipeline stage
+    gets them: a stage that cannot be split is a refused layout (another schedule runs it)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    meta = torch.device("meta")
+    last = len(layout.stages) - 1
+    seen: set[Any] = set()
+    for i, stage in enumerate(layout.stages):
+        if i == 0:
+            continue  # the first stage runs one full backward (torch: its inputs need no gradient)
+        mine = [p for p in pieces if p.stage == i]
+        graphs, keys = [], []
+        for p in mine:
+            targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
+            attrs = {t: fetch(meta_model, gm, t, meta) for t in targets}
+            keys.append(piece_key(p.graph, p.owner, attrs))
+            graphs.append(fx.GraphModule(attrs, p.graph))
+        key = (tuple(keys), value_key(stage_inputs[i]), i == last)
+        if key in seen:
+            continue
+        seen.add(key)
+        what = f"Stage {i} ({', '.join(stage.modules[:3])}{', ...' if len(stage.modules) > 3 else ''})"
+        with _failing_as(f"{what}, its backward split as zero-bubble splits it (input, then weight gradients)"):
+            module = StageModule(graphs, [p.owner for p in mine], sends=i < last, receives=True)
+            with_recompute(module, stage.recompute, layout.schedule)
+            args = tuple(
+                v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v
+                for v in stage_inputs[i]
+            )
+            out = module(*args)
+            grads: list[torch.Tensor] | None = None
+            if i == last:
+                inputs = tuple(t.to(meta) for t in example)
+                outputs: Any = (with_structure(loss_fn, pieces[-1].out_spec)(out, *inputs),)
+            else:
+                outputs = tuple(t for t in out if isinstance(t, torch.Tensor) and t.requires_grad)
+                grads = [torch.ones_like(t) for t in outputs]
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            try:
+                _, groups = stage_backward_input(outputs, grads, tensors, module.parameters())
+                stage_backward_weight(module.parameters(), groups)
+            except RuntimeError as e:  # torch wraps the input step's error in one that lists the tensors
+                cause = e.__cause__
+                raise (cause if isinstance(cause, Exception) else e) from None
 
 
 def with_recompute(stage: ModelStage | StageModule, recompute: str, schedule: str) -> None:

@@ -466,6 +466,13 @@ class ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def _sendable(v: torch.Tensor) -> torch.Tensor:
+    """`v` contiguous and not a view of another tensor (itself where it is both)."""
+    if v._is_view():
+        return v.clone(memory_format=torch.contiguous_format)
+    return v.contiguous()
+
+
 class StageModule(nn.Module):
     """One pipeline stage: its pieces run in order, each taking exactly what the one before returns. (The
     last stage of an exported graph returns the output's leaves, since torch's pipeline stages return
@@ -493,8 +500,11 @@ class StageModule(nn.Module):
             values = piece(*values)
         if self.sends:
             # Point-to-point sends and receives need contiguous tensors, and a stage's output can be a view
-            # (T5's encoder output after a transpose, a slice): send a contiguous copy (a no-op otherwise).
-            values = tuple(v.contiguous() if isinstance(v, torch.Tensor) else v for v in values)
+            # (T5's encoder output after a transpose, a slice): send a contiguous copy (a no-op otherwise). A
+            # view that is contiguous already is copied too: zero-bubble's split backward detaches each stage
+            # output in place once its input gradients are computed, which a view refuses (T5, BART, mBART and
+            # OPT under ZBV stopped at their first backward).
+            values = tuple(_sendable(v) if isinstance(v, torch.Tensor) else v for v in values)
         return values
 
     def units(self) -> list[nn.Module]:
