@@ -5,6 +5,7 @@ difference over 3 steps and the largest relative gradient-norm difference.
     python bench/corpus_train.py                      # the full matrix (16 models x dp4, pp2xdp2)
     python bench/corpus_train.py --models t5,bart --layouts pp2xdp2,tp2xdp2 --keep /tmp/corpus
     python bench/corpus_train.py --zoo                # 23 more HF architectures x dp4, pp2xdp2, tp2xdp2
+    python bench/corpus_train.py --models t5,bart,gpt2,gemma --layouts pp2v2xdp2,pp2zbvxdp2  # tied, one rank
 
 CI plans and checks all of this matrix and trains the cases no other e2e file trains
 (tests/e2e/test_corpus_e2e.py; test_hf_e2e.py, test_tp_e2e.py and test_moe_e2e.py train the rest of the
@@ -33,7 +34,7 @@ def main() -> None:
     import os
 
     os.environ.setdefault("PLANNER_NO_CACHE", "1")
-    from e2e.hf_plans import CORPUS, LAYOUTS, TP_LAYOUT, ZOO, corpus_plan_args
+    from e2e.hf_plans import CORPUS, INTERLEAVED_LAYOUT, LAYOUTS, TP_LAYOUT, ZOO, corpus_plan_args
     from e2e.plans import reference_of
     from e2e.test_train_e2e import STEPS, run, train
     from typer.testing import CliRunner
@@ -43,7 +44,9 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", help=f"comma-separated (default: the corpus; any of {', '.join(ZOO)} too)")
-    parser.add_argument("--layouts", help=f"comma-separated, of {', '.join([*LAYOUTS, *TP_LAYOUT])}")
+    parser.add_argument(
+        "--layouts", help=f"comma-separated, of {', '.join([*LAYOUTS, *TP_LAYOUT, *INTERLEAVED_LAYOUT])}"
+    )
     parser.add_argument("--zoo", action="store_true", help="the zoo's architectures with tp2xdp2 too")
     parser.add_argument("--keep", type=Path, help="keep the plan directories here (default: a temporary folder)")
     args = parser.parse_args()
