@@ -218,18 +218,10 @@ def _split_backward(
         with _failing_as(f"{what}, its backward split as zero-bubble splits it (input, then weight gradients)"):
             module = StageModule(graphs, [p.owner for p in mine], sends=i < last, receives=True)
             with_recompute(module, stage.recompute, layout.schedule)
-            args = tuple(
-                v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v
-                for v in stage_inputs[i]
-            )
-            out = module(*args)
-            grads: list[torch.Tensor] | None = None
-            if i == last:
-                inputs = tuple(t.to(meta) for t in example)
-                outputs: Any = (with_structure(loss_fn, pieces[-1].out_spec)(out, *inputs),)
-            else:
-                outputs = tuple(t for t in out if isinstance(t, torch.Tensor) and t.requires_grad)
-                grads = [torch.ones_like(t) for t in outputs]
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            for _, param in named:
+                param.grad = None
+            outputs, grads, args = _stage_run(module, stage_inputs[i], i == last, example, loss_fn, pieces)
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             try:
                 _, groups = stage_backward_input(outputs, grads, tensors, module.parameters())
@@ -237,6 +229,44 @@ def _split_backward(
             except RuntimeError as e:  # torch wraps the input step's error in one that lists the tensors
                 cause = e.__cause__
                 raise (cause if isinstance(cause, Exception) else e) from None
+            # A weight that no stage input reaches (T5's decoder embedding of token ids in a later stage) can be
+            # in no group of the weight step: T5 pp2 x dp2 then ended its step with that weight's gradient
+            # missing on one rank, and the tied-weight sum waited for it. Refused where torch's two calls leave a
+            # weight the stage's output reaches without a gradient. (BART's decoder embedding gets its gradient
+            # in that layout on the cluster though it does not here: a refusal that a runner-up replaces.)
+            missing = [(n, p) for n, p in named if p.grad is None]
+            if missing:
+                outputs, grads, _ = _stage_run(module, stage_inputs[i], i == last, example, loss_fn, pieces)
+                reach = torch.autograd.grad(outputs, [p for _, p in missing], grads, allow_unused=True)
+                lost = [n.split(".", 2)[-1] for (n, _), g in zip(missing, reach, strict=True) if g is not None]
+                if lost:
+                    raise RunError(
+                        f"{what}: zero-bubble's weight step would compute no gradient for {', '.join(lost[:3])} "
+                        "(torch's split backward finds a stage's weights from its inputs, and no input of this "
+                        "stage reaches them: an embedding of token ids inside a later stage). Re-plan with "
+                        "another schedule or stage split."
+                    )
+
+
+def _stage_run(
+    module: StageModule,
+    received: Any,
+    is_last: bool,
+    example: tuple[torch.Tensor, ...],
+    loss_fn: Callable[..., torch.Tensor],
+    pieces: list[Piece],
+) -> tuple[Any, list[torch.Tensor] | None, tuple[Any, ...]]:
+    """A pipeline stage's forward on meta, on detached inputs as it receives them: its outputs that need a
+    gradient (the loss, on the last stage), their gradients (none for the loss) and its inputs."""
+    args = tuple(
+        v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v for v in received
+    )
+    out = module(*args)
+    if is_last:
+        inputs = tuple(t.to("meta") for t in example)
+        return (with_structure(loss_fn, pieces[-1].out_spec)(out, *inputs),), None, args
+    outputs = tuple(t for t in out if isinstance(t, torch.Tensor) and t.requires_grad)
+    return outputs, [torch.ones_like(t) for t in outputs], args
 
 
 def with_recompute(stage: ModelStage | StageModule, recompute: str, schedule: str) -> None:

@@ -10,7 +10,7 @@ One layout per model, each adding something the others do not (the CI cost of a 
 - T5 and BART pp2 interleaved (4 stages on 2 ranks), planned by `planner plan`: the shared embedding is used by
   two stages of one rank (T5: the encoder's and decoder's embeddings on rank 0; BART: the decoder's embedding
   and the tied lm_head on rank 1), each with its own copy, the copies' gradients summed on the rank and then
-  over the ranks; BART pp2 x dp2 zero-bubble, the embedding and head on the two ends of rank 0's V;
+  over the ranks; OPT pp2 x dp2 zero-bubble (of the zoo): stage outputs that are views;
 - Llama tp2 x dp2 (ZeRO-1): tensor parallelism on the model's own modules;
 - ResNet dp4: batch norm's running statistics updated in forward, per replica;
 - ViT dp4 with FSDP (ZeRO-3): an image model's ImageClassifierOutput.
@@ -22,7 +22,7 @@ import json
 import math
 
 import pytest
-from e2e.hf_plans import HF, LOSS_REL, LOSS_TOL, MODELS, NORM_TOL, hf_plan, llama_tp_plan
+from e2e.hf_plans import HF, LOSS_REL, LOSS_TOL, MODELS, NORM_TOL, corpus_plan_args, hf_plan, llama_tp_plan
 from e2e.plans import reference_of
 from e2e.test_train_e2e import STEPS, run, train
 from typer.testing import CliRunner
@@ -49,6 +49,12 @@ def planned(model: str, out, *pins: str, gpus: int = 4) -> Plan:
     return load_plan(out)
 
 
+def zoo_planned(model: str, layout: str, out) -> Plan:
+    result = CliRunner().invoke(app, corpus_plan_args(model, layout, out))
+    assert result.exit_code == 0, result.output
+    return load_plan(out)
+
+
 def interleaved(model: str, out) -> Plan:
     """pp2 interleaved on 2 ranks; asserts that some rank runs two stages using the one shared embedding."""
     plan = planned(model, out, "--pp", "2", "--schedule", "interleaved-1f1b", gpus=2)
@@ -68,34 +74,39 @@ CASES = {
     "llama_tp2_dp2_zero1": lambda out: hf_plan("llama", tp=2, dp=2, zero_stage=1, tp_plan=llama_tp_plan()),
     "t5_tied_pp2_interleaved_planned": lambda out: interleaved("t5", out),
     "bart_tied_pp2_interleaved_planned": lambda out: interleaved("bart", out),
-    # zero-bubble: the shared embedding on both ends of rank 0's V, stage outputs that are views (detached in
-    # place by the split backward)
-    "bart_tied_pp2_zbv_dp2_planned": lambda out: planned("bart", out, "--pp", "2", "--dp", "2", "--schedule",
-                                                          "zero-bubble"),
+    # zero-bubble (OPT, of the zoo): stage outputs that are views, which the split backward detaches in place
+    "opt_pp2_zbv_dp2_planned": lambda out: zoo_planned("opt", "pp2zbvxdp2", out),
     "resnet_batchnorm_dp4": lambda out: hf_plan("resnet", dp=4),
     "vit_dp4_zero3": lambda out: hf_plan("vit", dp=4, zero_stage=3),
 }
 
 
-def test_a_stage_zero_bubble_cannot_split_is_refused_before_anything_is_written(tmp_path):
-    """T5's and BART's decoder stage under zero-bubble (pp2 on 2 ranks): the weight step's second group
-    backwards through tensors the first freed, which failed at the first step on the cluster ("Trying to
-    backward through the graph a second time" in action 2W0); the plan-time check runs torch's own split
-    backward on meta and refuses it, naming the stage."""
-    for arch in ("t5", "bart"):
-        out = tmp_path / arch
-        result = CliRunner().invoke(
-            app,
-            [
-                "plan", str(MODELS / "hf_tiny.py"), "--model-arg", f"arch={arch!r}", "--gpu", "cpu", "--nodes", "1",
-                "--gpus-per-node", "2", "--global-batch-size", "8", "--micro-batch-size", "2", "--pp", "2",
-                "--schedule", "zero-bubble", "--out", str(out), "--quiet",
-            ],
-        )
-        assert result.exit_code == 2, result.output
-        assert "its backward split as zero-bubble splits it" in result.output
-        assert "backward through the graph a second time" in result.output
-        assert not out.exists()
+@pytest.mark.parametrize(
+    ("arch", "gpus", "why"),
+    [
+        ("t5", 2, "backward through the graph a second time"),
+        ("bart", 2, "backward through the graph a second time"),
+        ("t5", 4, "weight step would compute no gradient for decoder.embed_tokens.weight"),
+    ],
+)
+def test_a_stage_zero_bubble_cannot_split_is_refused_before_anything_is_written(tmp_path, arch, gpus, why):
+    """T5 and BART under zero-bubble, as they failed at their first step on the cluster: on 2 ranks the decoder
+    stage's weight step backwards through tensors its first group freed ("Trying to backward through the graph
+    a second time" in action 2W0); T5 pp2 x dp2 ended the step without its decoder embedding's gradient on pp
+    rank 1 (the weight step finds weights from the stage's inputs; token ids need no gradient), and the tied
+    sum waited for it. The plan-time check runs torch's own split backward on meta and refuses both."""
+    out = tmp_path / arch
+    result = CliRunner().invoke(
+        app,
+        [
+            "plan", str(MODELS / "hf_tiny.py"), "--model-arg", f"arch={arch!r}", "--gpu", "cpu", "--nodes", "1",
+            "--gpus-per-node", str(gpus), "--global-batch-size", "8", "--micro-batch-size", "2", "--pp", "2",
+            "--schedule", "zero-bubble", "--out", str(out), "--quiet",
+        ],
+    )
+    assert result.exit_code == 2, result.output
+    assert "zero-bubble" in result.output and why in result.output
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("case", list(CASES))
