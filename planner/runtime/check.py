@@ -216,7 +216,7 @@ def _split_backward(
         seen.add(key)
         what = f"Stage {i} ({', '.join(stage.modules[:3])}{', ...' if len(stage.modules) > 3 else ''})"
         with _failing_as(f"{what}, its backward split as zero-bubble splits it (input, then weight gradients)"):
-            module = StageModule(graphs, [p.owner for p in mine], sends=i < last, receives=True)
+            module = StageModule(graphs, [p.owner for p in mine], sends=i < last, receives=True, copy_views=True)
             with_recompute(module, stage.recompute, layout.schedule)
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             for _, param in named:

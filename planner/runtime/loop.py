@@ -257,7 +257,8 @@ def run(
             user, spec, layout, training.seed, example, mesh["tp"] if layout.tp_enabled else None, log0,
             device.type,
         )
-        built, model = build_local_stages(user, spec, training.seed, gm, pieces, local, device)
+        zero_bubble = layout.schedule == "zero-bubble"
+        built, model = build_local_stages(user, spec, training.seed, gm, pieces, local, device, zero_bubble)
         stages = list(built)
         loss_fn = with_structure(loss_fn, pieces[-1].out_spec)
         shared = shared_weights(gm, pieces)

@@ -479,13 +479,19 @@ class StageModule(nn.Module):
     tensors; with_structure() rebuilds the structure for the loss.)"""
 
     def __init__(
-        self, pieces: Sequence[nn.Module], owners: list[str | None], sends: bool = False, receives: bool = False
+        self,
+        pieces: Sequence[nn.Module],
+        owners: list[str | None],
+        sends: bool = False,
+        receives: bool = False,
+        copy_views: bool = False,
     ) -> None:
         super().__init__()
         self.pieces = nn.ModuleList(pieces)
         self.owners = owners
         self.sends = sends  # not the last stage: its outputs go to the next stage over the network
         self.receives = receives  # not the first stage: its inputs' gradients go back over the network
+        self.copy_views = copy_views  # zero-bubble: an output that is a view is sent as a copy (forward)
 
     def forward(self, *values: Any) -> Any:
         if self.receives:
@@ -500,11 +506,12 @@ class StageModule(nn.Module):
             values = piece(*values)
         if self.sends:
             # Point-to-point sends and receives need contiguous tensors, and a stage's output can be a view
-            # (T5's encoder output after a transpose, a slice): send a contiguous copy (a no-op otherwise). A
-            # view that is contiguous already is copied too: zero-bubble's split backward detaches each stage
-            # output in place once its input gradients are computed, which a view refuses (T5, BART, mBART and
-            # OPT under ZBV stopped at their first backward).
-            values = tuple(_sendable(v) if isinstance(v, torch.Tensor) else v for v in values)
+            # (T5's encoder output after a transpose, a slice): send a contiguous copy (a no-op otherwise).
+            # Under zero-bubble a view that is contiguous already is copied too: its split backward detaches
+            # each stage output in place once the input gradients are computed, which a view refuses (BART,
+            # mBART and OPT pp2 x dp2 stopped at their first backward).
+            send = _sendable if self.copy_views else torch.Tensor.contiguous
+            values = tuple(send(v) if isinstance(v, torch.Tensor) else v for v in values)
         return values
 
     def units(self) -> list[nn.Module]:
@@ -613,9 +620,10 @@ def build_local_stages(
     pieces: list[Piece],
     local: list[int],
     device: torch.device,
+    copy_views: bool = False,
 ) -> tuple[list[StageModule], nn.Module]:
     """This rank's stages (indices `local`), with only their parameters allocated (on `device`), and the
-    model they take their modules and weights from."""
+    model they take their modules and weights from (`copy_views`: zero-bubble's, see StageModule.forward)."""
     model = build_model(user, spec, seed, everything_on_meta=False)
     materialise(model, used_modules(model, [p.graph for p in pieces if p.stage in local]), device, seed)
     stages = []
@@ -627,7 +635,9 @@ def build_local_stages(
             retarget_devices(p.graph, device)
             targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
             modules.append(fx.GraphModule({t: fetch(model, gm, t, device) for t in targets}, p.graph))
-        stages.append(StageModule(modules, [p.owner for p in mine], sends=i < last, receives=i > 0))
+        stages.append(
+            StageModule(modules, [p.owner for p in mine], sends=i < last, receives=i > 0, copy_views=copy_views)
+        )
     return stages, model
 
 
