@@ -37,6 +37,10 @@ def test_planning_and_checking_on_meta_imports_no_dynamo():
         [str(ROOT / "sample_models" / "gpt.py"), {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "vocab": 128},
          {"pp": 2}],
         [str(ROOT / "sample_models" / "mlp.py"), {"layers": 4, "width": 64}, {}],
+        # zero-bubble: the check splits each stage's backward with torch's own functions, loaded from their file
+        # (runtime/check.py::_split_backward_functions), not through torch.distributed.pipelining's __init__
+        [str(ROOT / "sample_models" / "gpt.py"), {"layers": 4, "hidden": 64, "heads": 4, "seq": 32, "vocab": 128},
+         {"pp": 2, "schedule": "zero-bubble"}],
     ]
     env = {**os.environ, "PLANNER_NO_CACHE": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", PLAN, json.dumps(cases), json.dumps(HEAVY)], cwd=ROOT, env=env,

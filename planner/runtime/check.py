@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -195,8 +196,7 @@ def _split_backward(
     frees them and the second fails at the first step on the cluster. Each distinct stage is run here through
     torch's own two calls (torch.distributed.pipelining._backward), on detached inputs as a pipeline stage
     gets them: a stage that cannot be split is a refused layout (another schedule runs it)."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
+    stage_backward_input, stage_backward_weight = _split_backward_functions()
     meta = torch.device("meta")
     last = len(layout.stages) - 1
     seen: set[Any] = set()
@@ -246,6 +246,33 @@ def _split_backward(
                         "stage reaches them: an embedding of token ids inside a later stage). Re-plan with "
                         "another schedule or stage split."
                     )
+
+
+def _split_backward_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """torch's stage_backward_input and stage_backward_weight (torch/distributed/pipelining/_backward.py), the
+    functions zero-bubble's schedule calls. Importing them through their package runs its __init__, which
+    imports the schedules and with them torch._dynamo (0.4 s); where that has not happened, the module's own
+    file (and the one it imports, _debug.py) is run under a private package name instead: the same code."""
+    import importlib
+    import importlib.util
+    import sys
+
+    import torch.distributed
+
+    if "torch.distributed.pipelining" in sys.modules:
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+        return stage_backward_input, stage_backward_weight
+    name = "_planner_torch_pipelining"
+    if name not in sys.modules:
+        folder = Path(torch.distributed.__file__).parent / "pipelining"
+        spec = importlib.util.spec_from_loader(name, loader=None, is_package=True)
+        assert spec is not None
+        package = importlib.util.module_from_spec(spec)
+        package.__path__ = [str(folder)]
+        sys.modules[name] = package
+    backward = importlib.import_module(f"{name}._backward")
+    return backward.stage_backward_input, backward.stage_backward_weight
 
 
 def _stage_run(
