@@ -6,7 +6,7 @@ cluster. The checks are the ones the training run makes (the same functions), pl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from .stages import (
     Piece,
     StageModule,
     cut_into_pieces,
-    fetch,
+    piece_attrs,
     shared_weights,
     trace_for_plan,
     uses_graph,
@@ -118,13 +118,17 @@ def _copy_tied(layout: Layout, gm: fx.GraphModule, pieces: list[Piece], meta_mod
             mine = [p for p in pieces if p.stage == i]
             graphs = []
             for p in mine:
-                targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
-                graphs.append(fx.GraphModule({t: fetch(meta_model, gm, t, meta) for t in targets}, p.graph))
+                graphs.append(fx.GraphModule(piece_attrs(p, meta_model, gm, meta), p.graph))
             stages.append(StageModule(graphs, [p.owner for p in mine]))
         from .tied import own_copies  # imports DTensor (its gradient sum): only where a rank holds two users
 
         with _failing_as(f"Giving the stages of pp rank {rank} their copies of the tied weights"):
             own_copies(shared, meta_model, stages, local)
+
+
+def _stage_label(i: int, modules: Sequence[str]) -> str:
+    """How errors name a stage: its index and first modules."""
+    return f"Stage {i} ({', '.join(modules[:3])}{', ...' if len(modules) > 3 else ''})"
 
 
 def _run_stages(
@@ -152,12 +156,11 @@ def _run_stages(
     outputs: dict[Any, Any] = {}
     for i, stage in enumerate(layout.stages):
         mine = [p for p in pieces if p.stage == i]
-        what = f"Stage {i} ({', '.join(stage.modules[:3])}{', ...' if len(stage.modules) > 3 else ''}){label}"
+        what = _stage_label(i, stage.modules) + label
         stage_inputs.append(values)
         with _failing_as(what):
             for p in mine:  # in order, each taking what the one before returns: what StageModule.forward does
-                targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
-                attrs = {t: fetch(meta_model, gm, t, meta) for t in targets}
+                attrs = piece_attrs(p, meta_model, gm, meta)
                 key = (piece_key(p.graph, p.owner, attrs), value_key(values))
                 if key not in outputs:
                     # A piece that runs is built as the run builds its stage's pieces, and checkpointed as planned.
@@ -206,15 +209,14 @@ def _split_backward(
         mine = [p for p in pieces if p.stage == i]
         graphs, keys = [], []
         for p in mine:
-            targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
-            attrs = {t: fetch(meta_model, gm, t, meta) for t in targets}
+            attrs = piece_attrs(p, meta_model, gm, meta)
             keys.append(piece_key(p.graph, p.owner, attrs))
             graphs.append(fx.GraphModule(attrs, p.graph))
         key = (tuple(keys), value_key(stage_inputs[i]), i == last)
         if key in seen:
             continue
         seen.add(key)
-        what = f"Stage {i} ({', '.join(stage.modules[:3])}{', ...' if len(stage.modules) > 3 else ''})"
+        what = _stage_label(i, stage.modules)
         with _failing_as(f"{what}, its backward split as zero-bubble splits it (input, then weight gradients)"):
             module = StageModule(graphs, [p.owner for p in mine], sends=i < last, receives=True, copy_views=True)
             with_recompute(module, stage.recompute, layout.schedule)

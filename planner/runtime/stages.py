@@ -439,6 +439,13 @@ def fetch(model: nn.Module, gm: fx.GraphModule, target: str, device: torch.devic
     raise RunError(f"internal error: {target} not found in the model")
 
 
+def piece_attrs(piece: Piece, model: nn.Module, gm: fx.GraphModule, device: torch.device) -> dict[str, Any]:
+    """What each get_attr and call_module node of a piece's graph refers to (`fetch`), by target: the root of
+    the piece's GraphModule."""
+    targets = [n.target for n in piece.graph.nodes if n.op in ("get_attr", "call_module")]
+    return {t: fetch(model, gm, t, device) for t in targets}
+
+
 def used_modules(model: nn.Module, graphs: list[fx.Graph]) -> set[str]:
     """Modules whose own parameters or buffers the graphs use (called modules with their children)."""
     names: set[str] = set()
@@ -633,8 +640,7 @@ def build_local_stages(
         modules = []
         for p in mine:
             retarget_devices(p.graph, device)
-            targets = [n.target for n in p.graph.nodes if n.op in ("get_attr", "call_module")]
-            modules.append(fx.GraphModule({t: fetch(model, gm, t, device) for t in targets}, p.graph))
+            modules.append(fx.GraphModule(piece_attrs(p, model, gm, device), p.graph))
         stages.append(
             StageModule(modules, [p.owner for p in mine], sends=i < last, receives=i > 0, copy_views=copy_views)
         )
