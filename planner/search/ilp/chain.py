@@ -120,30 +120,40 @@ def solve_chain(
     q_vals = np.unique(np.concatenate([tau[q][np.isfinite(fits[s, q])] for s in range(S) for q in modes]))
     paths = 0
 
+    # Stage s starts at a unit i in [s, U - S + s] (each stage before it and after it holds one) and ends before
+    # j in [s + 1, U - S + s + 1]: the rest of the (i, j) table cannot lie on a path to U. Each stage's slice of
+    # the tables, stacked over the modes, is cut once for every shortest path.
+    slices: list[tuple[slice, slice, FloatArray, FloatArray, FloatArray]] = []
+    for s in range(S):
+        rows, cols = slice(s, U - S + s + 1), slice(s + 1, U - S + s + 2)
+        t_s, tau_s = (np.stack([table[q][rows, cols] for q in modes]) for table in (T, tau))
+        slices.append((rows, cols, t_s, tau_s, np.stack([fits[s, q][rows, cols] for q in modes])))
+    reach = np.arange(U - S + 1)
+
     def shortest(B: float, Q: float, path: bool = False) -> tuple[float, list[tuple[int, str]] | None]:
         """F(B, Q), and with ``path`` the (first unit, mode) of each stage of a least path."""
         nonlocal paths
         paths += 1
-        under = {q: (T[q] <= B) & (tau[q] <= Q) for q in modes}
         f = np.full(U + 1, INF)
         f[0] = 0.0
         choice: list[tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]] = []
-        for s in range(S):
-            # Stage s starts at a unit i in [s, U - S + s] (each stage before it and after it holds one) and
-            # ends before j in [s + 1, U - S + s + 1]: the rest of the (i, j) table cannot lie on a path to U.
-            rows, cols = slice(s, U - S + s + 1), slice(s + 1, U - S + s + 2)
-            per_mode = np.stack([np.where(under[q][rows, cols], fits[s, q][rows, cols], INF) for q in modes])
-            best_mode = per_mode.argmin(axis=0)
-            cost = np.take_along_axis(per_mode, best_mode[None], axis=0)[0]
+        for s, (rows, cols, t_s, tau_s, fit_s) in enumerate(slices):
+            per_mode = np.where((t_s <= B) & (tau_s <= Q), fit_s, INF)
+            if path:
+                best_mode = per_mode.argmin(axis=0)
+                cost = np.take_along_axis(per_mode, best_mode[None], axis=0)[0]
+            else:
+                cost = per_mode.min(axis=0)
             tot = f[rows, None] + cost
-            src = tot.argmin(axis=0)
-            reach = np.arange(U - S + 1)
             f = np.full(U + 1, INF)
-            f[cols] = tot[src, reach]
+            if path:
+                src = tot.argmin(axis=0)
+                f[cols] = tot[src, reach]
+                choice.append((src + s, best_mode[src, reach]))
+            else:
+                f[cols] = tot.min(axis=0)
             if s < S - 1:
                 f = f + send
-            if path:
-                choice.append((src + s, best_mode[src, reach]))
         if not np.isfinite(f[U]) or not path:
             return float(f[U]), None
         out: list[tuple[int, str]] = []
