@@ -15,8 +15,10 @@ on 3072 GPUs, on a 2-core machine, and (issue 11 item 5) GPT-3 175B in at most 2
 `python -c "import torch"` measured in the same run: --ratio prints both medians and their ratio, cold
 (PLANNER_NO_CACHE=1: build, trace and analyse, search, check), with the analysis cached (the model was
 planned before for another cluster: the analysis cache, planner.model.cache, answers; the search and the
-plan-time check run) and warm (the same plan again: the check's pass is remembered too); and any model of
-up to 100 units searched in under 5 s, proven optimal or with its gap: --units.
+plan-time check run) and warm (the same plan again: the check's pass is remembered too), and cold with the
+check in the planner's own process (PLANNER_CHECK_WORKER=0: no worker process gets it ready while the search
+runs, planner/codegen/worker.py); and any model of up to 100 units searched in under 5 s, proven optimal or
+with its gap: --units.
 
 torch's modules are imported from the bytecode its wheel installed; the planner's are compiled first
 (`compileall`, as `pip install` and any first run do; PYTHONDONTWRITEBYTECODE, set on some machines,
@@ -125,13 +127,14 @@ def ratio(repeats: int) -> None:
     load on the machine falls on all alike, and the plans' ratios to `import torch`."""
     args, gpus, batch = {"preset": "gpt3-175b"}, 1024, 1536
     compile_planner()
-    torch_s, cold, analysed, warm = [], [], [], []
+    torch_s, cold, here, analysed, warm = [], [], [], [], []
     with tempfile.TemporaryDirectory() as cache:
         primed = {"PLANNER_NO_CACHE": "0", "PLANNER_CACHE_DIR": cache}
         cli_seconds(args, gpus, batch, env=primed)  # fills the analysis cache and the check's record
         for _ in range(repeats):
             torch_s.append(import_torch_seconds())
             cold.append(cli_seconds(args, gpus, batch)[0])
+            here.append(cli_seconds(args, gpus, batch, env={"PLANNER_CHECK_WORKER": "0"})[0])
             # a cache of this model's analysis only (another cluster's plan): the check is not remembered
             with tempfile.TemporaryDirectory() as other:
                 fresh = {"PLANNER_NO_CACHE": "0", "PLANNER_CACHE_DIR": other}
@@ -140,7 +143,10 @@ def ratio(repeats: int) -> None:
             warm.append(cli_seconds(args, gpus, batch, env=primed)[0])
     t = statistics.median(torch_s)
     print(f"GPT-3 175B on 1024 A100s, medians of {repeats}: import torch {t:.2f} s")
-    rows = (("cold (no cache)", cold), ("analysis cached", analysed), ("warm (same plan)", warm))
+    rows = (
+        ("cold (no cache)", cold), ("cold, check in-process", here), ("analysis cached", analysed),
+        ("warm (same plan)", warm),
+    )
     for label, runs in rows:
         m = statistics.median(runs)
         each = ", ".join(f"{r:.2f}" for r in runs)

@@ -69,6 +69,9 @@ from cli._options import (
 from cli.emit import PLAN_FILE, write_outputs
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from planner.codegen.worker import CheckWorker
     from planner.model.graph import ModelGraph
     from planner.pipeline import PlanRequest
     from planner.plan import Plan
@@ -149,15 +152,29 @@ def plan(
         top_k=top_k, time_limit=time_limit, no_overlap=no_overlap, seed=seed, lr=lr, steps=steps,
     )
     quiet = is_quiet(ctx, quiet)
-    result_plan, graph, result = run_search(request, show_progress=not quiet, load_timeout=load_timeout)
-    from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
+    worker: CheckWorker | None = None
 
-    # A plan the script cannot run exits 2 here, before anything is written (or gives way to the next
-    # runner-up that runs). The check runs the model's code again, so under the same guard (exits, hangs,
-    # prints kept off stdout) as the tracing.
-    limit = DEFAULT_TIME_LIMIT_S if load_timeout is None else (load_timeout or None)
-    with user_code(request.model_path, "Checking that the plan runs", limit):
-        result_plan, result = best_that_runs(request, result_plan, graph, result)
+    def start_worker(graph: ModelGraph) -> None:  # the plan-time check gets ready while the search runs
+        nonlocal worker
+        from planner.codegen.worker import CheckWorker
+
+        worker = CheckWorker.start(request.model_path, graph.source, request.seed)
+
+    try:
+        result_plan, graph, result = run_search(
+            request, show_progress=not quiet, load_timeout=load_timeout, after_analysis=start_worker
+        )
+        from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
+
+        # A plan the script cannot run exits 2 here, before anything is written (or gives way to the next
+        # runner-up that runs). The check runs the model's code again, so under the same guard (exits, hangs,
+        # prints kept off stdout) as the tracing.
+        limit = DEFAULT_TIME_LIMIT_S if load_timeout is None else (load_timeout or None)
+        with user_code(request.model_path, "Checking that the plan runs", limit):
+            result_plan, result = best_that_runs(request, result_plan, graph, result, worker)
+    finally:
+        if worker is not None:
+            worker.close()
     if timestamp:
         from datetime import datetime, timezone
 
@@ -195,14 +212,14 @@ def check_training_options(lr: float) -> None:
 
 
 def best_that_runs(
-    request: PlanRequest, plan: Plan, graph: ModelGraph, result: SearchResult
+    request: PlanRequest, plan: Plan, graph: ModelGraph, result: SearchResult, worker: CheckWorker | None = None
 ) -> tuple[Plan, SearchResult]:
     """The best ranked plan that passes the plan-time check. A plan the script cannot run for its layout (a
     TP degree a vocabulary or head count cannot take, a pipeline on a device the traced graph cannot run on)
     gives way to the next runner-up, and is listed under the rejected regions with the check's reason; when
     none of the ranked plans runs, the first failure is raised (exit 2, nothing written), naming how many
     were tried. A failure of the model itself (its loss, its code on the meta device) is raised at once: no
-    other layout fixes it."""
+    other layout fixes it. `worker`: the check's process, where one was started (else it runs here)."""
     from planner.errors import LayoutRefusedError
     from planner.pipeline import without_best
 
@@ -210,7 +227,7 @@ def best_that_runs(
     tried = 0
     while True:
         try:
-            check_plan(plan)
+            check_plan(plan, worker)
             return plan, result
         except LayoutRefusedError as e:
             first = first or e
@@ -224,8 +241,9 @@ def best_that_runs(
             plan, result = nxt
 
 
-def check_plan(plan: Plan) -> None:
-    """The plan-time check, skipped when the same check (this plan, model files, runtime) passed before."""
+def check_plan(plan: Plan, worker: CheckWorker | None = None) -> None:
+    """The plan-time check, skipped when the same check (this plan, model files, runtime) passed before; run by
+    `worker` where it answers, else in this process."""
     import hashlib
 
     import planner.codegen
@@ -233,8 +251,12 @@ def check_plan(plan: Plan) -> None:
     from planner.model.cache import analysis_key, cache_enabled, check_passed, record_check_pass
     from planner.runtime.digest import digest_of, runtime_files
 
+    def run_check() -> None:
+        if worker is None or worker.check(plan) is None:
+            check_plan_runs(plan)
+
     if not cache_enabled():
-        check_plan_runs(plan)
+        run_check()
         return
     codegen = Path(planner.codegen.__file__).parent  # the plan -> layout conversion
     parts = [
@@ -245,16 +267,21 @@ def check_plan(plan: Plan) -> None:
     ]
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()
     if not check_passed(key):
-        check_plan_runs(plan)
+        run_check()
         record_check_pass(key)
 
 
 def run_search(
-    request: PlanRequest, show_progress: bool, load_timeout: float | None = None
+    request: PlanRequest,
+    show_progress: bool,
+    load_timeout: float | None = None,
+    after_analysis: Callable[[ModelGraph], None] | None = None,
 ) -> tuple[Plan, ModelGraph, SearchResult]:
     """plan_model with a spinner and a progress bar on stderr when it is a terminal (nothing otherwise).
 
     Importing, building and tracing the model file (the user's code) run under one guard and time limit.
+    `after_analysis` is called with the model's graph between the analysis and the search, outside the guard
+    and with no progress display running (it may fork: no other thread then).
     """
     from planner.hardware.load import load_cluster
     from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
@@ -271,20 +298,27 @@ def run_search(
 
     # A wrong --gpu is reported at once, before the (slower) tracing of the model.
     load_cluster(request.gpu, request.nodes, request.gpus_per_node)
+    def analysed(graph: ModelGraph) -> ModelGraph:
+        if after_analysis is not None:
+            after_analysis(graph)
+        return graph
+
     if not show_progress:  # --quiet: rich is not even imported
-        return plan_model(request, analyse(request))
+        return plan_model(request, analysed(analyse(request)))
     console = stderr_console()
     if not console.is_terminal:
-        return plan_model(request, analyse(request))
+        return plan_model(request, analysed(analyse(request)))
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task(f"Tracing {Path(request.model_path).name}", total=None)
+        progress.add_task(f"Tracing {Path(request.model_path).name}", total=None)
         graph = analyse(request)
-        progress.update(task, description="Solving stage partitions (ILP per candidate)")
+    graph = analysed(graph)  # the display's thread has ended
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("Solving stage partitions (ILP per candidate)", total=None)
 
         def advance(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)

@@ -21,6 +21,7 @@ import jinja2
 
 from planner.errors import PlanError
 from planner.io import write_output_set
+from planner.model.graph import ModelSource
 from planner.names import SCHEDULES
 from planner.plan import Plan
 from planner.runtime.digest import digest_of, runtime_files
@@ -202,8 +203,12 @@ def runtime_objects(plan: Plan) -> tuple[Layout, ModelFile, Training]:
         ep=p.ep, experts=dict(plan.experts),
         tp_fused=dict(plan.tp_fused), tp_transposed=tuple(plan.tp_transposed),
     )
-    model = ModelFile(m.path, m.build_fn, m.inputs_fn, m.loss_fn, m.batch_fn, dict(m.model_args))
-    return layout, model, Training(seed=t.seed, lr=float(t.lr), steps=t.steps, dtype=t.dtype)
+    return layout, model_file(m), Training(seed=t.seed, lr=float(t.lr), steps=t.steps, dtype=t.dtype)
+
+
+def model_file(m: ModelSource) -> ModelFile:
+    """The runtime's ModelFile for a plan's model (what train.py's MODEL_FILE and function names say)."""
+    return ModelFile(m.path, m.build_fn, m.inputs_fn, m.loss_fn, m.batch_fn, dict(m.model_args))
 
 
 def compress_names(names: list[str]) -> list[str]:

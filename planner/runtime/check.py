@@ -18,16 +18,18 @@ from .layout import Layout, ModelFile, Training
 from .loss import default_loss
 from .memo import MetaMemo
 from .meta import dtensor_on_meta, meta_without_dynamo
-from .model import build_model, input_count, load_model_file, make_batch, materialise
+from .model import build_model, input_count, load_model_file, make_batch, materialise, micro_batch
 from .recompute import apply_ac
 from .stages import (
     SP_MODULE_PREFIX,
     ModelStage,
     Piece,
     StageModule,
+    Traced,
     cut_into_pieces,
     piece_attrs,
     shared_weights,
+    trace,
     trace_for_plan,
     uses_graph,
     with_structure,
@@ -55,15 +57,49 @@ def _run_error(what: str, e: Exception) -> RunError:
     )
 
 
-def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_type: str = "cuda") -> str:
+class Prepared:
+    """The start of a check of any plan of one model, made ahead (the check worker makes it while the search
+    runs): the model file loaded, the model built on meta and traced for a micro-batch of one. Taken by the
+    first check of a traced pipeline (`uses_graph`) of the same model file and seed (it changes the model: TP
+    shards it), whole or not at all."""
+
+    def __init__(self, spec: ModelFile, seed: int) -> None:
+        self.spec, self.seed = spec, seed
+        self.user = load_model_file(spec.path)
+        self.meta_model = build_model(self.user, spec, seed, everything_on_meta=True)
+        example = micro_batch(self.user, spec, 1, seed, 0, 0)
+        inputs = tuple(t.to("meta") for t in example[: input_count(self.meta_model, len(example))])
+        self.traced: Traced | None = None
+        try:
+            self.traced = Traced(self.meta_model, inputs, frozenset(), trace(self.meta_model, inputs))
+        except Exception:  # noqa: BLE001 - the check traces (and reports a failure) as it would without this
+            self.traced = None
+        self._taken = False
+
+    def take(self, spec: ModelFile, seed: int) -> Prepared | None:
+        if self._taken or spec != self.spec or seed != self.seed:
+            return None
+        self._taken = True
+        return self
+
+
+def check_plan_runs(
+    layout: Layout, spec: ModelFile, training: Training, device_type: str = "cuda", prepared: Prepared | None = None
+) -> str:
     """Raise RunError naming the stage, module or rule if the plan cannot run on `device_type` (the run's
     device: "cuda", or "cpu" for a CPU plan); else return how it would run ("module": the model as written,
-    or the tracing method of the pipeline's graph)."""
+    or the tracing method of the pipeline's graph). `prepared`: the model loaded, built and traced ahead, used
+    where it is this model's (`Prepared.take`)."""
     meta_without_dynamo()  # the check runs on meta: no torch._dynamo import for its elementwise kernels
-    user = load_model_file(spec.path)
+    # (made for a traced pipeline: the model as written is built afresh, as its trace called its forward)
+    ready = prepared.take(spec, training.seed) if prepared is not None and uses_graph(layout) else None
+    user = ready.user if ready is not None else load_model_file(spec.path)
     loss_fn: Callable[..., torch.Tensor] = getattr(user, spec.loss_fn) if spec.loss_fn else default_loss
     example = make_batch(user, spec, layout, training.seed, 0, 0)
-    meta_model = build_model(user, spec, training.seed, everything_on_meta=True)
+    if ready is not None:
+        meta_model = ready.meta_model
+    else:
+        meta_model = build_model(user, spec, training.seed, everything_on_meta=True)
     n_inputs = input_count(meta_model, len(example))
     if layout.tp_enabled:
         check_tp([meta_model], layout)
@@ -75,7 +111,8 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
         return "module"
     with _failing_as("Tracing the model"):
         gm, values, method = trace_for_plan(
-            user, spec, layout, training.seed, example, device_type=device_type, meta_model=meta_model
+            user, spec, layout, training.seed, example, device_type=device_type, meta_model=meta_model,
+            ahead=ready.traced if ready is not None else None,
         )
         pieces = cut_into_pieces(gm, values, layout)
     _copy_tied(layout, gm, pieces, meta_model)
@@ -102,6 +139,29 @@ def check_plan_runs(layout: Layout, spec: ModelFile, training: Training, device_
         except RunError as e:
             raise RefusedLayout(str(e)) from e
     return method
+
+
+def warm_up() -> None:
+    """Do ahead what the first check in a process pays once, whatever the plan: import the TP runtime (DTensor,
+    the fake process group) and torch's symbolic shapes (sympy: the meta kernels' dtype rules import it), and
+    run a small forward, loss and backward on meta, as written and sharded for tp 2 (first calls of meta
+    kernels and of DTensor's sharding rules). The check worker (planner.codegen.worker) calls it while the
+    search runs; it changes no state that a check reads."""
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401 - imported by the first meta kernel otherwise
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from . import parallel  # noqa: F401 - the run's TP code, which the check imports for a TP plan
+
+    meta_without_dynamo()
+    with MetaMemo():
+        block = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)).to("meta")
+        x = torch.empty(2, 4, 8, device="meta", requires_grad=True)
+        block(x).float().softmax(-1).sum().backward()
+    with _fake_tp_mesh(2) as mesh:
+        if mesh is None:
+            return
+        parallelize_module(block, mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
+        block(torch.empty(2, 4, 8, device="meta")).sum().backward()
 
 
 def _copy_tied(layout: Layout, gm: fx.GraphModule, pieces: list[Piece], meta_model: nn.Module) -> None:

@@ -73,6 +73,13 @@ def make_batch(
     It depends only on (seed, step, index), so every layout trains on the same data: dp rank r takes
     micro-batches r * NUM_MICRO_BATCHES ... (r + 1) * NUM_MICRO_BATCHES - 1.
     """
+    return micro_batch(user, spec, layout.micro_batch_size, seed, step, index)
+
+
+def micro_batch(
+    user: Any, spec: ModelFile, micro_batch_size: int, seed: int, step: int, index: int
+) -> tuple[torch.Tensor, ...]:
+    """`make_batch` for a micro-batch size rather than a layout."""
     mb_seed = derived_seed(seed, "batch", step, index)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(mb_seed)
@@ -81,11 +88,11 @@ def make_batch(
             kwargs = dict(spec.model_args)
             if accepts(fn, "micro_batch"):
                 kwargs["micro_batch"] = index
-            batch = fn(step, layout.micro_batch_size, **kwargs)
+            batch = fn(step, micro_batch_size, **kwargs)
         else:
             fn = getattr(user, spec.inputs_fn)
             kwargs = {**spec.model_args, "seed": mb_seed} if accepts(fn, "seed") else dict(spec.model_args)
-            batch = fn(layout.micro_batch_size, **kwargs)
+            batch = fn(micro_batch_size, **kwargs)
     return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
 
 

@@ -92,11 +92,47 @@ def _uncompiled_graph_module(root: nn.Module, graph: fx.Graph, name: str) -> fx.
     return _LazyGraphModule(root, graph, name)
 
 
+class Traced:
+    """A trace of `model` made ahead of the check that reads it (the check worker makes one while the search
+    runs): the graph module, each node's value, the method, and what it was traced for (leaves, inputs)."""
+
+    def __init__(
+        self, model: nn.Module, inputs: Sequence[Any], leaves: frozenset[str],
+        traced: tuple[fx.GraphModule, dict[fx.Node, Any], str],
+    ) -> None:
+        self.model, self.leaves, self.signature = model, leaves, _signature(inputs)
+        self.gm, self.values, self.method = traced
+
+    def reuse(
+        self, model: nn.Module, inputs: Sequence[Any], leaves: frozenset[str]
+    ) -> tuple[fx.GraphModule, dict[fx.Node, Any], str] | None:
+        """What `trace(model, inputs, leaves=leaves)` returns, from this trace: as it is for the same inputs'
+        shapes, and for other shapes a plain torch.fx graph (which holds no shape) run again on the inputs;
+        None where it cannot stand for that trace (then trace)."""
+        if model is not self.model or leaves != self.leaves or self.method not in ("fx", "fx-meta"):
+            return None
+        if _signature(inputs) == self.signature:
+            return self.gm, self.values, self.method
+        if self.method != "fx" or len(inputs) != len(self.signature):
+            return None
+        try:
+            recorder = ValueRecorder(self.gm)
+            recorder.run(*inputs)
+        except Exception:  # noqa: BLE001 - the trace proper then decides (and falls back) as it would
+            return None
+        return self.gm, recorder.values, self.method
+
+
+def _signature(inputs: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in inputs)
+
+
 def trace(
     model: nn.Module,
     inputs: tuple[torch.Tensor, ...],
     log: Callable[[str], None] = lambda _: None,
     leaves: frozenset[str] = frozenset(),
+    ahead: Traced | None = None,
 ) -> tuple[fx.GraphModule, dict[fx.Node, Any], str]:
     """Symbolic trace of forward(*inputs) (keeps module calls, so TP plan names apply); where that fails, the
     symbolic trace with meta values (`tracers.meta_trace`: Python reading shapes, as transformers' models do), and
@@ -106,11 +142,15 @@ def trace(
     `leaves`: modules the graph must call as they are (one call_module node, their code not inlined), so that
     the script can swap them afterwards: the experts under expert parallelism. torch.fx keeps them as leaf
     modules; torch.export inlines every module, so there each is exported as one opaque op
-    (`_export_keeping`) that is then turned back into a call of the module."""
+    (`_export_keeping`) that is then turned back into a call of the module. `ahead`: this model's trace made
+    before (`Traced.reuse`), used where it stands for this one."""
     from .tracers import meta_trace
 
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
+    reused = ahead.reuse(model, inputs, leaves) if ahead is not None else None
+    if reused is not None:
+        return reused
     try:
         forward_params = list(inspect.signature(model.forward).parameters.values())[len(inputs) :]
         concrete = {p.name: p.default for p in forward_params if p.default is not inspect.Parameter.empty}
@@ -662,10 +702,12 @@ def trace_for_plan(
     log: Callable[[str], None] = lambda _: None,
     device_type: str = "cuda",
     meta_model: nn.Module | None = None,
+    ahead: Traced | None = None,
 ) -> tuple[fx.GraphModule, dict[fx.Node, Any], str]:
     """Trace the model on the meta device for a run of the plan on `device_type`, and check that the graph is
     one the plan's stages, TP and experts can be cut from (loop.trace_and_cut cuts it; so does the plan-time
-    check). `meta_model`: the model already built on meta (the plan-time check's), else it is built here."""
+    check). `meta_model`: the model already built on meta (the plan-time check's), else it is built here;
+    `ahead`: its trace made before, where one was (`trace`)."""
     if meta_model is None:
         meta_model = build_model(user, spec, seed, everything_on_meta=True)
     inputs = tuple(t.to("meta") for t in example[: input_count(meta_model, len(example))])
@@ -673,7 +715,7 @@ def trace_for_plan(
     # the cut, and without it they still run their own code on this rank's device (traced on meta, their
     # code takes the GPU's path: transformers' grouped-mm experts count tokens with an int32 histc).
     leaves = frozenset(layout.experts)
-    gm, values, method = trace(meta_model, inputs, log, leaves)
+    gm, values, method = trace(meta_model, inputs, log, leaves, ahead)
     why = unsupported_on(gm, values, device_type)
     if why is not None:
         raise RefusedLayout(

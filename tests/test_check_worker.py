@@ -1,0 +1,189 @@
+"""The plan-time check in a forked worker (planner/codegen/worker.py): `planner plan` writes the same files and
+reports the same errors as with the check in its own process, falls back to that check where the worker dies,
+and starts no worker beside other threads. The check's start made ahead (runtime.check.Prepared) gives the
+same answers as a check from scratch and is taken only by a check of the same model file and seed."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from e2e.plans import make_plan
+
+from planner.codegen.check import check_plan_runs
+from planner.codegen.render import model_file
+from planner.codegen.worker import _stop_tqdm_monitor, worker_allowed
+from planner.runtime import stages
+from planner.runtime.check import Prepared
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "tests" / "fixtures" / "tiny_gpt.py"
+GPT = ROOT / "sample_models" / "gpt.py"
+CPU4 = ["--gpu", "cpu", "--gpus-per-node", "4", "--global-batch-size", "8", "--quiet"]
+
+MODEL = '''
+import os
+import signal
+
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj_in = nn.Linear(16, 64)
+        self.blocks = nn.ModuleList([nn.Linear(64, 64) for _ in range(4)])
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x):
+        h = self.proj_in(x)
+        for block in self.blocks:
+            h = torch.relu(block(h))
+        return self.head(h)
+
+
+def build_model(**kwargs):
+    return Net()
+
+
+def example_inputs(batch_size, **kwargs):
+    return (torch.randn(batch_size, 16),)
+
+
+def loss_fn(output, x):
+    if os.getppid() != int(os.environ["TEST_PID"]):  # in the worker (whose parent is planner): die
+        {in_worker}
+    return {loss}
+'''
+
+needs_fork = pytest.mark.skipif(
+    sys.platform != "linux" or len(os.sched_getaffinity(0)) < 2, reason="the worker forks on Linux with 2+ CPUs"
+)
+
+
+def _plan(out: Path, *args: str, worker: bool = True, model: Path = TINY) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ, "PYTHONPATH": str(ROOT), "PLANNER_NO_CACHE": "1", "TEST_PID": str(os.getpid()),
+        "PLANNER_CHECK_WORKER": "1" if worker else "0",
+    }
+    cmd = [sys.executable, "-m", "cli.main", "--debug", "plan", str(model), *CPU4, "--out", str(out), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+@needs_fork
+@pytest.mark.parametrize(
+    ("model", "pins"), [(TINY, ("--pp", "2")), (GPT, ("--tp", "2", "--sequence-parallel"))], ids=["pp2", "tp2-sp"]
+)
+def test_the_worker_checks_the_plan_and_the_files_are_the_same(tmp_path, model, pins):
+    forked = _plan(tmp_path / "forked", *pins, model=model)
+    here = _plan(tmp_path / "here", *pins, worker=False, model=model)
+    assert forked.returncode == 0 and here.returncode == 0, forked.stderr[-3000:] + here.stderr[-3000:]
+    assert "gets ready while the search runs" in forked.stderr and "the worker answered (ok)" in forked.stderr
+    assert "worker" not in here.stderr
+    assert _files(tmp_path / "forked") == _files(tmp_path / "here")
+
+
+@needs_fork
+def test_a_model_that_fails_the_check_is_reported_the_same_through_the_worker(tmp_path):
+    model = tmp_path / "net.py"
+    model.write_text(MODEL.format(in_worker="pass", loss="torch.cat([output, output], 1)"))  # not a scalar
+    args = ("--pp", "2", "--loss-fn", "loss_fn")
+    forked = _plan(tmp_path / "forked", *args, model=model)
+    here = _plan(tmp_path / "here", *args, model=model, worker=False)
+    assert forked.returncode == here.returncode == 2
+    assert "the worker answered (error)" in forked.stderr
+
+    def error(stderr: str) -> str:
+        return stderr[stderr.index("Error: ") :].strip()
+
+    assert "floating-point scalar" in error(forked.stderr) and error(forked.stderr) == error(here.stderr)
+    assert not (tmp_path / "forked").exists() or not any((tmp_path / "forked").iterdir())
+
+
+@needs_fork
+def test_a_worker_that_dies_gives_way_to_the_check_in_process(tmp_path):
+    model = tmp_path / "net.py"
+    model.write_text(MODEL.format(in_worker="os.kill(os.getpid(), signal.SIGKILL)", loss="output.mean()"))
+    args = ("--pp", "2", "--loss-fn", "loss_fn")
+    forked = _plan(tmp_path / "forked", *args, model=model)
+    assert forked.returncode == 0, forked.stderr[-3000:]
+    assert "worker gave no answer" in forked.stderr and "the worker answered" not in forked.stderr
+    assert _plan(tmp_path / "here", *args, model=model, worker=False).returncode == 0
+    assert _files(tmp_path / "forked") == _files(tmp_path / "here")
+
+
+def test_no_worker_is_forked_beside_another_thread():
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert not worker_allowed()
+    finally:
+        stop.set()
+        other.join()
+
+
+def test_tqdms_monitor_thread_is_stopped_for_good():
+    from tqdm import tqdm
+
+    from planner.runtime.stages import ValueRecorder  # an fx Interpreter: each run opens a tqdm bar
+
+    tqdm(total=1, disable=True).close()
+    _stop_tqdm_monitor()
+    assert tqdm.monitor is None
+    import torch
+    from torch import fx, nn
+
+    ValueRecorder(fx.symbolic_trace(nn.Linear(2, 2, device="meta"))).run(torch.empty(1, 2, device="meta"))
+    assert tqdm.monitor is None and not any(t.name == "tqdm_monitor" for t in threading.enumerate())
+
+
+def _traces(monkeypatch) -> list[object]:
+    calls: list[object] = []
+    original = stages.BufferTracer.trace
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[0])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(stages.BufferTracer, "trace", counted)
+    return calls
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2], ids=["same-inputs", "other-shapes"])
+def test_a_prepared_check_traces_nothing_more_and_answers_the_same(monkeypatch, micro_batch_size):
+    plan = make_plan("gpt", pp=2, micro_batch_size=micro_batch_size)
+    scratch = check_plan_runs(plan)
+    prepared = Prepared(model_file(plan.model), plan.training.seed)
+    traces = _traces(monkeypatch)
+    assert check_plan_runs(plan, prepared) == scratch == "fx"
+    assert traces == []  # the graph traced ahead was taken
+    assert check_plan_runs(plan, prepared) == scratch and len(traces) == 1  # taken once: traced again
+
+
+def test_a_prepared_check_of_another_seed_or_model_is_not_taken(monkeypatch):
+    plan = make_plan("gpt", pp=2)
+    spec = model_file(plan.model)
+    other_args = dataclasses.replace(spec, model_args={**spec.model_args, "layers": 6})
+    for prepared in (Prepared(spec, plan.training.seed + 1), Prepared(other_args, plan.training.seed)):
+        traces = _traces(monkeypatch)
+        assert check_plan_runs(plan, prepared) == "fx"
+        assert len(traces) == 1
+
+
+def test_a_check_of_the_model_as_written_builds_its_own():
+    """A plan without a traced pipeline runs the model as written: not one whose forward was traced ahead."""
+    plan = make_plan("gpt", dp=2)
+    prepared = Prepared(model_file(plan.model), plan.training.seed)
+    assert check_plan_runs(plan, prepared) == "module"
+    assert prepared.take(model_file(plan.model), plan.training.seed) is prepared  # still there, not taken
