@@ -75,6 +75,18 @@ class FromSequenceShard(nn.Module):
         return f"as_dtensor={self.as_dtensor}"
 
 
+class SequenceShardView(nn.Module):
+    """This rank's sequence slice as a DTensor sharded along the sequence, without communication: its shape is
+    the whole sequence's (for shape reads only)."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(x, self.mesh, [Shard(1)], run_check=False)
+
+
 class SumGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -151,7 +163,8 @@ def plan_sequence_parallel(
 
     def convert(node: fx.Node, arg: fx.Node, kind: str) -> None:
         """Feed `node` with `arg` converted: "slice", "gather" (for the model output), "gather-dtensor"
-        (entering a TP region) or "sum-grad" (a weight used on slices)."""
+        (entering a TP region), "sum-grad" (a weight used on slices) or "global-shape" (a slice's shape read
+        as the whole sequence's)."""
         if (kind, arg) not in converted:
             name = f"{SP_MODULE_PREFIX}{len(converted)}"
             makers: dict[str, Callable[[], nn.Module]] = {
@@ -159,6 +172,7 @@ def plan_sequence_parallel(
                 "gather": lambda: FromSequenceShard(mesh, as_dtensor=False),
                 "gather-dtensor": lambda: FromSequenceShard(mesh, as_dtensor=True),
                 "sum-grad": lambda: SumGradientOverTP(mesh),
+                "global-shape": lambda: SequenceShardView(mesh),
             }
             module = makers[kind]()
             gm.add_module(name, module)
@@ -189,17 +203,29 @@ def plan_sequence_parallel(
         prefixes = {q for p in paths for q in _dotted_prefixes(p)}
         region = min(prefixes & regions, default="")
         target = str(node.target)
-        if region:
-            # Entering a TP region: gather the sliced inputs that come from outside it.
+        tp_module = node.op == "call_module" and target in tp_plan
+        reads = not contains_tensor(values.get(node))  # a shape, size or dtype read
+        if region and (tp_module or reads):
+            # Entering a TP region: gather the sliced inputs that come from outside it, as a replicated DTensor,
+            # for its TP Linears (their input gradients are then reduce-scattered once) and its shape reads.
+            # Its other nodes run on slices as they do outside one: where the region is the block itself (its
+            # MLP's Linears directly under it), the block's norms and residual adds.
             for a in tensor_inputs(node):
                 if a in sliced and not inside(module_paths(a), region):
                     convert(node, a, "gather-dtensor")
-            if node.op == "call_module" and tp_plan.get(target) == "rowwise" and node in seq_shaped:
+            if tp_module and tp_plan[target] == "rowwise" and node in seq_shaped:
                 styles[target] = RowwiseParallel(output_layouts=Shard(1))
                 sliced.add(node)
                 continue
         args = tensor_inputs(node)
         if not any(a in sliced for a in args):
+            continue
+        if reads:
+            # The shape of a sequence slice, read to shape whole-sequence values (the heads' view of a
+            # column-parallel output): the whole sequence's, from a DTensor view of the slice (no communication).
+            for a in args:
+                if a in sliced:
+                    convert(node, a, "global-shape")
             continue
         # A sliced input makes the node run on sequence slices (norms, dropout, residual adds work token
         # by token): slice its other sequence-shaped inputs, and sum the gradients of weights it uses.

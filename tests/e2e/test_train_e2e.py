@@ -151,3 +151,32 @@ def test_launch_script_runs_from_a_directory_with_spaces(tmp_path):
     run(["bash", str(where / "launch.sh"), "--steps", "1", "--metrics", str(where / "out metrics.json")], tmp_path)
     metrics = json.loads((where / "out metrics.json").read_text())
     assert len(metrics["steps"]) == 1 and metrics["layout"]["pp"] == 2
+
+
+def test_sequence_parallel_where_the_mlps_region_is_the_block_trains_like_one_process(tmp_path):
+    """tests/fixtures/tiny_gpt.py keeps fc1 / fc2 directly under its Block, so the block is their TP region:
+    its norms and residual adds run on sequence slices, and the heads' views read the whole sequence's shape
+    from ln1's slice. (The check refused this plan before: a LayerNorm met a DTensor, then a slice's shape.)"""
+    from e2e.hf_plans import LOSS_REL, LOSS_TOL, NORM_TOL
+    from e2e.plans import reference_of
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from planner.plan import load_plan
+
+    out = tmp_path / "plan"
+    model = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_gpt.py"
+    args = ["plan", str(model), "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch-size", "8",
+            "--micro-batch-size", "2", "--tp", "2", "--sequence-parallel", "--lr", "1e-3", "--out", str(out), "-q"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    assert plan.parallel.sequence_parallel and plan.parallel.tp == 2 and "blocks.0.fc2" in plan.tp_plan
+    metrics = train(plan, tmp_path / "run", 2)
+    expected = train(reference_of(plan), tmp_path / "reference", 1)
+    assert [s["loss"] for s in metrics["steps"]] == pytest.approx(
+        [s["loss"] for s in expected["steps"]], abs=LOSS_TOL, rel=LOSS_REL
+    )
+    assert [s["grad_norm"] for s in metrics["steps"]] == pytest.approx(
+        [s["grad_norm"] for s in expected["steps"]], rel=NORM_TOL
+    )
