@@ -106,3 +106,23 @@ def test_contradicting_pins_name_the_pins():
         enumerate_space(_graph(), load_cluster("a100-sxm4-80gb", 1), 64,
                         Pins(pp=2, virtual_stages=3, schedule="zero-bubble"))
     assert "none" not in str(e.value).split("leave")[0]
+
+
+def test_nothing_fits_names_real_reasons_before_dominated_candidates(monkeypatch):
+    """A candidate "dominated by" another is not why nothing fits (the other one was rejected for its own
+    reason): an empty space lists the real reasons first."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    import planner.search.search as search_module
+
+    rejected = Counter({
+        ("dp=2 zero=0", "dominated by ZeRO-1: same compute, less memory"): 1,
+        ("gpipe pp=2", "dominated by 1F1B: the same iteration time"): 1,
+        ("tp=2 with sp", "only torch.fx with meta values could trace the model"): 3,
+    })
+    monkeypatch.setattr(search_module, "enumerate_space", lambda *a: SimpleNamespace(candidates=[], rejected=rejected))
+    with pytest.raises(InfeasibleError) as e:
+        search_module.search(_graph(), load_cluster("a100-sxm4-80gb", 1), 64)
+    message = str(e.value)
+    assert message.index("tp=2 with sp") < message.index("dp=2 zero=0") < message.index("gpipe pp=2")

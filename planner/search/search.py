@@ -182,7 +182,10 @@ def search(
         refused.setdefault(c, why)
 
     if not space.candidates:
-        reasons = "; ".join(f"{region}: {why} ({n})" for (region, why), n in sorted(rejected.items())[:6])
+        # A candidate "dominated by" another is not why nothing fits (the other one was rejected for its own
+        # reason): those reasons go last.
+        order = sorted(rejected.items(), key=lambda kv: (kv[0][1].startswith("dominated by"), kv[0]))
+        reasons = "; ".join(f"{region}: {why} ({n})" for (region, why), n in order[:6])
         raise InfeasibleError(
             f"No configuration of {cluster.world_size} GPUs satisfies the constraints: {reasons or 'none'}. "
             "Change the pinned degrees, the global batch size (make it divisible by the data-parallel degree) "
