@@ -17,7 +17,7 @@ from e2e.plans import make_plan
 
 from planner.codegen.check import check_plan_runs
 from planner.codegen.render import model_file
-from planner.codegen.worker import _stop_tqdm_monitor, worker_allowed
+from planner.codegen.worker import _stop_tqdm_monitor, prepared_serves, worker_allowed
 from planner.runtime import stages
 from planner.runtime.check import Prepared
 
@@ -29,6 +29,7 @@ CPU4 = ["--gpu", "cpu", "--gpus-per-node", "4", "--global-batch-size", "8", "--q
 MODEL = '''
 import os
 import signal
+import time
 
 import torch
 from torch import nn
@@ -49,6 +50,8 @@ class Net(nn.Module):
 
 
 def build_model(**kwargs):
+    if os.getppid() != int(os.environ["TEST_PID"]):  # in the worker (whose parent is planner)
+        {in_worker_build}
     return Net()
 
 
@@ -70,7 +73,7 @@ needs_fork = pytest.mark.skipif(
 def _plan(out: Path, *args: str, worker: bool = True, model: Path = TINY) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ, "PYTHONPATH": str(ROOT), "PLANNER_NO_CACHE": "1", "TEST_PID": str(os.getpid()),
-        "PLANNER_CHECK_WORKER": "1" if worker else "0",
+        "PLANNER_CHECK_WORKER": "wait" if worker else "0",
     }
     cmd = [sys.executable, "-m", "cli.main", "--debug", "plan", str(model), *CPU4, "--out", str(out), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -96,7 +99,8 @@ def test_the_worker_checks_the_plan_and_the_files_are_the_same(tmp_path, model, 
 @needs_fork
 def test_a_model_that_fails_the_check_is_reported_the_same_through_the_worker(tmp_path):
     model = tmp_path / "net.py"
-    model.write_text(MODEL.format(in_worker="pass", loss="torch.cat([output, output], 1)"))  # not a scalar
+    not_a_scalar = "torch.cat([output, output], 1)"
+    model.write_text(MODEL.format(in_worker="pass", in_worker_build="pass", loss=not_a_scalar))
     args = ("--pp", "2", "--loss-fn", "loss_fn")
     forked = _plan(tmp_path / "forked", *args, model=model)
     here = _plan(tmp_path / "here", *args, model=model, worker=False)
@@ -113,7 +117,9 @@ def test_a_model_that_fails_the_check_is_reported_the_same_through_the_worker(tm
 @needs_fork
 def test_a_worker_that_dies_gives_way_to_the_check_in_process(tmp_path):
     model = tmp_path / "net.py"
-    model.write_text(MODEL.format(in_worker="os.kill(os.getpid(), signal.SIGKILL)", loss="output.mean()"))
+    model.write_text(MODEL.format(
+        in_worker="os.kill(os.getpid(), signal.SIGKILL)", in_worker_build="pass", loss="output.mean()"
+    ))
     args = ("--pp", "2", "--loss-fn", "loss_fn")
     forked = _plan(tmp_path / "forked", *args, model=model)
     assert forked.returncode == 0, forked.stderr[-3000:]
@@ -187,3 +193,33 @@ def test_a_check_of_the_model_as_written_builds_its_own():
     prepared = Prepared(model_file(plan.model), plan.training.seed)
     assert check_plan_runs(plan, prepared) == "module"
     assert prepared.take(model_file(plan.model), plan.training.seed) is prepared  # still there, not taken
+
+
+@needs_fork
+def test_a_worker_not_ready_when_the_search_ends_is_not_waited_for(tmp_path):
+    """A worker still preparing (here its build_model sleeps) when the search ends is not waited for where its
+    preparation does not serve the plan (a model run as written: no pipeline): the check runs in this process
+    and the plan is the same."""
+    model = tmp_path / "net.py"
+    model.write_text(MODEL.format(in_worker="pass", in_worker_build="time.sleep(120)", loss="output.mean()"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PLANNER_NO_CACHE": "1", "PLANNER_CHECK_WORKER": "1",
+           "TEST_PID": str(os.getpid())}
+    args = [*CPU4, "--dp", "4", "--loss-fn", "loss_fn"]
+    cmd = [sys.executable, "-m", "cli.main", "--debug", "plan", str(model), *args, "--out", str(tmp_path / "forked")]
+    stderr = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=100, check=True).stderr
+    assert "gets ready while the search runs" in stderr
+    assert "not ready when the search ended; checking in this process" in stderr
+    assert "the worker answered" not in stderr
+    assert _plan(tmp_path / "here", "--dp", "4", "--loss-fn", "loss_fn", model=model, worker=False).returncode == 0
+    assert _files(tmp_path / "forked") == _files(tmp_path / "here")
+
+
+def test_the_worker_is_waited_for_where_its_preparation_serves_the_plan():
+    fx_pp2 = make_plan("gpt", pp=2)
+    assert prepared_serves(fx_pp2)
+    assert prepared_serves(make_plan("gpt", tp=2, sequence_parallel=True))
+    assert not prepared_serves(make_plan("gpt", dp=2))  # the model as written: built afresh, never traced
+    meta_mbs2 = fx_pp2.model_copy(update={"trace_method": "fx-meta"})  # shapes fixed for a micro-batch of 2
+    assert not prepared_serves(meta_mbs2)
+    mbs1 = fx_pp2.parallel.model_copy(update={"micro_batch_size": 1})
+    assert prepared_serves(meta_mbs2.model_copy(update={"parallel": mbs1}))

@@ -5,10 +5,14 @@ symbolic shapes (sympy), the first calls of the meta kernels, loading the model 
 meta and tracing it. `CheckWorker.start` forks the planner once the model is analysed, before the search; the
 child does that work (`planner.runtime.check.warm_up`, `Prepared`) while the parent searches, then runs the
 same `check_plan_runs` on each plan the parent sends (the best, then runner-ups) and answers with its result
-or the PlannerError it raised. Anything else (the child died, an
-error that is not the user's) makes the caller run the check in its own process, as it does where there is
-no worker: no fork (not Linux), one CPU, other threads running (a fork could inherit a held lock), or
-PLANNER_CHECK_WORKER=0.
+or the PlannerError it raised. A worker not ready when the search ends is waited for only where its
+preparation serves the plan's check (`prepared_serves`: then the rest of it is work the check would do in
+the planner's process too; a large model's preparation can outlast the search, and the check of a model run
+as written does not use it), else the check runs in the planner's own process; it runs there too where the
+worker dies or fails otherwise than by the user's error, and where there is no worker: no fork (not Linux),
+one CPU, other threads running (a fork could inherit a held lock), or PLANNER_CHECK_WORKER=0.
+PLANNER_CHECK_WORKER=wait waits for the worker however long it takes to get ready (the tests of its answers
+use it: a small model's search ends before it is).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
@@ -24,6 +29,7 @@ from typing import IO, Any
 from planner.errors import PlannerError
 from planner.model.graph import ModelSource
 from planner.plan import Plan
+from planner.runtime.layout import runs_traced_graph
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,15 @@ def _stop_tqdm_monitor() -> None:
         std.tqdm.monitor = None
 
 
+def prepared_serves(plan: Plan) -> bool:
+    """Whether the worker's preparation (the model built and traced for a micro-batch of one, without experts
+    kept as calls) stands for the build and trace of this plan's check: a traced graph (a pipeline, sequence
+    parallelism) from plain torch.fx, which holds no shape, or traced for a micro-batch of one."""
+    p = plan.parallel
+    graph = runs_traced_graph(p.pp, p.tp, p.sequence_parallel)
+    return graph and not plan.experts and (plan.trace_method == "fx" or p.micro_batch_size == 1)
+
+
 class CheckWorker:
     """The parent's handle on the forked check: `check(plan)` sends a plan and returns the check's result
     (or raises its PlannerError); None where the worker cannot answer (the caller checks in-process)."""
@@ -64,6 +79,7 @@ class CheckWorker:
         self.pid = pid
         self._send: IO[bytes] | None = send
         self._recv = recv
+        self._ready = False
 
     @classmethod
     def start(cls, model_path: str, source: ModelSource, seed: int) -> CheckWorker | None:
@@ -98,6 +114,19 @@ class CheckWorker:
         if self._send is None:
             return None
         try:
+            if not self._ready:
+                # Waited for where its preparation serves this plan's check (then the rest of it is work the
+                # check would do here too), else used only if it is ready: a large model's preparation can
+                # outlast the search, and the check of the model as written does not use it.
+                waits = os.environ.get(WORKER_ENV, "").strip().lower() == "wait" or prepared_serves(plan)
+                if not waits and not select.select([self._recv], [], [], 0)[0]:
+                    log.debug("plan-time check: worker not ready when the search ended; checking in this process")
+                    self.close()
+                    return None
+                kind, _ = pickle.load(self._recv)
+                if kind != "ready":
+                    raise pickle.UnpicklingError(f"unexpected {kind!r} before the first plan")
+                self._ready = True
             pickle.dump(plan, self._send)
             self._send.flush()
             kind, value = pickle.load(self._recv)
@@ -152,6 +181,8 @@ def _serve(model_path: str, source: ModelSource, seed: int, recv: IO[bytes], sen
             prepared = Prepared(model_file(source), seed)
     except Exception as e:  # noqa: BLE001 - an optimisation: each check starts from scratch without it
         log.debug("plan-time check: worker could not prepare (%s)", e)
+    send.write(pickle.dumps(("ready", None)))
+    send.flush()
     while True:
         try:
             plan = pickle.load(recv)
