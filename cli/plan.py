@@ -156,9 +156,12 @@ def plan(
 
     def start_worker(graph: ModelGraph) -> None:  # the plan-time check gets ready while the search runs
         nonlocal worker
-        from planner.codegen.worker import CheckWorker
+        from planner.codegen.worker import CheckWorker, tp_likely
+        from planner.hardware.load import load_cluster
 
-        worker = CheckWorker.start(request.model_path, graph.source, request.seed)
+        gpu = load_cluster(request.gpu, request.nodes, request.gpus_per_node).gpu
+        tp = tp_likely(request.pins.get("tp"), graph.total_params, gpu.memory_bytes)
+        worker = CheckWorker.start(request.model_path, graph.source, request.seed, tp)
 
     try:
         result_plan, graph, result = run_search(

@@ -17,7 +17,7 @@ from e2e.plans import make_plan
 
 from planner.codegen.check import check_plan_runs
 from planner.codegen.render import model_file
-from planner.codegen.worker import _stop_tqdm_monitor, prepared_serves, worker_allowed
+from planner.codegen.worker import _stop_tqdm_monitor, prepared_serves, tp_likely, worker_allowed
 from planner.runtime import stages
 from planner.runtime.check import Prepared
 
@@ -223,3 +223,10 @@ def test_the_worker_is_waited_for_where_its_preparation_serves_the_plan():
     assert not prepared_serves(meta_mbs2)
     mbs1 = fx_pp2.parallel.model_copy(update={"micro_batch_size": 1})
     assert prepared_serves(meta_mbs2.model_copy(update={"parallel": mbs1}))
+
+
+def test_the_tp_runtime_is_warmed_up_where_tp_is_likely():
+    gib80 = 80 * 2**30
+    assert tp_likely(None, 175_000_000_000, gib80)  # GPT-3's training state holds 2.8 TB
+    assert not tp_likely(None, 1_000_000, gib80)
+    assert tp_likely(2, 1_000_000, gib80) and not tp_likely(1, 175_000_000_000, gib80)  # pinned

@@ -71,6 +71,15 @@ def prepared_serves(plan: Plan) -> bool:
     return graph and not plan.experts and (plan.trace_method == "fx" or p.micro_batch_size == 1)
 
 
+def tp_likely(pinned_tp: int | None, total_params: int, gpu_memory_bytes: float) -> bool:
+    """Whether the plan will likely shard with TP, so that the worker imports DTensor ahead: tp pinned above 1,
+    or not pinned and the model's training state (16 bytes a parameter: bf16 weights and gradients, fp32
+    master weights and Adam's two moments) more than one GPU holds."""
+    if pinned_tp is not None:
+        return pinned_tp > 1
+    return total_params * 16 > gpu_memory_bytes
+
+
 class CheckWorker:
     """The parent's handle on the forked check: `check(plan)` sends a plan and returns the check's result
     (or raises its PlannerError); None where the worker cannot answer (the caller checks in-process)."""
@@ -82,10 +91,11 @@ class CheckWorker:
         self._ready = False
 
     @classmethod
-    def start(cls, model_path: str, source: ModelSource, seed: int) -> CheckWorker | None:
+    def start(cls, model_path: str, source: ModelSource, seed: int, tp_likely: bool) -> CheckWorker | None:
         """Fork the worker (None where `worker_allowed` says no). `model_path`: the model file, named in the
         errors of its code (its exits, signals) as the in-process check names it; `source` and `seed`: the
-        model and seed the plans will name (plan.model, plan.training.seed), prepared for ahead."""
+        model and seed the plans will name (plan.model, plan.training.seed), prepared for ahead; `tp_likely`:
+        whether to warm up the TP runtime too (`tp_likely`)."""
         if not worker_allowed():
             return None
         to_child_r, to_child_w = os.pipe()
@@ -98,7 +108,8 @@ class CheckWorker:
             try:
                 os.close(to_child_w)
                 os.close(to_parent_r)
-                _serve(model_path, source, seed, os.fdopen(to_child_r, "rb"), os.fdopen(to_parent_w, "wb"))
+                recv, send = os.fdopen(to_child_r, "rb"), os.fdopen(to_parent_w, "wb")
+                _serve(model_path, source, seed, tp_likely, recv, send)
             except BaseException:  # noqa: BLE001 - the parent sees the pipe close and checks in-process
                 code = 1
             finally:
@@ -163,7 +174,9 @@ class CheckWorker:
             pass
 
 
-def _serve(model_path: str, source: ModelSource, seed: int, recv: IO[bytes], send: IO[bytes]) -> None:
+def _serve(
+    model_path: str, source: ModelSource, seed: int, tp_likely: bool, recv: IO[bytes], send: IO[bytes]
+) -> None:
     """The child: warm up and prepare, then check each plan received until the parent closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends this process
     import torch
@@ -183,6 +196,13 @@ def _serve(model_path: str, source: ModelSource, seed: int, recv: IO[bytes], sen
         log.debug("plan-time check: worker could not prepare (%s)", e)
     send.write(pickle.dumps(("ready", None)))
     send.flush()
+    # The TP runtime's import and first calls, while no plan is waiting (an import cannot be interrupted, so a
+    # plan with tp 1 may wait for it: done only where tp > 1 is likely).
+    if tp_likely and not select.select([recv], [], [], 0)[0]:
+        try:
+            warm_up(tp=True)
+        except Exception as e:  # noqa: BLE001 - an optimisation: the check imports what it needs itself
+            log.debug("plan-time check: worker could not warm up TP (%s)", e)
     while True:
         try:
             plan = pickle.load(recv)

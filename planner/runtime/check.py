@@ -141,22 +141,25 @@ def check_plan_runs(
     return method
 
 
-def warm_up() -> None:
-    """Do ahead what the first check in a process pays once, whatever the plan: import the TP runtime (DTensor,
-    the fake process group) and torch's symbolic shapes (sympy: the meta kernels' dtype rules import it), and
-    run a small forward, loss and backward on meta, as written and sharded for tp 2 (first calls of meta
-    kernels and of DTensor's sharding rules). The check worker (planner.codegen.worker) calls it while the
-    search runs; it changes no state that a check reads."""
+def warm_up(tp: bool = False) -> None:
+    """Do ahead what the first check in a process pays once, whatever the plan: import torch's symbolic shapes
+    (sympy: the meta kernels' dtype rules import it) and run a small forward, loss and backward on meta (the
+    meta kernels' first calls); with `tp`, also import the TP runtime (DTensor, the fake process group) and
+    run the block sharded for tp 2 (DTensor's sharding rules), which only a plan with tp > 1 needs. The check
+    worker (planner.codegen.worker) calls it while the search runs; it changes no state that a check reads."""
     import torch.fx.experimental.symbolic_shapes  # noqa: F401 - imported by the first meta kernel otherwise
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from . import parallel  # noqa: F401 - the run's TP code, which the check imports for a TP plan
 
     meta_without_dynamo()
     with MetaMemo():
         block = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)).to("meta")
         x = torch.empty(2, 4, 8, device="meta", requires_grad=True)
         block(x).float().softmax(-1).sum().backward()
+    if not tp:
+        return
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from . import parallel  # noqa: F401 - the run's TP code, which the check imports for a TP plan
+
     with _fake_tp_mesh(2) as mesh:
         if mesh is None:
             return
