@@ -139,6 +139,18 @@ def test_no_worker_is_forked_beside_another_thread():
         other.join()
 
 
+def test_no_worker_is_forked_once_cuda_is_initialised(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(threading, "active_count", lambda: 1)  # as in a planner process
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.delenv("PLANNER_CHECK_WORKER", raising=False)
+    assert worker_allowed()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert not worker_allowed()
+
+
 def test_tqdms_monitor_thread_is_stopped_for_good():
     from tqdm import tqdm
 

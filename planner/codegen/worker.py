@@ -10,7 +10,8 @@ preparation serves the plan's check (`prepared_serves`: then the rest of it is w
 the planner's process too; a large model's preparation can outlast the search, and the check of a model run
 as written does not use it), else the check runs in the planner's own process; it runs there too where the
 worker dies or fails otherwise than by the user's error, and where there is no worker: no fork (not Linux),
-one CPU, other threads running (a fork could inherit a held lock), or PLANNER_CHECK_WORKER=0.
+one CPU, CUDA initialised (a forked child cannot use it), other threads running (a fork could inherit a held
+lock), or PLANNER_CHECK_WORKER=0.
 PLANNER_CHECK_WORKER=wait waits for the worker however long it takes to get ready (the tests of its answers
 use it: a small model's search ends before it is).
 """
@@ -44,6 +45,9 @@ def worker_allowed() -> bool:
         return False
     if len(os.sched_getaffinity(0)) < 2:
         return False  # the child would only take turns with the search
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return False  # CUDA cannot be used in a forked child (model code may touch it: --measure ran on the GPU)
     _stop_tqdm_monitor()
     return threading.active_count() == 1
 
