@@ -26,54 +26,19 @@ TINY = ROOT / "tests" / "fixtures" / "tiny_gpt.py"
 GPT = ROOT / "sample_models" / "gpt.py"
 CPU4 = ["--gpu", "cpu", "--gpus-per-node", "4", "--global-batch-size", "8", "--quiet"]
 
-MODEL = '''
-import os
-import signal
-import time
-
-import torch
-from torch import nn
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj_in = nn.Linear(16, 64)
-        self.blocks = nn.ModuleList([nn.Linear(64, 64) for _ in range(4)])
-        self.head = nn.Linear(64, 1)
-
-    def forward(self, x):
-        h = self.proj_in(x)
-        for block in self.blocks:
-            h = torch.relu(block(h))
-        return self.head(h)
-
-
-def build_model(**kwargs):
-    if os.getppid() != int(os.environ["TEST_PID"]):  # in the worker (whose parent is planner)
-        {in_worker_build}
-    return Net()
-
-
-def example_inputs(batch_size, **kwargs):
-    return (torch.randn(batch_size, 16),)
-
-
-def loss_fn(output, x):
-    if os.getppid() != int(os.environ["TEST_PID"]):  # in the worker (whose parent is planner): die
-        {in_worker}
-    return {loss}
-'''
+PROBE = ROOT / "tests" / "fixtures" / "models" / "worker_probe.py"  # behaves otherwise in the worker
 
 needs_fork = pytest.mark.skipif(
     sys.platform != "linux" or len(os.sched_getaffinity(0)) < 2, reason="the worker forks on Linux with 2+ CPUs"
 )
 
 
-def _plan(out: Path, *args: str, worker: bool = True, model: Path = TINY) -> subprocess.CompletedProcess[str]:
+def _plan(
+    out: Path, *args: str, worker: bool | str = True, model: Path = TINY, probe: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ, "PYTHONPATH": str(ROOT), "PLANNER_NO_CACHE": "1", "TEST_PID": str(os.getpid()),
-        "PLANNER_CHECK_WORKER": "wait" if worker else "0",
+        "PLANNER_CHECK_WORKER": worker if isinstance(worker, str) else "wait" if worker else "0", **(probe or {}),
     }
     cmd = [sys.executable, "-m", "cli.main", "--debug", "plan", str(model), *CPU4, "--out", str(out), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -98,12 +63,10 @@ def test_the_worker_checks_the_plan_and_the_files_are_the_same(tmp_path, model, 
 
 @needs_fork
 def test_a_model_that_fails_the_check_is_reported_the_same_through_the_worker(tmp_path):
-    model = tmp_path / "net.py"
-    not_a_scalar = "torch.cat([output, output], 1)"
-    model.write_text(MODEL.format(in_worker="pass", in_worker_build="pass", loss=not_a_scalar))
     args = ("--pp", "2", "--loss-fn", "loss_fn")
-    forked = _plan(tmp_path / "forked", *args, model=model)
-    here = _plan(tmp_path / "here", *args, model=model, worker=False)
+    vector = {"PROBE_LOSS": "vector"}  # not a scalar
+    forked = _plan(tmp_path / "forked", *args, model=PROBE, probe=vector)
+    here = _plan(tmp_path / "here", *args, model=PROBE, probe=vector, worker=False)
     assert forked.returncode == here.returncode == 2
     assert "the worker answered (error)" in forked.stderr
 
@@ -116,15 +79,11 @@ def test_a_model_that_fails_the_check_is_reported_the_same_through_the_worker(tm
 
 @needs_fork
 def test_a_worker_that_dies_gives_way_to_the_check_in_process(tmp_path):
-    model = tmp_path / "net.py"
-    model.write_text(MODEL.format(
-        in_worker="os.kill(os.getpid(), signal.SIGKILL)", in_worker_build="pass", loss="output.mean()"
-    ))
     args = ("--pp", "2", "--loss-fn", "loss_fn")
-    forked = _plan(tmp_path / "forked", *args, model=model)
+    forked = _plan(tmp_path / "forked", *args, model=PROBE, probe={"PROBE_LOSS": "kill"})
     assert forked.returncode == 0, forked.stderr[-3000:]
     assert "worker gave no answer" in forked.stderr and "the worker answered" not in forked.stderr
-    assert _plan(tmp_path / "here", *args, model=model, worker=False).returncode == 0
+    assert _plan(tmp_path / "here", *args, model=PROBE, worker=False).returncode == 0
     assert _files(tmp_path / "forked") == _files(tmp_path / "here")
 
 
@@ -212,17 +171,13 @@ def test_a_worker_not_ready_when_the_search_ends_is_not_waited_for(tmp_path):
     """A worker still preparing (here its build_model sleeps) when the search ends is not waited for where its
     preparation does not serve the plan (a model run as written: no pipeline): the check runs in this process
     and the plan is the same."""
-    model = tmp_path / "net.py"
-    model.write_text(MODEL.format(in_worker="pass", in_worker_build="time.sleep(120)", loss="output.mean()"))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PLANNER_NO_CACHE": "1", "PLANNER_CHECK_WORKER": "1",
-           "TEST_PID": str(os.getpid())}
-    args = [*CPU4, "--dp", "4", "--loss-fn", "loss_fn"]
-    cmd = [sys.executable, "-m", "cli.main", "--debug", "plan", str(model), *args, "--out", str(tmp_path / "forked")]
-    stderr = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=100, check=True).stderr
-    assert "gets ready while the search runs" in stderr
-    assert "not ready when the search ended; checking in this process" in stderr
-    assert "the worker answered" not in stderr
-    assert _plan(tmp_path / "here", "--dp", "4", "--loss-fn", "loss_fn", model=model, worker=False).returncode == 0
+    args = ("--dp", "4", "--loss-fn", "loss_fn")
+    forked = _plan(tmp_path / "forked", *args, model=PROBE, probe={"PROBE_BUILD": "sleep"}, worker="1")
+    assert forked.returncode == 0, forked.stderr[-3000:]
+    assert "gets ready while the search runs" in forked.stderr
+    assert "not ready when the search ended; checking in this process" in forked.stderr
+    assert "the worker answered" not in forked.stderr
+    assert _plan(tmp_path / "here", *args, model=PROBE, worker=False).returncode == 0
     assert _files(tmp_path / "forked") == _files(tmp_path / "here")
 
 
