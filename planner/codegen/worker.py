@@ -95,11 +95,11 @@ class CheckWorker:
         self._ready = False
 
     @classmethod
-    def start(cls, model_path: str, source: ModelSource, seed: int, tp_likely: bool) -> CheckWorker | None:
+    def start(cls, model_path: str, source: ModelSource, seed: int, warm_tp: bool) -> CheckWorker | None:
         """Fork the worker (None where `worker_allowed` says no). `model_path`: the model file, named in the
         errors of its code (its exits, signals) as the in-process check names it; `source` and `seed`: the
-        model and seed the plans will name (plan.model, plan.training.seed), prepared for ahead; `tp_likely`:
-        whether to warm up the TP runtime too (`tp_likely`)."""
+        model and seed the plans will name (plan.model, plan.training.seed), prepared for ahead; `warm_tp`:
+        whether to warm up the TP runtime too (where `tp_likely`)."""
         if not worker_allowed():
             return None
         to_child_r, to_child_w = os.pipe()
@@ -113,7 +113,7 @@ class CheckWorker:
                 os.close(to_child_w)
                 os.close(to_parent_r)
                 recv, send = os.fdopen(to_child_r, "rb"), os.fdopen(to_parent_w, "wb")
-                _serve(model_path, source, seed, tp_likely, recv, send)
+                _serve(model_path, source, seed, warm_tp, recv, send)
             except BaseException:  # noqa: BLE001 - the parent sees the pipe close and checks in-process
                 code = 1
             finally:
@@ -179,7 +179,7 @@ class CheckWorker:
 
 
 def _serve(
-    model_path: str, source: ModelSource, seed: int, tp_likely: bool, recv: IO[bytes], send: IO[bytes]
+    model_path: str, source: ModelSource, seed: int, warm_tp: bool, recv: IO[bytes], send: IO[bytes]
 ) -> None:
     """The child: warm up and prepare, then check each plan received until the parent closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends this process
@@ -202,7 +202,7 @@ def _serve(
     send.flush()
     # The TP runtime's import and first calls, while no plan is waiting (an import cannot be interrupted, so a
     # plan with tp 1 may wait for it: done only where tp > 1 is likely).
-    if tp_likely and not select.select([recv], [], [], 0)[0]:
+    if warm_tp and not select.select([recv], [], [], 0)[0]:
         try:
             warm_up(tp=True)
         except Exception as e:  # noqa: BLE001 - an optimisation: the check imports what it needs itself
