@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from planner.codegen.worker import CheckWorker
+    from planner.hardware.spec import ClusterSpec
     from planner.model.graph import ModelGraph
     from planner.pipeline import PlanRequest
     from planner.plan import Plan
@@ -154,13 +155,11 @@ def plan(
     quiet = is_quiet(ctx, quiet)
     worker: CheckWorker | None = None
 
-    def start_worker(graph: ModelGraph) -> None:  # the plan-time check gets ready while the search runs
+    def start_worker(graph: ModelGraph, cluster: ClusterSpec) -> None:  # the check gets ready during the search
         nonlocal worker
         from planner.codegen.worker import CheckWorker, tp_likely
-        from planner.hardware.load import load_cluster
 
-        gpu = load_cluster(request.gpu, request.nodes, request.gpus_per_node).gpu
-        tp = tp_likely(request.pins.get("tp"), graph.total_params, gpu.memory_bytes)
+        tp = tp_likely(request.pins.get("tp"), graph.total_params, cluster.gpu.memory_bytes)
         worker = CheckWorker.start(request.model_path, graph.source, request.seed, tp)
 
     try:
@@ -278,13 +277,13 @@ def run_search(
     request: PlanRequest,
     show_progress: bool,
     load_timeout: float | None = None,
-    after_analysis: Callable[[ModelGraph], None] | None = None,
+    after_analysis: Callable[[ModelGraph, ClusterSpec], None] | None = None,
 ) -> tuple[Plan, ModelGraph, SearchResult]:
     """plan_model with a spinner and a progress bar on stderr when it is a terminal (nothing otherwise).
 
     Importing, building and tracing the model file (the user's code) run under one guard and time limit.
-    `after_analysis` is called with the model's graph between the analysis and the search, outside the guard
-    and with no progress display running (it may fork: no other thread then).
+    `after_analysis` is called with the model's graph and the cluster between the analysis and the search,
+    outside the guard and with no progress display running (it may fork: no other thread then).
     """
     from planner.hardware.load import load_cluster
     from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
@@ -300,10 +299,11 @@ def run_search(
             return analyse_unguarded(req)
 
     # A wrong --gpu is reported at once, before the (slower) tracing of the model.
-    load_cluster(request.gpu, request.nodes, request.gpus_per_node)
+    cluster = load_cluster(request.gpu, request.nodes, request.gpus_per_node)
+
     def analysed(graph: ModelGraph) -> ModelGraph:
         if after_analysis is not None:
-            after_analysis(graph)
+            after_analysis(graph, cluster)
         return graph
 
     if not show_progress:  # --quiet: rich is not even imported

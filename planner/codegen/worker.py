@@ -37,9 +37,14 @@ log = logging.getLogger(__name__)
 WORKER_ENV = "PLANNER_CHECK_WORKER"
 
 
+def _setting() -> str:
+    """PLANNER_CHECK_WORKER as given: "0" (or false, no) for none, "wait" to always wait for it."""
+    return os.environ.get(WORKER_ENV, "").strip().lower()
+
+
 def worker_allowed() -> bool:
     """Whether forking a check worker is safe and worth it here."""
-    if os.environ.get(WORKER_ENV, "").strip().lower() in ("0", "false", "no"):
+    if _setting() in ("0", "false", "no"):
         return False
     if sys.platform != "linux" or not hasattr(os, "fork"):
         return False
@@ -133,7 +138,7 @@ class CheckWorker:
                 # Waited for where its preparation serves this plan's check (then the rest of it is work the
                 # check would do here too), else used only if it is ready: a large model's preparation can
                 # outlast the search, and the check of the model as written does not use it.
-                waits = os.environ.get(WORKER_ENV, "").strip().lower() == "wait" or prepared_serves(plan)
+                waits = _setting() == "wait" or prepared_serves(plan)
                 if not waits and not select.select([self._recv], [], [], 0)[0]:
                     log.debug("plan-time check: worker not ready when the search ended; checking in this process")
                     self.close()

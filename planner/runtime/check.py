@@ -70,10 +70,8 @@ class Prepared:
         example = micro_batch(self.user, spec, 1, seed, 0, 0)
         inputs = tuple(t.to("meta") for t in example[: input_count(self.meta_model, len(example))])
         self.traced: Traced | None = None
-        try:
+        with contextlib.suppress(Exception):  # the check traces (and reports a failure) as it would without this
             self.traced = Traced(self.meta_model, inputs, frozenset(), trace(self.meta_model, inputs))
-        except Exception:  # noqa: BLE001 - the check traces (and reports a failure) as it would without this
-            self.traced = None
         self._taken = False
 
     def take(self, spec: ModelFile, seed: int) -> Prepared | None:
