@@ -162,9 +162,13 @@ def plan(
         tp = tp_likely(request.pins.get("tp"), graph.total_params, cluster.gpu.memory_bytes)
         worker = CheckWorker.start(request.model_path, graph.source, request.seed, tp)
 
+    def ahead(plan: Plan) -> None:  # the search's best so far: the worker checks it while the search goes on
+        if worker is not None:
+            worker.ahead(plan)
+
     try:
         result_plan, graph, result = run_search(
-            request, show_progress=not quiet, load_timeout=load_timeout, after_analysis=start_worker
+            request, show_progress=not quiet, load_timeout=load_timeout, after_analysis=start_worker, ahead=ahead
         )
         from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
 
@@ -278,12 +282,14 @@ def run_search(
     show_progress: bool,
     load_timeout: float | None = None,
     after_analysis: Callable[[ModelGraph, ClusterSpec], None] | None = None,
+    ahead: Callable[[Plan], None] | None = None,
 ) -> tuple[Plan, ModelGraph, SearchResult]:
     """plan_model with a spinner and a progress bar on stderr when it is a terminal (nothing otherwise).
 
     Importing, building and tracing the model file (the user's code) run under one guard and time limit.
     `after_analysis` is called with the model's graph and the cluster between the analysis and the search,
-    outside the guard and with no progress display running (it may fork: no other thread then).
+    outside the guard and with no progress display running (it may fork: no other thread then); `ahead`
+    with the plan of each best so far during the search (plan_model).
     """
     from planner.hardware.load import load_cluster
     from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
@@ -307,10 +313,10 @@ def run_search(
         return graph
 
     if not show_progress:  # --quiet: rich is not even imported
-        return plan_model(request, analysed(analyse(request)))
+        return plan_model(request, analysed(analyse(request)), ahead=ahead)
     console = stderr_console()
     if not console.is_terminal:
-        return plan_model(request, analysed(analyse(request)))
+        return plan_model(request, analysed(analyse(request)), ahead=ahead)
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -326,7 +332,7 @@ def run_search(
         def advance(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
-        return plan_model(request, graph, progress=advance)
+        return plan_model(request, graph, progress=advance, ahead=ahead)
 
 
 def render_outputs(plan: Plan, result: SearchResult) -> dict[str, tuple[str, bool]]:

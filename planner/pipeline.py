@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -354,9 +356,15 @@ def measure_locally(request: PlanRequest, graph: ModelGraph, cluster: ClusterSpe
 
 
 def plan_model(
-    request: PlanRequest, graph: ModelGraph | None = None, profile: Profile | None = None, progress=None
+    request: PlanRequest,
+    graph: ModelGraph | None = None,
+    profile: Profile | None = None,
+    progress=None,
+    ahead: Callable[[Plan], None] | None = None,
 ) -> tuple[Plan, ModelGraph, SearchResult]:
-    """Plan a model file for a cluster: trace and analyse (unless given), search, build the Plan."""
+    """Plan a model file for a cluster: trace and analyse (unless given), search, build the Plan. `ahead`:
+    called during the search with the plan of each configuration that becomes the best so far (the plan as
+    the result's would be built were the search to end there: its runners-up and search figures aside)."""
     from planner.hardware.load import load_cluster
 
     if request.global_batch_size < 1:
@@ -369,6 +377,16 @@ def plan_model(
     options = CostOptions(overlap_dp_comm=request.overlap_dp_comm)
     if profile is None and _should_measure(request, cluster):
         profile = measure_locally(request, graph, cluster)
+    on_best = None
+    if ahead is not None:
+        known = graph
+
+        def on_best(ev: Evaluated) -> None:
+            so_far = SearchResult(
+                best=ev, ranked=[ev], rejected=Counter(), candidates=0, pruned_by_bound=0, ilps_solved=0, seconds=0.0
+            )
+            ahead(build_plan(known, cluster, request, so_far, options))
+
     result = search(
         graph,
         cluster.within_reserve(),  # plans keep the reserve free; the plan reports the physical capacity
@@ -380,6 +398,7 @@ def plan_model(
         request.time_limit,
         progress,
         request.max_nodes,
+        on_best=on_best,
     )
     return build_plan(graph, cluster, request, result, options), graph, result
 

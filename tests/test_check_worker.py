@@ -10,14 +10,24 @@ import os
 import subprocess
 import sys
 import threading
+from collections import deque
 from pathlib import Path
 
 import pytest
 from e2e.plans import make_plan
 
-from planner.codegen.check import check_plan_runs
+from planner.codegen.check import CheckInputs, check_plan_runs
 from planner.codegen.render import model_file
-from planner.codegen.worker import _stop_tqdm_monitor, prepared_serves, tp_likely, worker_allowed
+from planner.codegen.worker import (
+    Channel,
+    CheckWorker,
+    _next_request,
+    _stop_tqdm_monitor,
+    prepared_serves,
+    tp_likely,
+    worker_allowed,
+)
+from planner.errors import PlanError
 from planner.runtime import stages
 from planner.runtime.check import Prepared
 
@@ -57,6 +67,7 @@ def test_the_worker_checks_the_plan_and_the_files_are_the_same(tmp_path, model, 
     here = _plan(tmp_path / "here", *pins, worker=False, model=model)
     assert forked.returncode == 0 and here.returncode == 0, forked.stderr[-3000:] + here.stderr[-3000:]
     assert "gets ready while the search runs" in forked.stderr and "the worker answered (ok)" in forked.stderr
+    assert "the worker was sent this plan ahead, during the search" in forked.stderr  # the search's last best
     assert "worker" not in here.stderr
     assert _files(tmp_path / "forked") == _files(tmp_path / "here")
 
@@ -197,3 +208,73 @@ def test_the_tp_runtime_is_warmed_up_where_tp_is_likely():
     assert tp_likely(None, 175_000_000_000, gib80)  # GPT-3's training state holds 2.8 TB
     assert not tp_likely(None, 1_000_000, gib80)
     assert tp_likely(2, 1_000_000, gib80) and not tp_likely(1, 175_000_000_000, gib80)  # pinned
+
+
+def test_the_channel_sends_without_blocking_and_receives_whole_messages():
+    """A message larger than the pipe holds is queued, not blocked on; the other side sees no message until it is
+    whole, then exactly what was sent, in order."""
+    a_r, b_w = os.pipe()
+    b_r, a_w = os.pipe()
+    a, b = Channel(a_r, a_w), Channel(b_r, b_w)
+    try:
+        big = ("plan", "x" * (1 << 20))
+        a.send(big)  # 1 MiB into a pipe of 64 KiB: returns at once
+        a.send(("next", 2))
+        assert b.receive(block=False) is None and not b.ready()  # a part has arrived, not the whole
+        got = []
+        while len(got) < 2:
+            a._pump(0)  # the sender writes more as the pipe drains (in the planner: its next send or its wait)
+            message = b.receive(block=False)
+            if message is not None:
+                got.append(message)
+        assert got == [big, ("next", 2)]
+        a.close()
+        with pytest.raises(EOFError):
+            b.receive()
+    finally:
+        b.close()
+
+
+def test_a_plan_sent_ahead_is_dropped_where_a_newer_request_follows_it():
+    request = ("inputs",)
+    pending = deque([(0, request, True), (1, request, True), (2, request, False), (3, request, True)])
+    assert _next_request(pending) == ([0, 1], (2, request, False))  # asked for, never dropped
+    assert _next_request(pending) == ([], (3, request, True))  # the last one sent ahead is checked
+    alone = deque([(4, request, False), (5, request, False)])
+    assert _next_request(alone) == ([], (4, request, False))
+
+
+def test_the_answer_to_a_plan_sent_ahead_is_the_final_checks_and_a_dropped_one_is_asked_again():
+    """The parent's side against a scripted worker: the final plan's check takes the answer to the same plan sent
+    ahead; where the worker dropped it (a newer best came first), the plan is sent again and that answer taken;
+    a plan not sent ahead is sent when checked."""
+    plan_a, plan_b = make_plan("gpt", pp=2), make_plan("gpt", dp=2)
+    to_worker_r, to_worker_w = os.pipe()
+    to_parent_r, to_parent_w = os.pipe()
+    stand_in = subprocess.Popen(["sleep", "60"])  # the worker's pid, which close() ends
+    worker = CheckWorker(stand_in.pid, Channel(to_parent_r, to_worker_w))
+    scripted = Channel(to_worker_r, to_parent_w)
+    try:
+        worker.ahead(plan_a)
+        worker.ahead(plan_a)  # the same inputs: not sent twice
+        worker.ahead(plan_b)
+        assert [scripted.receive()[:1] for _ in range(2)] == [(0,), (1,)]
+        assert scripted.receive(block=False) is None
+        scripted.send(("ready",))
+        scripted.send((0, "skipped", None))
+        scripted.send((1, "ok", "module"))
+        scripted.send((2, "ok", "fx"))  # the answer to plan_a asked again (number 2), ready before it is asked
+        assert worker.check(plan_b) == "module"
+        assert worker.check(plan_a) == "fx"
+        number, inputs, ahead = scripted.receive()
+        assert (number, ahead) == (2, False) and inputs == CheckInputs.of(plan_a)
+        plan_c = make_plan("gpt", pp=2, micro_batch_size=1)
+        scripted.send((3, "error", PlanError("The plan cannot run: scripted")))
+        with pytest.raises(PlanError, match="scripted"):
+            worker.check(plan_c)
+        assert scripted.receive()[0] == 3
+    finally:
+        worker.close()
+        scripted.close()
+    with pytest.raises(ProcessLookupError):  # ended and reaped by close()
+        os.kill(stand_in.pid, 0)

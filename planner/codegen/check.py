@@ -3,25 +3,62 @@ device, one process), its errors turned into PlanError so `planner plan` exits 2
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from planner.codegen.render import runtime_objects
 from planner.errors import LayoutRefusedError, PlanError
 from planner.plan import Plan
 from planner.runtime.errors import RefusedLayout, RunError
+from planner.runtime.layout import Layout, ModelFile, Training
 
 if TYPE_CHECKING:
     from planner.runtime.check import Prepared
 
 
+@dataclass(frozen=True)
+class CheckInputs:
+    """All that the check of a plan reads: the runtime's objects (what train.py builds from its constants) and
+    the device launch.sh passes. Two plans with equal inputs get the same answer (the check worker answers a
+    plan sent ahead, during the search, for the final plan when their inputs are equal)."""
+
+    layout: Layout
+    spec: ModelFile
+    training: Training
+    device_type: str
+
+    @classmethod
+    def of(cls, plan: Plan) -> CheckInputs:
+        """Raises PlanError on a broken plan (constants the runtime refuses), as the check does."""
+        device_type = "cpu" if plan.cluster.gpu.lower() == "cpu" else "cuda"  # the device launch.sh passes
+        with _as_plan_errors():
+            return cls(*runtime_objects(plan), device_type=device_type)
+
+
 def check_plan_runs(plan: Plan, prepared: Prepared | None = None) -> str:
     """Raise PlanError if the plan's stages, TP decisions or loss cannot run one micro-batch; returns how the
     script would run it ("module", "fx" or "export"). `prepared`: the check's start made ahead (the worker's)."""
+    return check_runs(CheckInputs.of(plan), prepared)
+
+
+def check_runs(inputs: CheckInputs, prepared: Prepared | None = None) -> str:
+    """check_plan_runs for a plan's CheckInputs."""
     from planner.runtime.check import check_plan_runs as runtime_check  # imports torch
 
+    with _as_plan_errors():
+        return runtime_check(
+            inputs.layout, inputs.spec, inputs.training, device_type=inputs.device_type, prepared=prepared
+        )
+
+
+@contextmanager
+def _as_plan_errors() -> Iterator[None]:
+    """The runtime's errors as the planner's: a layout the model cannot take (the next runner-up may run), else
+    a plan that cannot run."""
     try:
-        device_type = "cpu" if plan.cluster.gpu.lower() == "cpu" else "cuda"  # the device launch.sh passes
-        return runtime_check(*runtime_objects(plan), device_type=device_type, prepared=prepared)
+        yield
     except RefusedLayout as e:
         raise LayoutRefusedError(f"The plan cannot run: {e}") from None
     except RunError as e:

@@ -4,8 +4,11 @@ Part of the check's time does not depend on the plan: importing the TP runtime (
 symbolic shapes (sympy), the first calls of the meta kernels, loading the model file, building the model on
 meta and tracing it. `CheckWorker.start` forks the planner once the model is analysed, before the search; the
 child does that work (`planner.runtime.check.warm_up`, `Prepared`) while the parent searches, then runs the
-same `check_plan_runs` on each plan the parent sends (the best, then runner-ups) and answers with its result
-or the PlannerError it raised. A worker not ready when the search ends is waited for only where its
+same check on each plan the parent sends and answers with its result or the PlannerError it raised. The
+parent sends each plan that becomes the search's best so far at once (`CheckWorker.ahead`: the final plan is
+often found long before the search has proven it best, so its check runs beside the rest of the search; one
+that a newer best replaces before the worker gets to it is dropped), then the final plan (its answer is the
+one to a plan sent ahead with the same `CheckInputs`), and runner-ups where the check refuses it. A worker not ready when the search ends is waited for only where its
 preparation serves the plan's check (`prepared_serves`: then the rest of it is work the check would do in
 the planner's process too; a large model's preparation can outlast the search, and the check of a model run
 as written does not use it), else the check runs in the planner's own process; it runs there too where the
@@ -23,10 +26,13 @@ import os
 import pickle
 import select
 import signal
+import struct
 import sys
 import threading
-from typing import IO, Any
+from collections import deque
+from typing import Any
 
+from planner.codegen.check import CheckInputs
 from planner.errors import PlannerError
 from planner.model.graph import ModelSource
 from planner.plan import Plan
@@ -35,6 +41,7 @@ from planner.runtime.layout import runs_traced_graph
 log = logging.getLogger(__name__)
 
 WORKER_ENV = "PLANNER_CHECK_WORKER"
+Request = tuple[int, CheckInputs, bool]  # to the worker: message number, a plan's check inputs, sent ahead
 
 
 def _setting() -> str:
@@ -89,15 +96,116 @@ def tp_likely(pinned_tp: int | None, total_params: int, gpu_memory_bytes: float)
     return total_params * 16 > gpu_memory_bytes
 
 
-class CheckWorker:
-    """The parent's handle on the forked check: `check(plan)` sends a plan and returns the check's result
-    (or raises its PlannerError); None where the worker cannot answer (the caller checks in-process)."""
+class Channel:
+    """Pickled messages, each framed by its length, over a pair of pipe descriptors: sent without blocking (what
+    the pipe cannot take yet waits in a buffer, written by later calls) and received with or without blocking,
+    so that neither side stalls the other: the parent sends plans ahead while it searches, the worker drops a
+    plan a newer one has replaced."""
 
-    def __init__(self, pid: int, send: IO[bytes], recv: IO[bytes]) -> None:
+    _HEADER = struct.Struct("<Q")
+
+    def __init__(self, read_fd: int, write_fd: int) -> None:
+        self.read_fd, self.write_fd = read_fd, write_fd
+        os.set_blocking(write_fd, False)
+        self._in = bytearray()
+        self._out = bytearray()
+        self._eof = False
+
+    def send(self, message: object) -> None:
+        """Queue `message` and write what the pipe takes now."""
+        data = pickle.dumps(message)
+        self._out += self._HEADER.pack(len(data)) + data
+        self._pump(0)
+
+    def receive(self, block: bool = True) -> Any:
+        """The next message; None where none is whole yet and not `block`. Raises EOFError once the other side
+        has closed its end (OSError where the pipe breaks), pickle.UnpicklingError on a broken message."""
+        while True:
+            message = self._take()
+            if message is not None or not block:
+                return message[0] if message is not None else None
+            self._pump(None)
+
+    def ready(self) -> bool:
+        """Whether a whole message is waiting (reads what has arrived, without blocking)."""
+        self._pump(0)
+        return self._whole() is not None
+
+    def _whole(self) -> int | None:
+        if len(self._in) < self._HEADER.size:
+            return None
+        (n,) = self._HEADER.unpack_from(self._in)
+        return n if len(self._in) >= self._HEADER.size + n else None
+
+    def _take(self) -> tuple[Any] | None:
+        self._pump(0)
+        n = self._whole()
+        if n is None:
+            if self._eof:
+                raise EOFError("the other side closed the pipe")
+            return None
+        start = self._HEADER.size
+        message = pickle.loads(bytes(self._in[start:start + n]))
+        del self._in[: start + n]
+        return (message,)
+
+    def _pump(self, timeout: float | None) -> None:
+        """Write what is queued and read what has arrived; wait up to `timeout` (None: until something moves)."""
+        while True:
+            writing = [self.write_fd] if self._out else []
+            reading = [] if self._eof else [self.read_fd]
+            if not writing and not reading:
+                return
+            r, w, _ = select.select(reading, writing, [], timeout)
+            if not r and not w:
+                return
+            if w:
+                try:
+                    sent = os.write(self.write_fd, self._out)
+                except BlockingIOError:
+                    sent = 0
+                del self._out[:sent]
+            if r:
+                chunk = os.read(self.read_fd, 1 << 16)
+                if chunk:
+                    self._in += chunk
+                else:
+                    self._eof = True
+            if timeout is None:
+                return
+            timeout = 0  # drain what is there, then return
+
+    def flush(self) -> None:
+        """Block until everything queued is written."""
+        while self._out:
+            _, w, _ = select.select([], [self.write_fd], [], None)
+            if w:
+                try:
+                    sent = os.write(self.write_fd, self._out)
+                except BlockingIOError:
+                    sent = 0
+                del self._out[:sent]
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class CheckWorker:
+    """The parent's handle on the forked check: `ahead(plan)` sends a plan whose check may be wanted (the
+    search's best so far) without waiting; `check(plan)` returns the check's result for a plan (or raises its
+    PlannerError), the answer to a plan with the same CheckInputs sent ahead where there was one; None where
+    the worker cannot answer (the caller checks in-process)."""
+
+    def __init__(self, pid: int, channel: Channel) -> None:
         self.pid = pid
-        self._send: IO[bytes] | None = send
-        self._recv = recv
+        self._channel: Channel | None = channel
         self._ready = False
+        self._sent: list[tuple[CheckInputs, int]] = []  # what the worker was asked to check, by message number
+        self._answers: dict[int, tuple[str, Any]] = {}
 
     @classmethod
     def start(cls, model_path: str, source: ModelSource, seed: int, warm_tp: bool) -> CheckWorker | None:
@@ -117,8 +225,7 @@ class CheckWorker:
             try:
                 os.close(to_child_w)
                 os.close(to_parent_r)
-                recv, send = os.fdopen(to_child_r, "rb"), os.fdopen(to_parent_w, "wb")
-                _serve(model_path, source, seed, warm_tp, recv, send)
+                _serve(model_path, source, seed, warm_tp, Channel(to_child_r, to_parent_w))
             except BaseException:  # noqa: BLE001 - the parent sees the pipe close and checks in-process
                 code = 1
             finally:
@@ -126,34 +233,64 @@ class CheckWorker:
         os.close(to_child_r)
         os.close(to_parent_w)
         log.debug("plan-time check: worker process %d gets ready while the search runs", pid)
-        return cls(pid, os.fdopen(to_child_w, "wb"), os.fdopen(to_parent_r, "rb"))
+        return cls(pid, Channel(to_parent_r, to_child_w))
+
+    def ahead(self, plan: Plan) -> None:
+        """Send `plan` to be checked while the search goes on (the best so far: the search's final plan often
+        is, found long before the search has proven it). Nothing is waited for; a plan sent ahead that a newer
+        one replaces before the worker starts it is dropped there."""
+        if self._channel is None:
+            return
+        try:
+            inputs = CheckInputs.of(plan)
+        except PlannerError:  # a plan the runtime refuses: the check raises that when (if) it is the final one
+            return
+        if self._number(inputs) is not None:
+            return
+        try:
+            self._ask(inputs, ahead=True)
+        except OSError as e:  # the worker is gone: the check runs in this process
+            log.debug("plan-time check: worker gone (%s)", e)
+            self.close()
 
     def check(self, plan: Plan) -> str | None:
         """The check's result for `plan` from the worker: the method it would run ("module", "fx", ...); raises
         the PlannerError the check raised; None where the worker gave no answer (it is closed then)."""
-        if self._send is None:
+        if self._channel is None:
             return None
+        inputs = CheckInputs.of(plan)
         try:
             if not self._ready:
                 # Waited for where its preparation serves this plan's check (then the rest of it is work the
                 # check would do here too), else used only if it is ready: a large model's preparation can
                 # outlast the search, and the check of the model as written does not use it.
                 waits = _setting() == "wait" or prepared_serves(plan)
-                if not waits and not select.select([self._recv], [], [], 0)[0]:
+                if not waits and not self._channel.ready():
                     log.debug("plan-time check: worker not ready when the search ended; checking in this process")
                     self.close()
                     return None
-                kind, _ = pickle.load(self._recv)
-                if kind != "ready":
-                    raise pickle.UnpicklingError(f"unexpected {kind!r} before the first plan")
-                self._ready = True
-            pickle.dump(plan, self._send)
-            self._send.flush()
-            kind, value = pickle.load(self._recv)
+                self._receive()
+                if not self._ready:
+                    raise pickle.UnpicklingError("an answer came before the worker was ready")
+            number = self._number(inputs)
+            if number is None:
+                number = self._ask(inputs, ahead=False)
+            else:
+                log.debug("plan-time check: the worker was sent this plan ahead, during the search")
+            self._channel.flush()
+            while True:
+                answer = self._answers.get(number)
+                if answer is None:
+                    self._receive()
+                elif answer[0] == "skipped":  # replaced before the worker got to it: asked again
+                    number = self._ask(inputs, ahead=False)
+                else:
+                    break
         except (EOFError, OSError, pickle.UnpicklingError) as e:
             log.debug("plan-time check: worker gave no answer (%s); checking in this process", e)
             self.close()
             return None
+        kind, value = answer
         if kind in ("ok", "error"):
             log.debug("plan-time check: the worker answered (%s)", kind)
         if kind == "ok":
@@ -163,16 +300,36 @@ class CheckWorker:
         log.debug("plan-time check: worker failed (%s); checking in this process", value)
         return None
 
+    def _number(self, inputs: CheckInputs) -> int | None:
+        """The message number of a request for `inputs` not dropped by the worker, if one was sent."""
+        for sent, number in self._sent:
+            if sent == inputs and self._answers.get(number, ("",))[0] != "skipped":
+                return number
+        return None
+
+    def _ask(self, inputs: CheckInputs, ahead: bool) -> int:
+        assert self._channel is not None
+        number = len(self._sent)
+        self._sent.append((inputs, number))
+        self._channel.send((number, inputs, ahead))
+        return number
+
+    def _receive(self) -> None:
+        """One message from the worker (blocking): its readiness, or an answer, kept by number."""
+        assert self._channel is not None
+        message = self._channel.receive()
+        if message == ("ready",):
+            self._ready = True
+            return
+        number, kind, value = message
+        self._answers[number] = (kind, value)
+
     def close(self) -> None:
         """End the worker (at once: it writes nothing) and reap it."""
-        if self._send is None:
+        if self._channel is None:
             return
-        for f in (self._send, self._recv):
-            try:
-                f.close()
-            except OSError:
-                pass
-        self._send = None
+        self._channel.close()
+        self._channel = None
         try:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -183,14 +340,13 @@ class CheckWorker:
             pass
 
 
-def _serve(
-    model_path: str, source: ModelSource, seed: int, warm_tp: bool, recv: IO[bytes], send: IO[bytes]
-) -> None:
-    """The child: warm up and prepare, then check each plan received until the parent closes the pipe."""
+def _serve(model_path: str, source: ModelSource, seed: int, warm_tp: bool, channel: Channel) -> None:
+    """The child: warm up and prepare, then check each plan received until the parent closes the pipe; a plan
+    sent ahead that a newer message follows is dropped (answered "skipped")."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends this process
     import torch
 
-    from planner.codegen.check import check_plan_runs
+    from planner.codegen.check import check_runs
     from planner.codegen.render import model_file
     from planner.model.guard import user_code
     from planner.runtime.check import Prepared, warm_up
@@ -203,31 +359,46 @@ def _serve(
             prepared = Prepared(model_file(source), seed)
     except Exception as e:  # noqa: BLE001 - an optimisation: each check starts from scratch without it
         log.debug("plan-time check: worker could not prepare (%s)", e)
-    send.write(pickle.dumps(("ready", None)))
-    send.flush()
+    channel.send(("ready",))
+    channel.flush()
     # The TP runtime's import and first calls, while no plan is waiting (an import cannot be interrupted, so a
     # plan with tp 1 may wait for it: done only where tp > 1 is likely).
-    if warm_tp and not select.select([recv], [], [], 0)[0]:
+    if warm_tp and not channel.ready():
         try:
             warm_up(tp=True)
         except Exception as e:  # noqa: BLE001 - an optimisation: the check imports what it needs itself
             log.debug("plan-time check: worker could not warm up TP (%s)", e)
+    pending: deque[Request] = deque()
     while True:
-        try:
-            plan = pickle.load(recv)
-        except EOFError:
-            return
+        if not pending:
+            try:
+                pending.append(channel.receive())
+            except EOFError:
+                return
+        while channel.ready():
+            pending.append(channel.receive())
+        skipped, (number, inputs, _) = _next_request(pending)
+        for n in skipped:
+            channel.send((n, "skipped", None))
         answer: tuple[str, Any]
         try:
             with user_code(model_path, "Checking that the plan runs", None):
-                answer = ("ok", check_plan_runs(plan, prepared))
+                answer = ("ok", check_runs(inputs, prepared))
         except PlannerError as e:
             answer = ("error", e)
         except Exception as e:  # noqa: BLE001 - not the user's error: the parent reruns the check itself
             answer = ("failed", f"{type(e).__name__}: {e}")
         try:
-            data = pickle.dumps(answer)
+            channel.send((number, *answer))
         except Exception as e:  # noqa: BLE001 - an error that does not pickle: the parent reruns the check
-            data = pickle.dumps(("failed", f"unpicklable answer ({e})"))
-        send.write(data)
-        send.flush()
+            channel.send((number, "failed", f"unpicklable answer ({e})"))
+        channel.flush()
+
+
+def _next_request(pending: deque[Request]) -> tuple[list[int], Request]:
+    """The next request to check, taken from `pending` (not empty), and the numbers of those dropped before it:
+    a plan sent ahead that a newer request follows was the search's best only for a while."""
+    skipped = []
+    while pending[0][2] and len(pending) > 1:
+        skipped.append(pending.popleft()[0])
+    return skipped, pending.popleft()

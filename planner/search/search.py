@@ -159,6 +159,7 @@ def search(
     progress: Callable[[int, int], None] | None = None,
     max_nodes: int | None = 5000,
     prefer_simulated: bool = True,
+    on_best: Callable[[Evaluated], None] | None = None,
 ) -> SearchResult:
     """Find the best configuration (and the next top_k).
 
@@ -171,6 +172,9 @@ def search(
     where it was pruned by its linear bound only, its valid bound (`bounds.reported_bound`) enters
     SearchResult.reported_gap. Off, the ranking is by the linear objective and the result is exactly
     its optimum over the whole space (GPipe's 1F1B dominance is exact for it).
+
+    on_best: called with each plan that becomes the best so far (the last call's is the result's best, where
+    the search ends normally); the search itself does not depend on it.
     """
     t0 = time.perf_counter()
     space = enumerate_space(graph, cluster, global_batch, pins)
@@ -297,6 +301,8 @@ def search(
         ranked.append(ev)
         ranked.sort(key=lambda e: (score(e), _key(e.cand)))
         ranked = ranked[: top_k + 1]
+        if on_best is not None and ranked[0] is ev:
+            on_best(ev)
 
     def tighten(item: QueueItem) -> QueueItem | None:
         """The item with its next level of bounds; None (and the rejection counted) if nothing fits."""
