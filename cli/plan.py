@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 
     from planner.codegen.worker import CheckWorker
     from planner.hardware.spec import ClusterSpec
-    from planner.model.graph import ModelGraph
+    from planner.model.graph import ModelGraph, ModelSource
     from planner.pipeline import PlanRequest
     from planner.plan import Plan
     from planner.search.search import SearchResult
@@ -155,12 +155,15 @@ def plan(
     quiet = is_quiet(ctx, quiet)
     worker: CheckWorker | None = None
 
-    def start_worker(graph: ModelGraph, cluster: ClusterSpec) -> None:  # the check gets ready during the search
+    def start_worker(cluster: ClusterSpec) -> None:  # the check gets ready beside the analysis and the search
         nonlocal worker
-        from planner.codegen.worker import CheckWorker, tp_likely
+        from planner.codegen.worker import CheckWorker
 
-        tp = tp_likely(request.pins.get("tp"), graph.total_params, cluster.gpu.memory_bytes)
-        worker = CheckWorker.start(request.model_path, graph.source, request.seed, tp)
+        worker = CheckWorker.start(request.model_path, request.seed, request.pins.get("tp"), cluster.gpu.memory_bytes)
+
+    def loaded(source: ModelSource) -> None:  # the model file as the plans will name it: the worker loads it too
+        if worker is not None:
+            worker.prepare(source)
 
     def ahead(plan: Plan) -> None:  # the search's best so far: the worker checks it while the search goes on
         if worker is not None:
@@ -168,7 +171,8 @@ def plan(
 
     try:
         result_plan, graph, result = run_search(
-            request, show_progress=not quiet, load_timeout=load_timeout, after_analysis=start_worker, ahead=ahead
+            request, show_progress=not quiet, load_timeout=load_timeout, before_analysis=start_worker,
+            loaded=loaded, ahead=ahead,
         )
         from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
 
@@ -281,15 +285,17 @@ def run_search(
     request: PlanRequest,
     show_progress: bool,
     load_timeout: float | None = None,
-    after_analysis: Callable[[ModelGraph, ClusterSpec], None] | None = None,
+    before_analysis: Callable[[ClusterSpec], None] | None = None,
+    loaded: Callable[[ModelSource], None] | None = None,
     ahead: Callable[[Plan], None] | None = None,
 ) -> tuple[Plan, ModelGraph, SearchResult]:
     """plan_model with a spinner and a progress bar on stderr when it is a terminal (nothing otherwise).
 
     Importing, building and tracing the model file (the user's code) run under one guard and time limit.
-    `after_analysis` is called with the model's graph and the cluster between the analysis and the search,
-    outside the guard and with no progress display running (it may fork: no other thread then); `ahead`
-    with the plan of each best so far during the search (plan_model).
+    `before_analysis` is called with the cluster once torch is imported, before the model file is, outside the
+    guard and before any progress display starts (it may fork: no other thread then); `loaded` with the model's
+    source once its file is loaded (pipeline.analyse); `ahead` with the plan of each best so far during the
+    search (plan_model).
     """
     from planner.hardware.load import load_cluster
     from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
@@ -299,35 +305,29 @@ def run_search(
     limit = DEFAULT_TIME_LIMIT_S if load_timeout is None else (load_timeout or None)
 
     def analyse(req: PlanRequest) -> ModelGraph:
-        import torch  # noqa: F401 - before the clock starts: torch's import is not the model's time
-
         with user_code(req.model_path, f"Tracing {Path(req.model_path).name}", limit):
-            return analyse_unguarded(req)
+            return analyse_unguarded(req, loaded=loaded)
 
     # A wrong --gpu is reported at once, before the (slower) tracing of the model.
     cluster = load_cluster(request.gpu, request.nodes, request.gpus_per_node)
+    import torch  # noqa: F401 - before the clock starts (torch's import is not the model's time) and the fork
 
-    def analysed(graph: ModelGraph) -> ModelGraph:
-        if after_analysis is not None:
-            after_analysis(graph, cluster)
-        return graph
-
+    if before_analysis is not None:
+        before_analysis(cluster)
     if not show_progress:  # --quiet: rich is not even imported
-        return plan_model(request, analysed(analyse(request)), ahead=ahead)
+        return plan_model(request, analyse(request), ahead=ahead)
     console = stderr_console()
     if not console.is_terminal:
-        return plan_model(request, analysed(analyse(request)), ahead=ahead)
+        return plan_model(request, analyse(request), ahead=ahead)
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        progress.add_task(f"Tracing {Path(request.model_path).name}", total=None)
+        task = progress.add_task(f"Tracing {Path(request.model_path).name}", total=None)
         graph = analyse(request)
-    graph = analysed(graph)  # the display's thread has ended
-    with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("Solving stage partitions (ILP per candidate)", total=None)
+        progress.update(task, description="Solving stage partitions (ILP per candidate)")
 
         def advance(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)

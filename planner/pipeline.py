@@ -20,7 +20,7 @@ from planner.cost.simulate import SimResult
 from planner.cost.terms import comm_reserve_bytes, moe_alltoall_time
 from planner.errors import ConfigError, PlannerError
 from planner.hardware.spec import ClusterSpec
-from planner.model.graph import ModelGraph
+from planner.model.graph import ModelGraph, ModelSource
 from planner.plan import (
     Alternative,
     ClusterSummary,
@@ -303,23 +303,28 @@ def load_request_model(request: PlanRequest):
     )
 
 
-def analyse(request: PlanRequest, cache: bool | None = None) -> ModelGraph:
+def analyse(
+    request: PlanRequest, cache: bool | None = None, loaded: Callable[[ModelSource], None] | None = None
+) -> ModelGraph:
     """The model's graph: from the analysis cache when the same model was analysed before (same file, files
     beside it, arguments, dtype, planner and torch), else built, traced and analysed, then cached.
-    ``cache=None``: unless PLANNER_NO_CACHE is set (planner.model.cache)."""
+    ``cache=None``: unless PLANNER_NO_CACHE is set (planner.model.cache). ``loaded``: called with the model's
+    source (the graph's) once its file is loaded, before the analysis."""
     from planner.model.cache import analysis_key, cache_enabled, read_cached, write_cached
 
-    loaded = load_request_model(request)
+    model = load_request_model(request)
+    if loaded is not None:
+        loaded(model.source)
     if cache is None:
         cache = cache_enabled()
-    key = analysis_key(loaded.source) if cache else ""
+    key = analysis_key(model.source) if cache else ""
     if cache:
         graph = read_cached(key)
-        if graph is not None and graph.source.model_copy(update={"path": loaded.source.path}) == loaded.source:
-            return graph.model_copy(update={"source": loaded.source})  # the same file elsewhere
+        if graph is not None and graph.source.model_copy(update={"path": model.source.path}) == model.source:
+            return graph.model_copy(update={"source": model.source})  # the same file elsewhere
     from planner.model.analysis import analyse_model
 
-    graph = analyse_model(loaded)
+    graph = analyse_model(model)
     if cache:
         write_cached(key, graph)
     return graph

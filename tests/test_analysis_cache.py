@@ -92,6 +92,7 @@ def test_the_check_is_skipped_only_after_it_passed(model, monkeypatch, tmp_path)
     checks: list[int] = []
     real = codegen_check.check_plan_runs
     monkeypatch.setattr(codegen_check, "check_plan_runs", lambda plan: checks.append(1) or real(plan))
+    monkeypatch.setenv("PLANNER_CHECK_WORKER", "0")  # counted in this process: no worker checks it
     base = ["plan", str(model), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "4",
             "--pp", "2", "--quiet", "--force"]
     for k, v in ARGS.items():

@@ -66,7 +66,8 @@ def test_the_worker_checks_the_plan_and_the_files_are_the_same(tmp_path, model, 
     forked = _plan(tmp_path / "forked", *pins, model=model)
     here = _plan(tmp_path / "here", *pins, worker=False, model=model)
     assert forked.returncode == 0 and here.returncode == 0, forked.stderr[-3000:] + here.stderr[-3000:]
-    assert "gets ready while the search runs" in forked.stderr and "the worker answered (ok)" in forked.stderr
+    assert "gets ready while the model is analysed and searched" in forked.stderr
+    assert "the worker answered (ok)" in forked.stderr
     assert "the worker was sent this plan ahead, during the search" in forked.stderr  # the search's last best
     assert "worker" not in here.stderr
     assert _files(tmp_path / "forked") == _files(tmp_path / "here")
@@ -185,7 +186,7 @@ def test_a_worker_not_ready_when_the_search_ends_is_not_waited_for(tmp_path):
     args = ("--dp", "4", "--loss-fn", "loss_fn")
     forked = _plan(tmp_path / "forked", *args, model=PROBE, probe={"PROBE_BUILD": "sleep"}, worker="1")
     assert forked.returncode == 0, forked.stderr[-3000:]
-    assert "gets ready while the search runs" in forked.stderr
+    assert "gets ready while the model is analysed and searched" in forked.stderr
     assert "not ready when the search ended; checking in this process" in forked.stderr
     assert "the worker answered" not in forked.stderr
     assert _plan(tmp_path / "here", *args, model=PROBE, worker=False).returncode == 0
