@@ -23,6 +23,7 @@ use it: a small model's search ends before it is).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -236,6 +237,9 @@ class CheckWorker:
         to_parent_r, to_parent_w = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
+        # What is alive now (torch, the planner) lives as long as either process: out of the collector's sight,
+        # whose passes would otherwise write to every page of it in both (copies, after the fork).
+        gc.freeze()
         pid = os.fork()
         if pid == 0:  # the child: never returns into the parent's code
             code = 0
