@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -211,6 +212,11 @@ def test_the_tp_runtime_is_warmed_up_where_tp_is_likely():
     assert tp_likely(2, 1_000_000, gib80) and not tp_likely(1, 175_000_000_000, gib80)  # pinned
 
 
+class _NotRebuilt(Exception):
+    def __init__(self, a: str, b: str) -> None:
+        super().__init__(a)
+
+
 def test_the_channel_sends_without_blocking_and_receives_whole_messages():
     """A message larger than the pipe holds is queued, not blocked on; the other side sees no message until it is
     whole, then exactly what was sent, in order."""
@@ -229,6 +235,11 @@ def test_the_channel_sends_without_blocking_and_receives_whole_messages():
             if message is not None:
                 got.append(message)
         assert got == [big, ("next", 2)]
+        a.send(_NotRebuilt("a", "b"))  # pickles, but its arguments do not rebuild it: a broken message
+        a.send(("after", 3))
+        with pytest.raises(pickle.UnpicklingError, match="did not unpickle"):
+            b.receive()
+        assert b.receive() == ("after", 3)  # the next message is read whole
         a.close()
         with pytest.raises(EOFError):
             b.receive()

@@ -160,9 +160,12 @@ class Channel:
                 raise EOFError("the other side closed the pipe")
             return None
         start = self._HEADER.size
-        message = pickle.loads(bytes(self._in[start:start + n]))
+        data = bytes(self._in[start:start + n])
         del self._in[: start + n]
-        return (message,)
+        try:
+            return (pickle.loads(data),)
+        except Exception as e:  # noqa: BLE001 - e.g. an exception class whose arguments do not rebuild it
+            raise pickle.UnpicklingError(f"a message did not unpickle ({type(e).__name__}: {e})") from e
 
     def _pump(self, timeout: float | None) -> None:
         """Write what is queued and read what has arrived; wait up to `timeout` (None: until something moves)."""
@@ -191,15 +194,10 @@ class Channel:
             timeout = 0  # drain what is there, then return
 
     def flush(self) -> None:
-        """Block until everything queued is written."""
+        """Block until everything queued is written (reading what arrives meanwhile: neither side can then wait
+        on a full pipe that the other waits to write to)."""
         while self._out:
-            _, w, _ = select.select([], [self.write_fd], [], None)
-            if w:
-                try:
-                    sent = os.write(self.write_fd, self._out)
-                except BlockingIOError:
-                    sent = 0
-                del self._out[:sent]
+            self._pump(None)
 
     def close(self) -> None:
         for fd in (self.read_fd, self.write_fd):
