@@ -70,10 +70,12 @@ from cli.emit import PLAN_FILE, write_outputs
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from contextlib import AbstractContextManager
 
     from planner.codegen.worker import CheckWorker
     from planner.hardware.spec import ClusterSpec
     from planner.model.graph import ModelGraph, ModelSource
+    from planner.model.load import LoadedModel
     from planner.pipeline import PlanRequest
     from planner.plan import Plan
     from planner.search.search import SearchResult
@@ -155,15 +157,12 @@ def plan(
     quiet = is_quiet(ctx, quiet)
     worker: CheckWorker | None = None
 
-    def start_worker(cluster: ClusterSpec) -> None:  # the check gets ready beside the analysis and the search
+    def start_worker(cluster: ClusterSpec, source: ModelSource) -> None:  # gets ready beside analysis and search
         nonlocal worker
         from planner.codegen.worker import CheckWorker
 
-        worker = CheckWorker.start(request.model_path, request.seed, request.pins.get("tp"), cluster.gpu.memory_bytes)
-
-    def loaded(source: ModelSource) -> None:  # the model file as the plans will name it: the worker loads it too
-        if worker is not None:
-            worker.prepare(source)
+        pinned_tp = request.pins.get("tp")
+        worker = CheckWorker.start(request.model_path, source, request.seed, pinned_tp, cluster.gpu.memory_bytes)
 
     def ahead(plan: Plan) -> None:  # the search's best so far: the worker checks it while the search goes on
         if worker is not None:
@@ -171,8 +170,7 @@ def plan(
 
     try:
         result_plan, graph, result = run_search(
-            request, show_progress=not quiet, load_timeout=load_timeout, before_analysis=start_worker,
-            loaded=loaded, ahead=ahead,
+            request, show_progress=not quiet, load_timeout=load_timeout, before_analysis=start_worker, ahead=ahead
         )
         from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
 
@@ -285,48 +283,64 @@ def run_search(
     request: PlanRequest,
     show_progress: bool,
     load_timeout: float | None = None,
-    before_analysis: Callable[[ClusterSpec], None] | None = None,
-    loaded: Callable[[ModelSource], None] | None = None,
+    before_analysis: Callable[[ClusterSpec, ModelSource], None] | None = None,
     ahead: Callable[[Plan], None] | None = None,
 ) -> tuple[Plan, ModelGraph, SearchResult]:
     """plan_model with a spinner and a progress bar on stderr when it is a terminal (nothing otherwise).
 
-    Importing, building and tracing the model file (the user's code) run under one guard and time limit.
-    `before_analysis` is called with the cluster once torch is imported, before the model file is, outside the
-    guard and before any progress display starts (it may fork: no other thread then); `loaded` with the model's
-    source once its file is loaded (pipeline.analyse); `ahead` with the plan of each best so far during the
-    search (plan_model).
+    Importing, building and tracing the model file (the user's code) run under one guard and one time limit.
+    `before_analysis` is called with the cluster and the model's source once the model file is loaded, before
+    it is analysed, outside the guard and with no progress display running (it may fork: no other thread
+    then); `ahead` with the plan of each best so far during the search (plan_model).
     """
+    import time
+
     from planner.hardware.load import load_cluster
     from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
-    from planner.pipeline import analyse as analyse_unguarded
-    from planner.pipeline import plan_model
+    from planner.pipeline import analyse, load_request_model, plan_model
 
     limit = DEFAULT_TIME_LIMIT_S if load_timeout is None else (load_timeout or None)
+    deadline = None if limit is None else time.monotonic() + limit
+    name = Path(request.model_path).name
 
-    def analyse(req: PlanRequest) -> ModelGraph:
-        with user_code(req.model_path, f"Tracing {Path(req.model_path).name}", limit):
-            return analyse_unguarded(req, loaded=loaded)
+    def guarded(what: str) -> AbstractContextManager[None]:  # the time left of the one limit
+        left = None if deadline is None else max(1e-3, deadline - time.monotonic())
+        return user_code(request.model_path, what, left)
+
+    def load() -> LoadedModel:
+        import torch  # noqa: F401 - before the clock starts: torch's import is not the model's time
+
+        with guarded(f"Loading {name}"):
+            return load_request_model(request)
+
+    def loaded(model: LoadedModel) -> LoadedModel:
+        if before_analysis is not None:
+            before_analysis(cluster, model.source)
+        return model
+
+    def analysed(model: LoadedModel) -> ModelGraph:
+        with guarded(f"Tracing {name}"):
+            return analyse(request, model=model)
 
     # A wrong --gpu is reported at once, before the (slower) tracing of the model.
     cluster = load_cluster(request.gpu, request.nodes, request.gpus_per_node)
-    import torch  # noqa: F401 - before the clock starts (torch's import is not the model's time) and the fork
-
-    if before_analysis is not None:
-        before_analysis(cluster)
     if not show_progress:  # --quiet: rich is not even imported
-        return plan_model(request, analyse(request), ahead=ahead)
+        return plan_model(request, analysed(loaded(load())), ahead=ahead)
     console = stderr_console()
     if not console.is_terminal:
-        return plan_model(request, analyse(request), ahead=ahead)
+        return plan_model(request, analysed(loaded(load())), ahead=ahead)
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task(f"Tracing {Path(request.model_path).name}", total=None)
-        graph = analyse(request)
+        progress.add_task(f"Loading {name}", total=None)
+        model = load()
+    model = loaded(model)  # the display's thread has ended: before_analysis may fork
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(f"Tracing {name}", total=None)
+        graph = analysed(model)
         progress.update(task, description="Solving stage partitions (ILP per candidate)")
 
         def advance(done: int, total: int) -> None:

@@ -10,7 +10,7 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,7 +20,7 @@ from planner.cost.simulate import SimResult
 from planner.cost.terms import comm_reserve_bytes, moe_alltoall_time
 from planner.errors import ConfigError, PlannerError
 from planner.hardware.spec import ClusterSpec
-from planner.model.graph import ModelGraph, ModelSource
+from planner.model.graph import ModelGraph
 from planner.plan import (
     Alternative,
     ClusterSummary,
@@ -37,6 +37,9 @@ from planner.plan import (
 from planner.runtime.layout import runs_traced_graph
 from planner.search.search import Evaluated, SearchResult, region_of, search, simulate_evaluated
 from planner.search.space import Pins
+
+if TYPE_CHECKING:
+    from planner.model.load import LoadedModel
 
 
 class PlanRequest(BaseModel):
@@ -288,7 +291,7 @@ def pins_from(request: PlanRequest) -> Pins:
         raise ConfigError(f"Unknown pin: {e}.") from None
 
 
-def load_request_model(request: PlanRequest):
+def load_request_model(request: PlanRequest) -> LoadedModel:
     """Import the request's model file with its function names, arguments and dtype."""
     from planner.model.load import load_model_file
 
@@ -303,18 +306,15 @@ def load_request_model(request: PlanRequest):
     )
 
 
-def analyse(
-    request: PlanRequest, cache: bool | None = None, loaded: Callable[[ModelSource], None] | None = None
-) -> ModelGraph:
+def analyse(request: PlanRequest, cache: bool | None = None, model: LoadedModel | None = None) -> ModelGraph:
     """The model's graph: from the analysis cache when the same model was analysed before (same file, files
     beside it, arguments, dtype, planner and torch), else built, traced and analysed, then cached.
-    ``cache=None``: unless PLANNER_NO_CACHE is set (planner.model.cache). ``loaded``: called with the model's
-    source (the graph's) once its file is loaded, before the analysis."""
+    ``cache=None``: unless PLANNER_NO_CACHE is set (planner.model.cache). ``model``: the request's model file
+    as `load_request_model` loaded it, where the caller has it."""
     from planner.model.cache import analysis_key, cache_enabled, read_cached, write_cached
 
-    model = load_request_model(request)
-    if loaded is not None:
-        loaded(model.source)
+    if model is None:
+        model = load_request_model(request)
     if cache is None:
         cache = cache_enabled()
     key = analysis_key(model.source) if cache else ""

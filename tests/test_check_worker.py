@@ -75,6 +75,23 @@ def test_the_worker_checks_the_plan_and_the_files_are_the_same(tmp_path, model, 
 
 
 @needs_fork
+def test_with_the_progress_display_the_worker_is_forked_between_its_two_parts(tmp_path):
+    """On a terminal (rich's FORCE_COLOR) the display runs a refresh thread: it ends after loading the model file
+    and starts again after the fork, so the worker is forked and answers."""
+    args = [a for a in CPU4 if a != "--quiet"]
+    env = {
+        **os.environ, "PYTHONPATH": str(ROOT), "PLANNER_NO_CACHE": "1", "PLANNER_CHECK_WORKER": "wait",
+        "FORCE_COLOR": "1",
+    }
+    cmd = [sys.executable, "-m", "cli.main", "--debug", "plan", str(TINY), *args, "--pp", "2", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Solving stage partitions" in done.stderr  # the display ran
+    assert "gets ready while the model is analysed and searched" in done.stderr
+    assert "the worker answered (ok)" in done.stderr
+
+
+@needs_fork
 def test_a_model_that_fails_the_check_is_reported_the_same_through_the_worker(tmp_path):
     args = ("--pp", "2", "--loss-fn", "loss_fn")
     vector = {"PROBE_LOSS": "vector"}  # not a scalar

@@ -2,20 +2,20 @@
 
 Part of the check's time does not depend on the plan: importing the TP runtime (DTensor) and torch's
 symbolic shapes (sympy), the first calls of the meta kernels, loading the model file, building the model on
-meta and tracing it. `CheckWorker.start` forks the planner once torch is imported, before the model is
-analysed; the child does that work (`planner.runtime.check.warm_up`; `Prepared`, once the parent has loaded
-the model file and names its source: `CheckWorker.prepare`) while the parent analyses and searches, then
-runs the same check on each plan the parent sends and answers with its result or the PlannerError it
-raised. The parent sends each plan that becomes the search's best so far at once (`CheckWorker.ahead`: the
-final plan is often found long before the search has proven it best, so its check runs beside the rest of
-the search; one that a newer best replaces before the worker gets to it is dropped), then the final plan
-(its answer is the one to a plan sent ahead with the same `CheckInputs`), and runner-ups where the check
-refuses it. A worker not ready when the search ends is waited for only where its preparation serves the
-plan's check (`prepared_serves`: then the rest of it is work the check would do in the planner's process
-too; a large model's preparation can outlast the search, and the check of a model run as written does not
-use it), else the check runs in the planner's own process; it runs there too where the worker dies or fails
-otherwise than by the user's error, and where there is no worker: no fork (not Linux), one CPU, CUDA
-initialised (a forked child cannot use it), other threads running (a fork could inherit a held lock), or
+meta and tracing it. `CheckWorker.start` forks the planner once the model file is loaded (torch, and
+transformers for a Hugging Face model, imported), before the model is analysed; the child does that work
+(`planner.runtime.check.warm_up`, `Prepared`) while the parent analyses and searches, then runs the same
+check on each plan the parent sends and answers with its result or the PlannerError it raised. The parent
+sends each plan that becomes the search's best so far at once (`CheckWorker.ahead`: the final plan is often
+found long before the search has proven it best, so its check runs beside the rest of the search; one that
+a newer best replaces before the worker gets to it is dropped), then the final plan (its answer is the one
+to a plan sent ahead with the same `CheckInputs`), and runner-ups where the check refuses it. A worker not
+ready when the search ends is waited for only where its preparation serves the plan's check
+(`prepared_serves`: then the rest of it is work the check would do in the planner's process too; a large
+model's preparation can outlast the search, and the check of a model run as written does not use it), else
+the check runs in the planner's own process; it runs there too where the worker dies or fails otherwise
+than by the user's error, and where there is no worker: no fork (not Linux), one CPU, CUDA initialised (a
+forked child cannot use it), other threads running (a fork could inherit a held lock), or
 PLANNER_CHECK_WORKER=0.
 PLANNER_CHECK_WORKER=wait waits for the worker however long it takes to get ready (the tests of its answers
 use it: a small model's search ends before it is).
@@ -50,6 +50,7 @@ Request = tuple[int, CheckInputs, bool]  # to the worker: message number, a plan
 # bursts (a batch of candidates solved side by side, small ones simulated one after another), and a check
 # started cannot be stopped for a newer one (it would also take the preparation, made for one check).
 AHEAD_SETTLE_S = 0.05
+WORKER_NICENESS = 19  # the lowest scheduling priority (os.nice): the worker only takes CPU time the planner leaves
 
 
 def _setting() -> str:
@@ -222,13 +223,13 @@ class CheckWorker:
 
     @classmethod
     def start(
-        cls, model_path: str, seed: int, pinned_tp: int | None, gpu_memory_bytes: float
+        cls, model_path: str, source: ModelSource, seed: int, pinned_tp: int | None, gpu_memory_bytes: float
     ) -> CheckWorker | None:
-        """Fork the worker (None where `worker_allowed` says no), before the model is analysed: it warms up
-        beside the analysis, then prepares the model `prepare` names. `model_path`: the model file, named in
-        the errors of its code (its exits, signals) as the in-process check names it; `seed`: the plans' seed
-        (plan.training.seed); `pinned_tp` and `gpu_memory_bytes`: whether TP is likely (`tp_likely`, with the
-        prepared model's parameters), so that the worker warms up the TP runtime too."""
+        """Fork the worker (None where `worker_allowed` says no), once the model file is loaded and before it is
+        analysed. `model_path`: the model file, named in the errors of its code (its exits, signals) as the
+        in-process check names it; `source` and `seed`: the model and seed the plans will name (plan.model,
+        plan.training.seed), prepared for ahead; `pinned_tp` and `gpu_memory_bytes`: whether TP is likely
+        (`tp_likely`, with the prepared model's parameters), so that the worker warms up the TP runtime too."""
         if not worker_allowed():
             return None
         to_child_r, to_child_w = os.pipe()
@@ -244,7 +245,7 @@ class CheckWorker:
             try:
                 os.close(to_child_w)
                 os.close(to_parent_r)
-                _serve(model_path, seed, pinned_tp, gpu_memory_bytes, Channel(to_child_r, to_parent_w))
+                _serve(model_path, source, seed, pinned_tp, gpu_memory_bytes, Channel(to_child_r, to_parent_w))
             except BaseException:  # noqa: BLE001 - the parent sees the pipe close and checks in-process
                 code = 1
             finally:
@@ -253,17 +254,6 @@ class CheckWorker:
         os.close(to_parent_w)
         log.debug("plan-time check: worker process %d gets ready while the model is analysed and searched", pid)
         return cls(pid, Channel(to_parent_r, to_child_w))
-
-    def prepare(self, source: ModelSource) -> None:
-        """Name the model the plans will name (plan.model: the file as loaded), for the worker to load, build and
-        trace ahead. Sent once, before any plan."""
-        if self._channel is None:
-            return
-        try:
-            self._channel.send(("prepare", source))
-        except OSError as e:  # the worker is gone: the check runs in this process
-            log.debug("plan-time check: worker gone (%s)", e)
-            self.close()
 
     def ahead(self, plan: Plan) -> None:
         """Send `plan` to be checked while the search goes on (the best so far: the search's final plan often
@@ -370,10 +360,15 @@ class CheckWorker:
             pass
 
 
-def _serve(model_path: str, seed: int, pinned_tp: int | None, gpu_memory_bytes: float, channel: Channel) -> None:
-    """The child: warm up, prepare the model the parent names, then check each plan received until the parent
-    closes the pipe; a plan sent ahead that a newer message follows is dropped (answered "skipped")."""
+def _serve(
+    model_path: str, source: ModelSource, seed: int, pinned_tp: int | None, gpu_memory_bytes: float, channel: Channel
+) -> None:
+    """The child: warm up and prepare, then check each plan received until the parent closes the pipe; a plan
+    sent ahead that a newer message follows is dropped (answered "skipped")."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends this process
+    # Work ahead, on a CPU the planner leaves free: where the search runs solvers on every CPU (CBC's processes
+    # beside the search thread) the worker yields to them; the parent waits for it only once it is done.
+    os.nice(WORKER_NICENESS)
     import torch
 
     from planner.codegen.check import check_runs
@@ -383,23 +378,12 @@ def _serve(model_path: str, seed: int, pinned_tp: int | None, gpu_memory_bytes: 
 
     torch.set_num_threads(1)  # a forked intra-op thread pool is not safe to use; the check runs on meta
     prepared: Prepared | None = None
-    pending: deque[Request] = deque()
     try:
         warm_up()
-    except Exception as e:  # noqa: BLE001 - an optimisation: the check warms up as it runs
-        log.debug("plan-time check: worker could not warm up (%s)", e)
-    try:
-        first = channel.receive()
-    except EOFError:
-        return
-    if first[0] == "prepare":
-        try:
-            with user_code(model_path, "Checking that the plan runs", None):
-                prepared = Prepared(model_file(first[1]), seed)
-        except Exception as e:  # noqa: BLE001 - an optimisation: each check starts from scratch without it
-            log.debug("plan-time check: worker could not prepare (%s)", e)
-    else:
-        pending.append(first)
+        with user_code(model_path, "Checking that the plan runs", None):
+            prepared = Prepared(model_file(source), seed)
+    except Exception as e:  # noqa: BLE001 - an optimisation: each check starts from scratch without it
+        log.debug("plan-time check: worker could not prepare (%s)", e)
     channel.send(("ready",))
     channel.flush()
     # The TP runtime's import and first calls, while no plan is waiting (an import cannot be interrupted, so a
@@ -410,6 +394,7 @@ def _serve(model_path: str, seed: int, pinned_tp: int | None, gpu_memory_bytes: 
             warm_up(tp=True)
         except Exception as e:  # noqa: BLE001 - an optimisation: the check imports what it needs itself
             log.debug("plan-time check: worker could not warm up TP (%s)", e)
+    pending: deque[Request] = deque()
     while True:
         if not pending:
             try:
