@@ -11,6 +11,7 @@ k-th best objective as its cutoff.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import logging
 import time
@@ -45,6 +46,7 @@ from planner.search.bounds import (
     tail_bound,
 )
 from planner.search.evaluate import Evaluated, evaluate, simulate_evaluated
+from planner.search.forked import fork_allowed, map_forked
 from planner.search.ilp import ILPResult, block_run, solve_partition
 from planner.search.pathbound import pipeline_bound
 from planner.search.reference import brute_force_reported, choices_count
@@ -381,10 +383,13 @@ def search(
     def small(item: QueueItem) -> bool:
         return by_reported and item.cand.stages > 1 and choices_count(n_units, item.cand, item.modes) <= REFINE_LIMIT
 
-    # CBC runs in its own process: the next ILP_WORKERS candidates in bound order are solved side by side
-    # (a fixed number, so that the counts reported do not depend on the machine). Every candidate whose
-    # optimum could enter the top k is still solved exactly, so the ranking is that of one-by-one solving.
+    # The next ILP_WORKERS candidates in bound order are solved side by side (a fixed number, so that the counts
+    # reported do not depend on the machine): in forked processes where fork_allowed (the chain program and the
+    # branch and bound are Python, which threads run one at a time), else in threads (CBC runs in its own
+    # process). Every candidate whose optimum could enter the top k is still solved exactly, so the ranking is
+    # that of one-by-one solving.
     pool = ThreadPoolExecutor(max_workers=ILP_WORKERS)
+    forked = fork_allowed()
     try:
         while heap:
             batch: list[QueueItem] = []
@@ -419,7 +424,10 @@ def search(
                 progress(done, total)
             done += len(batch)
             share = bb_share()
-            results = list(pool.map(solve, batch, [cutoff] * len(batch), [share] * len(batch)))
+            if forked and len(batch) > 1:  # the planner's own solvers are Python: processes, not threads
+                results = map_forked(functools.partial(solve, cutoff=cutoff, nodes=share), batch)
+            else:
+                results = list(pool.map(solve, batch, [cutoff] * len(batch), [share] * len(batch)))
             solved += len(batch)
             bb_left = max(0, bb_left - sum(r.nodes for r in results))
             for item, res in zip(batch, results, strict=True):
