@@ -384,10 +384,10 @@ def search(
         return by_reported and item.cand.stages > 1 and choices_count(n_units, item.cand, item.modes) <= REFINE_LIMIT
 
     # The next ILP_WORKERS candidates in bound order are solved side by side (a fixed number, so that the counts
-    # reported do not depend on the machine): in forked processes where fork_allowed (the chain program and the
-    # branch and bound are Python, which threads run one at a time), else in threads (CBC runs in its own
-    # process). Every candidate whose optimum could enter the top k is still solved exactly, so the ranking is
-    # that of one-by-one solving.
+    # reported do not depend on the machine): in forked processes where fork_allowed and two of them have several
+    # stages (the chain program and the branch and bound are Python, which threads run one at a time; one stage
+    # is a closed form, quicker than a fork), else in threads (CBC runs in its own process). Every candidate
+    # whose optimum could enter the top k is still solved exactly, so the ranking is that of one-by-one solving.
     pool = ThreadPoolExecutor(max_workers=ILP_WORKERS)
     forked = fork_allowed()
     try:
@@ -424,7 +424,7 @@ def search(
                 progress(done, total)
             done += len(batch)
             share = bb_share()
-            if forked and len(batch) > 1:  # the planner's own solvers are Python: processes, not threads
+            if forked and sum(it.cand.stages > 1 for it in batch) > 1:  # Python solvers: processes, not threads
                 results = map_forked(functools.partial(solve, cutoff=cutoff, nodes=share), batch)
             else:
                 results = list(pool.map(solve, batch, [cutoff] * len(batch), [share] * len(batch)))
