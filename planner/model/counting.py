@@ -220,9 +220,13 @@ def analyse_callable(
         for t in inputs
     )
     sizes: dict[int, int] = {}
+    # Every saved tensor is held until the count ends: a storage freed on the way (a branch whose graph autograd
+    # drops) would leave its address to a later one, and two storages would count as one, by chance.
+    held: list = []
 
     def pack(t):
         key = _storage_key(t)
+        held.append(t)
         if key not in param_keys:
             sizes[key] = max(sizes.get(key, 0), t.untyped_storage().nbytes())
             if seq_len and t.dim() >= 2 and t.shape[-1] == t.shape[-2] == seq_len and seq_len > 1:
