@@ -30,7 +30,7 @@ from planner.codegen.worker import (
 )
 from planner.errors import PlanError
 from planner.runtime import stages
-from planner.runtime.check import Prepared
+from planner.runtime.check import Cancelled, Prepared, cancellable
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "fixtures" / "tiny_gpt.py"
@@ -307,3 +307,22 @@ def test_the_answer_to_a_plan_sent_ahead_is_the_final_checks_and_a_dropped_one_i
         scripted.close()
     with pytest.raises(ProcessLookupError):  # ended and reaped by close()
         os.kill(stand_in.pid, 0)
+
+
+def test_a_check_stops_at_its_next_checkpoint_once_its_caller_says_so_and_leaves_nothing_behind():
+    """The worker stops the check of a plan sent ahead once a newer plan comes (runtime.check.cancellable): no
+    answer (not a refusal, which the check's own handlers would make of an error), and the next check runs as
+    one from scratch."""
+    plan = make_plan("gpt", tp=2, sequence_parallel=True, pp=2)
+    calls: list[int] = []
+
+    def stop_at_the_third() -> bool:
+        calls.append(1)
+        return len(calls) >= 3
+
+    with pytest.raises(Cancelled), cancellable(stop_at_the_third):
+        check_plan_runs(plan)
+    assert len(calls) == 3
+    with cancellable(lambda: False):
+        assert check_plan_runs(plan) == "fx"
+    assert check_plan_runs(plan) == "fx"

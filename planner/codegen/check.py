@@ -44,7 +44,8 @@ def check_plan_runs(plan: Plan, prepared: Prepared | None = None) -> str:
 
 
 def check_runs(inputs: CheckInputs, prepared: Prepared | None = None) -> str:
-    """check_plan_runs for a plan's CheckInputs."""
+    """check_plan_runs for a plan's CheckInputs (under `planner.runtime.check.cancellable`, it may stop at a
+    checkpoint: Cancelled, which is no answer)."""
     from planner.runtime.check import check_plan_runs as runtime_check  # imports torch
 
     with _as_plan_errors():

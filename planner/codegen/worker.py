@@ -374,7 +374,7 @@ def _serve(
     from planner.codegen.check import check_runs
     from planner.codegen.render import model_file
     from planner.model.guard import user_code
-    from planner.runtime.check import Prepared, warm_up
+    from planner.runtime.check import Cancelled, Prepared, cancellable, warm_up
 
     torch.set_num_threads(1)  # a forked intra-op thread pool is not safe to use; the check runs on meta
     prepared: Prepared | None = None
@@ -403,13 +403,18 @@ def _serve(
                 return
         while channel.ready(AHEAD_SETTLE_S if pending[-1][2] else 0.0):
             pending.append(channel.receive())
-        skipped, (number, inputs, _) = _next_request(pending)
+        skipped, (number, inputs, ahead) = _next_request(pending)
         for n in skipped:
             channel.send((n, "skipped", None))
         answer: tuple[str, Any]
+        # A plan sent ahead stops at the check's next step once a newer request comes (the search found a better
+        # plan): dropped, as one that never started.
+        stop = channel.ready if ahead else (lambda: False)
         try:
-            with user_code(model_path, "Checking that the plan runs", None):
+            with user_code(model_path, "Checking that the plan runs", None), cancellable(stop):
                 answer = ("ok", check_runs(inputs, prepared))
+        except Cancelled:
+            answer = ("skipped", None)
         except PlannerError as e:
             answer = ("error", e)
         except Exception as e:  # noqa: BLE001 - not the user's error: the parent reruns the check itself

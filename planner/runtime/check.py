@@ -39,6 +39,30 @@ from .tp_rules import check_tp
 SMALL = 50_000_000  # parameters: a model this small is rerun on the CPU when the meta device cannot run it
 
 
+class Cancelled(BaseException):  # noqa: N818 - not an error: no `except Exception` of the check's may catch it
+    """A check stopped by its caller at one of its checkpoints (`cancellable`): it says nothing of the plan."""
+
+
+_cancel: Callable[[], bool] | None = None
+
+
+@contextlib.contextmanager
+def cancellable(stop: Callable[[], bool]) -> Iterator[None]:
+    """Checks in this block stop (raise Cancelled) at their next checkpoint, between their steps, once `stop()`
+    holds: the check worker stops the check of a plan it was sent ahead once a newer plan comes."""
+    global _cancel
+    saved, _cancel = _cancel, stop
+    try:
+        yield
+    finally:
+        _cancel = saved
+
+
+def _checkpoint() -> None:
+    if _cancel is not None and _cancel():
+        raise Cancelled
+
+
 @contextlib.contextmanager
 def _failing_as(what: str) -> Iterator[None]:
     try:
@@ -107,12 +131,14 @@ def check_plan_runs(
             small = sum(p.numel() for p in meta_model.parameters()) <= SMALL
             _run_tp_shard(user, spec, layout, training, example, n_inputs, loss_fn, small)
         return "module"
+    _checkpoint()
     with _failing_as("Tracing the model"):
         gm, values, method = trace_for_plan(
             user, spec, layout, training.seed, example, device_type=device_type, meta_model=meta_model,
             ahead=ready.traced if ready is not None else None,
         )
         pieces = cut_into_pieces(gm, values, layout)
+    _checkpoint()
     _copy_tied(layout, gm, pieces, meta_model)
     refused: RefusedLayout | None = None
     if layout.tp_enabled:
@@ -216,6 +242,7 @@ def _run_stages(
     # backward runs through the earlier one) instead of running again. 96 identical blocks run one block.
     outputs: dict[Any, Any] = {}
     for i, stage in enumerate(layout.stages):
+        _checkpoint()
         mine = [p for p in pieces if p.stage == i]
         what = _stage_label(i, stage.modules) + label
         stage_inputs.append(values)
@@ -265,6 +292,7 @@ def _split_backward(
     last = len(layout.stages) - 1
     seen: set[Any] = set()
     for i, stage in enumerate(layout.stages):
+        _checkpoint()
         if i == 0:
             continue  # the first stage runs one full backward (torch: its inputs need no gradient)
         mine = [p for p in pieces if p.stage == i]
@@ -507,6 +535,7 @@ def _run_tp_stages(
         try:
             with _failing_as(f"Sequence parallelism for tp {layout.tp}"):
                 sp_styles = sequence_parallel(gm, values, example, mesh, layout) if layout.sp_enabled else {}
+                _checkpoint()
                 pieces = cut_into_pieces(gm, values, layout)
             _run_stages(
                 layout, spec, gm, pieces, model, example, n_inputs, loss_fn,
