@@ -157,20 +157,18 @@ def plan(
     quiet = is_quiet(ctx, quiet)
     worker: CheckWorker | None = None
 
-    def start_worker(cluster: ClusterSpec, source: ModelSource) -> None:  # gets ready beside analysis and search
+    def start_worker(cluster: ClusterSpec, source: ModelSource) -> Callable[[Plan], None] | None:
+        """The check gets ready beside the analysis and the search, and checks the search's bests so far."""
         nonlocal worker
         from planner.codegen.worker import CheckWorker
 
         pinned_tp = request.pins.get("tp")
         worker = CheckWorker.start(request.model_path, source, request.seed, pinned_tp, cluster.gpu.memory_bytes)
-
-    def ahead(plan: Plan) -> None:  # the search's best so far: the worker checks it while the search goes on
-        if worker is not None:
-            worker.ahead(plan)
+        return worker.ahead if worker is not None else None
 
     try:
         result_plan, graph, result = run_search(
-            request, show_progress=not quiet, load_timeout=load_timeout, before_analysis=start_worker, ahead=ahead
+            request, show_progress=not quiet, load_timeout=load_timeout, before_analysis=start_worker
         )
         from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
 
@@ -283,15 +281,15 @@ def run_search(
     request: PlanRequest,
     show_progress: bool,
     load_timeout: float | None = None,
-    before_analysis: Callable[[ClusterSpec, ModelSource], None] | None = None,
-    ahead: Callable[[Plan], None] | None = None,
+    before_analysis: Callable[[ClusterSpec, ModelSource], Callable[[Plan], None] | None] | None = None,
 ) -> tuple[Plan, ModelGraph, SearchResult]:
     """plan_model with a spinner and a progress bar on stderr when it is a terminal (nothing otherwise).
 
     Importing, building and tracing the model file (the user's code) run under one guard and one time limit.
     `before_analysis` is called with the cluster and the model's source once the model file is loaded, before
     it is analysed, outside the guard and with no progress display running (it may fork: no other thread
-    then); `ahead` with the plan of each best so far during the search (plan_model).
+    then); what it returns, where not None, is called with the plan of each best so far during the search
+    (plan_model's `ahead`).
     """
     import time
 
@@ -313,9 +311,12 @@ def run_search(
         with guarded(f"Loading {name}"):
             return load_request_model(request)
 
+    ahead: Callable[[Plan], None] | None = None
+
     def loaded(model: LoadedModel) -> LoadedModel:
+        nonlocal ahead
         if before_analysis is not None:
-            before_analysis(cluster, model.source)
+            ahead = before_analysis(cluster, model.source)
         return model
 
     def analysed(model: LoadedModel) -> ModelGraph:
@@ -324,11 +325,10 @@ def run_search(
 
     # A wrong --gpu is reported at once, before the (slower) tracing of the model.
     cluster = load_cluster(request.gpu, request.nodes, request.gpus_per_node)
-    if not show_progress:  # --quiet: rich is not even imported
-        return plan_model(request, analysed(loaded(load())), ahead=ahead)
-    console = stderr_console()
-    if not console.is_terminal:
-        return plan_model(request, analysed(loaded(load())), ahead=ahead)
+    console = stderr_console() if show_progress else None  # --quiet: rich is not even imported
+    if console is None or not console.is_terminal:
+        graph = analysed(loaded(load()))  # (sets `ahead`)
+        return plan_model(request, graph, ahead=ahead)
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 

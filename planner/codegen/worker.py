@@ -23,6 +23,7 @@ use it: a small model's search ends before it is).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -36,6 +37,7 @@ import time
 from collections import deque
 from typing import Any
 
+from planner import processes
 from planner.codegen.check import CheckInputs
 from planner.errors import PlannerError
 from planner.model.graph import ModelSource
@@ -234,22 +236,16 @@ class CheckWorker:
             return None
         to_child_r, to_child_w = os.pipe()
         to_parent_r, to_parent_w = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
+
+        def child() -> None:  # where it fails, the parent sees the pipe close and checks in-process
+            os.close(to_child_w)
+            os.close(to_parent_r)
+            _serve(model_path, source, seed, pinned_tp, gpu_memory_bytes, Channel(to_child_r, to_parent_w))
+
         # What is alive now (torch, the planner) lives as long as either process: out of the collector's sight,
         # whose passes would otherwise write to every page of it in both (copies, after the fork).
         gc.freeze()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into the parent's code
-            code = 0
-            try:
-                os.close(to_child_w)
-                os.close(to_parent_r)
-                _serve(model_path, source, seed, pinned_tp, gpu_memory_bytes, Channel(to_child_r, to_parent_w))
-            except BaseException:  # noqa: BLE001 - the parent sees the pipe close and checks in-process
-                code = 1
-            finally:
-                os._exit(code)
+        pid = processes.fork(child)
         os.close(to_child_r)
         os.close(to_parent_w)
         log.debug("plan-time check: worker process %d gets ready while the model is analysed and searched", pid)
@@ -350,14 +346,7 @@ class CheckWorker:
             return
         self._channel.close()
         self._channel = None
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            os.waitpid(self.pid, 0)
-        except ChildProcessError:
-            pass
+        processes.end(self.pid)
 
 
 def _serve(
@@ -409,9 +398,9 @@ def _serve(
         answer: tuple[str, Any]
         # A plan sent ahead stops at the check's next step once a newer request comes (the search found a better
         # plan): dropped, as one that never started.
-        stop = channel.ready if ahead else (lambda: False)
+        stop = cancellable(channel.ready) if ahead else contextlib.nullcontext()
         try:
-            with user_code(model_path, "Checking that the plan runs", None), cancellable(stop):
+            with user_code(model_path, "Checking that the plan runs", None), stop:
                 answer = ("ok", check_runs(inputs, prepared))
         except Cancelled:
             answer = ("skipped", None)

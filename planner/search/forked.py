@@ -25,6 +25,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
 
+from planner import processes
+
 FORK_ENV = "PLANNER_SEARCH_FORK"
 
 _In = TypeVar("_In")
@@ -59,24 +61,17 @@ def map_forked(fn: Callable[[_In], _Out], items: Sequence[_In]) -> list[_Out]:
 
 def _fork(fn: Callable[[_In], _Out], item: _In) -> tuple[int, int]:
     read_fd, write_fd = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into the parent's code
-        code = 1
-        try:
-            os.close(read_fd)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends the children
-            logging.disable(logging.CRITICAL)
-            warnings.simplefilter("ignore")
-            data = memoryview(pickle.dumps(fn(item)))
-            while data:
-                data = data[os.write(write_fd, data):]
-            code = 0
-        except BaseException:  # noqa: BLE001 - the parent solves the item itself (and raises its error)
-            pass
-        finally:
-            os._exit(code)
+
+    def child() -> None:  # where it fails, the parent solves the item itself (and raises its error)
+        os.close(read_fd)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends the children
+        logging.disable(logging.CRITICAL)
+        warnings.simplefilter("ignore")
+        data = memoryview(pickle.dumps(fn(item)))
+        while data:
+            data = data[os.write(write_fd, data):]
+
+    pid = processes.fork(child)
     os.close(write_fd)
     return pid, read_fd
 
@@ -100,14 +95,7 @@ def _collect(pid: int, fd: int) -> tuple[object] | None:
 
 def _end(pid: int, fd: int) -> None:
     try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
         os.close(fd)
     except OSError:
         pass
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
+    processes.end(pid)
