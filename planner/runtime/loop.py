@@ -366,6 +366,8 @@ def run(
         "tp": tp_rank,
         "stages": local,
         "peak_memory_bytes": peak_memory_bytes(device),
+        # what the caching allocator held at its peak: allocated plus its fragmentation (CUDA only)
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
     }
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, rank_info)
