@@ -74,8 +74,16 @@ HfConfigOpt = Annotated[
     Path | None,
     typer.Option(
         "--hf-config", metavar="PATH", rich_help_panel=_MODEL, show_default=False,
-        help="config.json (or its folder) for an hf:NAME model source; default: a local folder NAME or the local "
-        "Hugging Face cache. Nothing is downloaded.",
+        help="config.json (or its folder) for an hf:NAME model source; default: a local folder NAME, else the "
+        "repository's config.json through huggingface_hub (its cache; from the Hub when online, that file alone; "
+        "HF_HUB_OFFLINE=1 keeps it to the cache).",
+    ),
+]
+RevisionOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--revision", metavar="REV", rich_help_panel=_MODEL, show_default=False,
+        help="Branch, tag or commit of an hf:ORG/NAME repository whose config.json is read (default: main).",
     ),
 ]
 FlavorOpt = Annotated[
@@ -309,7 +317,7 @@ def plan_request(
     sequence_parallel: bool | None, dtype: DType, build_fn: str, inputs_fn: str, loss_fn: str | None, top_k: int,
     time_limit: float | None, no_overlap: bool, seed: int, lr: float, steps: int, data: str | None = None,
     measure: bool | None = None, memory_reserve: float | None = None, hf_config: Path | None = None,
-    flavor: str | None = None, ep: int | None = None,
+    flavor: str | None = None, ep: int | None = None, revision: str | None = None,
 ) -> PlanRequest:
     """The library's PlanRequest from the options `plan` and `dry-run` share; unset pins are searched.
 
@@ -329,7 +337,9 @@ def plan_request(
         # config it reads) to the output set, which is written as one unit after the search.
         where = Path(tempfile.mkdtemp(prefix="planner-source-"))
         atexit.register(shutil.rmtree, where, True)
-        model_file = compile_source(str(model_file), where, hf_config, int(args.get("seq", 2048)), flavor)
+        model_file = compile_source(
+            str(model_file), where, hf_config, int(args.get("seq", 2048)), flavor, revision
+        )
     elif flavor is not None:
         raise ModelLoadError(
             f"--flavor {flavor} names a torchtitan flavor, but {model_file} is not a torchtitan:MODEL source. "

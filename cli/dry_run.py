@@ -43,6 +43,7 @@ from cli._options import (
     PpOpt,
     QuietOpt,
     RecomputeOpt,
+    RevisionOpt,
     ScheduleOpt,
     SeedOpt,
     SequenceParallelOpt,
@@ -71,6 +72,7 @@ def dry_run(
     global_batch_size: GlobalBatchOpt,
     model_arg: ModelArgOpt = None,
     hf_config: HfConfigOpt = None,
+    revision: RevisionOpt = None,
     flavor: FlavorOpt = None,
     nodes: NodesOpt = 1,
     gpus_per_node: GpusPerNodeOpt = None,
@@ -111,6 +113,7 @@ def dry_run(
         micro_batch_size=micro_batch_size, schedule=schedule, zero_stage=zero_stage, recompute=recompute,
         sequence_parallel=sequence_parallel, dtype=dtype, build_fn=build_fn, inputs_fn=inputs_fn, loss_fn=loss_fn,
         data=data, measure=measure, memory_reserve=memory_reserve, hf_config=hf_config, flavor=flavor, ep=ep,
+        revision=revision,
         top_k=top_k, time_limit=time_limit, no_overlap=no_overlap, seed=seed, lr=lr, steps=steps,
     )
     quiet = is_quiet(ctx, quiet)

@@ -426,24 +426,6 @@ def test_hf_source_of_an_architecture_without_sdpa_uses_eager_attention_and_says
     assert plan["structure"] == ["2 x Gemma2DecoderLayer in model.layers (ModuleList)"]
 
 
-def test_hf_source_from_the_local_cache(tmp_path, monkeypatch):
-    from planner.model.sources import find_hf_config
-
-    snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
-    snap.mkdir(parents=True)
-    (snap / "config.json").write_text((MODELS / "hf_llama_config" / "config.json").read_text())
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    assert find_hf_config("org/tiny") == (snap / "config.json").resolve()
-
-
-def test_hf_source_without_a_config_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setenv("HOME", str(tmp_path))
-    result = _dry_run("hf:nobody/none", "--dp", "4")
-    assert result.exit_code == 2
-    assert "--hf-config" in result.output and "never downloads" in result.output
-
-
 def test_module_factory_source(tmp_path, monkeypatch):
     import json
 

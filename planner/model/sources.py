@@ -3,15 +3,15 @@
 Each is compiled into a model file that follows the model-file contract (build_model / example_inputs /
 loss_fn), written into the plan directory as ``model_source.py`` beside the ``config.json`` it reads, so
 everything downstream (the analysis, the generated train.py) only ever loads model files, and a plan
-directory still runs where the source's cache is absent. Nothing here touches the network or weights:
-Hugging Face configs come from a local file, directory or cache, and models are built on meta.
+directory still runs where the source's cache is absent. Weights are never fetched: a Hugging Face config
+comes from a local file or directory, or through huggingface_hub (its cache, or config.json alone from the
+Hub), and models are built on meta.
 transformers and torchtitan are optional and imported only by the generated file when it runs.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -44,36 +44,55 @@ def is_source(spec: str) -> bool:
     return spec.startswith(PREFIXES)
 
 
-def _hf_cache_dirs() -> list[Path]:
-    """The local Hugging Face hub caches, as huggingface_hub finds them (HF_HUB_CACHE, HF_HOME, ~/.cache)."""
-    dirs = []
-    if os.environ.get("HF_HUB_CACHE"):
-        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
-    if os.environ.get("HF_HOME"):
-        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
-    dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
-    return dirs
+def find_hf_config(name: str, hf_config: str | Path | None = None, revision: str | None = None) -> Path:
+    """The config.json for ``hf:NAME``: --hf-config, NAME as a path, a local directory NAME, or the Hub's file.
 
-
-def find_hf_config(name: str, hf_config: str | Path | None = None) -> Path:
-    """The config.json for ``hf:NAME``: --hf-config, NAME as a path, a local directory NAME, or the cache."""
+    A repository id (org/name) goes through huggingface_hub's own API, so its cache layout, its environment
+    (HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE, HF_ENDPOINT, HF_TOKEN) and ``revision`` (a branch, tag or commit)
+    mean what they mean to every Hugging Face tool: with a network, `hf_hub_download` fetches config.json
+    alone (never weights) or confirms the cached copy is current; offline (HF_HUB_OFFLINE=1) or unreachable,
+    the revision's cached copy is read (`try_to_load_from_cache`), and a cache without it is an error."""
     tried = []
     for cand in ([Path(hf_config).expanduser()] if hf_config else []) + [Path(name).expanduser()]:
         path = cand / CONFIG_FILE if cand.is_dir() else cand
         tried.append(str(path))
         if path.is_file():
             return path.resolve()
-    if "/" in name and not name.endswith(".json"):
-        org, _, repo = name.partition("/")
-        for cache in _hf_cache_dirs():
-            snaps = sorted((cache / f"models--{org}--{repo}" / "snapshots").glob(f"*/{CONFIG_FILE}"))
-            tried.append(str(cache / f"models--{org}--{repo}" / "snapshots" / "*" / CONFIG_FILE))
-            if snaps:
-                return snaps[-1].resolve()
+    at = f" at revision {revision}" if revision else ""
+    fetch = f"`hf download {name} {CONFIG_FILE}" + (f" --revision {revision}`" if revision else "`")
+    if "/" not in name or name.endswith(".json"):
+        raise ModelLoadError(
+            f"No config.json found for hf:{name} (looked at {', '.join(tried)}). Pass the model's config with "
+            "--hf-config PATH (a config.json or the folder holding it), or name a Hugging Face repository "
+            "as hf:ORG/NAME."
+        )
+    _require("huggingface_hub", "hf")
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    cached = try_to_load_from_cache(name, CONFIG_FILE, revision=revision)
+    if constants.is_offline_mode():
+        if isinstance(cached, str):
+            return Path(cached).resolve()
+        raise ModelLoadError(
+            f"No config.json for hf:{name}{at} in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+            f"HF_HUB_OFFLINE is set, so the Hub is not asked (looked at {', '.join(tried)}). Fetch it once with "
+            f"{fetch} on a machine with a network (only that file is downloaded), or pass a copy with "
+            "--hf-config PATH."
+        )
+    try:
+        # A cached copy makes a failed request fall back to it at once; without one, huggingface_hub retries
+        # for up to a minute before giving up (HF_HUB_OFFLINE=1 skips the request on machines without a network).
+        return Path(hf_hub_download(name, CONFIG_FILE, revision=revision)).resolve()
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
+        cause = f"the Hub could not be reached and the cache ({constants.HF_HUB_CACHE}) has no copy ({e})"
+    except HfHubHTTPError as e:  # 401/403 gated or private, 404 no such repository or revision
+        cause = f"the Hub refused it: {str(e).splitlines()[0]}"
+    except (OSError, ValueError) as e:
+        cause = f"{type(e).__name__}: {e}"
     raise ModelLoadError(
-        f"No config.json found for hf:{name} (looked at {', '.join(tried)}). The planner never downloads: pass "
-        "the model's config with --hf-config PATH (a config.json or the folder holding it), or fetch it once "
-        f"with `huggingface-cli download {name} config.json`, which puts it in the local cache it reads."
+        f"No config.json for hf:{name}{at}: {cause}. Check the repository id and --revision, log in with "
+        f"`hf auth login` for a gated model, fetch it with {fetch}, or pass a copy with --hf-config PATH."
     )
 
 
@@ -166,14 +185,15 @@ def loss_fn(output, *inputs):
 
 
 def compile_source(
-    spec: str, out_dir: str | Path, hf_config: str | Path | None = None, seq: int = 2048, flavor: str | None = None
+    spec: str, out_dir: str | Path, hf_config: str | Path | None = None, seq: int = 2048, flavor: str | None = None,
+    revision: str | None = None,
 ) -> Path:
     """Write the model file for ``spec`` (hf:NAME, hf:path/config.json, torchtitan:MODEL with ``flavor``,
     module:pkg.mod:factory) into ``out_dir``; its path."""
     out = Path(out_dir)
     if spec.startswith("hf:"):
         name = spec[3:]
-        config = find_hf_config(name, hf_config)
+        config = find_hf_config(name, hf_config, revision)
         try:
             raw = json.loads(config.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
