@@ -88,6 +88,7 @@ PLAN_EXAMPLES = [
 ]
 
 TIMELINE_FILE = "timeline.svg"
+TRACE_FILE = "timeline.trace.json"  # the same iteration for Perfetto / chrome://tracing
 
 LoadTimeoutOpt = Annotated[
     float,
@@ -358,10 +359,13 @@ def render_outputs(plan: Plan, result: SearchResult) -> dict[str, tuple[str, boo
     from planner.pipeline import simulate_evaluated
     from planner.report.tables import degrees, stage_labels
     from planner.report.timeline import timeline_svg
+    from planner.report.trace import chrome_trace
 
     c = plan.cluster
     title = f"{plan.model_class} on {c.nodes} x {c.gpus_per_node} {c.gpu}: {degrees(plan.parallel)}"
     files = dict(render(plan, PLAN_FILE))
-    files[TIMELINE_FILE] = (timeline_svg(simulate_evaluated(result.best), title, stage_labels(plan)), False)
+    sim, labels = simulate_evaluated(result.best), stage_labels(plan)
+    files[TIMELINE_FILE] = (timeline_svg(sim, title, labels), False)
+    files[TRACE_FILE] = (chrome_trace(sim, title, labels), False)
     files[PLAN_FILE] = (plan.to_json(), False)
     return files

@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "fixtures" / "tiny_gpt.py"
 GPT = ROOT / "sample_models" / "gpt.py"
 CLUSTER = ["--gpu", "cpu", "--gpus-per-node", "4", "--global-batch-size", "8"]
-OUTPUTS = ("plan.json", "timeline.svg", "train.py", "launch.sh", "launch_multinode.sh", "slurm.sbatch")
+OUTPUTS = ("plan.json", "timeline.svg", "timeline.trace.json", "train.py", "launch.sh", "launch_multinode.sh",
+           "slurm.sbatch")
 
 runner = CliRunner()
 

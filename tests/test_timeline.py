@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from planner.cost.schedules import schedule_violation
 from planner.cost.simulate import simulate
 from planner.report.timeline import MAX_BOXES, timeline_svg
+from planner.report.trace import chrome_trace
 
 NS = "{http://www.w3.org/2000/svg}"
 
@@ -68,13 +69,35 @@ def test_stage_labels_and_escaping():
         timeline_svg(sim, "x", ["only one"])
 
 
-def test_huge_schedule_is_capped():
-    n = 64
-    sim = simulate("1f1b", 64, 512, 1, [0.001] * n, [0.002] * n)
+def _summary_pixels(svg: str, p: int) -> list[tuple[int, int]]:
+    """(busy pixels, row pixels) per rank's row of a summarised chart, counted from its rectangles."""
+    from planner.report.timeline import _BOX_H, _LEFT, _LEGEND_H, _PLOT_W, _ROW_H, _TITLE_H
+
+    top = _TITLE_H + _LEGEND_H
+    busy = [0] * p
+    for el in ET.fromstring(svg).iter(f"{NS}rect"):
+        fill, y = el.get("fill"), float(el.get("y", 0))
+        if fill in {"#4c78a8", "#f58518", "#54a24b"} and float(el.get("x", 0)) >= _LEFT and y >= top:
+            r = int((y - top) // _ROW_H)
+            if y + float(el.get("height")) <= top + r * _ROW_H + 2 + _BOX_H:
+                busy[r] += int(float(el.get("width"))) * int(float(el.get("height")))
+    return [(b, _PLOT_W * _BOX_H) for b in busy]
+
+
+def test_huge_schedule_is_summarised_not_cut():
+    """pp 16 x 192 micro-batches, 8 stages per rank: 49k actions. Every rank's row is drawn to the end, and its
+    idle pixels are its idle time: their share over the picture is the bubble the heading states."""
+    p, m, v = 16, 192, 8
+    n = p * v
+    sim = simulate("interleaved-1f1b", p, m, v, [0.001 * (1 + s % 3) for s in range(n)], [0.002] * n, p2p=0.0001)
+    assert len(sim.events) > MAX_BOXES
     svg = timeline_svg(sim, "big")
-    boxes = [el for el in ET.fromstring(svg).iter(f"{NS}title") if re.match(r"[FB] stage", el.text or "")]
-    assert 0 < len(boxes) <= MAX_BOXES
-    assert any("drawing micro-batches 0-" in t and "of 512 only" in t for t in _texts(svg))
+    assert any("summarised per pixel column" in t for t in _texts(svg))
+    rows = _summary_pixels(svg, p)
+    for r, (busy, area) in enumerate(rows):
+        assert abs(busy / area - sim.busy[r] / sim.iteration_time) <= 3 / area, r  # within a pixel per kind
+    idle = 1 - sum(b for b, _ in rows) / sum(a for _, a in rows)
+    assert abs(idle - sim.bubble_fraction) < 1e-3
 
 
 def test_zero_time_schedule_renders():
@@ -97,3 +120,22 @@ def test_any_schedule_renders_deterministically(schedule, p, m, v, p2p):
     ET.fromstring(svg)
     assert svg == timeline_svg(_sim(schedule, p, m, v, p2p), f"{schedule} test")
     assert [t for t in _texts(svg) if t.startswith("rank ")] == [f"rank {r}" for r in range(p)]
+
+
+def test_chrome_trace_one_process_per_rank_with_compute_and_comm_tracks():
+    import json
+
+    sim = _sim("interleaved-1f1b", 2, 4, 2, p2p=0.0001)
+    doc = json.loads(chrome_trace(sim, "t", ["embed", "blocks 0-3", "blocks 4-7", "head"]))
+    assert doc["displayTimeUnit"] == "ms" and doc["otherData"]["bubble_fraction"] == round(sim.bubble_fraction, 6)
+    events = doc["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {(0, 0): "compute (embed, blocks 4-7)", (0, 1): "p2p send",
+                     (1, 0): "compute (blocks 0-3, head)", (1, 1): "p2p send"}
+    compute = [e for e in events if e["ph"] == "X" and e["tid"] == 0]
+    sends = [e for e in events if e["ph"] == "X" and e["tid"] == 1]
+    assert len(compute) == len(sim.events) and len(sends) == len(sim.transfers) > 0
+    for r in range(2):  # a rank's compute track holds its busy time, in microseconds
+        got = sum(e["dur"] for e in compute if e["pid"] == r)
+        assert abs(got - sim.busy[r] * 1e6) < 1e-2
+    assert chrome_trace(sim, "t") == chrome_trace(_sim("interleaved-1f1b", 2, 4, 2, p2p=0.0001), "t")
