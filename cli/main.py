@@ -29,6 +29,7 @@ from cli.hardware import hardware_app
 from cli.plan import PLAN_EXAMPLES, plan
 from cli.profile import PROFILE_EXAMPLES, profile
 from cli.report import REPORT_EXAMPLES, report
+from cli.sweep import SWEEP_EXAMPLES, sweep
 from cli.validate import VALIDATE_EXAMPLES, validate
 from planner import __version__
 from planner.errors import ModelLoadError, PlannerError
@@ -143,6 +144,7 @@ app.command(epilog=examples_epilog(EMIT_EXAMPLES))(emit)
 app.command(epilog=examples_epilog(VALIDATE_EXAMPLES))(validate)
 app.command(epilog=examples_epilog(PROFILE_EXAMPLES))(profile)
 app.command(epilog=examples_epilog(CALIBRATE_EXAMPLES))(calibrate)
+app.command(epilog=examples_epilog(SWEEP_EXAMPLES))(sweep)
 app.add_typer(hardware_app, name="hardware")
 
 

@@ -85,6 +85,14 @@ class TopologySpec(_Strict):
         return self.inter_node_latency_us * 1e-6
 
 
+class Price(_Strict):
+    """What one GPU-hour costs to rent, with where and when the figure was read (prices move)."""
+
+    usd_per_gpu_hour: float = Field(gt=0, allow_inf_nan=False)
+    source: str = Field(min_length=1)
+    date: str = Field(min_length=1, description="when the source was read (YYYY-MM or YYYY-MM-DD)")
+
+
 class GPUSpec(_Strict):
     """One accelerator: dense (not sparse) peak throughput per dtype, memory and its bandwidth."""
 
@@ -101,6 +109,8 @@ class GPUSpec(_Strict):
     efficiency: Efficiencies = Efficiencies()
     memory_reserve: MemoryReserve = MemoryReserve()
     sources: dict[str, str] = Field(description="datasheet or paper for each number")
+    # Not part of what a plan depends on: excluded from dumps, so plans' input digests are unchanged by it.
+    price: Price | None = Field(None, exclude=True, description="rental price per GPU-hour, for `planner sweep`")
 
     @model_validator(mode="after")
     def _has_fp32(self) -> GPUSpec:
