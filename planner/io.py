@@ -452,9 +452,3 @@ def _cleanup_on_signal() -> Iterator[None]:
         with contextlib.suppress(ValueError, OSError):
             if signal.getsignal(signal.SIGTERM) is on_term:
                 signal.signal(signal.SIGTERM, previous)
-
-
-def atomic_write_files(files: dict[str | Path, tuple[str, bool]]) -> None:
-    """Write several files, each atomically; all content is rendered before the first write."""
-    for path, (text, executable) in files.items():
-        atomic_write_text(path, text, executable)

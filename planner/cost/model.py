@@ -356,16 +356,6 @@ def pipeline_time_linear(
     return out
 
 
-@dataclass
-class IterationCost:
-    pipeline: float
-    dp_exposed: float
-    optimizer: float
-    zero3_exposed: float
-    total: float
-    bubble_fraction: float
-
-
 def rank_tail_parts(
     mine: list[StageCost], cand: Candidate, options: CostOptions, cluster: ClusterSpec, dtype: str
 ) -> tuple[float, float]:

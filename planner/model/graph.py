@@ -104,10 +104,6 @@ class Unit(_Model):
         "per token)"
     )
 
-    @property
-    def tp_allreduce_bytes(self) -> int:
-        return sum(p.allreduce_bytes for p in self.tp_pairs)
-
 
 class ModelGraph(_Model):
     """A traced model grouped into partition units, in execution order."""
