@@ -70,6 +70,46 @@ ModelFileArg = Annotated[
         metavar="MODEL_FILE", show_default=False,
     ),
 ]
+def read_config_file(ctx: typer.Context, _param: Any, value: Path | None) -> Path | None:
+    """--config FILE: a YAML mapping of the command's options (`global-batch-size: 64`, `model-arg: [layers=4]`)
+    that become their defaults; what the command line gives still wins (click's default_map)."""
+    if value is None:
+        return None
+    import yaml
+
+    try:
+        data = yaml.safe_load(value.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"--config {value} cannot be read as YAML ({type(e).__name__}: {e}). Pass a YAML "
+                          "file of option: value lines, e.g. `global-batch-size: 64`.") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {value} holds a {type(data).__name__}, not a mapping. Write one option per "
+                          "line, e.g. `gpu: h100-sxm-80gb`.")
+    names = {p.name for p in ctx.command.params if p.name and p.name != "config" and p.expose_value}
+    defaults: dict[str, Any] = {}
+    for key, item in data.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in names:
+            raise ConfigError(
+                f"--config {value}: {key!r} is not an option of `planner {ctx.info_name}`. Use the options' long "
+                f"names: {', '.join(sorted(n.replace('_', '-') for n in names))}."
+            )
+        defaults[name] = item
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config", metavar="FILE", rich_help_panel=_OUTPUT, show_default=False, is_eager=True,
+        callback=read_config_file, exists=False,
+        help="YAML file of this command's options (long names: `gpu: dgx-h100`, `global-batch-size: 1536`, "
+        "`model-arg: [preset=gpt3-175b]`); options given on the command line override it.",
+    ),
+]
 HfConfigOpt = Annotated[
     Path | None,
     typer.Option(

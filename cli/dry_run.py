@@ -19,6 +19,7 @@ import typer
 
 from cli._options import (
     BuildFnOpt,
+    ConfigOpt,
     DataOpt,
     DpOpt,
     DType,
@@ -71,6 +72,7 @@ def dry_run(
     gpu: GpuOpt,
     global_batch_size: GlobalBatchOpt,
     model_arg: ModelArgOpt = None,
+    config: ConfigOpt = None,
     hf_config: HfConfigOpt = None,
     revision: RevisionOpt = None,
     flavor: FlavorOpt = None,

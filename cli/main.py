@@ -19,7 +19,7 @@ import traceback
 from typing import Annotated, Any, NoReturn
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from cli._options import Settings, examples_epilog, settings
 from cli.calibrate import CALIBRATE_EXAMPLES, calibrate
@@ -69,6 +69,27 @@ class _PlannerGroup(TyperGroup):
             raise typer.Exit(report_error(e, settings(ctx).debug)) from e
 
 
+class _PanelCommand(TyperCommand):
+    """click's plain help with the options grouped under their `rich_help_panel` headings (Model, Cluster and
+    batch, ...), which typer shows only in its rich mode: one section per panel, in first-use order, the
+    options without a panel under "Options"."""
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            panel = getattr(param, "rich_help_panel", None)
+            argument = param.param_type_name == "argument"
+            key = "Arguments" if argument else panel or "Options"
+            sections.setdefault(key, []).append(record)
+        order = sorted(sections, key=lambda k: (k != "Arguments", k == "Options"))  # stable: first use otherwise
+        for name in order:
+            with formatter.section(name):
+                formatter.write_dl(sections[name])
+
+
 def report_error(error: BaseException, debug: bool) -> int:
     """Print one paragraph about `error` on stderr (the traceback first with --debug); return the exit code."""
     if debug:
@@ -90,7 +111,7 @@ app = typer.Typer(
     help="Auto-parallelization planner for PyTorch training: trace a model, search data/tensor/pipeline "
     "parallelism and ZeRO with an ILP, and emit torchrun scripts.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish and PowerShell
     rich_markup_mode=None,  # click's plain help: paragraphs rewrapped to the terminal, no boxes
     pretty_exceptions_enable=False,  # tracebacks only with --debug, printed by report_error
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -137,14 +158,14 @@ def _debug_logging() -> None:
         logger.addHandler(handler)
 
 
-app.command(epilog=examples_epilog(PLAN_EXAMPLES))(plan)
-app.command("dry-run", epilog=examples_epilog(DRY_RUN_EXAMPLES))(dry_run)
-app.command(epilog=examples_epilog(REPORT_EXAMPLES))(report)
-app.command(epilog=examples_epilog(EMIT_EXAMPLES))(emit)
-app.command(epilog=examples_epilog(VALIDATE_EXAMPLES))(validate)
-app.command(epilog=examples_epilog(PROFILE_EXAMPLES))(profile)
-app.command(epilog=examples_epilog(CALIBRATE_EXAMPLES))(calibrate)
-app.command(epilog=examples_epilog(SWEEP_EXAMPLES))(sweep)
+app.command(cls=_PanelCommand, epilog=examples_epilog(PLAN_EXAMPLES))(plan)
+app.command("dry-run", cls=_PanelCommand, epilog=examples_epilog(DRY_RUN_EXAMPLES))(dry_run)
+app.command(cls=_PanelCommand, epilog=examples_epilog(REPORT_EXAMPLES))(report)
+app.command(cls=_PanelCommand, epilog=examples_epilog(EMIT_EXAMPLES))(emit)
+app.command(cls=_PanelCommand, epilog=examples_epilog(VALIDATE_EXAMPLES))(validate)
+app.command(cls=_PanelCommand, epilog=examples_epilog(PROFILE_EXAMPLES))(profile)
+app.command(cls=_PanelCommand, epilog=examples_epilog(CALIBRATE_EXAMPLES))(calibrate)
+app.command(cls=_PanelCommand, epilog=examples_epilog(SWEEP_EXAMPLES))(sweep)
 app.add_typer(hardware_app, name="hardware")
 
 

@@ -24,6 +24,7 @@ import typer
 
 from cli._options import (
     BuildFnOpt,
+    ConfigOpt,
     DataOpt,
     DpOpt,
     DType,
@@ -106,6 +107,7 @@ def plan(
     gpu: GpuOpt,
     global_batch_size: GlobalBatchOpt,
     model_arg: ModelArgOpt = None,
+    config: ConfigOpt = None,
     hf_config: HfConfigOpt = None,
     revision: RevisionOpt = None,
     flavor: FlavorOpt = None,
