@@ -60,6 +60,9 @@ class Layout(_Strict):
     zero: Literal[0, 1, 2, 3]
     schedule: Schedule
     overlap_dp_comm: bool = Field(description="False: gradients reduced after the last backward (Megatron 'local' DDP)")
+    overlap_param_gather: bool = Field(
+        False, description="ZeRO-1/2 weights all-gathered during the next forward (Megatron --overlap-param-gather)"
+    )
 
 
 class Published(_Strict):
@@ -242,7 +245,9 @@ def plan_run(
     if key not in graphs:
         graphs[key] = analyse(request)
     graph = graphs[key]
-    options = CostOptions(overlap_dp_comm=request.overlap_dp_comm)
+    options = CostOptions(
+        overlap_dp_comm=request.overlap_dp_comm, overlap_param_gather=run.layout.overlap_param_gather
+    )
     # as `planner plan` does: the search keeps the spec's memory reserve free, the plan shows the capacity
     result = search(
         graph,
