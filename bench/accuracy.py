@@ -55,7 +55,15 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from published_runs import PublishedRuns, Run, load_runs, plan_run, predicted_iteration_s, run_cluster
+from published_runs import (
+    PublishedRuns,
+    Run,
+    load_runs,
+    plan_run,
+    predicted_iteration_s,
+    rank0_memory_gib,
+    run_cluster,
+)
 
 from planner.cost.model import Candidate, CostOptions, optimizer_time, rank_memory, unit_cost
 from planner.errors import InfeasibleError
@@ -455,6 +463,7 @@ class RunResult:
     capacity_gib: float
     gpu_name: str
     reason: str = ""
+    rank0_gib: tuple[float, float] | None = None  # (states, activations) of pipeline rank 0, bare
 
     @property
     def error(self) -> float | None:
@@ -481,6 +490,7 @@ def run_published(runs: PublishedRuns) -> list[RunResult]:
                 pred.peak_memory_bytes / GiB,
                 pred.memory_capacity_bytes / GiB,
                 cluster.gpu.name,
+                rank0_gib=rank0_memory_gib(plan),
             )
         )
     return out
@@ -555,6 +565,36 @@ def print_published(results: list[RunResult], runs: PublishedRuns) -> None:
     if flagged:
         print(f"  {'unsupported features (!)':<32} {distribution(flagged)}")
     print(f"  {len(runs.runs)} runs from {len({r.source for r in runs.runs})} sources")
+    print_memory(results)
+
+
+def print_memory(results: list[RunResult]) -> None:
+    """Published memory per GPU (the busiest rank's model states and activations) against pipeline rank 0's."""
+    rows = [r for r in results if r.run.memory is not None]
+    if not rows:
+        return
+    print(
+        "\nMemory per GPU, published vs predicted (pipeline rank 0's model states and activations, without the\n"
+        "workspace, fragmentation and communication buffers the published figures leave out):\n"
+    )
+    head = (
+        f"{'run':<36} {'states GiB':>10} {'pred':>6} {'err %':>6} {'acts GiB':>8} {'pred':>6} {'err %':>6} "
+        f"{'total err %':>11}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        mem = r.run.memory
+        assert mem is not None
+        if r.rank0_gib is None:
+            print(f"{r.run.id:<36} refused: {r.reason}")
+            continue
+        st, ac = r.rank0_gib
+        tot = (st + ac) / (mem.states_gib + mem.activations_gib) - 1
+        print(
+            f"{r.run.id:<36} {mem.states_gib:>10.2f} {st:>6.2f} {100 * (st / mem.states_gib - 1):>+6.1f} "
+            f"{mem.activations_gib:>8.2f} {ac:>6.2f} {100 * (ac / mem.activations_gib - 1):>+6.1f} {100 * tot:>+11.1f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

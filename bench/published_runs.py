@@ -60,6 +60,9 @@ class Layout(_Strict):
     zero: Literal[0, 1, 2, 3]
     schedule: Schedule
     overlap_dp_comm: bool = Field(description="False: gradients reduced after the last backward (Megatron 'local' DDP)")
+    overlap_param_gather: bool = Field(
+        False, description="ZeRO-1/2 weights all-gathered during the next forward (Megatron --overlap-param-gather)"
+    )
 
 
 class Published(_Strict):
@@ -74,6 +77,14 @@ class Published(_Strict):
         if (self.metric == "tflops_per_gpu") != (self.flops is not None):
             raise ValueError("published.flops is required for tflops_per_gpu and only for it")
         return self
+
+
+class PublishedMemory(_Strict):
+    """Memory per GPU a source published for the run: model states and activations (GiB) of its busiest rank."""
+
+    states_gib: float = Field(gt=0, description="weights, gradients and optimizer states")
+    activations_gib: float = Field(gt=0)
+    cite: str
 
 
 class Run(_Strict):
@@ -91,6 +102,7 @@ class Run(_Strict):
     config: ModelConfig
     layout: Layout
     published: Published
+    memory: PublishedMemory | None = Field(None, description="published memory per GPU, where there is one")
     unsupported: str | None = Field(None, description="what the run used that the planner does not model")
     tp_comm_overlap: bool = Field(
         False, description="TP communication hidden behind the GEMMs (Megatron --tp-comm-overlap): the prediction "
@@ -242,7 +254,9 @@ def plan_run(
     if key not in graphs:
         graphs[key] = analyse(request)
     graph = graphs[key]
-    options = CostOptions(overlap_dp_comm=request.overlap_dp_comm)
+    options = CostOptions(
+        overlap_dp_comm=request.overlap_dp_comm, overlap_param_gather=run.layout.overlap_param_gather
+    )
     # as `planner plan` does: the search keeps the spec's memory reserve free, the plan shows the capacity
     result = search(
         graph,
@@ -262,3 +276,23 @@ def predicted_iteration_s(run: Run, plan: Plan) -> float:
     overlaps it behind the GEMMs (tp_comm_overlap) does not wait for, since the cost model exposes it all."""
     pred = plan.predicted
     return pred.iteration_time_s - (pred.comm.tensor_parallel_s if run.tp_comm_overlap else 0.0)
+
+
+def rank0_memory_gib(plan: Plan) -> tuple[float, float]:
+    """(model states, activations) in GiB of pipeline rank 0, as `planner.cost.model.rank_memory` counts them
+    (interleaved: the rank's own peak in-flight count), without the workspace, fragmentation and communication
+    buffers that published per-GPU figures leave out."""
+    from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches
+
+    mine = [s for s in plan.stages if s.pp_rank == 0]
+    states = sum(s.memory.weights + s.memory.gradients + s.memory.optimizer for s in mine)
+    par = plan.parallel
+    p, m, v = par.pp, par.num_micro_batches, par.virtual_stages
+    if v > 1:
+        per_mb = max(
+            s.memory.activations / max(1, in_flight_microbatches(par.schedule, p, m, v, s.index)) for s in mine
+        )
+        acts = per_mb * rank_in_flight_microbatches(par.schedule, p, m, v, 0)
+    else:
+        acts = sum(s.memory.activations for s in mine)
+    return states / 2**30, acts / 2**30

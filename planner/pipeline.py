@@ -111,6 +111,7 @@ def predicted_for(
         memory_capacity_bytes=cluster.gpu.memory_bytes,
         # the reserve this plan keeps free: the fixed part and its own process groups' NCCL buffers
         memory_reserve_bytes=cluster.fixed_reserve_bytes + int(nccl),
+        attention_backend=cluster.gpu.attention_backend if any(u.uses_flash_attention for u in graph.units) else "none",
         bubble_fraction=sim.bubble_fraction,
         comm=CommBreakdown(
             tensor_parallel_s=tp_comm,

@@ -134,6 +134,9 @@ class Predicted(_Model):
     peak_memory_bytes: Bytes
     memory_capacity_bytes: Bytes
     memory_reserve_bytes: Bytes = Field(0, description="memory per GPU every plan keeps free (CUDA context, NCCL, ...)")
+    attention_backend: str = Field(
+        "flash", description="the SDPA backend whose saved tensors the activation memory counts (the GPU spec's)"
+    )
     bubble_fraction: Figure
     comm: CommBreakdown = CommBreakdown()
     source: Source = "estimated"

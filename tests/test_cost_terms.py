@@ -20,7 +20,11 @@ from planner.hardware.load import load_cluster
 from planner.names import SCHEDULES
 
 CLUSTERS = {name: load_cluster(name, nodes=4) for name in ("a100-sxm-80gb", "h100-sxm-80gb")}
-OPTIONS = (CostOptions(), CostOptions(overlap_dp_comm=False, fragmentation=0.1, workspace_bytes=2.0 * 2**30))
+OPTIONS = (
+    CostOptions(),
+    CostOptions(overlap_dp_comm=False, fragmentation=0.1, workspace_bytes=2.0 * 2**30),
+    CostOptions(overlap_param_gather=True),
+)
 
 
 @st.composite

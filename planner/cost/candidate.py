@@ -42,5 +42,8 @@ class CostOptions:
     workspace_bytes: float = 1.0 * GiB  # CUDA context, cuBLAS/NCCL workspaces, allocator slack
     fragmentation: float = 0.05  # allocator fragmentation, as a fraction of the rest
     ddp_bucket_bytes: float = 25 * 2**20  # torch DDP default bucket; two in flight
+    # ZeRO-1/2: the updated weights' all-gather runs during the next iteration's first forward (Megatron-LM
+    # --overlap-param-gather, FSDP2's prefetch of the first units); `terms.sync_overlap_window`
+    overlap_param_gather: bool = False
 
 

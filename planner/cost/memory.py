@@ -10,6 +10,10 @@ Sources:
   per layer s*b*h*(34 + 5*a*s/h) bytes, of which 24*s*b*h (the tensors inside the tensor-parallel
   regions) divide by t with tensor parallelism and all 34 with sequence parallelism; selective
   recomputation drops the 5*a*s/h attention-map term; full recomputation keeps only the layer input.
+  The per-unit counts (planner.model.counting) are of the kernels the GPU run executes: under SDPA's fused
+  backends (flash, memory-efficient, cuDNN) a GPT block keeps 34*s*b*h bytes plus the log-sum-exp and the
+  norms' statistics, Korthikanti's formula without its 5*a*s/h term; under the math backend the s x s
+  probabilities (2*a*s*s*b bytes of the 5) come back, as `math_scores_per_sample`.
 """
 
 from __future__ import annotations
@@ -58,8 +62,16 @@ def activation_bytes(
     tp: int,
     tp_sharded: bool,
     sequence_parallel: bool,
+    math_scores_per_sample: float = 0.0,
 ) -> float:
-    """Activation bytes one micro-batch leaves on a GPU for one unit (Korthikanti et al. 2022)."""
+    """Activation bytes one micro-batch leaves on a GPU for one unit (Korthikanti et al. 2022).
+
+    `math_scores_per_sample`: what SDPA keeps beyond the fused kernels where the target runs its math
+    backend (`Unit.sdpa_score_bytes`, 0 for flash / memory-efficient / cuDNN); an attention map, so
+    selective recomputation drops it and tensor parallelism splits it by heads.
+    """
+    saved_per_sample = saved_per_sample + math_scores_per_sample
+    attention_core_per_sample = attention_core_per_sample + math_scores_per_sample
     if recompute == "full":
         kept = input_per_sample / (tp if sequence_parallel else 1)
         return kept * micro_batch_size

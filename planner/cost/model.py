@@ -154,6 +154,12 @@ def tp_comm_times(unit: Unit, mbs: int, tp: int, sp: bool, cluster: ClusterSpec)
     return fwd, bwd
 
 
+def math_scores(unit: Unit, cluster: ClusterSpec) -> float:
+    """Bytes per sample a unit's SDPA calls keep beyond the fused kernels on this GPU: the s x s probabilities
+    where its attention backend (`GPUSpec.attention_backend`) is math, else 0."""
+    return float(unit.sdpa_score_bytes) if cluster.gpu.attention_backend == "math" else 0.0
+
+
 def unit_cost(
     unit: Unit, cand: Candidate, cluster: ClusterSpec, dtype: str, profile: Profile | None = None
 ) -> UnitCost:
@@ -173,10 +179,11 @@ def unit_cost(
     a2a = moe_alltoall_time(unit.moe_dispatch_bytes, cand, cluster) if unit.experts else 0.0
     # Expert parallelism: dispatch + combine in forward, their gradients in backward.
     fwd = fwd_c + tf + a2a
+    scores = math_scores(unit, cluster)
     bwd = {
         "none": bwd_c + tb + a2a,
         # selective: re-run the attention core (Korthikanti et al. 2022, sec. 4.1)
-        "selective": bwd_c + tb + a2a + (core_c if unit.attention_core_bytes > 0 else 0.0),
+        "selective": bwd_c + tb + a2a + (core_c if unit.attention_core_bytes + scores > 0 else 0.0),
         # full: re-run the whole forward, its TP and expert communication included
         "full": bwd_c + tb + a2a + fwd,
     }
@@ -191,6 +198,7 @@ def unit_cost(
             cand.tp,
             tp_sharded,
             cand.sequence_parallel,
+            scores,
         )
         for mode in RECOMPUTE_MODES
     }

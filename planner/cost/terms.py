@@ -195,10 +195,16 @@ def optimizer_step_time(params: Affine, cand: Candidate, cluster: ClusterSpec, d
 def sync_overlap_window(first_stage_bwd: Affine, cand: Candidate, options: CostOptions) -> Affine:
     """How much of a rank's gradient sync hides behind compute: the backward of its first stage (the
     last work it runs, DDP bucketing / FSDP reduce-scatter during backward); under ZeRO-2 each
-    micro-batch's reduce-scatter hides behind its own backward."""
+    micro-batch's reduce-scatter hides behind its own backward. With `overlap_param_gather` (Megatron-LM's
+    --overlap-param-gather) ZeRO-1/2's all-gather of the updated weights also hides behind the next
+    iteration's first forward; the window is shared by the two collectives (their sum is what it hides)."""
     window = first_stage_bwd if options.overlap_dp_comm else 0.0
     if cand.zero_stage == 2:
-        window *= cand.num_micro_batches
+        window = window * cand.num_micro_batches  # not *=: it would scale the caller's array in place
+    if options.overlap_param_gather and cand.zero_stage in (1, 2) and cand.dp > 1:
+        # the weights' all-gather hides behind the next iteration's first forward of the stage, at least a
+        # third of its backward (a backward is two forwards, three with full recomputation)
+        window = window + first_stage_bwd / 3.0
     return window
 
 

@@ -107,6 +107,12 @@ class GPUSpec(_Strict):
     memory_bandwidth_gbps: PositiveFloat = Field(description="GB/s")
     topology: TopologySpec = Field(description="the usual node this GPU ships in")
     efficiency: Efficiencies = Efficiencies()
+    attention_backend: Literal["flash", "efficient", "cudnn", "math"] = Field(
+        "flash",
+        description="the scaled_dot_product_attention backend torch picks on this GPU for the model's attention: "
+        "flash (sm80+), efficient (memory-efficient, sm50+) and cudnn keep q, k, v, the output and the log-sum-exp; "
+        "math keeps the s x s probabilities too (planner.cost.memory.activation_bytes)",
+    )
     memory_reserve: MemoryReserve = MemoryReserve()
     sources: dict[str, str] = Field(description="datasheet or paper for each number")
     # Not part of what a plan depends on: excluded from dumps, so plans' input digests are unchanged by it.

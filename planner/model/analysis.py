@@ -156,6 +156,7 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                 bwd_memory_bound_bytes=c.bwd_mem_bytes,
                 activation_bytes=act,
                 attention_core_bytes=core,
+                sdpa_score_bytes=c.sdpa_scores,
                 input_bytes=in_bytes,
                 output_bytes=out_bytes if i < len(groups) - 1 else sum(tensor_bytes(t) for t in flatten_tensors(out)),
                 tp_pairs=tp_pairs,

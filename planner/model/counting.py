@@ -1,8 +1,15 @@
 """Counting one unit's FLOPs, memory-bound bytes and saved activations on the meta device.
 
 Forward and backward run under a dispatch mode that applies torch's own FLOP formulas per op and splits
-matmul, attention and memory-bound work; saved-tensor hooks measure what autograd keeps for backward;
-``scaled_dot_product_attention`` is costed as flash attention.
+matmul, attention and memory-bound work; saved-tensor hooks measure what autograd keeps for backward.
+
+The meta device runs torch's composite (CPU) paths, which keep more than the kernels the script runs on a GPU.
+While counting, three ops run as stand-ins that save what the GPU kernels save (`_gpu_kernels_mode`):
+``scaled_dot_product_attention`` as the fused flash / memory-efficient / cuDNN kernels (q, k, v, the output
+in the kernels' (b, s, heads, d) layout, the fp32 log-sum-exp; the math backend's s x s scores are recorded
+apart, in ``Counts.sdpa_scores``, for a target without a fused backend), dropout as ``native_dropout`` (a
+one-byte mask, not the composite path's mask in the input's dtype) and ``rms_norm`` as ``_fused_rms_norm``
+(the input and the fp32 reciprocal RMS, not three fp32 copies).
 """
 
 from __future__ import annotations
@@ -67,6 +74,10 @@ class Counts:
     saved: dict[int, int] = field(default_factory=dict)
     attention_core: set[int] = field(default_factory=set)
     flash: bool = False
+    # bytes the SDPA calls would keep on top of the fused kernels' under the math backend: the softmax's
+    # (b, heads, s_q, s_k) probabilities in the input dtype (planner.cost.memory.activation_bytes adds them
+    # where the target's attention backend is "math")
+    sdpa_scores: int = 0
     # FLOPs of the ops that read a tagged storage (MoE expert weights, see planner.model.moe), per phase.
     tagged_fwd: float = 0.0
     tagged_bwd: float = 0.0
@@ -140,12 +151,20 @@ def _reads(args, storages: frozenset[int]) -> bool:
     return any(isinstance(a, torch.Tensor) and _storage_key(a) in storages for a in args)
 
 
-def _flash_mode(counts: Counts):
-    """Replace scaled_dot_product_attention by a flash-attention stand-in while counting.
+def _gpu_kernels_mode(counts: Counts):
+    """Run SDPA, dropout and rms_norm as stand-ins that save for backward what their GPU kernels save.
 
-    On a GPU, SDPA runs a fused kernel that keeps q, k, v, the output and the log-sum-exp for backward
-    (Dao et al. 2022), not the s x s attention map the meta device's math fallback would save. Its FLOPs
-    are 4*b*h*s_q*s_k*d forward (QK^T and AV) and twice that backward.
+    - SDPA: the fused kernels (flash, Dao et al. 2022; memory-efficient, Rabe & Staats 2021 / xFormers;
+      cuDNN) keep q, k, v, the output and the fp32 log-sum-exp for backward, not the s x s attention map the
+      meta device's math fallback would save. Their output is allocated as (b, s, heads, d) and returned
+      transposed (aten/src/ATen/native/transformers/cuda/attention.cu), so the usual
+      ``y.transpose(1, 2).flatten(2)`` before the output projection is a view of it, not a copy. FLOPs are
+      4*b*h*s_q*s_k*d forward (QK^T and AV) and twice that backward.
+    - dropout: on a GPU ``F.dropout`` runs ``native_dropout``, which keeps a one-byte mask
+      (aten/src/ATen/native/Dropout.cpp, ``is_fused_kernel_acceptable``); on meta it multiplies by a noise
+      tensor of the input's dtype.
+    - rms_norm: on a GPU ``F.rms_norm`` runs ``_fused_rms_norm``, whose backward reads the input and the fp32
+      reciprocal RMS; on meta it decomposes into fp32 ops that keep three fp32 copies of the input.
     """
     import torch
     import torch.nn.functional as F
@@ -154,7 +173,11 @@ def _flash_mode(counts: Counts):
     class _Flash(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
-            out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+            if q.dim() >= 3:  # (..., heads, s, d) viewed from a (..., s, heads, d) buffer, as the kernels do
+                shape = q.shape[:-3] + (q.shape[-2], q.shape[-3], v.shape[-1])
+                out = torch.empty(shape, dtype=q.dtype, device=q.device).transpose(-2, -3)
+            else:
+                out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
             lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
             ctx.save_for_backward(q, k, v, out, lse)
             return out
@@ -167,10 +190,25 @@ def _flash_mode(counts: Counts):
             counts.bwd_flops += flops
             return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
+    class _FusedRMSNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, dims: int, eps: float):
+            rstd = torch.empty(x.shape[: x.dim() - dims] + (1,) * dims, dtype=torch.float32, device=x.device)
+            ctx.save_for_backward(x, rstd, weight)
+            return torch.empty_like(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, _, weight = ctx.saved_tensors
+            # elementwise passes over the input and the gradient, as the kernel's backward reads them
+            return torch.empty_like(x), None if weight is None else torch.empty_like(weight), None, None
+
     # An fx graph calls the function; a torch.export graph (the fallback tracer) the aten op it records.
     sdpa = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+    dropout = (F.dropout, torch.ops.aten.dropout.default)
+    rms_norm = (F.rms_norm, torch.ops.aten.rms_norm.default)
 
-    class FlashMode(TorchFunctionMode):
+    class GpuKernelsMode(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func in sdpa:
@@ -183,10 +221,28 @@ def _flash_mode(counts: Counts):
                 counts.fwd_attention += flops
                 counts.fwd_flops += flops
                 counts.flash = True
+                counts.sdpa_scores += q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.element_size()
                 return _Flash.apply(q, k, v)
+            if func in dropout:
+                x = args[0]
+                p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+                train = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
+                inplace = args[3] if len(args) > 3 else kwargs.get("inplace", False)
+                if train and 0.0 < p < 1.0 and not inplace and isinstance(x, torch.Tensor) and x.is_floating_point():
+                    return torch.native_dropout(x, p, True)[0]
+            if func in rms_norm:
+                x, shape = args[0], args[1]
+                weight = args[2] if len(args) > 2 else kwargs.get("weight")
+                eps = args[3] if len(args) > 3 else kwargs.get("eps")
+                if isinstance(x, torch.Tensor) and x.is_floating_point():
+                    dims = len(shape) if isinstance(shape, (list, tuple)) else 1
+                    # same FLOPs-free memory-bound pass as the op: read x, write y
+                    counts.fwd_mem_bytes += 2 * tensor_bytes(x)
+                    counts.bwd_mem_bytes += 3 * tensor_bytes(x)
+                    return _FusedRMSNorm.apply(x, weight, dims, 1e-6 if eps is None else float(eps))
             return func(*args, **kwargs)
 
-    return FlashMode()
+    return GpuKernelsMode()
 
 
 def _storage_key(t) -> int:
@@ -234,7 +290,7 @@ def analyse_callable(
         return t
 
     counter = _make_counter(counts, tagged)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _flash_mode(counts), counter:
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _gpu_kernels_mode(counts), counter:
         out = fn(*ins)
     counts.saved = sizes
     outs = [o for o in flatten_tensors(out) if o.requires_grad]

@@ -62,6 +62,10 @@ class Unit(_Model):
     attention_core_bytes: int = Field(
         0, description="part of activation_bytes that selective recomputation drops (s x s attention maps)"
     )
+    sdpa_score_bytes: int = Field(
+        0, description="bytes per sample scaled_dot_product_attention keeps on top of activation_bytes under the "
+        "math backend (the s x s probabilities); the fused backends, which activation_bytes counts, keep none"
+    )
     input_bytes: int = Field(description="bytes per sample entering the unit (what full recompute keeps)")
     output_bytes: int = Field(description="bytes per sample crossing to the next unit (pipeline p2p size)")
     tp_pairs: list[TPPair] = Field(default_factory=list)
