@@ -218,3 +218,26 @@ def test_chain_gives_up_after_its_path_budget_and_cbc_solves(monkeypatch):
     assert chain.solve_chain(graph, cluster, cand, costs, modes, options, tables, None) is None
     res = solve_partition(graph, cluster, cand, costs, modes, options, cuts=False)
     assert res.form != "chain" and res.objective == pytest.approx(brute[0], rel=1e-6)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pre=unit_st,
+    block=unit_st,
+    post=unit_st,
+    v=st.sampled_from([9, 10]),
+    spare=st.integers(0, 2),
+    m_rounds=st.integers(1, 2),
+    memory=st.floats(8, 120),
+    zero=st.integers(0, 3),
+)
+def test_more_than_eight_stages_per_rank_equals_brute_force(pre, block, post, v, spare, m_rounds, memory, zero):
+    """v > 8 (Megatron-LM's tuned GPT-3 175B recipe runs 12): 2 ranks x v stages over 2v + spare units, the
+    stages uneven in blocks (the embedding and the head each take a stage's place), exact against brute force."""
+    n_blocks = 2 * v - 2 + spare
+    us = [make_unit("embed", "pre", *pre)]
+    us += [make_unit(f"blocks.{i}", "blk", *block) for i in range(n_blocks)]
+    us += [make_unit("head", "post", *post)]
+    graph = make_graph(us)
+    cand = Candidate(2, 1, 2, v, 1, 2 * m_rounds, "interleaved-1f1b", zero, False)
+    _check(graph, cluster_with(memory), cand, ("none", "full"), with_dp=False)
