@@ -27,8 +27,6 @@ REFUSED = {
     # checkpointing, which keeps less, is not modelled: the cost model needs > 96 GiB
     "torchtitan-8b-fsdp-8": "does not fit",
     "torchtitan-8b-fsdp-128": "does not fit",
-    # 126 blocks do not split into 8 x 2 equal chunks: the planner keeps Megatron-LM's interleaving rule
-    "torchtitan-405b-3d-interleaved-512": "do not split evenly",
 }
 
 

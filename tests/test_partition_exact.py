@@ -218,3 +218,47 @@ def test_chain_gives_up_after_its_path_budget_and_cbc_solves(monkeypatch):
     assert chain.solve_chain(graph, cluster, cand, costs, modes, options, tables, None) is None
     res = solve_partition(graph, cluster, cand, costs, modes, options, cuts=False)
     assert res.form != "chain" and res.objective == pytest.approx(brute[0], rel=1e-6)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pre=unit_st,
+    block=unit_st,
+    post=unit_st,
+    v=st.sampled_from([9, 10]),
+    spare=st.integers(0, 2),
+    m_rounds=st.integers(1, 2),
+    memory=st.floats(8, 120),
+    zero=st.integers(0, 3),
+)
+def test_more_than_eight_stages_per_rank_equals_brute_force(pre, block, post, v, spare, m_rounds, memory, zero):
+    """v > 8 (Megatron-LM's tuned GPT-3 175B recipe runs 12): 2 ranks x v stages over 2v + spare units, the
+    stages uneven in blocks (the embedding and the head each take a stage's place), exact against brute force."""
+    n_blocks = 2 * v - 2 + spare
+    us = [make_unit("embed", "pre", *pre)]
+    us += [make_unit(f"blocks.{i}", "blk", *block) for i in range(n_blocks)]
+    us += [make_unit("head", "post", *post)]
+    graph = make_graph(us)
+    cand = Candidate(2, 1, 2, v, 1, 2 * m_rounds, "interleaved-1f1b", zero, False)
+    _check(graph, cluster_with(memory), cand, ("none", "full"), with_dp=False)
+
+
+def test_searched_virtual_stages_take_real_runs_layouts():
+    """The free search's v: GPT-3 175B's 96 layers on 8 ranks reach 12 (one layer per stage), Llama 3 405B's
+    126 layers on 8 ranks take 2 (the embedding and the head counted as blocks); a pin takes any v that leaves
+    every stage a unit, and a pin beyond that is rejected with the reason."""
+    from planner.search.space import Pins, enumerate_space, max_virtual_stages, searched_virtual_stages
+
+    assert searched_virtual_stages(8, 98, 96) == [2, 3, 4, 6, 12]
+    assert 2 in searched_virtual_stages(8, 128, 126) and 12 not in searched_virtual_stages(8, 128, 126)
+    assert searched_virtual_stages(2, 40, 0) == list(range(2, 9))
+    assert max_virtual_stages(8, 98) == 12
+    us = [make_unit("embed", "pre", 10**7, 1e11, 10**7, 10**6)]
+    us += [make_unit(f"blocks.{i}", "blk", 10**7, 1e11, 10**7, 10**6) for i in range(17)]
+    us += [make_unit("head", "post", 10**7, 1e11, 10**7, 10**6)]
+    graph = make_graph(us)  # 19 units
+    cl = load_cluster("a100-sxm4-80gb", 1, 2)
+    pins = Pins(pp=2, virtual_stages=9, schedule="interleaved-1f1b")
+    assert {c.virtual_stages for c in enumerate_space(graph, cl, 4, pins).candidates} == {9}
+    space = enumerate_space(graph, cl, 4, Pins(pp=2, virtual_stages=10, schedule="interleaved-1f1b"))
+    assert not space.candidates and any("more stages than" in why for _, why in space.rejected)

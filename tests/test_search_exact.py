@@ -26,14 +26,15 @@ unit_st = st.tuples(
 )
 
 
-def full_space(graph, cluster, batch, dp=None):
+def full_space(graph, cluster, batch, dp=None, **pinned):
     """Every candidate that breaks no hard rule: the dominance rules are switched off by pinning the
-    dimension they prune (schedule, ZeRO stage, sequence parallelism) to each of its values in turn."""
+    dimension they prune (schedule, ZeRO stage, sequence parallelism) to each of its values in turn.
+    `pinned`: further Pins fields fixed for the whole space."""
     out = set()
     for schedule in SCHEDULE_NAMES:
         for zero in range(4):
             for sp in (False, True):
-                pins = Pins(dp=dp, schedule=schedule, zero_stage=zero, sequence_parallel=sp)
+                pins = Pins(dp=dp, schedule=schedule, zero_stage=zero, sequence_parallel=sp, **pinned)
                 try:
                     out |= set(enumerate_space(graph, cluster, batch, pins).candidates)
                 except InfeasibleError:  # these pins leave nothing (e.g. sequence parallelism without tp)
@@ -41,7 +42,7 @@ def full_space(graph, cluster, batch, dp=None):
     return sorted(out, key=repr)
 
 
-def brute_force(graph, cluster, batch, dp=None):
+def brute_force(graph, cluster, batch, dp=None, **pinned):
     """The optimum over the whole space, checking on the way that every bound the search may prune with
     is valid: no level of `lower_bounds` exceeds a candidate's optimum or calls a feasible one infeasible."""
     options = CostOptions()
@@ -49,7 +50,7 @@ def brute_force(graph, cluster, batch, dp=None):
     modes = search_modes(graph)
     run = block_run(graph)
     best = None
-    for cand in full_space(graph, cluster, batch, dp):
+    for cand in full_space(graph, cluster, batch, dp, **pinned):
         cm = tuple(m for m in modes if not (cand.schedule == "zero-bubble" and m == "selective"))
         costs = table.units(cand)
         res = brute_force_partition(graph, cluster, cand, costs, cm, options)
@@ -106,3 +107,33 @@ def test_search_equals_brute_force(shape, pre, block, post, others, n_blocks, gp
     # the runners-up are in order and none beats the winner
     objs = [e.objective for e in got.ranked]
     assert objs == sorted(objs)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pre=unit_st,
+    block=unit_st,
+    post=unit_st,
+    spare=st.integers(0, 1),
+    batch=st.sampled_from([2, 4]),
+    memory=st.floats(40, 200),
+)
+def test_search_takes_more_than_eight_stages_per_rank(pre, block, post, spare, batch, memory):
+    """pp 2 x v 9 (above the old cap of 8) over 18-19 units: the search's optimum over the pinned space, its
+    micro-batching, ZeRO stage and recomputation free, equals brute force."""
+    us = [make_unit("embed", "pre", *pre)]
+    us += [make_unit(f"blocks.{i}", "blk", *block) for i in range(16 + spare)]
+    us += [make_unit("head", "post", *post)]
+    graph = make_graph(us)
+    cl = load_cluster("a100-sxm4-80gb", 1, 2)
+    cl = cl.model_copy(update={"gpu": cl.gpu.model_copy(update={"memory_gib": memory})})
+    pinned = {"pp": 2, "virtual_stages": 9}
+    expected = brute_force(graph, cl, batch, 1, **pinned)
+    pins = Pins(dp=1, **pinned)
+    if expected is None:
+        with pytest.raises(InfeasibleError):
+            search(graph, cl, batch, pins=pins, top_k=2, prefer_simulated=False)
+        return
+    got = search(graph, cl, batch, pins=pins, top_k=2, prefer_simulated=False)
+    assert got.best.cand.virtual_stages == 9
+    assert got.best.objective == pytest.approx(expected[0], rel=1e-9), (got.best.cand, expected[1])
