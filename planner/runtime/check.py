@@ -34,6 +34,7 @@ from .stages import (
     uses_graph,
     with_structure,
 )
+from .tp_graph import localise_tp_sizes
 from .tp_rules import check_tp
 
 SMALL = 50_000_000  # parameters: a model this small is rerun on the CPU when the meta device cannot run it
@@ -527,12 +528,15 @@ def _run_tp_stages(
     run's apply_tp over a fake process group, then forward, loss and backward on meta (each distinct piece
     once). A rewrite or shard that cannot run is a refused layout, with the error the launch would hit.
     Returns False where it does not run (inside someone's process group, where the TP rules are checked)."""
-    from .parallel import apply_tp, sequence_parallel
+    from .parallel import apply_tp, sequence_parallel, with_tied_styles
 
     with _fake_tp_mesh(layout.tp) as mesh:
         if mesh is None:
             return False
         try:
+            with _failing_as(f"Tensor parallelism for tp {layout.tp}"):
+                layout = with_tied_styles(layout, gm)
+                localise_tp_sizes(gm, values, layout.tp_plan, layout.tp)
             with _failing_as(f"Sequence parallelism for tp {layout.tp}"):
                 sp_styles = sequence_parallel(gm, values, example, mesh, layout) if layout.sp_enabled else {}
                 _checkpoint()
