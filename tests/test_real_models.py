@@ -493,30 +493,28 @@ def test_deepseek_style_experts_in_a_module_list_are_not_pipeline_blocks():
                         "(replicated under TP)"]
 
 
-def test_tp_in_a_traced_stage_is_refused_when_only_export_traces():
-    """HF Llama traces only with torch.export: TP runs on the model as written (pp 1, no sequence
-    parallelism), and a pipeline with tp is refused with the reason instead of failing at the plan-time check."""
+def test_tp_in_a_traced_stage_runs_on_a_graph_traced_with_meta_values():
+    """HF Llama traces with torch.fx and meta values (its Python reads shapes): a pipeline with tp runs that graph
+    with the sizes of the sharded dimension made each rank's (runtime.tp_graph), so tp x pp plans."""
     import json
 
     cfg = MODELS / "hf_llama_config"
     src = ["hf:meta-llama/Llama-3.1-8B", "--hf-config", str(cfg), "--model-arg", "seq=32"]
-    free = _dry_run(*src, "--tp", "2", "--dp", "2")
-    assert free.exit_code == 0, free.output
-    par = json.loads(free.output)["parallel"]
-    assert (par["tp"], par["pp"], par["sequence_parallel"]) == (2, 1, False)
     piped = _dry_run(*src, "--tp", "2", "--pp", "2")
-    assert piped.exit_code == 2
-    assert "only torch.fx with meta values could trace the model" in " ".join(piped.output.split())
+    assert piped.exit_code == 0, piped.output
+    par = json.loads(piped.output)["parallel"]
+    assert (par["tp"], par["pp"]) == (2, 2)
 
 
-def test_a_traced_stage_refuses_tp_on_conv1d_and_head_counts_but_the_model_as_written_does_not():
+def test_a_traced_stage_refuses_tp_only_on_a_graph_from_torch_export():
+    """Conv1D (kept as a call) and head counts read in forward (made the rank's in the graph) run in a traced
+    stage; a graph from torch.export, every shape fixed, does not."""
     from planner.search.space import runtime_traced_tp_refusal
 
     g = graph_of("gpt2")
-    assert "only torch.fx with meta values" in runtime_traced_tp_refusal(g)
-    fx_traced = g.model_copy(update={"trace_method": "fx"})
-    assert "is a Conv1D, which a traced stage has inlined" in runtime_traced_tp_refusal(fx_traced)
-    assert "reads its head count in forward" in runtime_traced_tp_refusal(graph_of("headcount_gpt"))
+    assert runtime_traced_tp_refusal(g) is None
+    assert "only torch.export" in runtime_traced_tp_refusal(g.model_copy(update={"trace_method": "export"}))
+    assert runtime_traced_tp_refusal(graph_of("headcount_gpt")) is None
     assert runtime_traced_tp_refusal(graph_of("moduledict_llama")) is None
 
 

@@ -22,6 +22,7 @@ from .model import build_model, input_count, load_model_file, make_batch, materi
 from .recompute import apply_ac
 from .stages import (
     SP_MODULE_PREFIX,
+    AsWritten,
     ModelStage,
     Piece,
     StageModule,
@@ -126,18 +127,25 @@ def check_plan_runs(
     n_inputs = input_count(meta_model, len(example))
     if layout.tp_enabled:
         check_tp([meta_model], layout)
-    if not uses_graph(layout):
+    traced = None
+    if uses_graph(layout):
+        _checkpoint()
+        with _failing_as("Tracing the model"):
+            try:
+                traced = trace_for_plan(
+                    user, spec, layout, training.seed, example, device_type=device_type, meta_model=meta_model,
+                    ahead=ready.traced if ready is not None else None,
+                )
+            except AsWritten:
+                traced = None  # the run takes the model as written (its head attributes divided by tp)
+    if traced is None:
         _run_model(user, spec, layout, training, meta_model, example, n_inputs, loss_fn)
         if layout.tp_enabled:
             small = sum(p.numel() for p in meta_model.parameters()) <= SMALL
             _run_tp_shard(user, spec, layout, training, example, n_inputs, loss_fn, small)
         return "module"
-    _checkpoint()
+    gm, values, method = traced
     with _failing_as("Tracing the model"):
-        gm, values, method = trace_for_plan(
-            user, spec, layout, training.seed, example, device_type=device_type, meta_model=meta_model,
-            ahead=ready.traced if ready is not None else None,
-        )
         pieces = cut_into_pieces(gm, values, layout)
     _checkpoint()
     _copy_tied(layout, gm, pieces, meta_model)

@@ -30,6 +30,7 @@ from .loss import default_loss
 from .model import build_model, input_count, load_model_file, make_batch, materialise
 from .parallel import parallelize, sequence_parallel, with_tied_styles
 from .stages import (
+    AsWritten,
     LocalStage,
     ModelStage,
     Piece,
@@ -257,11 +258,17 @@ def run(
     stages: list[LocalStage]
     tied = None
     sp_styles: dict[str, ParallelStyle] = {}
+    traced = None
     if uses_graph(layout):
-        gm, pieces, sp_styles, method, layout = trace_and_cut(
-            user, spec, layout, training.seed, example, mesh["tp"] if layout.tp_enabled else None, log0,
-            device.type,
-        )
+        try:
+            traced = trace_and_cut(
+                user, spec, layout, training.seed, example, mesh["tp"] if layout.tp_enabled else None, log0,
+                device.type,
+            )
+        except AsWritten as e:
+            log0(str(e))
+    if traced is not None:
+        gm, pieces, sp_styles, method, layout = traced
         zero_bubble = layout.schedule == "zero-bubble"
         built, model = build_local_stages(user, spec, training.seed, gm, pieces, local, device, zero_bubble)
         stages = list(built)

@@ -689,6 +689,12 @@ def build_local_stages(
     return stages, model
 
 
+class AsWritten(RefusedLayout):
+    """The graph was traced only for tensor parallelism over head counts read in forward (pp = 1, no sequence
+    parallelism), and only torch.export traced it: the run takes the model as written instead, its head
+    attributes divided by tp (parallel.apply_head_attrs), as the plan-time check does."""
+
+
 def uses_graph(layout: Layout) -> bool:
     """Whether the run cuts a traced graph: for pipeline stages, or to rewrite it for sequence parallelism.
     Otherwise the one stage is the user's model itself (ModelStage), as written."""
@@ -717,9 +723,11 @@ def trace_for_plan(
     # the cut, and without it they still run their own code on this rank's device (traced on meta, their
     # code takes the GPU's path: transformers' grouped-mm experts count tokens with an int32 histc).
     leaves = frozenset(layout.experts)
-    # HF's Conv1D under TP stays a call too (fx would inline its addmm on the weight): the script swaps it for
-    # its sharded version (parallel.ShardedConv1D). torch.export keeps only the experts (one shape each).
-    convs = frozenset(layout.tp_transposed) if layout.tp_enabled else frozenset()
+    # The TP plan's modules stay calls too, as in the model as written: fx would inline HF's Conv1D (an addmm on
+    # its weight, which the script swaps for parallel.ShardedConv1D) and an nn.Embedding subclass (Gemma's and
+    # BART's scaled embeddings), which torch's parallel styles then could not shard. torch.export keeps only the
+    # experts (one shape each).
+    convs = frozenset(layout.tp_plan) | frozenset(layout.tp_transposed) if layout.tp_enabled else frozenset()
     gm, values, method = trace(meta_model, inputs, log, leaves, ahead, fx_leaves=convs)
     why = unsupported_on(gm, values, device_type)
     if why is not None:
@@ -736,6 +744,11 @@ def trace_for_plan(
         )
     # Head counts and split widths baked into the graph (by either fx trace) are made this rank's after the
     # trace (tp_graph.localise_tp_sizes); torch.export's graph has every op lowered and every shape fixed.
+    if layout.tp_enabled and method == "export" and layout.pp == 1 and not layout.sp_enabled:
+        raise AsWritten(
+            "only torch.export could trace the model: tensor parallelism runs the model as written, its head "
+            "attributes divided by tp"
+        )
     if layout.tp_enabled and method == "export":
         raise RefusedLayout(
             "Tensor parallelism in a traced stage needs a graph whose shapes follow each rank's shard, but only "

@@ -175,6 +175,7 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
     max_tp = tp_limit(graph)
     traced_tp_refusal = runtime_traced_tp_refusal(graph)
     head_counts = any(u.tp_head_attrs for u in graph.units)
+    meta_traced = graph.trace_method == "fx-meta"
     blocks = sum(1 for u in graph.units if u.kind == "block")
     has_tp = any(u.tp_pairs for u in graph.units)
     for tp in divisors(world):
@@ -286,7 +287,13 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                     where = "pp" if pp > 1 else "sp" if sp else "head counts read in forward"
                                     rej[(f"tp={tp} with {where}", traced_tp_refusal)] += 1
                                     continue
-                                if pins.sequence_parallel is None and tp > 1 and not sp and not traced_tp_refusal:
+                                if sp and meta_traced and pins.sequence_parallel is None:
+                                    rej[(f"tp={tp} with sp", SP_META_TRACED)] += 1
+                                    continue
+                                if (
+                                    pins.sequence_parallel is None and tp > 1 and not sp and not traced_tp_refusal
+                                    and not meta_traced
+                                ):
                                     rej[
                                         (
                                             f"tp={tp} without sp",
@@ -388,6 +395,15 @@ def check_ep_pin(graph: ModelGraph, pins: Pins) -> None:
             f"--ep {pins.ep} does not divide --dp {pins.dp}: experts are sharded over a sub-group of the "
             "data-parallel ranks. Pick ep dividing dp."
         )
+
+
+# A graph traced with meta values has the whole sequence's length in its reshapes; the rewrite for sequence
+# parallelism follows the ones it can tell apart (parallel.plan_sequence_parallel), and the plan-time check runs
+# the result, but the search does not count on it: it tries sequence parallelism there only when asked.
+SP_META_TRACED = (
+    "only torch.fx with meta values traces the model, which fixes the sequence length in its graph: sequence "
+    "parallelism is tried only when pinned (--sequence-parallel)"
+)
 
 
 def runtime_traced_tp_refusal(graph: ModelGraph) -> str | None:
