@@ -536,3 +536,35 @@ def test_unit_input_is_what_crosses_the_boundary_not_the_weights(name):
     for prev, unit in zip(g.units, g.units[1:]):
         assert unit.input_bytes == prev.output_bytes, (unit.name, unit.input_bytes, prev.output_bytes)
         assert unit.input_bytes < unit.param_bytes or unit.kind != "block"
+
+
+def test_nanogpt_gpt3_175b_on_1024_a100_plans_tp8_x_pp_with_attention_sharded():
+    """nanoGPT's code at GPT-3 175B (96 layers, 96 heads, 12288 wide) on 128 nodes of 8 A100: tp 8 inside a
+    pipeline runs its fused c_attn chunk by chunk and its heads from the traced graph (issue 27), and each
+    pipeline stage of blocks holds 1/8 of every projection, attention included (bf16 weights)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    result = CliRunner().invoke(
+        app,
+        ["dry-run", str(MODELS / "nanogpt.py"), "--model-arg", "preset='gpt3-175b'", "--gpu", "a100-sxm-80gb",
+         "--nodes", "128", "--global-batch-size", "1536", "--tp", "8", "--json"],
+    )
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["parallel"]["tp"] == 8 and plan["parallel"]["pp"] > 1
+    assert plan["tp_fused"] and plan["tp_head_attrs"]
+    h, tp = 12288, 8
+    sharded = 12 * h * h + 7 * h  # c_attn (w, b), attn c_proj w, c_fc (w, b), mlp c_proj w
+    replicated = 6 * h  # two LayerNorms (w, b) and the two row-parallel biases
+    blocks_only = [s for s in plan["stages"] if all(u.startswith("transformer.h.") for u in s["units"])]
+    assert blocks_only
+    for stage in blocks_only:
+        expected = len(stage["units"]) * (sharded // tp + replicated) * 2
+        assert stage["memory"]["weights"] == pytest.approx(expected, rel=1e-3), stage["units"]
+    # what it would hold with attention replicated (only the MLP sharded): far more
+    mlp_only = len(blocks_only[0]["units"]) * (4 * h * h + 4 * h + (8 * h * h + 4 * h) // tp + 2 * h) * 2
+    assert blocks_only[0]["memory"]["weights"] < 0.5 * mlp_only
