@@ -141,7 +141,8 @@ def _kept_experts(ev: Evaluated, graph: ModelGraph) -> dict[str, int]:
     pipeline, or sequence parallelism: the experts then run their own code on the rank's device, not the
     path the model took when traced on meta), with their expert counts; else none."""
     c = ev.cand
-    if c.ep == 1 and not runs_traced_graph(c.pp, c.tp, c.sequence_parallel):
+    heads = any(u.tp_head_attrs for u in graph.units)
+    if c.ep == 1 and not runs_traced_graph(c.pp, c.tp, c.sequence_parallel, heads):
         return {}
     return {name: n for u in graph.units for name, n in u.experts.items()}
 

@@ -204,6 +204,36 @@ def test_unit_costs_carry_the_ring_count_and_the_stage_syncs_with_it():
     assert all(c.sync_params == c.params_local for c in no_ep)
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_expert_weights_per_rank_fall_as_one_over_ep(zero):
+    """The stage's weights, gradients and optimizer states split exactly: the experts' weights on a rank are
+    E/ep (2/3 at ep 2 and 1/2 at ep 4 before, the state-equivalent count priced as weights), their gradients
+    and optimizer shards over the dp/ep replicas; the total is the state-equivalent count's."""
+    from planner.cost.memory import model_state_bytes_per_param
+    from planner.cost.model import CostOptions, stage_costs, unit_cost
+
+    graph = mixtral_8x7b_graph(layers=2)
+    cluster = load_cluster("h100-sxm5-80gb", 8)
+    block = graph.units[1]
+    dense_params = block.params - block.expert_params
+    totals = {}
+    for ep in (1, 2, 4, 8):
+        cand = _cand(dp=64, ep=ep, micro_batch_size=1, num_micro_batches=4, zero_stage=zero)
+        costs = [unit_cost(u, cand, cluster, "bf16") for u in graph.units]
+        (stage,) = stage_costs(graph, cluster, cand, [[1]], ["none"], costs, CostOptions())
+        dense = model_state_bytes_per_param("bf16", zero, 64)
+        rep = model_state_bytes_per_param("bf16", zero, 64 // ep)
+        held = block.expert_params / ep
+        assert stage.weights == pytest.approx(dense_params * dense.weights + held * rep.weights)
+        assert stage.gradients == pytest.approx(dense_params * dense.gradients + held * rep.gradients)
+        assert stage.optimizer == pytest.approx(dense_params * dense.optimizer + held * rep.optimizer)
+        states = stage.weights + stage.gradients + stage.optimizer
+        assert states == pytest.approx(costs[1].params_local * (dense.weights + dense.gradients + dense.optimizer))
+        totals[ep] = stage.weights - dense_params * dense.weights
+    for ep in (2, 4, 8):  # the experts' weight bytes per rank: exactly 1/ep of ep 1's (ZeRO-3: E/dp at any ep)
+        assert totals[ep] == pytest.approx(totals[1] / ep if zero < 3 else totals[1])
+
+
 # ------------------------------------------------------------------------------ space and search
 
 

@@ -77,6 +77,10 @@ class UnitCost:
     # parameters as the data-parallel ring terms count them (gradient sync, ZeRO-3 gathers); None: params_local.
     # They differ only for experts, which reduce over the dp/ep replicas (`terms.expert_sync_params`).
     sync_params_or_none: float | None = None
+    # the experts' share: parameters a rank holds (E/ep) and their count in params_local (`expert_state_params`),
+    # so the states split into weights, gradients and optimizer exactly (`expert_state_split`)
+    experts_held: float = 0.0
+    experts_counted: float = 0.0
 
     @property
     def sync_params(self) -> float:
@@ -218,6 +222,8 @@ def unit_cost(
         source=source,
         ep_comm=2.0 * a2a,
         sync_params_or_none=sync_params,
+        experts_held=experts / cand.ep if cand.ep > 1 else 0.0,
+        experts_counted=expert_state_params(experts, cand, dtype) if cand.ep > 1 else 0.0,
     )
 
 
@@ -276,11 +282,15 @@ def stage_costs(
     """Per-stage time and memory of a partition (memory per rank when a rank holds several stages)."""
     dtype = graph.source.dtype
     state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
+    # Experts under ep: E/ep per rank, their gradients and ZeRO shards over the dp/ep replicas of that slice.
+    replica = model_state_bytes_per_param(dtype, cand.zero_stage, max(1, cand.dp // cand.ep))
     out: list[StageCost] = []
     for s, (units, mode) in enumerate(zip(partition, recompute)):
         rank = stage_rank(cand.schedule, cand.pp, cand.virtual_stages, s)
         uc = [costs[u] for u in units]
         params = sum(c.params_local for c in uc)
+        held = sum(c.experts_held for c in uc)
+        dense = params - sum(c.experts_counted for c in uc)
         fwd = sum(c.fwd for c in uc)
         bwd = sum(c.bwd[mode] for c in uc)
         boundary = graph.units[units[-1]].output_bytes if s < len(partition) - 1 else 0
@@ -298,9 +308,9 @@ def stage_costs(
                 fwd=fwd,
                 bwd=bwd,
                 p2p=p2p,
-                weights=params * state.weights,
-                gradients=params * state.gradients,
-                optimizer=params * state.optimizer,
+                weights=dense * state.weights + held * replica.weights,
+                gradients=dense * state.gradients + held * replica.gradients,
+                optimizer=dense * state.optimizer + held * replica.optimizer,
                 activations=act,
                 comm_buffers=buffers,
                 workspace=0.0,

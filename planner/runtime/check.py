@@ -22,6 +22,7 @@ from .model import build_model, input_count, load_model_file, make_batch, materi
 from .recompute import apply_ac
 from .stages import (
     SP_MODULE_PREFIX,
+    AsWritten,
     ModelStage,
     Piece,
     StageModule,
@@ -34,6 +35,7 @@ from .stages import (
     uses_graph,
     with_structure,
 )
+from .tp_graph import localise_tp_sizes
 from .tp_rules import check_tp
 
 SMALL = 50_000_000  # parameters: a model this small is rerun on the CPU when the meta device cannot run it
@@ -125,18 +127,25 @@ def check_plan_runs(
     n_inputs = input_count(meta_model, len(example))
     if layout.tp_enabled:
         check_tp([meta_model], layout)
-    if not uses_graph(layout):
+    traced = None
+    if uses_graph(layout):
+        _checkpoint()
+        with _failing_as("Tracing the model"):
+            try:
+                traced = trace_for_plan(
+                    user, spec, layout, training.seed, example, device_type=device_type, meta_model=meta_model,
+                    ahead=ready.traced if ready is not None else None,
+                )
+            except AsWritten:
+                traced = None  # the run takes the model as written (its head attributes divided by tp)
+    if traced is None:
         _run_model(user, spec, layout, training, meta_model, example, n_inputs, loss_fn)
         if layout.tp_enabled:
             small = sum(p.numel() for p in meta_model.parameters()) <= SMALL
             _run_tp_shard(user, spec, layout, training, example, n_inputs, loss_fn, small)
         return "module"
-    _checkpoint()
+    gm, values, method = traced
     with _failing_as("Tracing the model"):
-        gm, values, method = trace_for_plan(
-            user, spec, layout, training.seed, example, device_type=device_type, meta_model=meta_model,
-            ahead=ready.traced if ready is not None else None,
-        )
         pieces = cut_into_pieces(gm, values, layout)
     _checkpoint()
     _copy_tied(layout, gm, pieces, meta_model)
@@ -527,12 +536,15 @@ def _run_tp_stages(
     run's apply_tp over a fake process group, then forward, loss and backward on meta (each distinct piece
     once). A rewrite or shard that cannot run is a refused layout, with the error the launch would hit.
     Returns False where it does not run (inside someone's process group, where the TP rules are checked)."""
-    from .parallel import apply_tp, sequence_parallel
+    from .parallel import apply_tp, sequence_parallel, with_tied_styles
 
     with _fake_tp_mesh(layout.tp) as mesh:
         if mesh is None:
             return False
         try:
+            with _failing_as(f"Tensor parallelism for tp {layout.tp}"):
+                layout = with_tied_styles(layout, gm)
+                localise_tp_sizes(gm, values, layout.tp_plan, layout.tp)
             with _failing_as(f"Sequence parallelism for tp {layout.tp}"):
                 sp_styles = sequence_parallel(gm, values, example, mesh, layout) if layout.sp_enabled else {}
                 _checkpoint()

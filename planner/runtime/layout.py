@@ -40,10 +40,12 @@ def stage_rank(schedule: str, pp: int, stage: int) -> int:
     return stage if stage < pp else 2 * pp - 1 - stage
 
 
-def runs_traced_graph(pp: int, tp: int, sequence_parallel: bool) -> bool:
-    """Whether the script cuts a traced graph (pipeline stages, or the rewrite sequence parallelism needs)
-    rather than running the user's model as written; the planner's search asks the same question."""
-    return pp > 1 or (sequence_parallel and tp > 1)
+def runs_traced_graph(pp: int, tp: int, sequence_parallel: bool, head_counts: bool = False) -> bool:
+    """Whether the script cuts a traced graph (pipeline stages, the rewrite sequence parallelism needs, or tp
+    over attention that reads its head count or split width in forward: nanoGPT's `C // self.n_head` follows no
+    divided attribute, so the graph's sizes are made the rank's, tp_graph) rather than running the user's model
+    as written; the planner's search asks the same question."""
+    return pp > 1 or (tp > 1 and (sequence_parallel or head_counts))
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,9 @@ from .experts import ExpertParallel, shard_experts
 from .layout import Layout, ModelFile, Training
 from .loss import default_loss
 from .model import build_model, input_count, load_model_file, make_batch, materialise
-from .parallel import parallelize, sequence_parallel
+from .parallel import parallelize, sequence_parallel, with_tied_styles
 from .stages import (
+    AsWritten,
     LocalStage,
     ModelStage,
     Piece,
@@ -42,6 +43,7 @@ from .stages import (
     with_structure,
 )
 from .tied import TiedWeights, own_copies
+from .tp_graph import localise_tp_sizes
 
 if TYPE_CHECKING:
     from .schedule import MicroBatchLoss
@@ -174,14 +176,18 @@ def trace_and_cut(
     tp_mesh: DeviceMesh | None,
     log: Callable[[str], None] = lambda _: None,
     device_type: str = "cuda",
-) -> tuple[fx.GraphModule, list[Piece], dict[str, ParallelStyle], str]:
+) -> tuple[fx.GraphModule, list[Piece], dict[str, ParallelStyle], str, Layout]:
     """Trace the model on the meta device and cut it into pieces, each in one stage (the same on every
-    rank: every rank cuts the whole model, then builds only its own stages), for a run on `device_type`."""
+    rank: every rank cuts the whole model, then builds only its own stages), for a run on `device_type`; and the
+    layout with the TP styles of tied copies added (parallel.with_tied_styles)."""
     gm, values, method = trace_for_plan(user, spec, layout, seed, example, log, device_type)
     sp_styles: dict[str, ParallelStyle] = {}
+    if layout.tp_enabled and tp_mesh is not None:
+        layout = with_tied_styles(layout, gm)
+        localise_tp_sizes(gm, values, layout.tp_plan, layout.tp)
     if layout.sp_enabled and tp_mesh is not None:
         sp_styles = sequence_parallel(gm, values, example, tp_mesh, layout)
-    return gm, cut_into_pieces(gm, values, layout), sp_styles, method
+    return gm, cut_into_pieces(gm, values, layout), sp_styles, method, layout
 
 
 def accumulate(
@@ -252,11 +258,17 @@ def run(
     stages: list[LocalStage]
     tied = None
     sp_styles: dict[str, ParallelStyle] = {}
+    traced = None
     if uses_graph(layout):
-        gm, pieces, sp_styles, method = trace_and_cut(
-            user, spec, layout, training.seed, example, mesh["tp"] if layout.tp_enabled else None, log0,
-            device.type,
-        )
+        try:
+            traced = trace_and_cut(
+                user, spec, layout, training.seed, example, mesh["tp"] if layout.tp_enabled else None, log0,
+                device.type,
+            )
+        except AsWritten as e:
+            log0(str(e))
+    if traced is not None:
+        gm, pieces, sp_styles, method, layout = traced
         zero_bubble = layout.schedule == "zero-bubble"
         built, model = build_local_stages(user, spec, training.seed, gm, pieces, local, device, zero_bubble)
         stages = list(built)

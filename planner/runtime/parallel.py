@@ -3,6 +3,7 @@ activation checkpointing, then FSDP2 / replicate over the data-parallel ranks.""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ from .errors import RunError
 from .experts import ExpertParallel
 from .layout import Layout
 from .recompute import apply_ac
-from .stages import SP_MODULE_PREFIX, LocalStage, contains_tensor, has_module, module_paths
+from .stages import SP_MODULE_PREFIX, LocalStage, ModelStage, contains_tensor, has_module, module_paths
 from .tp_rules import NORM_HEADS_DIM, check_tp, split_dim, splits_own_vocab
 
 if TYPE_CHECKING:
@@ -153,7 +154,11 @@ def plan_sequence_parallel(
     the modules that now see sequence slices). Every rank rewrites the whole graph the same way, so the
     layouts agree across pipeline stages.
     """
-    regions = {name.rpartition(".")[0] for name, style in tp_plan.items() if style == "rowwise"} - {""}
+    # (a vocabulary-parallel embedding is no region: nanoGPT's `transformer` ModuleDict holds its wte and blocks)
+    regions = {
+        name.rpartition(".")[0] for name, style in tp_plan.items()
+        if style == "rowwise" and not (has_module(gm, name) and isinstance(gm.get_submodule(name), nn.Embedding))
+    } - {""}
     seq_shaped = {
         n for n, v in values.items() if isinstance(v, torch.Tensor) and v.dim() >= 3 and v.shape[1] == seq_len
     }
@@ -248,11 +253,26 @@ def plan_sequence_parallel(
                 styles[target] = SequenceParallel(use_local_output=True)
         if node in seq_shaped:
             sliced.add(node)
+            # A reshape or expand on sequence slices whose sizes a trace with meta values fixed for the whole
+            # sequence (GPT-2's `hidden_states.view(-1, seq, width)`): the slice's length instead.
+            if node.op == "call_method" and node.target in ("view", "reshape", "expand"):
+                given = list(node.args[1:])
+                whole = isinstance(given[0], (list, tuple)) if len(given) == 1 else False
+                sizes = list(given[0]) if whole else given
+                if len(sizes) > 1 and sizes[1] == seq_len:
+                    sizes[1] = seq_len // mesh.size()
+                    node.args = (node.args[0], tuple(sizes)) if whole else (node.args[0], *sizes)
         elif contains_tensor(values.get(node)):
-            raise RunError(
-                f"Sequence parallelism cannot follow {node.name} ({node.target}): it changes the sequence "
-                "dimension of a sequence-split value. Re-plan with sequence_parallel off for this model."
-            )
+            if node.op == "call_module" and target in styles:
+                raise RunError(
+                    f"Sequence parallelism cannot follow {node.name} ({node.target}): it changes the sequence "
+                    "dimension of a sequence-split value. Re-plan with sequence_parallel off for this model."
+                )
+            # An op that merges or drops the sequence dimension (a loss computed in forward: nanoGPT's
+            # `logits.view(-1, vocab)`) runs on the whole sequence, gathered as the model output is.
+            for a in args:
+                if a in sliced:
+                    convert(node, a, "gather")
     gm.graph.lint()
     gm.recompile()
     return styles
@@ -327,10 +347,11 @@ class ShardedConv1D(nn.Module):
     (as DTensors) and values, so FSDP, the optimizer and the gradient norm treat them as any TP weight.
     """
 
-    def __init__(self, conv: nn.Module, mesh: DeviceMesh, column: bool) -> None:
+    def __init__(self, conv: nn.Module, mesh: DeviceMesh, column: bool, sequence_shard: bool = False) -> None:
         super().__init__()
         self.mesh = mesh
         self.column = column
+        self.sequence_shard = sequence_shard  # row-parallel under sequence parallelism: output split along dim 1
         weight, bias = conv.weight, getattr(conv, "bias", None)
         assert isinstance(weight, torch.Tensor)
         self.weight = nn.Parameter(distribute_tensor(weight.detach(), mesh, [Shard(1 if column else 0)]))
@@ -348,6 +369,9 @@ class ShardedConv1D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.mesh.get_group()
+        # Under sequence parallelism a column-parallel input is the whole sequence as a replicated DTensor
+        # (FromSequenceShard): its local tensor, whose summed gradient the DTensor then splits by sequence.
+        x = self.local(x)
         w = self.local(self.weight)
         flat = x.reshape(-1, x.shape[-1])
         out: torch.Tensor
@@ -358,7 +382,11 @@ class ShardedConv1D(nn.Module):
             out = SumOverTP.apply(flat @ w, group)  # type: ignore[no-untyped-call]
         if self.bias is not None:
             out = out + self.local(self.bias)  # row-parallel: added once, after the sum
-        return out.view(*x.shape[:-1], w.shape[1])
+        out = out.view(*x.shape[:-1], w.shape[1])
+        if self.sequence_shard:  # the sum's sequence slice: a reduce-scatter, as RowwiseParallel(Shard(1)) gives
+            whole = DTensor.from_local(out, self.mesh, [Replicate()], run_check=False)
+            out = whole.redistribute(self.mesh, [Shard(1)]).to_local()
+        return out
 
 
 def _sum_partial_rows(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
@@ -399,9 +427,16 @@ def apply_tp(
     sequence parallelism the styles come from plan_sequence_parallel().
     """
     roots = stage.tp_roots()
-    check_tp(roots, layout)
-    apply_head_attrs(roots, layout)
-    for piece in roots:
+    # A traced stage's graph has its sizes made this rank's (tp_graph.localise_tp_sizes): the model as written
+    # reads its head counts from the attributes, divided here.
+    as_written = isinstance(stage, ModelStage)
+    check_tp(roots, layout, heads=as_written)
+    if as_written:
+        apply_head_attrs(roots, layout)
+    # Tied weights across the stage's pieces too (nanoGPT's wte and lm_head, run by the first and the last piece
+    # of a traced stage): (piece, module, attribute) of each parameter several modules hold.
+    tied = tied_holders(roots)
+    for i, piece in enumerate(roots):
         plan: dict[str, ParallelStyle] = {}
         for name, style in layout.tp_plan.items():
             if not has_module(piece, name):
@@ -410,12 +445,9 @@ def apply_tp(
             if name in layout.tp_fused:
                 interleave_fused(module, style, layout.tp_fused[name], layout.tp)
             if name in layout.tp_transposed:
-                if sp_styles:
-                    raise RunError(
-                        f"Sequence parallelism cannot shard {name}, a Conv1D (weight stored [in, out]). Re-plan "
-                        "with sequence_parallel off for this model."
-                    )
-                replace_module(piece, name, ShardedConv1D(module, tp_mesh, column=style == "colwise"))
+                # (under sequence parallelism a row-parallel projection's output stays split by sequence)
+                split = isinstance(sp_styles.get(name), RowwiseParallel)
+                replace_module(piece, name, ShardedConv1D(module, tp_mesh, style == "colwise", split))
                 continue
             if style == "rowwise" and splits_own_vocab(module):
                 if name in sp_styles:
@@ -427,56 +459,93 @@ def apply_tp(
                 continue
             plan[name] = sp_styles.get(name) or parallel_style(style, module)
         plan.update({n: s for n, s in sp_styles.items() if n not in layout.tp_plan and has_module(piece, n)})
+        # A module of the same type holding a tied copy of a sharded weight (T5 / BART's shared and
+        # encoder.embed_tokens) runs with the same style: the copies stay one weight, split alike.
+        # A Linear tied to a vocab-parallel embedding (BART's lm_head, followed by a bias add) is the
+        # vocab-parallel LM head, its logits gathered: the same split of the same weight.
+        for holders in tied:
+            styled = next(((j, m) for j, m, _ in holders if m in layout.tp_plan or (j == i and m in plan)), None)
+            if styled is None:
+                continue
+            j, styled_name = styled
+            source = roots[j].get_submodule(styled_name)
+            for k, mod_name, _ in holders:
+                if k != i or not mod_name or mod_name in plan or mod_name in layout.tp_plan:
+                    continue
+                holder = piece.get_submodule(mod_name)
+                if type(holder) is type(source):
+                    plan[mod_name] = plan[styled_name] if j == i and styled_name in plan else parallel_style(
+                        layout.tp_plan[styled_name], holder
+                    )
+                elif isinstance(holder, nn.Linear) and isinstance(source, nn.Embedding):
+                    if layout.tp_plan.get(styled_name) == "rowwise":
+                        plan[mod_name] = parallel_style("colwise_gather", holder)
         if plan:
-            tied = tied_holders(piece)
-            # A module of the same type holding a tied copy of a sharded weight (T5 / BART's shared and
-            # encoder.embed_tokens) runs with the same style: the copies stay one weight, split alike.
-            # A Linear tied to a vocab-parallel embedding (BART's lm_head, followed by a bias add) is the
-            # vocab-parallel LM head, its logits gathered: the same split of the same weight.
-            for holders in tied:
-                styled = next((m for m, _ in holders if m in plan), None)
-                for mod_name, _ in holders:
-                    if not styled or not mod_name or mod_name in plan:
-                        continue
-                    holder, source = piece.get_submodule(mod_name), piece.get_submodule(styled)
-                    if type(holder) is type(source):
-                        plan[mod_name] = plan[styled]
-                    elif isinstance(holder, nn.Linear) and isinstance(source, nn.Embedding):
-                        if layout.tp_plan.get(styled) == "rowwise":
-                            plan[mod_name] = parallel_style("colwise_gather", holder)
             parallelize_module(piece, tp_mesh, plan)
-            retie(piece, tied)
+    retie(roots, tied)
 
 
-def tied_holders(root: nn.Module) -> list[list[tuple[str, str]]]:
-    """(module, attribute) of each parameter held by several modules (GPT-2's wte.weight and lm_head.weight)."""
-    holders: dict[int, list[tuple[str, str]]] = {}
-    for mod_name, module in root.named_modules(remove_duplicate=False):
-        for name, param in module.named_parameters(recurse=False):
-            holders.setdefault(id(param), []).append((mod_name, name))
+def tied_styles(root: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
+    """TP styles for the modules outside the plan that hold a tied copy of a weight the plan shards: a module of
+    the same type gets the same style; a Linear tied to a vocabulary-parallel embedding is the vocabulary-parallel
+    LM head (colwise_gather). A traced stage adds them to its plan before it is rewritten and cut, since the two
+    may run in different pieces or stages (nanoGPT's lm_head, with its loss in forward: never the model's output,
+    so the planner does not find it as the head)."""
+    extra: dict[str, str] = {}
+    for holders in tied_holders([root]):
+        names = [m for _, m, _ in holders]
+        styled = next((m for m in names if m in tp_plan), None)
+        if styled is None:
+            continue
+        source = root.get_submodule(styled)
+        for name in names:
+            if name in tp_plan or not name:
+                continue
+            holder = root.get_submodule(name)
+            if type(holder) is type(source):
+                extra[name] = tp_plan[styled]
+            elif isinstance(holder, nn.Linear) and isinstance(source, nn.Embedding) and tp_plan[styled] == "rowwise":
+                extra[name] = "colwise_gather"
+    return extra
+
+
+def with_tied_styles(layout: Layout, root: nn.Module) -> Layout:
+    """The layout with `tied_styles` of the model (or traced graph module) `root` added to its TP plan."""
+    extra = tied_styles(root, layout.tp_plan)
+    return dataclasses.replace(layout, tp_plan={**layout.tp_plan, **extra}) if extra else layout
+
+
+def tied_holders(roots: list[nn.Module]) -> list[list[tuple[int, str, str]]]:
+    """(root, module, attribute) of each parameter held by several modules under `roots` (GPT-2's wte.weight and
+    lm_head.weight; in a traced stage, possibly in two of its pieces)."""
+    holders: dict[int, list[tuple[int, str, str]]] = {}
+    for i, root in enumerate(roots):
+        for mod_name, module in root.named_modules(remove_duplicate=False):
+            for name, param in module.named_parameters(recurse=False):
+                holders.setdefault(id(param), []).append((i, mod_name, name))
     return [h for h in holders.values() if len(h) > 1]
 
 
-def retie(root: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
+def retie(roots: list[nn.Module], tied: list[list[tuple[int, str, str]]]) -> None:
     """Make tied weights one parameter again after sharding: parallelize_module replaces each module's
     weight by its own DTensor, which would train the copies apart. Sharded copies must be split alike (the
     vocab-parallel embedding and LM head both split the vocabulary); an unsharded holder outside the TP
     plan (BERT's cls.predictions.bias, tied to the decoder's) holds the sharded parameter too."""
     for holders in tied:
-        params = [getattr(root.get_submodule(m), n) for m, n in holders]
+        params = [getattr(roots[i].get_submodule(m), n) for i, m, n in holders]
         sharded = [(h, p) for h, p in zip(holders, params) if isinstance(p, DTensor)]
         if not sharded:
             continue
-        (first_mod, first_name), first = sharded[0]
-        for (mod_name, name), other in sharded[1:]:
+        (_, first_mod, first_name), first = sharded[0]
+        for (_, mod_name, name), other in sharded[1:]:
             if other is not first and tuple(other.placements) != tuple(first.placements):
                 raise RunError(
                     f"{first_mod}.{first_name} and {mod_name}.{name} are one tied weight, but TP_PLAN splits them "
                     f"differently ({tuple(first.placements)} vs {tuple(other.placements)}). Re-plan with the same "
                     "style for both or neither."
                 )
-        for (mod_name, name), other in zip(holders, params):
-            holder = root.get_submodule(mod_name)
+        for (i, mod_name, name), other in zip(holders, params):
+            holder = roots[i].get_submodule(mod_name)
             if other is not first and isinstance(holder, (nn.Linear, nn.Embedding)) and not isinstance(other, DTensor):
                 raise RunError(
                     f"{mod_name}.{name} is tied to {first_mod}.{first_name}, which TP_PLAN shards, but it computes "

@@ -133,6 +133,7 @@ def trace(
     log: Callable[[str], None] = lambda _: None,
     leaves: frozenset[str] = frozenset(),
     ahead: Traced | None = None,
+    fx_leaves: frozenset[str] = frozenset(),
 ) -> tuple[fx.GraphModule, dict[fx.Node, Any], str]:
     """Symbolic trace of forward(*inputs) (keeps module calls, so TP plan names apply); where that fails, the
     symbolic trace with meta values (`tracers.meta_trace`: Python reading shapes, as transformers' models do), and
@@ -143,18 +144,19 @@ def trace(
     the script can swap them afterwards: the experts under expert parallelism. torch.fx keeps them as leaf
     modules; torch.export inlines every module, so there each is exported as one opaque op
     (`_export_keeping`) that is then turned back into a call of the module. `ahead`: this model's trace made
-    before (`Traced.reuse`), used where it stands for this one."""
+    before (`Traced.reuse`), used where it stands for this one. `fx_leaves`: more modules the fx traces keep as
+    calls (HF's Conv1D under TP), not torch.export."""
     from .tracers import meta_trace
 
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
-    reused = ahead.reuse(model, inputs, leaves) if ahead is not None else None
+    reused = ahead.reuse(model, inputs, leaves | fx_leaves) if ahead is not None else None
     if reused is not None:
         return reused
     try:
         forward_params = list(inspect.signature(model.forward).parameters.values())[len(inputs) :]
         concrete = {p.name: p.default for p in forward_params if p.default is not inspect.Parameter.empty}
-        graph = BufferTracer(leaves).trace(model, concrete or None)
+        graph = BufferTracer(leaves | fx_leaves).trace(model, concrete or None)
         bind_defaults(graph, len(inputs))
         gm = _uncompiled_graph_module(model, graph, type(model).__name__)
         method = "fx"
@@ -164,7 +166,7 @@ def trace(
     except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
         log(f"torch.fx symbolic tracing failed ({type(e).__name__}: {e}); tracing with meta values")
     try:
-        gm = _uncompiled_graph_module(model, meta_trace(model, tuple(inputs), leaves), type(model).__name__)
+        gm = _uncompiled_graph_module(model, meta_trace(model, tuple(inputs), leaves | fx_leaves), type(model).__name__)
         method = "fx-meta"
         recorder = ValueRecorder(gm)
         recorder.run(*inputs)
@@ -687,10 +689,16 @@ def build_local_stages(
     return stages, model
 
 
+class AsWritten(RefusedLayout):
+    """The graph was traced only for tensor parallelism over head counts read in forward (pp = 1, no sequence
+    parallelism), and only torch.export traced it: the run takes the model as written instead, its head
+    attributes divided by tp (parallel.apply_head_attrs), as the plan-time check does."""
+
+
 def uses_graph(layout: Layout) -> bool:
     """Whether the run cuts a traced graph: for pipeline stages, or to rewrite it for sequence parallelism.
     Otherwise the one stage is the user's model itself (ModelStage), as written."""
-    return runs_traced_graph(layout.pp, layout.tp, layout.sequence_parallel)
+    return runs_traced_graph(layout.pp, layout.tp, layout.sequence_parallel, bool(layout.tp_head_attrs))
 
 
 def trace_for_plan(
@@ -715,7 +723,12 @@ def trace_for_plan(
     # the cut, and without it they still run their own code on this rank's device (traced on meta, their
     # code takes the GPU's path: transformers' grouped-mm experts count tokens with an int32 histc).
     leaves = frozenset(layout.experts)
-    gm, values, method = trace(meta_model, inputs, log, leaves, ahead)
+    # The TP plan's modules stay calls too, as in the model as written: fx would inline HF's Conv1D (an addmm on
+    # its weight, which the script swaps for parallel.ShardedConv1D) and an nn.Embedding subclass (Gemma's and
+    # BART's scaled embeddings), which torch's parallel styles then could not shard. torch.export keeps only the
+    # experts (one shape each).
+    convs = frozenset(layout.tp_plan) | frozenset(layout.tp_transposed) if layout.tp_enabled else frozenset()
+    gm, values, method = trace(meta_model, inputs, log, leaves, ahead, fx_leaves=convs)
     why = unsupported_on(gm, values, device_type)
     if why is not None:
         raise RefusedLayout(
@@ -729,18 +742,19 @@ def trace_for_plan(
             f"EXPERTS names modules the traced graph does not call as modules: {missing[:5]}; a traced stage "
             "calls each experts module as a module (expert parallelism swaps it for its slice). Re-plan the model."
         )
-    if layout.tp_enabled and layout.tp_head_attrs:
-        raise RefusedLayout(
-            "TP_HEAD_ATTRS changes head counts the model reads in forward, which a traced pipeline stage has "
-            "already baked into its graph: re-plan with pp=1 (or tp=1), or reshape heads with -1 in the model."
+    # Head counts and split widths baked into the graph (by either fx trace) are made this rank's after the
+    # trace (tp_graph.localise_tp_sizes); torch.export's graph has every op lowered and every shape fixed.
+    if layout.tp_enabled and method == "export" and layout.pp == 1 and not layout.sp_enabled:
+        raise AsWritten(
+            "only torch.export could trace the model: tensor parallelism runs the model as written, its head "
+            "attributes divided by tp"
         )
-    if layout.tp_enabled and method != "fx":
-        how = "torch.fx with meta values" if method == "fx-meta" else "torch.export"
+    if layout.tp_enabled and method == "export":
         raise RefusedLayout(
             "Tensor parallelism in a traced stage needs a graph whose shapes follow each rank's shard, but only "
-            f"{how} could trace the model, which fixes every shape in the graph (its Python reads shapes or "
-            "values). Make forward() traceable by plain torch.fx or re-plan with tp=1 (or pp=1 without "
-            "sequence parallelism: the model as written is sharded)."
+            "torch.export could trace the model, which fixes every shape in the graph (its Python reads "
+            "values). Make forward() traceable by torch.fx or re-plan with tp=1 (or pp=1 without sequence "
+            "parallelism: the model as written is sharded)."
         )
     if method == "fx":  # (a graph specialised to its inputs may name a tied module under another holder's name)
         known = {n for n, _ in gm.named_modules()} | {n for n, _ in gm.named_parameters()}

@@ -58,11 +58,13 @@ def splits_unevenly(module: nn.Module, style: str, size: int, tp: int, chunks: i
     return style == "rowwise" and isinstance(module, nn.Embedding) and not splits_own_vocab(module)
 
 
-def check_tp(roots: list[nn.Module], layout: Layout) -> None:
+def check_tp(roots: list[nn.Module], layout: Layout, heads: bool = True) -> None:
     """Whether the TP plan applies to the modules under `roots`: each sharded weight's split dimension (each
     chunk's, for a fused projection; a vocabulary may split unevenly, `splits_unevenly`) and each head-count
     attribute divides by tp, and each module is what the plan says (nn.Linear / nn.Embedding, or a Conv1D
-    listed in TP_TRANSPOSED). Raises RunError naming the module (also at plan time)."""
+    listed in TP_TRANSPOSED). Raises RunError naming the module (also at plan time). `heads`: also the head
+    attributes (False for a traced stage's pieces, which hold only the weights: their graph's sizes are made
+    the rank's instead, tp_graph; the model's attributes are checked on the model)."""
     for root in roots:
         for name, style in layout.tp_plan.items():
             if not has_module(root, name):
@@ -103,7 +105,7 @@ def check_tp(roots: list[nn.Module], layout: Layout) -> None:
                     f"TP_PLAN splits {name} ({style}, {what}) over tp={layout.tp}: the size must divide. "
                     "Re-plan with a tp degree that divides it."
                 )
-        for name, attrs in layout.tp_head_attrs.items():
+        for name, attrs in layout.tp_head_attrs.items() if heads else ():
             if not has_module(root, name):
                 continue
             module = root.get_submodule(name)

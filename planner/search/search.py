@@ -569,6 +569,8 @@ def _only(c: UnitCost, mode: str) -> UnitCost:
         source=c.source,
         ep_comm=c.ep_comm,
         sync_params_or_none=c.sync_params_or_none,
+        experts_held=c.experts_held,
+        experts_counted=c.experts_counted,
     )
 
 

@@ -199,6 +199,8 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
     check_ep_pin(graph, pins)
     max_tp = tp_limit(graph)
     traced_tp_refusal = runtime_traced_tp_refusal(graph)
+    head_counts = any(u.tp_head_attrs for u in graph.units)
+    meta_traced = graph.trace_method == "fx-meta"
     has_tp = any(u.tp_pairs for u in graph.units)
     blocks = sum(1 for u in graph.units if u.kind == "block")
     for tp in divisors(world):
@@ -299,10 +301,17 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                     continue
                                 # The generated script must be able to run what is costed (issue 10): refuse
                                 # what its tensor parallelism cannot shard in a traced stage, with the reason.
-                                if tp > 1 and runs_traced_graph(pp, tp, sp) and traced_tp_refusal:
-                                    rej[(f"tp={tp} with {'pp' if pp > 1 else 'sp'}", traced_tp_refusal)] += 1
+                                if tp > 1 and runs_traced_graph(pp, tp, sp, head_counts) and traced_tp_refusal:
+                                    where = "pp" if pp > 1 else "sp" if sp else "head counts read in forward"
+                                    rej[(f"tp={tp} with {where}", traced_tp_refusal)] += 1
                                     continue
-                                if pins.sequence_parallel is None and tp > 1 and not sp and not traced_tp_refusal:
+                                if sp and meta_traced and pins.sequence_parallel is None:
+                                    rej[(f"tp={tp} with sp", SP_META_TRACED)] += 1
+                                    continue
+                                if (
+                                    pins.sequence_parallel is None and tp > 1 and not sp and not traced_tp_refusal
+                                    and not meta_traced
+                                ):
                                     rej[
                                         (
                                             f"tp={tp} without sp",
@@ -406,21 +415,24 @@ def check_ep_pin(graph: ModelGraph, pins: Pins) -> None:
         )
 
 
+# A graph traced with meta values has the whole sequence's length in its reshapes; the rewrite for sequence
+# parallelism follows the ones it can tell apart (parallel.plan_sequence_parallel), and the plan-time check runs
+# the result, but the search does not count on it: it tries sequence parallelism there only when asked.
+SP_META_TRACED = (
+    "only torch.fx with meta values traces the model, which fixes the sequence length in its graph: sequence "
+    "parallelism is tried only when pinned (--sequence-parallel)"
+)
+
+
 def runtime_traced_tp_refusal(graph: ModelGraph) -> str | None:
     """Why tensor parallelism cannot run in a traced (pipelined or sequence-parallel) stage; None if it can.
 
-    With pp = 1 and no sequence parallelism the script runs the model as written and shards its modules; a
-    pipeline stage or sequence parallelism runs the traced graph, which needs the torch.fx trace (the
-    modules are in it) and no head counts read in forward (the graph has them baked in).
+    With pp = 1, no sequence parallelism and no head count read in forward, the script runs the model as
+    written and shards its modules; otherwise it runs the traced graph, with the sizes of the sharded dimension
+    made each rank's (runtime.tp_graph: head counts, split widths, and every shape of a graph traced with meta
+    values) and HF's Conv1D kept as a call. That needs a torch.fx graph: torch.export's fixes every shape of
+    every lowered op.
     """
-    if graph.trace_method != "fx":
-        how = "torch.fx with meta values" if graph.trace_method == "fx-meta" else "torch.export"
-        return f"only {how} could trace the model, which fixes every shape in a traced stage's graph"
-    transposed = sorted(m for u in graph.units for m in u.tp_transposed)
-    if transposed:
-        # fx traces through HF's Conv1D (not a torch.nn leaf): its addmm is in the graph, not the module.
-        return f"{transposed[0]} is a Conv1D, which a traced stage has inlined as an addmm on its weight"
-    heads = sorted(m for u in graph.units for m in u.tp_head_attrs)
-    if heads:
-        return f"{heads[0]} reads its head count in forward, which a traced stage has baked into its graph"
+    if graph.trace_method == "export":
+        return "only torch.export could trace the model, which fixes every shape in a traced stage's graph"
     return None

@@ -13,7 +13,10 @@ What each model adds to the sharding:
 - headcount_gpt: a fused qkv Linear split with `split(self.dim)` and heads reshaped by `self.heads`;
 - bert, vit: encoders (bert with its attention mask), t5 (position bias over all heads: attention stays
   replicated, the MLP is sharded) and bart (encoder-decoder, cross attention);
-- pp2 x tp2 for moduledict_llama (fx-traced, heads reshaped with -1: TP inside pipeline stages).
+- pp2 x tp2 for moduledict_llama (fx-traced, heads reshaped with -1: TP inside pipeline stages);
+- nanogpt (karpathy's model.py): fused c_attn, `view(B, T, self.n_head, C // self.n_head)`, traced with meta
+  values; tp2 x dp2, tp2 x pp2 and tp2 + sequence parallelism (its loss computed in forward on the gathered
+  sequence), each run on the traced graph with its sizes made the rank's (runtime.tp_graph).
 ResNet and the sequential CNN have no column/row pair: `planner plan --tp 2` refuses before writing anything.
 
 Each case is one torchrun (~20 s on 2 cores) plus a single-process reference (~5 s, once per model and
@@ -92,6 +95,11 @@ def plan_cli(name: str, out: Path, *pins: str):
 CASES = {
     **{f"{name}_tp2_dp2": (name, ("--tp", "2", "--dp", "2")) for name in (*HF_ARCHS, *FIXTURES)},
     "moduledict_llama_pp2_tp2": ("moduledict_llama", ("--tp", "2", "--pp", "2", "--schedule", "1f1b")),
+    # nanoGPT as published: fused c_attn split by self.n_embd, heads by self.n_head and C // self.n_head (no
+    # attribute a rank could divide), traced with meta values: the traced graph's sizes made each rank's.
+    "nanogpt_tp2_dp2": ("nanogpt", ("--tp", "2", "--dp", "2", "--no-sequence-parallel")),
+    "nanogpt_tp2_pp2": ("nanogpt", ("--tp", "2", "--pp", "2", "--schedule", "1f1b", "--no-sequence-parallel")),
+    "nanogpt_tp2_dp2_sp": ("nanogpt", ("--tp", "2", "--dp", "2", "--sequence-parallel")),
     # An odd vocabulary (GPT-2's is 50257): the tied wte / lm_head split 64 + 63 rows, under FSDP2 too.
     # A regression head of one output (sample_models/mlp.py): narrower than its input, it stays replicated.
     "sample_mlp_tp2_dp2": ("sample_mlp", ("--tp", "2", "--dp", "2")),
@@ -127,7 +135,7 @@ def test_tensor_parallel_plan_trains_like_one_process(case, tmp_path, tmp_path_f
     assert plan.tp_plan  # something really is sharded
     if name == "gpt2":
         assert plan.tp_transposed and plan.tp_fused  # Conv1D, and c_attn chunk by chunk
-    if name == "headcount_gpt":
+    if name in ("headcount_gpt", "nanogpt"):
         assert plan.tp_fused and plan.tp_head_attrs
     run(["bash", str(out / "launch.sh"), "--steps", str(STEPS)], tmp_path)
     metrics = json.loads((out / "metrics.json").read_text())
