@@ -17,6 +17,7 @@ from torch import nn
 
 from .errors import RunError
 from .layout import Layout, ModelFile
+from .weights import Checkpoint, load_weights
 
 
 def load_model_file(path: str) -> Any:
@@ -178,7 +179,9 @@ def default_init(name: str, p: torch.Tensor) -> None:
         nn.init.zeros_(p)
 
 
-def materialise(model: nn.Module, module_names: set[str], device: torch.device, seed: int) -> None:
+def materialise(
+    model: nn.Module, module_names: set[str], device: torch.device, seed: int, weights: Checkpoint | None = None
+) -> None:
     """Allocate and initialise the parameters of `module_names` on `device`; the rest stays on meta.
 
     Each module's reset_parameters() runs under a seed derived from (seed, its qualified name), so a
@@ -240,7 +243,10 @@ def materialise(model: nn.Module, module_names: set[str], device: torch.device, 
         for pname, p in list(module._parameters.items()):
             if p is not None and replaced.get(id(p)) is p:
                 module._parameters[pname] = allocated[id(p)]
-    own_initialisation(model, wanted, device, seed)
+    if weights is not None:
+        load_weights(model, weights, wanted)  # (after the inits above: a buffer the checkpoint lacks keeps its own)
+    else:
+        own_initialisation(model, wanted, device, seed)
 
 
 def hf_owner(module: nn.Module) -> bool:
