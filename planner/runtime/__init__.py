@@ -23,6 +23,8 @@ Modules, by job:
   meta.py      running on the meta device without importing torch._dynamo (planning and the check)
   memo.py      running repeated identical ops on the meta device once (tracing's shape run and the check)
   digest.py    the digest train.py checks before importing its copy of this package
+  weights.py   --init-from: a rank's modules read their tensors from a Hugging Face folder (safetensors), a DCP
+               checkpoint or a state_dict file, checked by name and shape against the model first
 
 What the run does with the models people have:
 - Without a pipeline (pp = 1) and without sequence parallelism the stage is the user's model itself, run
