@@ -122,3 +122,22 @@ def test_a_top_level_init_weights_runs_the_same_for_every_layout(tmp_path):
     assert part.emb.weight.is_meta
     torch.testing.assert_close(part.layers[2].weight, full.layers[2].weight, rtol=0, atol=0)
     torch.testing.assert_close(part.out.weight, full.out.weight, rtol=0, atol=0)
+
+
+def test_lora_adapters_start_as_peft_initialises_them():
+    """peft's default: A Kaiming-uniform, B zero, so the adapted model starts as the base model."""
+    pytest.importorskip("peft")
+    from e2e.plans import TINY
+
+    path = str(__import__("pathlib").Path(__file__).parent / "fixtures" / "models" / "finetune_gpt.py")
+    spec = ModelFile(path, "build_model", "example_inputs", "loss_fn", None, {**TINY["gpt"], "mode": "lora"})
+    user = load_model_file(path)
+    model = build_model(user, spec, SEED, everything_on_meta=False)
+    materialise(model, {n for n, _ in model.named_modules()}, CPU, SEED)
+    q = model.blocks[0].attn.q
+    assert torch.equal(q.lora_B["default"].weight, torch.zeros(64, 4))
+    assert q.lora_A["default"].weight.abs().max() <= 1 / 8  # kaiming_uniform_(a=sqrt(5)): bound 1/sqrt(fan_in)
+    assert q.lora_A["default"].weight.std() > 0.03
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == [
+        f"blocks.{i}.attn.{m}.lora_{ab}.default.weight" for i in range(4) for m in "qv" for ab in "AB"
+    ]

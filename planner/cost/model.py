@@ -24,6 +24,7 @@ from planner.cost.terms import (
     dp_sync_time,
     expert_state_params,
     expert_sync_params,
+    frozen_state_params,
     moe_alltoall_time,
     optimizer_step_time,
     p2p_link,
@@ -77,6 +78,9 @@ class UnitCost:
     # parameters as the data-parallel ring terms count them (gradient sync, ZeRO-3 gathers); None: params_local.
     # They differ only for experts, which reduce over the dp/ep replicas (`terms.expert_sync_params`).
     sync_params_or_none: float | None = None
+    # frozen parameters on one GPU (after TP): weights only. params_local counts them by
+    # `terms.frozen_state_params`, so that `model_state_bytes(params_local)` is exact.
+    frozen_local: float = 0.0
 
     @property
     def sync_params(self) -> float:
@@ -197,7 +201,11 @@ def unit_cost(
     shard = unit.tp_shardable_params if cand.tp > 1 else 0
     experts = unit.expert_params  # not TP-sharded; ep divides them (`terms.expert_state_params`)
     dense = (unit.params - experts - shard) + shard / cand.tp
-    params_local = dense + expert_state_params(experts, cand, dtype)
+    # Frozen parameters (not experts) are taken as spread like the unit's other dense ones over the tp ranks.
+    dense_all = unit.params - experts
+    frozen = min(unit.frozen_params, dense_all) * (dense / dense_all) if dense_all else 0.0
+    state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
+    params_local = dense - frozen + frozen_state_params(frozen, state) + expert_state_params(experts, cand, dtype)
     sync_params = dense + expert_sync_params(experts, cand) if experts and cand.ep > 1 else None
     return UnitCost(
         fwd=fwd,
@@ -210,6 +218,7 @@ def unit_cost(
         source=source,
         ep_comm=2.0 * a2a,
         sync_params_or_none=sync_params,
+        frozen_local=frozen,
     )
 
 
@@ -273,6 +282,8 @@ def stage_costs(
         rank = stage_rank(cand.schedule, cand.pp, cand.virtual_stages, s)
         uc = [costs[u] for u in units]
         params = sum(c.params_local for c in uc)
+        frozen = sum(c.frozen_local for c in uc)
+        trainable = params - frozen_state_params(frozen, state)
         fwd = sum(c.fwd for c in uc)
         bwd = sum(c.bwd[mode] for c in uc)
         boundary = graph.units[units[-1]].output_bytes if s < len(partition) - 1 else 0
@@ -290,9 +301,9 @@ def stage_costs(
                 fwd=fwd,
                 bwd=bwd,
                 p2p=p2p,
-                weights=params * state.weights,
-                gradients=params * state.gradients,
-                optimizer=params * state.optimizer,
+                weights=(trainable + frozen) * state.weights,
+                gradients=trainable * state.gradients,
+                optimizer=trainable * state.optimizer,
                 activations=act,
                 comm_buffers=buffers,
                 workspace=0.0,

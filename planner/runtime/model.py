@@ -257,7 +257,9 @@ def hf_owner(module: nn.Module) -> bool:
     )
 
 
-def own_initialisation(model: nn.Module, wanted: set[str], device: torch.device, seed: int) -> None:
+def own_initialisation(
+    model: nn.Module, wanted: set[str], device: torch.device, seed: int, lora: bool = True
+) -> None:
     """Run the model's own initialisation over the modules `wanted` hold, after their constructor's defaults,
     as the model's authors do: transformers' `_init_weights` (each module by its nearest PreTrainedModel, the
     children before their parent, as PreTrainedModel.initialize_weights's smart_apply), else a top-level
@@ -265,6 +267,18 @@ def own_initialisation(model: nn.Module, wanted: set[str], device: torch.device,
     every initialiser call on a parameter draws from a seed derived from (seed, the parameter's name)
     (seeded_per_parameter), so each value is the same whichever rank holds it, for every layout."""
     cuda = [device] if device.type == "cuda" else []
+    adapted = [
+        m for n, m in model.named_modules() if n in wanted and callable(getattr(m, "reset_lora_parameters", None))
+    ]
+    if lora and adapted:
+        # peft's LoRA layers: their adapters as peft initialises them by default (A Kaiming-uniform, B zero,
+        # so the adapted model starts as the base model), after the base model's own initialisation below.
+        with seeded_per_parameter(model, seed, cuda), torch.no_grad():
+            own_initialisation(model, wanted, device, seed, lora=False)
+            for layer in adapted:
+                for adapter in getattr(layer, "lora_A", {}):
+                    layer.reset_lora_parameters(adapter, True)
+        return
     if hf_owner(model):
         owners: dict[str, nn.Module] = {}
         for name, module in model.named_modules():

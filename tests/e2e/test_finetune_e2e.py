@@ -1,0 +1,74 @@
+"""Fine-tuning: the sample GPT with frozen embeddings, and with peft's LoRA adapters on q and v (base frozen),
+planned by `planner plan` (plan.json's gradient and optimizer memory count the trainable parameters only)
+and trained on CPU ranks like one process: FSDP, tensor parallelism and pipeline stages with frozen weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from e2e.plans import TINY, make_plan, reference_of
+from e2e.test_train_e2e import STEPS, train
+from typer.testing import CliRunner
+
+from cli.main import app
+from planner.plan import Plan
+
+pytestmark = pytest.mark.e2e
+
+FIXTURE = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "fixtures" / "models" / "finetune_gpt.py")
+
+
+def finetuned(plan: Plan, mode: str) -> Plan:
+    model = plan.model.model_copy(update={"path": FIXTURE, "model_args": {**TINY["gpt"], "mode": mode}})
+    return plan.model_copy(update={"model": model})
+
+
+CASES = {
+    "frozen_embeddings_pp2_dp2": (lambda: finetuned(make_plan("gpt", pp=2, dp=2), "frozen"), 4),
+    "frozen_embeddings_tp2_dp2_zero3": (lambda: finetuned(make_plan("gpt", tp=2, dp=2, zero_stage=3), "frozen"), 4),
+    "lora_dp2_zero3": (lambda: finetuned(make_plan("gpt", dp=2, zero_stage=3), "lora"), 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fine_tune_trains_like_one_process(case, tmp_path):
+    if case.startswith("lora"):
+        pytest.importorskip("peft")
+    make, processes = CASES[case]
+    plan = make()
+    steps = train(plan, tmp_path / "run", processes)["steps"]
+    expected = train(reference_of(plan), tmp_path / "reference", 1)["steps"]
+    tol = 1e-3 if plan.parallel.tp > 1 else 1e-4
+    assert len(steps) == STEPS
+    for got, want in zip(steps, expected, strict=True):
+        assert abs(got["loss"] - want["loss"]) <= tol, (case, steps, expected)
+        assert abs(got["grad_norm"] - want["grad_norm"]) <= tol * want["grad_norm"], (case, steps, expected)
+
+
+@pytest.mark.parametrize("mode", ["frozen", "lora"])
+def test_plan_counts_gradients_and_optimizer_state_of_trainable_parameters_only(mode, tmp_path):
+    if mode == "lora":
+        pytest.importorskip("peft")
+    args = [f"{k}={v!r}" for k, v in {**TINY["gpt"], "mode": mode}.items()]
+    result = CliRunner().invoke(
+        app,
+        ["plan", FIXTURE, *[x for a in args for x in ("--model-arg", a)], "--gpu", "cpu", "--nodes", "1",
+         "--gpus-per-node", "2", "--global-batch-size", "8", "--dtype", "fp32", "--dp", "2", "--zero-stage", "3",
+         "--out", str(tmp_path / "p"), "--quiet"],
+    )
+    assert result.exit_code == 0, result.output
+    memory = json.loads((tmp_path / "p" / "plan.json").read_text())["stages"][0]["memory"]
+    import torch
+
+    from planner.runtime.model import load_model_file
+
+    with torch.device("meta"):
+        model = load_model_file(FIXTURE).build_model(mode=mode, **TINY["gpt"])
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert 0 < trainable < total
+    # fp32: 4 bytes of weights and of gradients, 8 of Adam's moments; ZeRO-3 over dp 2 shards each
+    assert memory["weights"] == pytest.approx(total * 4 / 2, rel=1e-6)
+    assert memory["gradients"] == pytest.approx(trainable * 4 / 2, rel=1e-6)
+    assert memory["optimizer"] == pytest.approx(trainable * 8 / 2, rel=1e-6)
