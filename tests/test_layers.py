@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("planner.search",),
     ("planner.plan",),
     ("planner.pipeline",),
-    ("planner.codegen", "planner.report"),
+    ("planner.codegen", "planner.report", "planner.export"),
     ("cli",),
 ]
 RUNTIME_ALLOWED = {"torch", "numpy"}  # numpy: torch.distributed.pipelining needs it
