@@ -37,7 +37,7 @@ from .model import build_model, input_count, load_model_file, make_batch, materi
 from .parallel import parallelize as parallelize_stage
 from .stages import LocalStage, ModelStage, build_local_stages, shared_weights, uses_graph, with_structure
 from .tied import TiedWeights, own_copies
-from .weights import open_checkpoint
+from .weights import load_sharded, open_checkpoint
 
 
 def read_plan(path: str | Path) -> tuple[Layout, ModelFile, Training]:
@@ -181,10 +181,13 @@ def parallelize(
         tied = TiedWeights(shared, layout, mesh, model, stages, local, own_copies(shared, model, stages, local))
     else:
         model = build_model(user, spec, training.seed, everything_on_meta=False)
-        materialise(model, {n for n, _ in model.named_modules()}, dev, training.seed, weights)
+        at_build = weights if layout.tp_fused else None  # else read after sharding, each rank its shards
+        materialise(model, {n for n, _ in model.named_modules()}, dev, training.seed, at_build)
         stages = [ModelStage(model, list(layout.stages[0].modules))]
     for i, stage in zip(local, stages, strict=True):
         parallelize_stage(stage, mesh, layout, layout.stages[i].recompute, dev, sp_styles, training.dtype)
+    if weights is not None and not uses_graph(layout) and not layout.tp_fused:
+        load_sharded(model, weights, {n for n, _ in model.named_modules()})
     job = Parallelized(layout, mesh, dev, model, stages, None, loss_fn, user, spec, training.seed, tied)
     job._n_inputs = input_count(model, len(example))
     if layout.pp_enabled:

@@ -42,7 +42,7 @@ from .stages import (
     with_structure,
 )
 from .tied import TiedWeights, own_copies
-from .weights import open_checkpoint
+from .weights import load_sharded, open_checkpoint
 
 if TYPE_CHECKING:
     from .schedule import MicroBatchLoss
@@ -265,6 +265,7 @@ def run(
     stages: list[LocalStage]
     tied = None
     sp_styles: dict[str, ParallelStyle] = {}
+    at_build = weights  # the weights read as the modules are built (a stage's tensors), else after sharding
     if uses_graph(layout):
         gm, pieces, sp_styles, method = trace_and_cut(
             user, spec, layout, training.seed, example, mesh["tp"] if layout.tp_enabled else None, log0,
@@ -281,7 +282,10 @@ def run(
         tied = TiedWeights(shared, layout, mesh, model, stages, local, copies)
     else:
         model = build_model(user, spec, training.seed, everything_on_meta=False)
-        materialise(model, {n for n, _ in model.named_modules()}, device, training.seed, weights)
+        # The weights come in after sharding (each rank reads its shards), unless TP reorders fused rows or
+        # expert parallelism keeps a slice of the experts.
+        at_build = weights if layout.tp_fused or layout.ep_enabled else None
+        materialise(model, {n for n, _ in model.named_modules()}, device, training.seed, at_build)
         stages, method = [ModelStage(model, list(layout.stages[0].modules))], "module"
     n_inputs = input_count(model, len(example))
     # Expert parallelism: this rank keeps its slice of each experts module of its stages (the model as
@@ -306,6 +310,8 @@ def run(
             )
     for i, stage in zip(local, stages, strict=True):
         parallelize(stage, mesh, layout, layout.stages[i].recompute, device, sp_styles, training.dtype, ep_mesh)
+    if weights is not None and at_build is None:
+        load_sharded(model, weights, {n for n, _ in model.named_modules()})
     if ep_mesh is not None:
         ids = {id(p) for s in stages for m in s.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
         expert_params = (ids, ep_mesh["ep"].get_group())

@@ -1,5 +1,8 @@
 """Weights in: a rank's modules take their initial values from a checkpoint, read through the library that owns
-its format, each rank reading only the tensors of the modules it holds.
+its format, each rank reading only what it holds: the model as written (no pipeline) reads after TP and FSDP
+have sharded it, each rank its shard of each tensor (`load_sharded`: safetensors' get_slice); a pipeline
+stage reads its modules' tensors as they are built (`load_weights`), as does a model whose TP reorders fused
+rows or keeps a slice of the experts.
 
 Checkpoints (`open_checkpoint`):
 - a Hugging Face model folder (`save_pretrained`: model.safetensors, or shards with model.safetensors.index.json)
@@ -47,6 +50,10 @@ class Checkpoint:
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def read_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """`name`'s values at `index` (one slice per dimension)."""
+        return self.read([name])[name][index]
+
 
 class SafetensorsCheckpoint(Checkpoint):
     kind = "safetensors"
@@ -75,6 +82,13 @@ class SafetensorsCheckpoint(Checkpoint):
                 for key in keys:
                     out[key] = f.get_tensor(key)
         return out
+
+    def read_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.file_of[name]), framework="pt") as f:
+            value: torch.Tensor = f.get_slice(name)[index]  # reads only these bytes of the file
+        return value
 
 
 class DcpCheckpoint(Checkpoint):
@@ -231,22 +245,51 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, held: Iterable[str]) -> Non
     params = dict(model.named_parameters())
     wanted = {first: key for first, key in found.items() if not params[first].is_meta}
     values = ckpt.read(sorted(wanted.values()))
-    held = set(held)
-    buffer_keys = {}
+    with torch.no_grad():
+        for first, key in wanted.items():
+            params[first].copy_(values.pop(key))
+    _load_buffers(model, ckpt, prefix, set(held))
+
+
+def load_sharded(model: nn.Module, ckpt: Checkpoint, held: Iterable[str]) -> None:
+    """Copy the checkpoint into a model already sharded by TP and FSDP (its parameters DTensors), each rank
+    reading only its shard of each tensor (safetensors' get_slice; a state_dict file is memory-mapped, so only
+    the slice's pages are read), and the persistent buffers of the modules `held` that the checkpoint has.
+    For weights whose sharded layout is the checkpoint's (not TP_FUSED's reordered rows)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    found, prefix = check_matches(ckpt, model)
+    with torch.no_grad():
+        for first, p in model.named_parameters():
+            if p.is_meta:
+                continue
+            if isinstance(p, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                local = p.to_local()
+            else:
+                shape, offset, local = tuple(p.shape), (0,) * p.dim(), p
+            if local.numel():
+                index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+                local.copy_(ckpt.read_slice(found[first], index))
+    _load_buffers(model, ckpt, prefix, set(held))
+
+
+def _load_buffers(model: nn.Module, ckpt: Checkpoint, prefix: str, held: set[str]) -> None:
+    """The checkpoint's values of the persistent buffers of the modules `held` (batch norm's statistics)."""
+    keys = {}
     for name, module in model.named_modules():
         if name not in held:
             continue
         for bname, b in module.named_buffers(recurse=False):
             full = f"{name}.{bname}" if name else bname
             if b is not None and not b.is_meta and prefix + full in ckpt.shapes:
-                buffer_keys[full] = prefix + full
-    buffers = ckpt.read(sorted(buffer_keys.values()))
+                keys[full] = prefix + full
+    values = ckpt.read(sorted(keys.values()))
+    named = dict(model.named_buffers())
     with torch.no_grad():
-        for first, key in wanted.items():
-            params[first].copy_(values.pop(key))
-        named = dict(model.named_buffers())
-        for full, key in buffer_keys.items():
-            named[full].copy_(buffers[key])
+        for full, key in keys.items():
+            named[full].copy_(values[key])
 
 
 def checkpoint_problem(source: str | Path, model: nn.Module) -> str | None:
