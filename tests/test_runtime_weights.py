@@ -109,3 +109,34 @@ def test_a_repo_id_missing_from_the_local_cache_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(RunError, match="not in the local Hugging Face cache"):
         open_checkpoint("nobody/tiny-llama")
+
+
+def test_a_sharded_rank_reads_only_its_shard(tmp_path, monkeypatch):
+    """Rank 1 of 2 (torch's fake process group: no peers needed) holding row and column shards reads those
+    slices of the safetensors file, nothing more."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from planner.runtime.weights import load_sharded
+
+    full = {"a.weight": torch.arange(24.0).reshape(6, 4), "b.weight": torch.arange(12.0).reshape(3, 4)}
+    save_file(full, tmp_path / "model.safetensors")
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        model = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 6, bias=False), "b": torch.nn.Linear(4, 3, bias=False)})
+        for name, placement in (("a", Shard(0)), ("b", Shard(1))):
+            module = model[name]
+            module.weight = torch.nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [placement]))
+        read: list[tuple] = []
+        original = SafetensorsCheckpoint.read_slice
+        monkeypatch.setattr(SafetensorsCheckpoint, "read_slice",
+                            lambda self, n, i: read.append((n, i)) or original(self, n, i))
+        load_sharded(model, open_checkpoint(tmp_path), set())
+        torch.testing.assert_close(model["a"].weight.to_local(), full["a.weight"][3:])
+        torch.testing.assert_close(model["b"].weight.to_local(), full["b.weight"][:, 2:])
+        assert read == [("a.weight", (slice(3, 6), slice(0, 4))), ("b.weight", (slice(0, 3), slice(2, 4)))]
+    finally:
+        dist.destroy_process_group()
