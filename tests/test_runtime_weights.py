@@ -140,3 +140,17 @@ def test_a_sharded_rank_reads_only_its_shard(tmp_path, monkeypatch):
         assert read == [("a.weight", (slice(3, 6), slice(0, 4))), ("b.weight", (slice(0, 3), slice(2, 4)))]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_repo_id_in_the_local_hugging_face_cache(tmp_path, monkeypatch):
+    """huggingface_hub's cache layout (models--org--name/refs/main -> snapshots/<commit>/), found offline."""
+    ref, folder = _pretrained(tmp_path)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "cache" / "models--someone--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots").mkdir()
+    folder.rename(repo / "snapshots" / commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    model = _ours(weights=open_checkpoint("someone/tiny-llama"))
+    torch.testing.assert_close(model.lm_head.weight, ref.lm_head.weight, rtol=0, atol=0)

@@ -25,6 +25,7 @@ Imports only the standard library and torch; safetensors and huggingface_hub are
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -172,7 +173,9 @@ def _from_hf_cache(repo_id: str) -> Path:
             "Hugging Face cache) is not installed: pass the checkpoint's folder, or pip install huggingface_hub."
         ) from None
     try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
+        # HF_HUB_CACHE as set now (huggingface_hub reads it once, at its import)
+        cache = os.environ.get("HF_HUB_CACHE")
+        return Path(snapshot_download(repo_id, local_files_only=True, cache_dir=cache))
     except Exception as e:  # LocalEntryNotFoundError, a malformed id: the job never downloads
         raise RunError(
             f"--init-from {repo_id}: not a file or folder, and not in the local Hugging Face cache "
