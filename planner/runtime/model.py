@@ -267,8 +267,11 @@ def own_initialisation(
     every initialiser call on a parameter draws from a seed derived from (seed, the parameter's name)
     (seeded_per_parameter), so each value is the same whichever rank holds it, for every layout."""
     cuda = [device] if device.type == "cuda" else []
+    # (a LoRA layer holds no weights of its own, and a traced stage calls its adapters, not it: a layer counts
+    # where any of its modules is wanted)
+    holding = {p for n in wanted for p in _prefixes(n)}
     adapted = [
-        m for n, m in model.named_modules() if n in wanted and callable(getattr(m, "reset_lora_parameters", None))
+        m for n, m in model.named_modules() if n in holding and callable(getattr(m, "reset_lora_parameters", None))
     ]
     if lora and adapted:
         # peft's LoRA layers: their adapters as peft initialises them by default (A Kaiming-uniform, B zero,

@@ -5,6 +5,7 @@ and trained on CPU ranks like one process: FSDP, tensor parallelism and pipeline
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from e2e.plans import TINY, make_plan, reference_of
@@ -12,11 +13,11 @@ from e2e.test_train_e2e import STEPS, train
 from typer.testing import CliRunner
 
 from cli.main import app
-from planner.plan import Plan
+from planner.plan import Plan, load_plan
 
 pytestmark = pytest.mark.e2e
 
-FIXTURE = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "fixtures" / "models" / "finetune_gpt.py")
+FIXTURE = str(Path(__file__).resolve().parents[1] / "fixtures" / "models" / "finetune_gpt.py")
 
 
 def finetuned(plan: Plan, mode: str) -> Plan:
@@ -24,10 +25,30 @@ def finetuned(plan: Plan, mode: str) -> Plan:
     return plan.model_copy(update={"model": model})
 
 
+def lora_planned_tp2_dp2(out: Path) -> Plan:
+    """`planner plan` shards the adapted projections' base_layer and lora_B column-wise (lora_A replicated)."""
+    args = [f"{k}={v!r}" for k, v in {**TINY["gpt"], "mode": "lora"}.items()]
+    result = CliRunner().invoke(
+        app,
+        ["plan", FIXTURE, *[x for a in args for x in ("--model-arg", a)], "--gpu", "cpu", "--nodes", "1",
+         "--gpus-per-node", "4", "--global-batch-size", "8", "--micro-batch-size", "2", "--dtype", "fp32", "--tp",
+         "2", "--dp", "2", "--lr", "1e-2", "--out", str(out), "--quiet"],
+    )
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    assert plan.tp_plan["blocks.0.attn.q.lora_B.default"] == "colwise", plan.tp_plan
+    return plan
+
+
 CASES = {
-    "frozen_embeddings_pp2_dp2": (lambda: finetuned(make_plan("gpt", pp=2, dp=2), "frozen"), 4),
-    "frozen_embeddings_tp2_dp2_zero3": (lambda: finetuned(make_plan("gpt", tp=2, dp=2, zero_stage=3), "frozen"), 4),
-    "lora_dp2_zero3": (lambda: finetuned(make_plan("gpt", dp=2, zero_stage=3), "lora"), 2),
+    "frozen_embeddings_pp2_dp2": (lambda out: finetuned(make_plan("gpt", pp=2, dp=2), "frozen"), 4),
+    "frozen_embeddings_tp2_dp2_zero3": (
+        lambda out: finetuned(make_plan("gpt", tp=2, dp=2, zero_stage=3), "frozen"), 4
+    ),
+    "lora_dp2_zero3": (lambda out: finetuned(make_plan("gpt", dp=2, zero_stage=3), "lora"), 2),
+    # a traced stage calls the adapters, not the LoRA layer: each rank's adapters start as peft's (B zero)
+    "lora_pp2_dp2": (lambda out: finetuned(make_plan("gpt", pp=2, dp=2), "lora"), 4),
+    "lora_planned_tp2_dp2": (lora_planned_tp2_dp2, 4),
 }
 
 
@@ -50,7 +71,7 @@ def test_fine_tune_trains_like_one_process(case, tmp_path, reference):
     if case.startswith("lora"):
         pytest.importorskip("peft")
     make, processes = CASES[case]
-    plan = make()
+    plan = make(tmp_path / "planned")
     steps = train(plan, tmp_path / "run", processes)["steps"]
     expected = reference(plan)
     tol = 1e-3 if plan.parallel.tp > 1 else 1e-4
