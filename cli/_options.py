@@ -255,6 +255,16 @@ NoOverlapOpt = Annotated[
 
 SeedOpt = Annotated[int, typer.Option(help="Random seed of the generated script.", rich_help_panel=_TRAINING)]
 LrOpt = Annotated[float, typer.Option(help="Learning rate of the generated script.", rich_help_panel=_TRAINING)]
+InitFromOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--init-from", metavar="PATH",
+        help="Weights the generated script starts from: a Hugging Face folder (save_pretrained's safetensors) or "
+        "repo id in the local cache, a torch.distributed.checkpoint folder, or a state_dict file; checked "
+        "against the model now. Default: the model's own initialisation.",
+        rich_help_panel=_TRAINING, show_default=False,
+    ),
+]
 StepsOpt = Annotated[
     int, typer.Option(min=1, help="Training steps of the generated script.", rich_help_panel=_TRAINING)
 ]

@@ -18,7 +18,7 @@ from typing import Annotated
 
 import typer
 
-from cli._options import ForceOpt, PlanPathArg, QuietOpt, is_quiet, stdout_console
+from cli._options import ForceOpt, InitFromOpt, PlanPathArg, QuietOpt, is_quiet, stdout_console
 
 EMIT_EXAMPLES = [
     "planner emit plan_out/plan.json --out run1",
@@ -39,6 +39,7 @@ def emit(
     ],
     force: ForceOpt = False,
     quiet: QuietOpt = False,
+    init_from: InitFromOpt = None,
 ) -> None:
     """Write train.py, launch.sh, launch_multinode.sh and slurm.sbatch for a saved plan.
 
@@ -49,6 +50,10 @@ def emit(
     from planner.plan import load_plan
 
     plan = load_plan(plan_path)
+    if init_from is not None:
+        from planner.codegen.check import with_init_from
+
+        plan = with_init_from(plan, init_from)
     files: Files = dict(render(plan, PLAN_FILE))
     files[PLAN_FILE] = (plan.to_json(), False)
     written = write_outputs(out, files, force)

@@ -25,6 +25,7 @@ from cli._options import Settings, examples_epilog, settings
 from cli.calibrate import CALIBRATE_EXAMPLES, calibrate
 from cli.dry_run import DRY_RUN_EXAMPLES, dry_run
 from cli.emit import EMIT_EXAMPLES, emit
+from cli.export import EXPORT_EXAMPLES, export
 from cli.hardware import hardware_app
 from cli.plan import PLAN_EXAMPLES, plan
 from cli.profile import PROFILE_EXAMPLES, profile
@@ -162,6 +163,7 @@ app.command(cls=_PanelCommand, epilog=examples_epilog(PLAN_EXAMPLES))(plan)
 app.command("dry-run", cls=_PanelCommand, epilog=examples_epilog(DRY_RUN_EXAMPLES))(dry_run)
 app.command(cls=_PanelCommand, epilog=examples_epilog(REPORT_EXAMPLES))(report)
 app.command(cls=_PanelCommand, epilog=examples_epilog(EMIT_EXAMPLES))(emit)
+app.command(cls=_PanelCommand, epilog=examples_epilog(EXPORT_EXAMPLES))(export)
 app.command(cls=_PanelCommand, epilog=examples_epilog(VALIDATE_EXAMPLES))(validate)
 app.command(cls=_PanelCommand, epilog=examples_epilog(PROFILE_EXAMPLES))(profile)
 app.command(cls=_PanelCommand, epilog=examples_epilog(CALIBRATE_EXAMPLES))(calibrate)

@@ -36,6 +36,7 @@ from cli._options import (
     GpuOpt,
     GpusPerNodeOpt,
     HfConfigOpt,
+    InitFromOpt,
     InputsFnOpt,
     JsonOpt,
     LossFnOpt,
@@ -136,6 +137,7 @@ def plan(
     seed: SeedOpt = 0,
     lr: LrOpt = 1e-4,
     steps: StepsOpt = 10,
+    init_from: InitFromOpt = None,
     out: OutOpt = Path("plan_out"),
     force: ForceOpt = False,
     json: JsonOpt = False,
@@ -187,6 +189,10 @@ def plan(
     finally:
         if worker is not None:
             worker.close()
+    if init_from is not None:
+        from planner.codegen.check import with_init_from
+
+        result_plan = with_init_from(result_plan, init_from)
     if timestamp:
         from datetime import datetime, timezone
 

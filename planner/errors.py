@@ -29,5 +29,13 @@ class LayoutRefusedError(PlanError):
     """The plan-time check found that the model cannot run in the chosen layout (another layout may)."""
 
 
+class CheckpointError(PlannerError):
+    """Weights to start from that are not the planned model's (other names, other shapes) or cannot be read."""
+
+
+class ExportError(PlannerError):
+    """A plan that the framework it is exported to cannot express (a schedule, an uneven split it lacks)."""
+
+
 class ConfigError(PlannerError):
     """Command-line options contradict each other or name impossible values."""

@@ -173,6 +173,8 @@ class TrainingConfig(_Model):
     lr: float = Field(1e-4, gt=0, allow_inf_nan=False)
     steps: int = Field(10, ge=1)
     dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+    # the checkpoint the weights start from (train.py's INIT_FROM; None: the model's own initialisation)
+    init_from: str | None = None
 
 
 class SearchStats(_Model):

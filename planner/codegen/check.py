@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from planner.codegen.render import runtime_objects
-from planner.errors import LayoutRefusedError, PlanError
+from planner.errors import CheckpointError, LayoutRefusedError, PlanError
 from planner.plan import Plan
 from planner.runtime.errors import RefusedLayout, RunError
 from planner.runtime.layout import Layout, ModelFile, Training
@@ -64,3 +65,23 @@ def _as_plan_errors() -> Iterator[None]:
         raise LayoutRefusedError(f"The plan cannot run: {e}") from None
     except RunError as e:
         raise PlanError(f"The plan cannot run: {e}") from None
+
+
+def with_init_from(plan: Plan, source: str) -> Plan:
+    """`plan` whose script starts from the checkpoint `source` (a local path is made absolute), after checking
+    that the checkpoint holds the plan's model: its names and shapes, read without the tensors' data, against
+    the model built on the meta device. CheckpointError (exit 2) names the first keys or the parameter that
+    differ."""
+    from planner.runtime.model import build_model, load_model_file
+    from planner.runtime.weights import checkpoint_problem
+
+    path = Path(source).expanduser()
+    if path.exists():
+        source = str(path.absolute())
+    inputs = CheckInputs.of(plan)
+    with _as_plan_errors():
+        model = build_model(load_model_file(inputs.spec.path), inputs.spec, inputs.training.seed, True)
+    problem = checkpoint_problem(source, model)
+    if problem is not None:
+        raise CheckpointError(f"--init-from {source}: {problem}")
+    return plan.model_copy(update={"training": plan.training.model_copy(update={"init_from": source})})

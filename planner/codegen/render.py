@@ -182,6 +182,7 @@ def _constants(plan: Plan, layout_digest: str | None = None) -> dict[str, str]:
         "LR": float(t.lr),
         "STEPS": t.steps,
         "DTYPE": t.dtype,
+        "INIT_FROM": t.init_from,
         "RUNTIME_DIGEST": digest_of(runtime_files()),
     }
     return {name: py_literal(value, indent=len(name) + 3) for name, value in values.items()}

@@ -24,6 +24,7 @@ from planner.cost.terms import (
     dp_sync_time,
     expert_state_params,
     expert_sync_params,
+    frozen_state_params,
     moe_alltoall_time,
     optimizer_step_time,
     p2p_link,
@@ -81,6 +82,9 @@ class UnitCost:
     # so the states split into weights, gradients and optimizer exactly (`expert_state_split`)
     experts_held: float = 0.0
     experts_counted: float = 0.0
+    # frozen parameters on one GPU (after TP): weights only. params_local counts them by
+    # `terms.frozen_state_params`, so that `model_state_bytes(params_local)` is exact.
+    frozen_local: float = 0.0
 
     @property
     def sync_params(self) -> float:
@@ -209,7 +213,11 @@ def unit_cost(
     shard = unit.tp_shardable_params if cand.tp > 1 else 0
     experts = unit.expert_params  # not TP-sharded; ep divides them (`terms.expert_state_params`)
     dense = (unit.params - experts - shard) + shard / cand.tp
-    params_local = dense + expert_state_params(experts, cand, dtype)
+    # Frozen parameters (not experts) are taken as spread like the unit's other dense ones over the tp ranks.
+    dense_all = unit.params - experts
+    frozen = min(unit.frozen_params, dense_all) * (dense / dense_all) if dense_all else 0.0
+    state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
+    params_local = dense - frozen + frozen_state_params(frozen, state) + expert_state_params(experts, cand, dtype)
     sync_params = dense + expert_sync_params(experts, cand) if experts and cand.ep > 1 else None
     return UnitCost(
         fwd=fwd,
@@ -224,6 +232,7 @@ def unit_cost(
         sync_params_or_none=sync_params,
         experts_held=experts / cand.ep if cand.ep > 1 else 0.0,
         experts_counted=expert_state_params(experts, cand, dtype) if cand.ep > 1 else 0.0,
+        frozen_local=frozen,
     )
 
 
@@ -290,7 +299,9 @@ def stage_costs(
         uc = [costs[u] for u in units]
         params = sum(c.params_local for c in uc)
         held = sum(c.experts_held for c in uc)
-        dense = params - sum(c.experts_counted for c in uc)
+        frozen = sum(c.frozen_local for c in uc)
+        # dense trainable parameters: what is neither an expert (split over the dp/ep replicas) nor frozen
+        trainable = params - sum(c.experts_counted for c in uc) - frozen_state_params(frozen, state)
         fwd = sum(c.fwd for c in uc)
         bwd = sum(c.bwd[mode] for c in uc)
         boundary = graph.units[units[-1]].output_bytes if s < len(partition) - 1 else 0
@@ -308,9 +319,9 @@ def stage_costs(
                 fwd=fwd,
                 bwd=bwd,
                 p2p=p2p,
-                weights=dense * state.weights + held * replica.weights,
-                gradients=dense * state.gradients + held * replica.gradients,
-                optimizer=dense * state.optimizer + held * replica.optimizer,
+                weights=(trainable + frozen) * state.weights + held * replica.weights,
+                gradients=trainable * state.gradients + held * replica.gradients,
+                optimizer=trainable * state.optimizer + held * replica.optimizer,
                 activations=act,
                 comm_buffers=buffers,
                 workspace=0.0,

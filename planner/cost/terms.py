@@ -135,6 +135,15 @@ def expert_state_params(expert_params: Affine, cand: Candidate, dtype: str) -> A
     return expert_params / cand.ep * (over_rep / over_dp)
 
 
+def frozen_state_params(frozen_params: Affine, state: StateBytes) -> Affine:
+    """The trainable-equivalent count of `frozen_params` parameters (requires_grad=False) for
+    `model_state_bytes`: they keep their weights but no gradient (autograd makes none, FSDP2 and DDP allocate
+    none) and no optimizer state (torch's AdamW creates state only for parameters that have a gradient), so
+    each costs weights / (weights + gradients + optimizer) of a trainable one (Hu et al. 2021, LoRA sec. 4:
+    optimizer state only for the adapters)."""
+    return frozen_params * (state.weights / state.total)
+
+
 def expert_sync_params(expert_params: Affine, cand: Candidate) -> Affine:
     """The dense-equivalent parameter count of a unit's experts on one rank for the data-parallel ring terms
     (`dp_sync_time`, `zero3_gather_time`), which move (n-1)/n of a stage's bytes over the n = dp ranks.

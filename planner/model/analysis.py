@@ -166,6 +166,7 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                 tp_styles=styles,
                 uses_flash_attention=c.flash,
                 expert_params=sum(m.expert_params for m in moe),
+                frozen_params=sum(p.numel() for p in unit_params.values() if not p.requires_grad),
                 experts={m.experts: m.num_experts for m in moe},
                 ep_granularity=ep_granularity(moe),
                 moe_dispatch_bytes=sum(m.dispatch_bytes(seq or 1, dtype_bytes) for m in moe),

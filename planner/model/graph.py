@@ -98,6 +98,10 @@ class Unit(_Model):
     gemm_dim: int = Field(0, description="FLOP-weighted smallest dimension of the unit's Linears (for GEMM efficiency)")
     uses_flash_attention: bool = Field(False, description="attention through scaled_dot_product_attention")
     expert_params: int = Field(0, description="parameters of the unit's MoE experts (expert parallelism divides them)")
+    frozen_params: int = Field(
+        0, description="parameters that do not train (requires_grad=False: frozen embeddings, a LoRA model's base "
+        "weights): no gradient and no optimizer state"
+    )
     experts: dict[str, int] = Field(
         default_factory=dict, description="MoE experts modules of the unit -> their number of experts (one "
         "all-to-all dispatch and combine each under expert parallelism)"

@@ -23,6 +23,9 @@ Modules, by job:
   meta.py      running on the meta device without importing torch._dynamo (planning and the check)
   memo.py      running repeated identical ops on the meta device once (tracing's shape run and the check)
   digest.py    the digest train.py checks before importing its copy of this package
+  api.py       parallelize(plan): a plan applied to its model for people with their own training loop
+  weights.py   --init-from: a rank's modules read their tensors from a Hugging Face folder (safetensors), a DCP
+               checkpoint or a state_dict file, checked by name and shape against the model first
 
 What the run does with the models people have:
 - Without a pipeline (pp = 1) and without sequence parallelism the stage is the user's model itself, run
@@ -31,6 +34,9 @@ What the run does with the models people have:
 - The model's forward gets as many leading inputs of a micro-batch as it takes (integer / boolean
   attention masks and position ids included; a pipeline sends them on to the stages that use them); the
   loss gets all of them.
+- Initial weights are the model's own (model.own_initialisation): after each module's reset_parameters, transformers'
+  `_init_weights` (children before parents, as post_init) or a top-level `init_weights()` (torchtitan's), each
+  parameter drawn from a seed of (seed, its name), so every layout starts from the same values.
 - The last stage's output may be a tensor, dict, dataclass, Hugging Face ModelOutput or tuple: the model
   file's loss_fn receives it as the model returns it; the default loss uses its `loss` if it has one, else
   its `logits` (next-token cross-entropy for integer token inputs, else the mean). Intermediate stage
@@ -67,10 +73,21 @@ from __future__ import annotations
 
 # Only the torch-free parts here: the planner reads layout rules and digests without importing torch; the
 # training run is `from planner_runtime.loop import run`.
+from pathlib import Path
+from typing import Any
+
 from .errors import LayoutError, RefusedLayout, RunError
 from .layout import Layout, ModelFile, Stage, Training, read_layout_file, stage_rank
 
 __all__ = [
-    "Layout", "LayoutError", "ModelFile", "RefusedLayout", "RunError", "Stage", "Training", "read_layout_file",
-    "stage_rank",
+    "Layout", "LayoutError", "ModelFile", "RefusedLayout", "RunError", "Stage", "Training", "parallelize",
+    "read_layout_file", "stage_rank",
 ]
+
+
+def parallelize(plan: str | Path, **options: Any) -> Any:
+    """A plan applied to its model on this rank, for your own training loop (api.parallelize: this rank's
+    stages, parallelised, and the pipeline schedule). Imports torch when called, not with this package."""
+    from .api import parallelize as apply
+
+    return apply(plan, **options)

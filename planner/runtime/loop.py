@@ -44,6 +44,7 @@ from .stages import (
 )
 from .tied import TiedWeights, own_copies
 from .tp_graph import localise_tp_sizes
+from .weights import load_sharded, open_checkpoint
 
 if TYPE_CHECKING:
     from .schedule import MicroBatchLoss
@@ -154,7 +155,9 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def parse_args(argv: Sequence[str] | None, description: str, steps: int, metrics: Path) -> argparse.Namespace:
+def parse_args(
+    argv: Sequence[str] | None, description: str, steps: int, metrics: Path, init_from: str | None = None
+) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
     parser.add_argument(
@@ -164,6 +167,13 @@ def parse_args(argv: Sequence[str] | None, description: str, steps: int, metrics
         help="where the last stage writes per-step loss, time and memory (default: next to this script)",
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument(
+        "--init-from",
+        default=init_from,
+        metavar="PATH",
+        help="start from these weights: a Hugging Face folder (safetensors) or repo id in the local cache, a DCP "
+        f"checkpoint or a state_dict file (default: {init_from or 'the model own initialisation'})",
+    )
     return parser.parse_args(argv)
 
 
@@ -237,20 +247,23 @@ def run(
     script: str | Path,
     argv: Sequence[str] | None = None,
     description: str = "Train the planned model.",
+    init_from: str | None = None,
 ) -> None:
-    """Train as the plan says; `script` is the train.py path (metrics.json goes next to it by default)."""
+    """Train as the plan says; `script` is the train.py path (metrics.json goes next to it by default);
+    `init_from`: the checkpoint the weights start from (train.py's --init-from overrides it)."""
     # Imported here, not at the top: torch.distributed.pipelining imports torch._dynamo, which nothing else in
     # the runtime needs.
     from .schedule import MicroBatchLoss, PlannedStage, build_schedule
 
     script = Path(script).resolve()
-    args = parse_args(argv, description, training.steps, script.with_name("metrics.json"))
+    args = parse_args(argv, description, training.steps, script.with_name("metrics.json"), init_from)
     device, mesh = init_distributed(layout, args.device, script.name)
     pp_rank, dp_rank, tp_rank = (mesh[d].get_local_rank() for d in ("pp", "dp", "tp"))
     torch.manual_seed(training.seed)
     user = load_model_file(spec.path)
     loss_fn = getattr(user, spec.loss_fn) if spec.loss_fn else default_loss
     example = make_batch(user, spec, layout, training.seed, 0, 0)
+    weights = open_checkpoint(args.init_from) if args.init_from else None
 
     # 1. Trace and cut (pipelines, sequence parallelism) or take the model as it is; 2. build this rank's
     # stages; 3. parallelise each: TP, checkpointing, FSDP/replicate.
@@ -259,6 +272,7 @@ def run(
     tied = None
     sp_styles: dict[str, ParallelStyle] = {}
     traced = None
+    at_build = weights  # the weights read as the modules are built (a stage's tensors), else after sharding
     if uses_graph(layout):
         try:
             traced = trace_and_cut(
@@ -270,7 +284,9 @@ def run(
     if traced is not None:
         gm, pieces, sp_styles, method, layout = traced
         zero_bubble = layout.schedule == "zero-bubble"
-        built, model = build_local_stages(user, spec, training.seed, gm, pieces, local, device, zero_bubble)
+        built, model = build_local_stages(
+            user, spec, training.seed, gm, pieces, local, device, zero_bubble, weights
+        )
         stages = list(built)
         loss_fn = with_structure(loss_fn, pieces[-1].out_spec)
         shared = shared_weights(gm, pieces)
@@ -278,7 +294,10 @@ def run(
         tied = TiedWeights(shared, layout, mesh, model, stages, local, copies)
     else:
         model = build_model(user, spec, training.seed, everything_on_meta=False)
-        materialise(model, {n for n, _ in model.named_modules()}, device, training.seed)
+        # The weights come in after sharding (each rank reads its shards), unless TP reorders fused rows or
+        # expert parallelism keeps a slice of the experts.
+        at_build = weights if layout.tp_fused or layout.ep_enabled else None
+        materialise(model, {n for n, _ in model.named_modules()}, device, training.seed, at_build)
         stages, method = [ModelStage(model, list(layout.stages[0].modules))], "module"
     n_inputs = input_count(model, len(example))
     # Expert parallelism: this rank keeps its slice of each experts module of its stages (the model as
@@ -303,6 +322,8 @@ def run(
             )
     for i, stage in zip(local, stages, strict=True):
         parallelize(stage, mesh, layout, layout.stages[i].recompute, device, sp_styles, training.dtype, ep_mesh)
+    if weights is not None and at_build is None:
+        load_sharded(model, weights, {n for n, _ in model.named_modules()})
     if ep_mesh is not None:
         ids = {id(p) for s in stages for m in s.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
         expert_params = (ids, ep_mesh["ep"].get_group())

@@ -17,6 +17,7 @@ from torch import nn
 
 from .errors import RunError
 from .layout import Layout, ModelFile
+from .weights import Checkpoint, load_weights
 
 
 def load_model_file(path: str) -> Any:
@@ -178,7 +179,9 @@ def default_init(name: str, p: torch.Tensor) -> None:
         nn.init.zeros_(p)
 
 
-def materialise(model: nn.Module, module_names: set[str], device: torch.device, seed: int) -> None:
+def materialise(
+    model: nn.Module, module_names: set[str], device: torch.device, seed: int, weights: Checkpoint | None = None
+) -> None:
     """Allocate and initialise the parameters of `module_names` on `device`; the rest stays on meta.
 
     Each module's reset_parameters() runs under a seed derived from (seed, its qualified name), so a
@@ -240,3 +243,111 @@ def materialise(model: nn.Module, module_names: set[str], device: torch.device, 
         for pname, p in list(module._parameters.items()):
             if p is not None and replaced.get(id(p)) is p:
                 module._parameters[pname] = allocated[id(p)]
+    if weights is not None:
+        load_weights(model, weights, wanted)  # (after the inits above: a buffer the checkpoint lacks keeps its own)
+    else:
+        own_initialisation(model, wanted, device, seed)
+
+
+def hf_owner(module: nn.Module) -> bool:
+    """Whether `module` is a transformers PreTrainedModel (by its classes' names: the runtime never imports
+    transformers; nanoGPT's GPT also has a config and an `_init_weights`, not transformers' contract)."""
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(module).__mro__
+    )
+
+
+def own_initialisation(
+    model: nn.Module, wanted: set[str], device: torch.device, seed: int, lora: bool = True
+) -> None:
+    """Run the model's own initialisation over the modules `wanted` hold, after their constructor's defaults,
+    as the model's authors do: transformers' `_init_weights` (each module by its nearest PreTrainedModel, the
+    children before their parent, as PreTrainedModel.initialize_weights's smart_apply), else a top-level
+    `init_weights()` (torchtitan's, given `buffer_device`). Meta parameters (other ranks') are skipped, and
+    every initialiser call on a parameter draws from a seed derived from (seed, the parameter's name)
+    (seeded_per_parameter), so each value is the same whichever rank holds it, for every layout."""
+    cuda = [device] if device.type == "cuda" else []
+    # (a LoRA layer holds no weights of its own, and a traced stage calls its adapters, not it: a layer counts
+    # where any of its modules is wanted)
+    holding = {p for n in wanted for p in _prefixes(n)}
+    adapted = [
+        m for n, m in model.named_modules() if n in holding and callable(getattr(m, "reset_lora_parameters", None))
+    ]
+    if lora and adapted:
+        # peft's LoRA layers: their adapters as peft initialises them by default (A Kaiming-uniform, B zero,
+        # so the adapted model starts as the base model), after the base model's own initialisation below.
+        with seeded_per_parameter(model, seed, cuda), torch.no_grad():
+            own_initialisation(model, wanted, device, seed, lora=False)
+            for layer in adapted:
+                for adapter in getattr(layer, "lora_A", {}):
+                    layer.reset_lora_parameters(adapter, True)
+        return
+    if hf_owner(model):
+        owners: dict[str, nn.Module] = {}
+        for name, module in model.named_modules():
+            parent = owners.get(name.rpartition(".")[0], model) if name else model
+            owners[name] = module if hf_owner(module) else parent
+        # The modules wanted and their ancestors (a parent's init may set its children's weights: GPT-2's
+        # attention scales its c_proj), children first.
+        keep = {""} | {n for n in wanted for n in _prefixes(n)}
+        order = [(n, m) for n, m in model.named_modules() if n in keep][::-1]
+        with seeded_per_parameter(model, seed, cuda), torch.no_grad():
+            for name, module in order:
+                owners[name]._init_weights(module)  # type: ignore[operator]
+        return
+    init_weights = getattr(model, "init_weights", None)
+    if callable(init_weights) and _callable_without_arguments(init_weights):
+        kwargs = {"buffer_device": device} if accepts(init_weights, "buffer_device") else {}
+        with seeded_per_parameter(model, seed, cuda), torch.no_grad():
+            init_weights(**kwargs)
+
+
+def _prefixes(name: str) -> list[str]:
+    parts = name.split(".") if name else []
+    return [".".join(parts[:i]) for i in range(len(parts) + 1)]
+
+
+def _callable_without_arguments(fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+
+
+@contextlib.contextmanager
+def seeded_per_parameter(model: nn.Module, seed: int, cuda: list[torch.device]) -> Iterator[None]:
+    """Within the block, torch.nn.init's initialisers (and transformers.initialization's table of them, where
+    transformers is loaded) leave meta tensors alone and draw a parameter's numbers from a seed derived from
+    (seed, the parameter's first name): the value does not depend on which other parameters exist or in what
+    order they are initialised. Other tensors (slices, buffers) are initialised as usual."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    init = nn.init
+    tables: list[dict[str, Any]] = [vars(init)]
+    hf_init = sys.modules.get("transformers.initialization")
+    if hf_init is not None and isinstance(getattr(hf_init, "TORCH_INIT_FUNCTIONS", None), dict):
+        tables.append(hf_init.TORCH_INIT_FUNCTIONS)
+    saved = [{k: table[k] for k in INITIALISERS if k in table} for table in tables]
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def initialiser(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
+                return tensor
+            name = names.get(id(tensor))
+            if name is None:
+                return fn(tensor, *args, **kwargs)
+            with torch.random.fork_rng(devices=cuda):
+                torch.manual_seed(derived_seed(seed, "param", name))
+                return fn(tensor, *args, **kwargs)
+
+        initialiser.__wrapped__ = fn  # type: ignore[attr-defined]
+        return initialiser
+
+    for table, originals in zip(tables, saved, strict=True):
+        for k, fn in originals.items():
+            table[k] = wrap(fn)
+    try:
+        yield
+    finally:
+        for table, originals in zip(tables, saved, strict=True):
+            table.update(originals)

@@ -23,6 +23,7 @@ from .layout import Layout, ModelFile, runs_traced_graph
 from .memo import MetaMemo
 from .model import build_model, input_count, materialise
 from .tracers import BufferTracer
+from .weights import Checkpoint
 
 # The modules sequence parallelism adds to the graph (parallel.plan_sequence_parallel) are named this and a
 # number: a conversion is the same wherever it sits, so the plan-time check compares pieces without the number.
@@ -670,11 +671,13 @@ def build_local_stages(
     local: list[int],
     device: torch.device,
     copy_views: bool = False,
+    weights: Checkpoint | None = None,
 ) -> tuple[list[StageModule], nn.Module]:
     """This rank's stages (indices `local`), with only their parameters allocated (on `device`), and the
-    model they take their modules and weights from (`copy_views`: zero-bubble's, see StageModule.forward)."""
+    model they take their modules and weights from (`copy_views`: zero-bubble's, see StageModule.forward;
+    `weights`: the checkpoint their values come from)."""
     model = build_model(user, spec, seed, everything_on_meta=False)
-    materialise(model, used_modules(model, [p.graph for p in pieces if p.stage in local]), device, seed)
+    materialise(model, used_modules(model, [p.graph for p in pieces if p.stage in local]), device, seed, weights)
     stages = []
     last = max(p.stage for p in pieces)
     for i in local:

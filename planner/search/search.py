@@ -123,8 +123,9 @@ class SearchResult:
 
 @dataclass
 class CostTable:
-    """Unit costs per (tp, mbs, sp) (and, under expert parallelism, per (ep, dp, zero), which set the
-    experts' share of the states and the all-to-all), computed once per distinct unit signature."""
+    """Unit costs per (tp, mbs, sp) (and, under expert parallelism or with frozen parameters, per (ep, dp,
+    zero), which set the experts' and the frozen parameters' share of the states and the all-to-all), computed
+    once per distinct unit signature and frozen count (a frozen block and a trained one share a signature)."""
 
     graph: ModelGraph
     cluster: ClusterSpec
@@ -132,16 +133,20 @@ class CostTable:
     _by_sig: dict[tuple[object, ...], UnitCost] = field(default_factory=dict)
     _lists: dict[tuple[object, ...], list[UnitCost]] = field(default_factory=dict)
 
+    @property
+    def frozen(self) -> bool:
+        return any(u.frozen_params for u in self.graph.units)
+
     def units(self, cand: Candidate) -> list[UnitCost]:
         """The units' costs under the candidate (one shared list per (tp, mbs, sp): do not modify it)."""
         key: tuple[object, ...] = (cand.tp, cand.micro_batch_size, cand.sequence_parallel)
-        if cand.ep > 1:
+        if cand.ep > 1 or self.frozen:
             key += (cand.ep, cand.dp, cand.zero_stage)
         if key in self._lists:
             return self._lists[key]
         out: list[UnitCost] = []
         for u in self.graph.units:
-            k = (u.signature, *key, u.name if u.kind != "block" else "")
+            k = (u.signature, *key, u.name if u.kind != "block" else "", u.frozen_params)
             if k not in self._by_sig:
                 self._by_sig[k] = unit_cost(u, cand, self.cluster, self.graph.source.dtype, self.profile)
             out.append(self._by_sig[k])

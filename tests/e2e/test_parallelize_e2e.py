@@ -1,0 +1,58 @@
+"""`from planner.runtime import parallelize` in a training loop of one's own: a pp2 plan on 2 gloo ranks. The
+first step's loss (from the last stage) equals the whole model's over the same micro-batches, and the
+optimizer steps the parameters the job hands it."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+from e2e.plans import make_plan
+from e2e.test_train_e2e import TORCHRUN, run
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import torch.distributed as dist
+    from planner.runtime import parallelize
+    from planner.runtime.api import read_plan
+    from planner.runtime.model import build_model, load_model_file, make_batch, materialise
+
+    job = parallelize(sys.argv[1], device="cpu")
+    optimizer = torch.optim.AdamW(job.parameters(), lr=1e-2)
+    local = lambda: [p.to_local() if hasattr(p, "to_local") else p for p in job.parameters()]  # DTensors' shards
+    before = [p.detach().clone() for p in local()]
+    loss = job.step(job.batches(0))
+    optimizer.step()
+    moved = all(not torch.equal(a, p.detach()) for a, p in zip(before, local()))
+
+    layout, spec, training = read_plan(sys.argv[1])  # the whole model, one process, the same micro-batches
+    user = load_model_file(spec.path)
+    whole = build_model(user, spec, training.seed, everything_on_meta=False)
+    materialise(whole, {n for n, _ in whole.named_modules()}, torch.device("cpu"), training.seed)
+    with torch.no_grad():
+        ref = torch.stack([user.loss_fn(whole(b[0]), *b) for b in
+                           (make_batch(user, spec, layout, training.seed, 0, i) for i in range(2))]).mean()
+    out = {"rank": dist.get_rank(), "loss": None if loss is None else loss.item(), "reference": ref.item(),
+           "moved": moved, "stages": len(job.stages), "schedule": type(job.schedule).__name__}
+    with open(f"{sys.argv[2]}/rank{dist.get_rank()}.json", "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_parallelize_applies_a_pipeline_plan_in_ones_own_loop(tmp_path):
+    plan = make_plan("gpt", pp=2, num_micro_batches=2)
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    (tmp_path / "my_train.py").write_text(SCRIPT)
+    run([TORCHRUN, "--standalone", "--nproc-per-node=2", "my_train.py", str(tmp_path), str(tmp_path)], tmp_path)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["schedule"] for r in ranks] == ["Schedule1F1B"] * 2 and all(r["moved"] for r in ranks)
+    assert ranks[0]["loss"] is None
+    assert ranks[1]["loss"] == pytest.approx(ranks[1]["reference"], abs=1e-5)
