@@ -17,6 +17,7 @@ parallelisms are the generated train.py's (planner_runtime.parallel, in torchtit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -35,7 +36,15 @@ from .loop import accumulate, init_distributed, pipeline_step, trace_and_cut
 from .loss import default_loss
 from .model import build_model, input_count, load_model_file, make_batch, materialise
 from .parallel import parallelize as parallelize_stage
-from .stages import LocalStage, ModelStage, build_local_stages, shared_weights, uses_graph, with_structure
+from .stages import (
+    AsWritten,
+    LocalStage,
+    ModelStage,
+    build_local_stages,
+    shared_weights,
+    uses_graph,
+    with_structure,
+)
 from .tied import TiedWeights, own_copies
 from .weights import load_sharded, open_checkpoint
 
@@ -168,10 +177,16 @@ def parallelize(
     tied = None
     sp_styles: dict[str, Any] = {}
     stages: list[LocalStage]
+    traced = None
     if uses_graph(layout):
-        gm, pieces, sp_styles, _ = trace_and_cut(
-            user, spec, layout, training.seed, example, mesh["tp"] if layout.tp_enabled else None, device_type=dev.type
-        )
+        # A graph only torch.export traces runs as written at pp 1 without SP (`stages.AsWritten`).
+        with contextlib.suppress(AsWritten):
+            traced = trace_and_cut(
+                user, spec, layout, training.seed, example, mesh["tp"] if layout.tp_enabled else None,
+                device_type=dev.type,
+            )
+    if traced is not None:
+        gm, pieces, sp_styles, _, layout = traced
         built, model = build_local_stages(
             user, spec, training.seed, gm, pieces, local, dev, layout.schedule == "zero-bubble", weights
         )
@@ -186,7 +201,7 @@ def parallelize(
         stages = [ModelStage(model, list(layout.stages[0].modules))]
     for i, stage in zip(local, stages, strict=True):
         parallelize_stage(stage, mesh, layout, layout.stages[i].recompute, dev, sp_styles, training.dtype)
-    if weights is not None and not uses_graph(layout) and not layout.tp_fused:
+    if weights is not None and traced is None and not layout.tp_fused:
         load_sharded(model, weights, {n for n, _ in model.named_modules()})
     job = Parallelized(layout, mesh, dev, model, stages, None, loss_fn, user, spec, training.seed, tied)
     job._n_inputs = input_count(model, len(example))
