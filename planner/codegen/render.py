@@ -182,9 +182,21 @@ def _constants(plan: Plan, layout_digest: str | None = None) -> dict[str, str]:
         "LR": float(t.lr),
         "STEPS": t.steps,
         "DTYPE": t.dtype,
+        **_optimizer_constants(),
         "RUNTIME_DIGEST": digest_of(runtime_files()),
     }
     return {name: py_literal(value, indent=len(name) + 3) for name, value in values.items()}
+
+
+def _optimizer_constants() -> dict[str, Any]:
+    """The optimizer, schedule and checkpoint knobs train.py starts with: the runtime's defaults (torchtitan's
+    AdamW set-up), for people to edit there."""
+    d = Training()
+    return {
+        "WEIGHT_DECAY": d.weight_decay, "BETAS": tuple(d.betas), "EPS": d.eps, "WARMUP_STEPS": d.warmup_steps,
+        "LR_DECAY": d.lr_decay, "MIN_LR_RATIO": d.min_lr_ratio, "GRAD_CLIP": d.grad_clip,
+        "CHECKPOINT_EVERY": d.checkpoint_every,
+    }
 
 
 def runtime_objects(plan: Plan) -> tuple[Layout, ModelFile, Training]:

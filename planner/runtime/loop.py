@@ -23,11 +23,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from .checkpoint import Checkpointer, latest
 from .errors import RunError
 from .experts import ExpertParallel, shard_experts
 from .layout import Layout, ModelFile, Training
 from .loss import default_loss
 from .model import build_model, input_count, load_model_file, make_batch, materialise
+from .optim import build_optimizers, clip_gradients
 from .parallel import parallelize, sequence_parallel
 from .stages import (
     LocalStage,
@@ -152,17 +154,40 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def parse_args(argv: Sequence[str] | None, description: str, steps: int, metrics: Path) -> argparse.Namespace:
+def parse_args(
+    argv: Sequence[str] | None, description: str, steps: int, metrics: Path, checkpoint_every: int = 1000
+) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
     parser.add_argument(
         "--metrics",
         type=Path,
         default=metrics,
-        help="where the last stage writes per-step loss, time and memory (default: next to this script)",
+        help="where the last stage writes per-step loss, time and memory (default: next to this script); "
+        "each step is also appended to the .jsonl file of the same name as it ends",
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=checkpoint_every, metavar="N",
+        help=f"save a checkpoint every N steps and at the end (0: only at the end; default {checkpoint_every})",
+    )
+    parser.add_argument(
+        "--checkpoint-dir", type=Path, default=metrics.with_name("checkpoints"),
+        help="where checkpoints go, one step-NNNNNNNN folder each (default: checkpoints/ next to this script)",
+    )
+    parser.add_argument(
+        "--resume", nargs="?", const="", default=None, metavar="DIR",
+        help="continue from the newest complete checkpoint under DIR (default: --checkpoint-dir), or from DIR "
+        "itself if it is one; any plan of the same model and global batch can resume it",
+    )
+    parser.add_argument(
+        "--sync-checkpoint", action="store_true",
+        help="save checkpoints synchronously (default: asynchronously, written while training goes on)",
+    )
+    args = parser.parse_args(argv)
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint-every must be 0 or more, got {args.checkpoint_every}")
+    return args
 
 
 def trace_and_cut(
@@ -238,7 +263,7 @@ def run(
     from .schedule import MicroBatchLoss, PlannedStage, build_schedule
 
     script = Path(script).resolve()
-    args = parse_args(argv, description, training.steps, script.with_name("metrics.json"))
+    args = parse_args(argv, description, training.steps, script.with_name("metrics.json"), training.checkpoint_every)
     device, mesh = init_distributed(layout, args.device, script.name)
     pp_rank, dp_rank, tp_rank = (mesh[d].get_local_rank() for d in ("pp", "dp", "tp"))
     torch.manual_seed(training.seed)
@@ -295,7 +320,13 @@ def run(
         ids = {id(p) for s in stages for m in s.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
         expert_params = (ids, ep_mesh["ep"].get_group())
     params = [p for stage in stages for p in stage.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=training.lr)
+    optimizers, schedulers = build_optimizers(stages, training, args.steps)
+    checkpoints = Checkpointer(
+        args.checkpoint_dir.resolve(), stages, optimizers, schedulers, device, not args.sync_checkpoint, log0
+    )
+    start_step = 0
+    if args.resume is not None:
+        start_step = resume(checkpoints, Path(args.resume) if args.resume else args.checkpoint_dir, layout, training)
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
     how = "the model as written" if method == "module" else f"traced with {method}"
     log0(
@@ -320,7 +351,11 @@ def run(
 
     # 5. Train.
     history = []
-    for step in range(args.steps):
+    jsonl = args.metrics.with_suffix(".jsonl")
+    if reports and start_step == 0:
+        jsonl.unlink(missing_ok=True)  # a fresh run's steps; a resumed run appends to the steps before it
+    for step in range(start_step, args.steps):
+        checkpoints.poll()
         start = time.perf_counter()
         first = dp_rank * n
         batches = [
@@ -337,8 +372,11 @@ def run(
         norm = grad_norm(
             params, layout, mesh["pp"].get_group(), device, tied.later_copies() if tied else None, expert_params
         )
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        clip_gradients(params, training.grad_clip, norm)
+        for optimizer, scheduler in zip(optimizers, schedulers, strict=True):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
         if step_loss is not None:
             # The step's loss is the mean over the global batch: average the replicas' means.
             dist.all_reduce(step_loss, group=mesh["dp"].get_group())
@@ -349,6 +387,7 @@ def run(
         if reports:
             assert step_loss is not None, "the reporting rank runs the last stage, which has the loss"
             record = {"step": step + 1, "loss": step_loss.item(), "grad_norm": norm.item()}
+            record["lr"] = optimizers[0].param_groups[0]["lr"] if optimizers else training.lr
             record["step_time_s"] = elapsed
             line = f"step {step + 1:>5}  loss {record['loss']:.6f}  grad norm {record['grad_norm']:.4f}"
             line += f"  {elapsed:.3f}s"
@@ -356,7 +395,14 @@ def run(
                 record["tokens_per_s"] = tokens_per_step / elapsed
                 line += f"  {record['tokens_per_s']:,.0f} tokens/s"
             history.append(record)
+            append_jsonl(jsonl, record)
             print(line, flush=True)
+        done = step + 1
+        if args.checkpoint_every and done % args.checkpoint_every == 0 and done < args.steps:
+            checkpoints.save(done, train_state(done, layout, training))
+    if args.steps > start_step:
+        checkpoints.save(args.steps, train_state(args.steps, layout, training), final=True)
+    checkpoints.wait()
 
     # 6. Metrics: every rank's peak memory, gathered to the reporting rank, which writes the file.
     rank_info = {
@@ -380,6 +426,62 @@ def run(
         sys.stderr.flush()
         os._exit(0)
     dist.destroy_process_group()
+
+
+def train_state(step: int, layout: Layout, training: Training) -> dict[str, Any]:
+    """What a checkpoint records beside the tensors: the step, the data position (the synthetic or user's
+    batches are a function of (seed, step, micro-batch index), so the position is the step) and the facts a
+    resumed run must share with this one."""
+    return {
+        "step": step,
+        "seed": training.seed,
+        "global_batch_size": layout.samples_per_step,
+        "data": {"kind": "batches", "step": step},
+        "layout": layout.describe(),
+    }
+
+
+def resume(checkpoints: Checkpointer, where: Path, layout: Layout, training: Training) -> int:
+    """Load the newest complete checkpoint under `where` (rank 0 chooses, every rank loads it); the step to
+    continue from."""
+    choice: list[Any] = [None]
+    if dist.get_rank() == 0:
+        found = latest(where.resolve())
+        choice[0] = (str(found.path) if found.path else None, found.skipped_message())
+    dist.broadcast_object_list(choice, src=0)
+    path, skipped = choice[0]
+    if skipped:
+        log0(f"resume: {skipped}")
+    if path is None:
+        raise RunError(
+            f"--resume: no complete checkpoint under {where}. Train without --resume, or point it at the folder "
+            "holding the step-NNNNNNNN checkpoints (--checkpoint-dir of the run that saved them)."
+        )
+    state = checkpoints.load(Path(path))
+    if state["global_batch_size"] != layout.samples_per_step:
+        raise RunError(
+            f"{path} was saved by a run of global batch {state['global_batch_size']}, this plan's is "
+            f"{layout.samples_per_step}: the batches of the steps to come would differ from those the run would "
+            "have seen. Re-plan with --global-batch-size "
+            f"{state['global_batch_size']}, or start a new run from its weights."
+        )
+    if state["seed"] != training.seed:
+        raise RunError(
+            f"{path} was saved by a run of SEED {state['seed']}, this script's is {training.seed}: its data would "
+            f"differ. Set SEED = {state['seed']} at the top of train.py."
+        )
+    before = state["layout"]
+    log0(
+        f"resumed from {path} at step {state['step']} (saved under pp {before['pp']} x dp {before['dp']} x tp "
+        f"{before['tp']}, ZeRO {before['zero_stage']})"
+    )
+    return int(state["step"])
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """One line per step, flushed as it ends (a run killed later keeps the steps it finished)."""
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def write_metrics(

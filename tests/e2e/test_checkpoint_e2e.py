@@ -1,0 +1,150 @@
+"""End to end: checkpoints of the generated train.py (torch.distributed.checkpoint), killed and resumed runs, and
+checkpoints resumed under another plan of the same model (DCP resharding).
+
+Every plan here trains the tiny GPT on a global batch of 16 (4 ranks), 6 steps. A run killed with SIGKILL in
+the middle and resumed must give the losses of the run that was never killed; a checkpoint written at dp4 ZeRO-3
+must continue on the same trajectory under pp2 x dp2 and tp2 x dp2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from e2e.plans import make_plan
+from e2e.test_train_e2e import TIMEOUT_S, TORCHRUN, run
+
+from planner.codegen.render import write_scripts
+from planner.plan import Plan
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 6
+EVERY = 2  # the killed runs save every 2 steps
+LAYOUTS = {
+    "dp4_zero3": lambda: make_plan("gpt", dp=4, zero_stage=3),
+    "pp2_dp2_1f1b": lambda: make_plan("gpt", pp=2, dp=2, num_micro_batches=4),
+    "tp2_dp2": lambda: make_plan("gpt", tp=2, dp=2, num_micro_batches=4),
+}
+
+
+def command(*options: str) -> list[str]:
+    return [TORCHRUN, "--standalone", "--nproc-per-node=4", "train.py", "--device", "cpu", "--steps", str(STEPS),
+            *options]
+
+
+def losses(where: Path) -> dict[int, float]:
+    """Step -> loss of the last run in `where` (metrics.json holds the steps that run trained)."""
+    return {s["step"]: s["loss"] for s in json.loads((where / "metrics.json").read_text())["steps"]}
+
+
+def trained(plan: Plan, where: Path, *options: str) -> Path:
+    write_scripts(plan, where)
+    run(command(*options), where)
+    return where
+
+
+def killed_at(where: Path, step: int) -> None:
+    """Start train.py (saving every EVERY steps) and SIGKILL every process of it once `step` is logged."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    log = (where / "killed.log").open("w")
+    proc = subprocess.Popen(
+        command("--checkpoint-every", str(EVERY)), cwd=where, env=env, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    jsonl = where / "metrics.jsonl"
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            lines = jsonl.read_text().splitlines() if jsonl.exists() else []
+            if any(json.loads(line)["step"] >= step for line in lines if line.endswith("}")):
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, f"train.py ended before step {step}: {(where / 'killed.log').read_text()[-3000:]}"
+    finally:
+        # torchrun starts each worker in a session of its own: kill the workers (a lost node), then torchrun.
+        for pid in [*descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+        log.close()
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes started by `pid`, and by them, from /proc."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        out += children
+        todo += children
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Each layout's run that is never killed (dp4's also keeps a checkpoint of step 3 for the resharding test)."""
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = trained(LAYOUTS[name](), tmp_path_factory.mktemp(name), "--checkpoint-every", "3")
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_killed_and_resumed_run_trains_like_the_run_never_killed(name, tmp_path, uninterrupted):
+    expected = losses(uninterrupted(name))
+    write_scripts(LAYOUTS[name](), tmp_path)
+    killed_at(tmp_path, 3)
+    run(command("--resume"), tmp_path)
+    got = losses(tmp_path)
+    first = min(got)
+    # Killed after step 3 was logged: the step-2 checkpoint is complete, step 4's may be (never a partial one).
+    assert first in (3, 5), got
+    assert sorted(got) == list(range(first, STEPS + 1))
+    for step, loss in got.items():
+        assert abs(loss - expected[step]) <= 1e-6, (name, step, got, expected)
+    complete = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if (p / "COMPLETE").exists())
+    assert f"step-{STEPS:08d}" in complete
+
+
+@pytest.mark.parametrize("name", ["pp2_dp2_1f1b", "tp2_dp2"])
+def test_dp4_checkpoint_resumes_under_another_plan(name, tmp_path, uninterrupted):
+    reference = uninterrupted("dp4_zero3")
+    checkpoint = reference / "checkpoints" / "step-00000003"
+    assert (checkpoint / "COMPLETE").is_file()
+    got = losses(trained(LAYOUTS[name](), tmp_path, "--resume", str(checkpoint)))
+    expected = losses(reference)
+    assert sorted(got) == [4, 5, 6]
+    for step, loss in got.items():
+        assert abs(loss - expected[step]) <= 1e-5, (name, step, got, expected)
+
+
+def test_resume_without_a_checkpoint_and_with_another_global_batch_is_refused(tmp_path, uninterrupted):
+    write_scripts(make_plan("gpt", dp=4, num_micro_batches=1), tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nothing = subprocess.run(command("--resume"), cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=TIMEOUT_S)
+    assert nothing.returncode != 0 and "no complete checkpoint under" in nothing.stderr + nothing.stdout
+    checkpoint = uninterrupted("dp4_zero3") / "checkpoints"
+    other = subprocess.run(command("--resume", str(checkpoint)), cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=TIMEOUT_S)
+    assert other.returncode != 0
+    assert "global batch 16, this plan's is 8" in other.stderr + other.stdout, other.stderr[-3000:]
