@@ -28,6 +28,7 @@ from cli.emit import EMIT_EXAMPLES, emit
 from cli.hardware import hardware_app
 from cli.plan import PLAN_EXAMPLES, plan
 from cli.profile import PROFILE_EXAMPLES, profile
+from cli.replan import REPLAN_EXAMPLES, replan
 from cli.report import REPORT_EXAMPLES, report
 from cli.validate import VALIDATE_EXAMPLES, validate
 from planner import __version__
@@ -141,6 +142,7 @@ app.command("dry-run", epilog=examples_epilog(DRY_RUN_EXAMPLES))(dry_run)
 app.command(epilog=examples_epilog(REPORT_EXAMPLES))(report)
 app.command(epilog=examples_epilog(EMIT_EXAMPLES))(emit)
 app.command(epilog=examples_epilog(VALIDATE_EXAMPLES))(validate)
+app.command(epilog=examples_epilog(REPLAN_EXAMPLES))(replan)
 app.command(epilog=examples_epilog(PROFILE_EXAMPLES))(profile)
 app.command(epilog=examples_epilog(CALIBRATE_EXAMPLES))(calibrate)
 app.add_typer(hardware_app, name="hardware")

@@ -362,6 +362,17 @@ def render(plan: Plan, plan_path_in_dir: str = "plan.json") -> dict[str, tuple[s
     return out
 
 
+def resume_script(plan: Plan, checkpoints: str, old_name: str) -> str:
+    """resume.sh of a re-planned folder: launch.sh with --resume `checkpoints` (the old run's checkpoint
+    folder, relative to the new folder so that both can move together)."""
+    import shlex
+
+    p = plan.parallel
+    return _env.get_template("resume.sh.j2").render(
+        old_name=_text(old_name), checkpoints=shlex.quote(checkpoints), pp=p.pp, dp=p.dp, tp=p.tp, world=p.world_size
+    )
+
+
 def write_scripts(plan: Plan, out_dir: str | Path, plan_path_in_dir: str = "plan.json") -> list[Path]:
     """Render and write the scripts and the runtime copy into `out_dir` (each file atomically); returns the
     paths written."""

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .layout import Training
 
@@ -55,6 +57,13 @@ def clip_gradients(params: Sequence[nn.Parameter], max_norm: float | None, total
     clip_grad_norm_: the norm is the whole model's, over every stage and shard, so each rank scales alike)."""
     if max_norm is None or max_norm <= 0:
         return
-    grads = [p for p in params if p.grad is not None]
-    if grads:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total_norm)
+    # One call per layout of the gradients: a foreach over DTensors of different meshes (a TP weight on (dp, tp),
+    # a replicated norm on dp) is refused, as grad_norm groups them too.
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            g = p.grad
+            key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)

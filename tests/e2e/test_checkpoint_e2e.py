@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -49,8 +50,9 @@ def trained(plan: Plan, where: Path, *options: str) -> Path:
     return where
 
 
-def killed_at(where: Path, step: int) -> None:
-    """Start train.py (saving every EVERY steps) and SIGKILL every process of it once `step` is logged."""
+def killed_after_a_checkpoint(where: Path) -> None:
+    """Start train.py (saving every EVERY steps) and SIGKILL every process of it once a step after its first
+    complete checkpoint is logged (the next save may be under way: it must then be skipped on resume)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
     log = (where / "killed.log").open("w")
@@ -63,10 +65,12 @@ def killed_at(where: Path, step: int) -> None:
     try:
         while time.monotonic() < deadline and proc.poll() is None:
             lines = jsonl.read_text().splitlines() if jsonl.exists() else []
-            if any(json.loads(line)["step"] >= step for line in lines if line.endswith("}")):
+            logged = max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
+            saved = [int(p.name[5:]) for p in where.glob("checkpoints/step-*") if (p / "COMPLETE").exists()]
+            if saved and logged > min(saved):
                 break
             time.sleep(0.01)
-        assert proc.poll() is None, f"train.py ended before step {step}: {(where / 'killed.log').read_text()[-3000:]}"
+        assert proc.poll() is None, f"train.py ended before it was killed: {(where / 'killed.log').read_text()[-3000:]}"
     finally:
         # torchrun starts each worker in a session of its own: kill the workers (a lost node), then torchrun.
         for pid in [*descendants(proc.pid), proc.pid]:
@@ -112,11 +116,11 @@ def uninterrupted(tmp_path_factory):
 def test_killed_and_resumed_run_trains_like_the_run_never_killed(name, tmp_path, uninterrupted):
     expected = losses(uninterrupted(name))
     write_scripts(LAYOUTS[name](), tmp_path)
-    killed_at(tmp_path, 3)
+    killed_after_a_checkpoint(tmp_path)
     run(command("--resume"), tmp_path)
     got = losses(tmp_path)
     first = min(got)
-    # Killed after step 3 was logged: the step-2 checkpoint is complete, step 4's may be (never a partial one).
+    # Resumed from the newest complete checkpoint: step 2's or step 4's (never one killed half-way).
     assert first in (3, 5), got
     assert sorted(got) == list(range(first, STEPS + 1))
     for step, loss in got.items():
@@ -148,3 +152,31 @@ def test_resume_without_a_checkpoint_and_with_another_global_batch_is_refused(tm
                            text=True, timeout=TIMEOUT_S)
     assert other.returncode != 0
     assert "global batch 16, this plan's is 8" in other.stderr + other.stdout, other.stderr[-3000:]
+
+
+def test_replan_to_half_the_ranks_resumes_and_keeps_training(tmp_path, uninterrupted):
+    """`planner replan` of the dp4 run for 2 CPU processes: its resume.sh continues from the old run's step-3
+    checkpoint under the new plan, on the old run's trajectory."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from planner.plan import load_plan
+
+    old = tmp_path / "old"
+    reference = uninterrupted("dp4_zero3")
+    write_scripts(LAYOUTS["dp4_zero3"](), old)
+    (old / "plan.json").write_text(LAYOUTS["dp4_zero3"]().to_json())
+    shutil.copytree(reference / "checkpoints" / "step-00000003", old / "checkpoints" / "step-00000003")
+    new = tmp_path / "new"
+    result = CliRunner().invoke(app, ["replan", str(old), "--gpus-per-node", "2", "--out", str(new)])
+    assert result.exit_code == 0, result.output
+    assert "step-00000003" in result.output
+    plan = load_plan(new)
+    assert plan.parallel.world_size == 2 and plan.parallel.global_batch_size == 16
+    assert "--resume ../old/checkpoints" in (new / "resume.sh").read_text()
+    run(["bash", str(new / "resume.sh"), "--steps", str(STEPS), "--device", "cpu"], tmp_path)
+    got, expected = losses(new), losses(reference)
+    assert sorted(got) == [4, 5, 6]
+    for step, loss in got.items():
+        assert abs(loss - expected[step]) <= 1e-5, (step, got, expected)
+    assert (new / "checkpoints" / f"step-{STEPS:08d}" / "COMPLETE").is_file()
