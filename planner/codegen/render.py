@@ -195,7 +195,7 @@ def _optimizer_constants() -> dict[str, Any]:
     return {
         "WEIGHT_DECAY": d.weight_decay, "BETAS": tuple(d.betas), "EPS": d.eps, "WARMUP_STEPS": d.warmup_steps,
         "LR_DECAY": d.lr_decay, "MIN_LR_RATIO": d.min_lr_ratio, "GRAD_CLIP": d.grad_clip,
-        "CHECKPOINT_EVERY": d.checkpoint_every,
+        "CHECKPOINT_EVERY": d.checkpoint_every, "DATA_FILE": d.data_file, "DATA_DTYPE": d.data_dtype,
     }
 
 

@@ -83,6 +83,8 @@ class Training:
     min_lr_ratio: float = 0.1
     grad_clip: float | None = 1.0  # max global gradient norm; None: no clipping
     checkpoint_every: int = 1000  # steps between checkpoints (0: only at the end)
+    data_file: str | None = None  # a flat binary file of token ids (relative: to train.py's folder); None: batches
+    data_dtype: str = "uint16"  # of the model file
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .checkpoint import Checkpointer, latest
+from .data import TokenFile, check_same_data
 from .errors import RunError
 from .experts import ExpertParallel, shard_experts
 from .layout import Layout, ModelFile, Training
@@ -184,6 +185,12 @@ def parse_args(
         "--sync-checkpoint", action="store_true",
         help="save checkpoints synchronously (default: asynchronously, written while training goes on)",
     )
+    parser.add_argument(
+        "--data", type=Path, default=None, metavar="PATH",
+        help="a flat binary file of token ids (nanoGPT / Megatron-LM style) to train on instead of the model "
+        "file's batches (default: DATA_FILE at the top of train.py)",
+    )
+    parser.add_argument("--data-dtype", choices=["uint16", "uint32"], default=None, help="its token id type")
     args = parser.parse_args(argv)
     if args.checkpoint_every < 0:
         parser.error(f"--checkpoint-every must be 0 or more, got {args.checkpoint_every}")
@@ -270,6 +277,7 @@ def run(
     user = load_model_file(spec.path)
     loss_fn = getattr(user, spec.loss_fn) if spec.loss_fn else default_loss
     example = make_batch(user, spec, layout, training.seed, 0, 0)
+    data = token_file(args, training, script.parent, example)
 
     # 1. Trace and cut (pipelines, sequence parallelism) or take the model as it is; 2. build this rank's
     # stages; 3. parallelise each: TP, checkpointing, FSDP/replicate.
@@ -325,8 +333,10 @@ def run(
         args.checkpoint_dir.resolve(), stages, optimizers, schedulers, device, not args.sync_checkpoint, log0
     )
     start_step = 0
+    data_identity = data.identity() if data is not None else {"kind": "batches"}
     if args.resume is not None:
-        start_step = resume(checkpoints, Path(args.resume) if args.resume else args.checkpoint_dir, layout, training)
+        where = Path(args.resume) if args.resume else args.checkpoint_dir
+        start_step = resume(checkpoints, where, layout, training, data_identity)
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
     how = "the model as written" if method == "module" else f"traced with {method}"
     log0(
@@ -359,7 +369,12 @@ def run(
         start = time.perf_counter()
         first = dp_rank * n
         batches = [
-            tuple(t.to(device) for t in make_batch(user, spec, layout, training.seed, step, first + i))
+            tuple(
+                t.to(device) for t in (
+                    make_batch(user, spec, layout, training.seed, step, first + i) if data is None
+                    else data.micro_batch(step, first + i, layout.micro_batch_size, layout.samples_per_step)
+                )
+            )
             for i in range(n)
         ]
         step_loss: torch.Tensor | None
@@ -399,9 +414,9 @@ def run(
             print(line, flush=True)
         done = step + 1
         if args.checkpoint_every and done % args.checkpoint_every == 0 and done < args.steps:
-            checkpoints.save(done, train_state(done, layout, training))
+            checkpoints.save(done, train_state(done, layout, training, data_identity))
     if args.steps > start_step:
-        checkpoints.save(args.steps, train_state(args.steps, layout, training), final=True)
+        checkpoints.save(args.steps, train_state(args.steps, layout, training, data_identity), final=True)
     checkpoints.wait()
 
     # 6. Metrics: every rank's peak memory, gathered to the reporting rank, which writes the file.
@@ -428,20 +443,38 @@ def run(
     dist.destroy_process_group()
 
 
-def train_state(step: int, layout: Layout, training: Training) -> dict[str, Any]:
-    """What a checkpoint records beside the tensors: the step, the data position (the synthetic or user's
-    batches are a function of (seed, step, micro-batch index), so the position is the step) and the facts a
-    resumed run must share with this one."""
+def token_file(
+    args: argparse.Namespace, training: Training, here: Path, example: tuple[torch.Tensor, ...]
+) -> TokenFile | None:
+    """The corpus the run reads (--data, else DATA_FILE relative to train.py's folder), if any."""
+    path = args.data if args.data is not None else (here / training.data_file if training.data_file else None)
+    if path is None:
+        return None
+    if len(example) != 1 or example[0].is_floating_point() or example[0].dim() != 2:
+        raise RunError(
+            f"--data {path}: a token file gives (batch, sequence) token ids, but this model takes "
+            f"{[tuple(t.shape) for t in example]} ({', '.join(str(t.dtype) for t in example)}). Write a get_batch in "
+            "the model file that reads your data instead."
+        )
+    return TokenFile(Path(path), args.data_dtype or training.data_dtype, example[0].shape[1], training.seed)
+
+
+def train_state(step: int, layout: Layout, training: Training, data: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint records beside the tensors: the step, the data position (batches are a function of
+    (seed, step, micro-batch index), so the position is the step: step x global batch samples read) with the
+    data's identity, and the facts a resumed run must share with this one."""
     return {
         "step": step,
         "seed": training.seed,
         "global_batch_size": layout.samples_per_step,
-        "data": {"kind": "batches", "step": step},
+        "data": {**data, "step": step, "samples_read": step * layout.samples_per_step},
         "layout": layout.describe(),
     }
 
 
-def resume(checkpoints: Checkpointer, where: Path, layout: Layout, training: Training) -> int:
+def resume(
+    checkpoints: Checkpointer, where: Path, layout: Layout, training: Training, data: dict[str, Any]
+) -> int:
     """Load the newest complete checkpoint under `where` (rank 0 chooses, every rank loads it); the step to
     continue from."""
     choice: list[Any] = [None]
@@ -470,6 +503,7 @@ def resume(checkpoints: Checkpointer, where: Path, layout: Layout, training: Tra
             f"{path} was saved by a run of SEED {state['seed']}, this script's is {training.seed}: its data would "
             f"differ. Set SEED = {state['seed']} at the top of train.py."
         )
+    check_same_data(state.get("data"), data, path)
     before = state["layout"]
     log0(
         f"resumed from {path} at step {state['step']} (saved under pp {before['pp']} x dp {before['dp']} x tp "
