@@ -180,3 +180,23 @@ def test_replan_to_half_the_ranks_resumes_and_keeps_training(tmp_path, uninterru
     for step, loss in got.items():
         assert abs(loss - expected[step]) <= 1e-5, (step, got, expected)
     assert (new / "checkpoints" / f"step-{STEPS:08d}" / "COMPLETE").is_file()
+
+
+def test_token_file_run_resumes_on_the_same_next_batch_and_refuses_other_data(tmp_path):
+    """dp2 on a flat uint16 token file: resumed from step 2, steps 3-4 read the batches the whole run read (the
+    losses are equal); resumed without the file (the model's own batches), it is refused."""
+    import array
+    import random
+
+    rng = random.Random(0)
+    (tmp_path / "corpus.bin").write_bytes(array.array("H", (rng.randrange(256) for _ in range(32 * 40))).tobytes())
+    write_scripts(make_plan("gpt", dp=2), tmp_path)
+    two = [TORCHRUN, "--standalone", "--nproc-per-node=2", "train.py", "--device", "cpu", "--steps", "4"]
+    run([*two, "--checkpoint-every", "2", "--sync-checkpoint", "--data", "corpus.bin"], tmp_path)
+    whole = losses(tmp_path)
+    run([*two, "--resume", "checkpoints/step-00000002", "--data", "corpus.bin"], tmp_path)
+    assert losses(tmp_path) == {3: whole[3], 4: whole[4]}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    other = subprocess.run([*two, "--resume", "checkpoints/step-00000002"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert other.returncode != 0 and "this run reads the model file's batches" in other.stderr, other.stderr[-3000:]
