@@ -121,9 +121,22 @@ def replan_request(
     return PlanRequest(
         model_path=str(path), model_args=dict(m.model_args), build_fn=m.build_fn, inputs_fn=m.inputs_fn,
         loss_fn=m.loss_fn, batch_fn=m.batch_fn, dtype=old.training.dtype,
-        gpu=gpu if gpu is not None else old.cluster.name,
+        gpu=gpu if gpu is not None else _spec_of(old),
         nodes=nodes if nodes is not None else old.cluster.nodes,
         gpus_per_node=gpus_per_node if gpus_per_node is not None else old.cluster.gpus_per_node,
         global_batch_size=old.parallel.global_batch_size, seed=old.training.seed, lr=old.training.lr,
         steps=old.training.steps,
     )
+
+
+def _spec_of(old: Plan) -> str:
+    """The spec the old plan was made for: its cluster's name where that is a known spec or preset, else its
+    GPU's (a cluster described inline keeps only the GPU's name)."""
+    from planner.errors import PlannerError
+    from planner.hardware.load import load_spec
+
+    try:
+        load_spec(old.cluster.name)
+    except PlannerError:
+        return old.cluster.gpu
+    return old.cluster.name

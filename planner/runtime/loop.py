@@ -396,6 +396,10 @@ def run(
             # The step's loss is the mean over the global batch: average the replicas' means.
             dist.all_reduce(step_loss, group=mesh["dp"].get_group())
             step_loss = step_loss / layout.dp
+        done = step + 1
+        if args.checkpoint_every and done % args.checkpoint_every == 0 and done < args.steps:
+            # Inside the step's time: what a save blocks the training for (an asynchronous one, its copy to CPU).
+            checkpoints.save(done, train_state(done, layout, training, data_identity))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -412,9 +416,6 @@ def run(
             history.append(record)
             append_jsonl(jsonl, record)
             print(line, flush=True)
-        done = step + 1
-        if args.checkpoint_every and done % args.checkpoint_every == 0 and done < args.steps:
-            checkpoints.save(done, train_state(done, layout, training, data_identity))
     if args.steps > start_step:
         checkpoints.save(args.steps, train_state(args.steps, layout, training, data_identity), final=True)
     checkpoints.wait()
