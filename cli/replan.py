@@ -60,8 +60,9 @@ def replan(
     """Plan the same model, batch and training settings for a new cluster, and write resume.sh, which continues
     the old run from its newest complete checkpoint under the new layout (checkpoints reshard on load).
 
-    The search is free (the old plan's degrees are not pinned): the best layout for the new cluster is chosen.
-    The global batch stays the same, so the resumed run sees the batches the old one would have seen.
+    The degrees are searched again (the old plan's are not pinned): the best layout for the new cluster is
+    chosen. The global batch and micro-batch size stay the same, so the resumed run sees the batches the old one
+    would have seen.
     """
     from cli.plan import best_that_runs, render_outputs, run_search
     from planner.codegen.render import resume_script
@@ -126,6 +127,8 @@ def replan_request(
         gpus_per_node=gpus_per_node if gpus_per_node is not None else old.cluster.gpus_per_node,
         global_batch_size=old.parallel.global_batch_size, seed=old.training.seed, lr=old.training.lr,
         steps=old.training.steps,
+        # The model file's batches are drawn per micro-batch: the same size keeps the samples the run would see.
+        pins={"micro_batch_size": old.parallel.micro_batch_size},
     )
 
 

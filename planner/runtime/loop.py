@@ -333,7 +333,8 @@ def run(
         args.checkpoint_dir.resolve(), stages, optimizers, schedulers, device, not args.sync_checkpoint, log0
     )
     start_step = 0
-    data_identity = data.identity() if data is not None else {"kind": "batches"}
+    batches_identity = {"kind": "batches", "micro_batch_size": layout.micro_batch_size}
+    data_identity = data.identity() if data is not None else batches_identity
     if args.resume is not None:
         where = Path(args.resume) if args.resume else args.checkpoint_dir
         start_step = resume(checkpoints, where, layout, training, data_identity)
@@ -505,6 +506,13 @@ def resume(
             f"differ. Set SEED = {state['seed']} at the top of train.py."
         )
     check_same_data(state.get("data"), data, path)
+    saved_mbs = state.get("data", {}).get("micro_batch_size")
+    if data.get("kind") == "batches" and saved_mbs not in (None, layout.micro_batch_size):
+        log0(
+            f"resume: note: {path} was saved with micro-batches of {saved_mbs}, this plan's are "
+            f"{layout.micro_batch_size}; the model file's batches are drawn per micro-batch, so the steps to come "
+            "see other samples than the old run would have (a --data token file does not depend on it)."
+        )
     before = state["layout"]
     log0(
         f"resumed from {path} at step {state['step']} (saved under pp {before['pp']} x dp {before['dp']} x tp "
