@@ -61,7 +61,8 @@ def main() -> None:
         "sync": ("--checkpoint-every", str(args.every), "--sync-checkpoint", "--checkpoint-dir", str(where / "sync")),
         "async": ("--checkpoint-every", str(args.every), "--checkpoint-dir", str(where / "async")),
     }
-    print(f"gpt {args.layers} layers, hidden {args.hidden}, dp{args.procs} ZeRO-3 on {args.device}, {args.steps} steps, "
+    print(f"gpt {args.layers} layers, hidden {args.hidden}, dp{args.procs} ZeRO-3 on {args.device}, "
+          f"{args.steps} steps, "
           f"a save every {args.every}")
     base = None
     for name, options in runs.items():
