@@ -29,6 +29,7 @@ from cli.export import EXPORT_EXAMPLES, export
 from cli.hardware import hardware_app
 from cli.plan import PLAN_EXAMPLES, plan
 from cli.profile import PROFILE_EXAMPLES, profile
+from cli.replan import REPLAN_EXAMPLES, replan
 from cli.report import REPORT_EXAMPLES, report
 from cli.sweep import SWEEP_EXAMPLES, sweep
 from cli.validate import VALIDATE_EXAMPLES, validate
@@ -165,6 +166,7 @@ app.command(cls=_PanelCommand, epilog=examples_epilog(REPORT_EXAMPLES))(report)
 app.command(cls=_PanelCommand, epilog=examples_epilog(EMIT_EXAMPLES))(emit)
 app.command(cls=_PanelCommand, epilog=examples_epilog(EXPORT_EXAMPLES))(export)
 app.command(cls=_PanelCommand, epilog=examples_epilog(VALIDATE_EXAMPLES))(validate)
+app.command(cls=_PanelCommand, epilog=examples_epilog(REPLAN_EXAMPLES))(replan)
 app.command(cls=_PanelCommand, epilog=examples_epilog(PROFILE_EXAMPLES))(profile)
 app.command(cls=_PanelCommand, epilog=examples_epilog(CALIBRATE_EXAMPLES))(calibrate)
 app.command(cls=_PanelCommand, epilog=examples_epilog(SWEEP_EXAMPLES))(sweep)

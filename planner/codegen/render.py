@@ -183,9 +183,21 @@ def _constants(plan: Plan, layout_digest: str | None = None) -> dict[str, str]:
         "STEPS": t.steps,
         "DTYPE": t.dtype,
         "INIT_FROM": t.init_from,
+        **_optimizer_constants(),
         "RUNTIME_DIGEST": digest_of(runtime_files()),
     }
     return {name: py_literal(value, indent=len(name) + 3) for name, value in values.items()}
+
+
+def _optimizer_constants() -> dict[str, Any]:
+    """The optimizer, schedule and checkpoint knobs train.py starts with: the runtime's defaults (torchtitan's
+    AdamW set-up), for people to edit there."""
+    d = Training()
+    return {
+        "WEIGHT_DECAY": d.weight_decay, "BETAS": tuple(d.betas), "EPS": d.eps, "WARMUP_STEPS": d.warmup_steps,
+        "LR_DECAY": d.lr_decay, "MIN_LR_RATIO": d.min_lr_ratio, "GRAD_CLIP": d.grad_clip,
+        "CHECKPOINT_EVERY": d.checkpoint_every, "DATA_FILE": d.data_file, "DATA_DTYPE": d.data_dtype,
+    }
 
 
 def runtime_objects(plan: Plan) -> tuple[Layout, ModelFile, Training]:
@@ -349,6 +361,17 @@ def render(plan: Plan, plan_path_in_dir: str = "plan.json") -> dict[str, tuple[s
     for name, text in runtime_files().items():
         out[f"{RUNTIME_DIR}/{name}"] = (text, False)
     return out
+
+
+def resume_script(plan: Plan, checkpoints: str, old_name: str) -> str:
+    """resume.sh of a re-planned folder: launch.sh with --resume `checkpoints` (the old run's checkpoint
+    folder, relative to the new folder so that both can move together)."""
+    import shlex
+
+    p = plan.parallel
+    return _env.get_template("resume.sh.j2").render(
+        old_name=_text(old_name), checkpoints=shlex.quote(checkpoints), pp=p.pp, dp=p.dp, tp=p.tp, world=p.world_size
+    )
 
 
 def write_scripts(plan: Plan, out_dir: str | Path, plan_path_in_dir: str = "plan.json") -> list[Path]:

@@ -15,7 +15,11 @@ Modules, by job:
   recompute.py activation checkpointing of a stage's units (full or selective)
   schedule.py  the torch.distributed.pipelining schedule and the last stage's loss
   loss.py      the default loss
-  loop.py      process group and mesh, the training step, metrics.json
+  loop.py      process group and mesh, the training step, metrics.json / metrics.jsonl, checkpoints and resume
+  checkpoint.py torch.distributed.checkpoint saves and loads under the model's own names (any plan resumes
+               any other plan's checkpoint), the COMPLETE marker, asynchronous saves
+  optim.py     AdamW per stage, warm-up and cosine / linear decay, clipping by the global norm
+  data.py      batches from a flat binary token file (nanoGPT / Megatron-LM), deterministic and dp-sharded
   experts.py   expert parallelism: each rank's slice of the experts, all-to-all token dispatch/combine
   tied.py      weights shared by several pipeline stages: a copy per stage, gradients summed over them
   check.py     the plan-time check: one micro-batch, stage by stage, on the meta device (imports neither

@@ -16,6 +16,7 @@ from .names import RECOMPUTE_MODES, SCHEDULES
 
 TP_STYLES = ("colwise", "rowwise", "colwise_gather", "norm_heads")
 DTYPES = ("fp32", "bf16", "fp16")
+LR_DECAYS = ("cosine", "linear", "constant")
 _FIX = "Re-plan (planner plan ...) or correct the constant at the top of train.py."
 
 
@@ -75,12 +76,37 @@ class Training:
     lr: float = 1e-3
     steps: int = 10
     dtype: str = "bf16"  # bf16 / fp16: mixed precision on GPUs (fp16 without loss scaling); CPU runs use fp32
+    # AdamW and its schedule: linear warm-up over warmup_steps, then lr_decay down to lr * min_lr_ratio.
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    lr_decay: str = "cosine"
+    min_lr_ratio: float = 0.1
+    grad_clip: float | None = 1.0  # max global gradient norm; None: no clipping
+    checkpoint_every: int = 1000  # steps between checkpoints (0: only at the end)
+    data_file: str | None = None  # a flat binary file of token ids (relative: to train.py's folder); None: batches
+    data_dtype: str = "uint16"  # of the model file
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))
         if self.dtype not in DTYPES:
             raise LayoutError(f"DTYPE must be one of {', '.join(DTYPES)}, got {self.dtype!r}. {_FIX}")
         if self.steps < 0:
             raise LayoutError(f"STEPS must be 0 or more, got {self.steps}. {_FIX}")
+        if self.lr_decay not in LR_DECAYS:
+            raise LayoutError(f"LR_DECAY must be one of {', '.join(LR_DECAYS)}, got {self.lr_decay!r}. {_FIX}")
+        if self.warmup_steps < 0 or self.checkpoint_every < 0:
+            raise LayoutError(
+                f"WARMUP_STEPS and CHECKPOINT_EVERY must be 0 or more, got {self.warmup_steps} and "
+                f"{self.checkpoint_every}. {_FIX}"
+            )
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise LayoutError(f"MIN_LR_RATIO must be within [0, 1], got {self.min_lr_ratio}. {_FIX}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise LayoutError(f"BETAS must be two numbers in [0, 1), got {self.betas}. {_FIX}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise LayoutError(f"GRAD_CLIP must be positive or None (no clipping), got {self.grad_clip}. {_FIX}")
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from .checkpoint import Checkpointer, latest
+from .data import TokenFile, check_same_data
 from .errors import RunError
 from .experts import ExpertParallel, shard_experts
 from .layout import Layout, ModelFile, Training
 from .loss import default_loss
 from .model import build_model, input_count, load_model_file, make_batch, materialise
+from .optim import build_optimizers, clip_gradients
 from .parallel import parallelize, sequence_parallel, with_tied_styles
 from .stages import (
     AsWritten,
@@ -156,7 +159,12 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def parse_args(
-    argv: Sequence[str] | None, description: str, steps: int, metrics: Path, init_from: str | None = None
+    argv: Sequence[str] | None,
+    description: str,
+    steps: int,
+    metrics: Path,
+    checkpoint_every: int = 1000,
+    init_from: str | None = None,
 ) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
@@ -164,7 +172,8 @@ def parse_args(
         "--metrics",
         type=Path,
         default=metrics,
-        help="where the last stage writes per-step loss, time and memory (default: next to this script)",
+        help="where the last stage writes per-step loss, time and memory (default: next to this script); "
+        "each step is also appended to the .jsonl file of the same name as it ends",
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument(
@@ -174,7 +183,33 @@ def parse_args(
         help="start from these weights: a Hugging Face folder (safetensors) or repo id in the local cache, a DCP "
         f"checkpoint or a state_dict file (default: {init_from or 'the model own initialisation'})",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=checkpoint_every, metavar="N",
+        help=f"save a checkpoint every N steps and at the end (0: only at the end; default {checkpoint_every})",
+    )
+    parser.add_argument(
+        "--checkpoint-dir", type=Path, default=metrics.with_name("checkpoints"),
+        help="where checkpoints go, one step-NNNNNNNN folder each (default: checkpoints/ next to this script)",
+    )
+    parser.add_argument(
+        "--resume", nargs="?", const="", default=None, metavar="DIR",
+        help="continue from the newest complete checkpoint under DIR (default: --checkpoint-dir), or from DIR "
+        "itself if it is one; any plan of the same model and global batch can resume it",
+    )
+    parser.add_argument(
+        "--sync-checkpoint", action="store_true",
+        help="save checkpoints synchronously (default: asynchronously, written while training goes on)",
+    )
+    parser.add_argument(
+        "--data", type=Path, default=None, metavar="PATH",
+        help="a flat binary file of token ids (nanoGPT / Megatron-LM style) to train on instead of the model "
+        "file's batches (default: DATA_FILE at the top of train.py)",
+    )
+    parser.add_argument("--data-dtype", choices=["uint16", "uint32"], default=None, help="its token id type")
+    args = parser.parse_args(argv)
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint-every must be 0 or more, got {args.checkpoint_every}")
+    return args
 
 
 def trace_and_cut(
@@ -256,7 +291,9 @@ def run(
     from .schedule import MicroBatchLoss, PlannedStage, build_schedule
 
     script = Path(script).resolve()
-    args = parse_args(argv, description, training.steps, script.with_name("metrics.json"), init_from)
+    args = parse_args(
+        argv, description, training.steps, script.with_name("metrics.json"), training.checkpoint_every, init_from
+    )
     device, mesh = init_distributed(layout, args.device, script.name)
     pp_rank, dp_rank, tp_rank = (mesh[d].get_local_rank() for d in ("pp", "dp", "tp"))
     torch.manual_seed(training.seed)
@@ -264,6 +301,7 @@ def run(
     loss_fn = getattr(user, spec.loss_fn) if spec.loss_fn else default_loss
     example = make_batch(user, spec, layout, training.seed, 0, 0)
     weights = open_checkpoint(args.init_from) if args.init_from else None
+    data = token_file(args, training, script.parent, example)
 
     # 1. Trace and cut (pipelines, sequence parallelism) or take the model as it is; 2. build this rank's
     # stages; 3. parallelise each: TP, checkpointing, FSDP/replicate.
@@ -328,7 +366,16 @@ def run(
         ids = {id(p) for s in stages for m in s.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
         expert_params = (ids, ep_mesh["ep"].get_group())
     params = [p for stage in stages for p in stage.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=training.lr)
+    optimizers, schedulers = build_optimizers(stages, training, args.steps)
+    checkpoints = Checkpointer(
+        args.checkpoint_dir.resolve(), stages, optimizers, schedulers, device, not args.sync_checkpoint, log0
+    )
+    start_step = 0
+    batches_identity = {"kind": "batches", "micro_batch_size": layout.micro_batch_size}
+    data_identity = data.identity() if data is not None else batches_identity
+    if args.resume is not None:
+        where = Path(args.resume) if args.resume else args.checkpoint_dir
+        start_step = resume(checkpoints, where, layout, training, data_identity)
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
     how = "the model as written" if method == "module" else f"traced with {method}"
     log0(
@@ -353,11 +400,20 @@ def run(
 
     # 5. Train.
     history = []
-    for step in range(args.steps):
+    jsonl = args.metrics.with_suffix(".jsonl")
+    if reports and start_step == 0:
+        jsonl.unlink(missing_ok=True)  # a fresh run's steps; a resumed run appends to the steps before it
+    for step in range(start_step, args.steps):
+        checkpoints.poll()
         start = time.perf_counter()
         first = dp_rank * n
         batches = [
-            tuple(t.to(device) for t in make_batch(user, spec, layout, training.seed, step, first + i))
+            tuple(
+                t.to(device) for t in (
+                    make_batch(user, spec, layout, training.seed, step, first + i) if data is None
+                    else data.micro_batch(step, first + i, layout.micro_batch_size, layout.samples_per_step)
+                )
+            )
             for i in range(n)
         ]
         step_loss: torch.Tensor | None
@@ -370,18 +426,26 @@ def run(
         norm = grad_norm(
             params, layout, mesh["pp"].get_group(), device, tied.later_copies() if tied else None, expert_params
         )
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        clip_gradients(params, training.grad_clip, norm)
+        for optimizer, scheduler in zip(optimizers, schedulers, strict=True):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
         if step_loss is not None:
             # The step's loss is the mean over the global batch: average the replicas' means.
             dist.all_reduce(step_loss, group=mesh["dp"].get_group())
             step_loss = step_loss / layout.dp
+        done = step + 1
+        if args.checkpoint_every and done % args.checkpoint_every == 0 and done < args.steps:
+            # Inside the step's time: what a save blocks the training for (an asynchronous one, its copy to CPU).
+            checkpoints.save(done, train_state(done, layout, training, data_identity))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
         if reports:
             assert step_loss is not None, "the reporting rank runs the last stage, which has the loss"
             record = {"step": step + 1, "loss": step_loss.item(), "grad_norm": norm.item()}
+            record["lr"] = optimizers[0].param_groups[0]["lr"] if optimizers else training.lr
             record["step_time_s"] = elapsed
             line = f"step {step + 1:>5}  loss {record['loss']:.6f}  grad norm {record['grad_norm']:.4f}"
             line += f"  {elapsed:.3f}s"
@@ -389,7 +453,11 @@ def run(
                 record["tokens_per_s"] = tokens_per_step / elapsed
                 line += f"  {record['tokens_per_s']:,.0f} tokens/s"
             history.append(record)
+            append_jsonl(jsonl, record)
             print(line, flush=True)
+    if args.steps > start_step:
+        checkpoints.save(args.steps, train_state(args.steps, layout, training, data_identity), final=True)
+    checkpoints.wait()
 
     # 6. Metrics: every rank's peak memory, gathered to the reporting rank, which writes the file.
     rank_info = {
@@ -415,6 +483,88 @@ def run(
         sys.stderr.flush()
         os._exit(0)
     dist.destroy_process_group()
+
+
+def token_file(
+    args: argparse.Namespace, training: Training, here: Path, example: tuple[torch.Tensor, ...]
+) -> TokenFile | None:
+    """The corpus the run reads (--data, else DATA_FILE relative to train.py's folder), if any."""
+    path = args.data if args.data is not None else (here / training.data_file if training.data_file else None)
+    if path is None:
+        return None
+    if len(example) != 1 or example[0].is_floating_point() or example[0].dim() != 2:
+        raise RunError(
+            f"--data {path}: a token file gives (batch, sequence) token ids, but this model takes "
+            f"{[tuple(t.shape) for t in example]} ({', '.join(str(t.dtype) for t in example)}). Write a get_batch in "
+            "the model file that reads your data instead."
+        )
+    return TokenFile(Path(path), args.data_dtype or training.data_dtype, example[0].shape[1], training.seed)
+
+
+def train_state(step: int, layout: Layout, training: Training, data: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint records beside the tensors: the step, the data position (batches are a function of
+    (seed, step, micro-batch index), so the position is the step: step x global batch samples read) with the
+    data's identity, and the facts a resumed run must share with this one."""
+    return {
+        "step": step,
+        "seed": training.seed,
+        "global_batch_size": layout.samples_per_step,
+        "data": {**data, "step": step, "samples_read": step * layout.samples_per_step},
+        "layout": layout.describe(),
+    }
+
+
+def resume(
+    checkpoints: Checkpointer, where: Path, layout: Layout, training: Training, data: dict[str, Any]
+) -> int:
+    """Load the newest complete checkpoint under `where` (rank 0 chooses, every rank loads it); the step to
+    continue from."""
+    choice: list[Any] = [None]
+    if dist.get_rank() == 0:
+        found = latest(where.resolve())
+        choice[0] = (str(found.path) if found.path else None, found.skipped_message())
+    dist.broadcast_object_list(choice, src=0)
+    path, skipped = choice[0]
+    if skipped:
+        log0(f"resume: {skipped}")
+    if path is None:
+        raise RunError(
+            f"--resume: no complete checkpoint under {where}. Train without --resume, or point it at the folder "
+            "holding the step-NNNNNNNN checkpoints (--checkpoint-dir of the run that saved them)."
+        )
+    state = checkpoints.load(Path(path))
+    if state["global_batch_size"] != layout.samples_per_step:
+        raise RunError(
+            f"{path} was saved by a run of global batch {state['global_batch_size']}, this plan's is "
+            f"{layout.samples_per_step}: the batches of the steps to come would differ from those the run would "
+            "have seen. Re-plan with --global-batch-size "
+            f"{state['global_batch_size']}, or start a new run from its weights."
+        )
+    if state["seed"] != training.seed:
+        raise RunError(
+            f"{path} was saved by a run of SEED {state['seed']}, this script's is {training.seed}: its data would "
+            f"differ. Set SEED = {state['seed']} at the top of train.py."
+        )
+    check_same_data(state.get("data"), data, path)
+    saved_mbs = state.get("data", {}).get("micro_batch_size")
+    if data.get("kind") == "batches" and saved_mbs not in (None, layout.micro_batch_size):
+        log0(
+            f"resume: note: {path} was saved with micro-batches of {saved_mbs}, this plan's are "
+            f"{layout.micro_batch_size}; the model file's batches are drawn per micro-batch, so the steps to come "
+            "see other samples than the old run would have (a --data token file does not depend on it)."
+        )
+    before = state["layout"]
+    log0(
+        f"resumed from {path} at step {state['step']} (saved under pp {before['pp']} x dp {before['dp']} x tp "
+        f"{before['tp']}, ZeRO {before['zero_stage']})"
+    )
+    return int(state["step"])
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """One line per step, flushed as it ends (a run killed later keeps the steps it finished)."""
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def write_metrics(
