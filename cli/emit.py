@@ -13,6 +13,7 @@ Usage:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -51,7 +52,8 @@ def emit(
     plan = load_plan(plan_path)
     files: Files = dict(render(plan, PLAN_FILE))
     files[PLAN_FILE] = (plan.to_json(), False)
-    written = write_outputs(out, files, force)
+    model = Path(plan.model.path)
+    written = write_outputs(out, files, force, inputs=[model, model.with_name("config.json")])
     if not is_quiet(ctx, quiet):
         console = stdout_console()
         console.print(f"Wrote {len(written)} files to {out}:")
@@ -59,19 +61,22 @@ def emit(
             console.print(f"  {path}")
 
 
-def write_outputs(out_dir: Path, files: Files, force: bool) -> list[Path]:
+def write_outputs(out_dir: Path, files: Files, force: bool, inputs: list[Path] | None = None) -> list[Path]:
     """Write rendered files into out_dir as one unit (planner.io.write_output_set), under the folder's lock.
 
     Refused unless `force`: a different plan.json there (another plan's folder), or, with no plan.json
     there, files of the same names with other content (someone else's work). With the same plan.json,
     the files its last run wrote are rewritten (e.g. by a newer planner's templates) but a file edited
     since is kept and named in a note on stderr. Returns every path of the set now in out_dir.
+    `inputs`: the files the plan reads (model file, compiled source, its config, data files): an output that
+    would replace one of them with other content is refused, with or without --force.
     """
     from planner.io import OutputConflictError, write_output_set
 
     new_plan = files.get(PLAN_FILE, ("", False))[0]
 
     def precheck(out: Path, c) -> None:
+        refuse_overwriting_inputs(out, files, inputs or [])
         if force or PLAN_FILE not in files:
             return
         existing = out / PLAN_FILE
@@ -103,6 +108,33 @@ def write_outputs(out_dir: Path, files: Files, force: bool) -> list[Path]:
             err=True,
         )
     return sorted(result.written + result.unchanged + result.kept)
+
+
+def refuse_overwriting_inputs(out: Path, files: Files, inputs: list[Path]) -> None:
+    """An output file that is one of the plan's inputs and would change is an error, --force or not: the
+    planner never replaces the user's model (a model file named train.py planned into its own folder)."""
+    from planner.io import OutputConflictError
+
+    real = {}
+    for path in inputs:
+        try:
+            real[os.path.realpath(path)] = path
+        except (OSError, ValueError):
+            continue
+    for name, (text, _) in sorted(files.items()):
+        target = os.path.realpath(out / name)
+        if target not in real:
+            continue
+        try:
+            if Path(target).read_bytes() == text.encode("utf-8"):
+                continue  # the same bytes: nothing of the input changes
+        except OSError:
+            pass
+        raise OutputConflictError(
+            f"Writing {name} into {out} would overwrite {real[target]}, which this plan reads (its model file, "
+            "model source, config or data). planner never replaces its own inputs, not even with --force. Write "
+            "the plan into another folder with --out (or rename the model file)."
+        )
 
 
 def _same_plan(old: str | None, new: str) -> bool:

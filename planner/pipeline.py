@@ -322,11 +322,18 @@ def analyse(request: PlanRequest, cache: bool | None = None, model: LoadedModel 
         graph = read_cached(key)
         if graph is not None and graph.source.model_copy(update={"path": model.source.path}) == model.source:
             return graph.model_copy(update={"source": model.source})  # the same file elsewhere
-    from planner.model.analysis import analyse_model
+    from pathlib import Path
 
-    graph = analyse_model(model)
+    from planner.model.analysis import analyse_model
+    from planner.model.reads import Reads, recording
+
+    reads = Reads()
+    reads.update(model.reads)
+    with recording(Path(model.source.path).parent) as during:
+        graph = analyse_model(model)
+    reads.update(during)
     if cache:
-        write_cached(key, graph)
+        write_cached(key, graph, reads)
     return graph
 
 

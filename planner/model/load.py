@@ -20,6 +20,7 @@ from typing import Any
 from planner.errors import ModelLoadError
 from planner.model.graph import ModelSource
 from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code, where_in
+from planner.model.reads import Reads, recording
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -36,6 +37,7 @@ class LoadedModel:
     time_limit: float | None = DEFAULT_TIME_LIMIT_S  # seconds for each guarded call into the user's code
     input_ids: dict[int, int] = field(default_factory=dict)  # id(meta input tensor) -> its index
     input_refs: list[tuple] = field(default_factory=list)  # keeps those tensors alive so ids stay unique
+    reads: Reads = field(default_factory=Reads)  # what the import read (planner.model.reads): the cache's inputs
 
 
 def torch_dtype(name: str):
@@ -94,7 +96,7 @@ def load_model_file(
     sys.path.insert(0, str(p.parent))
     try:
         sys.modules[name] = module
-        with user_code(p, f"Importing {p}", time_limit):
+        with recording(p.parent) as reads, user_code(p, f"Importing {p}", time_limit):
             spec.loader.exec_module(module)
     except ModelLoadError:
         sys.modules.pop(name, None)
@@ -142,8 +144,10 @@ def load_model_file(
         dtype=dtype,  # type: ignore[arg-type]
     )
     _check_model_args(p, source.model_args, [(build_fn, build, 0), (inputs_fn, inputs, 1)])
+    reads.files.add(str(p))
     return LoadedModel(
-        source=source, module=module, build=build, example_inputs=inputs, loss_fn=loss, time_limit=time_limit
+        source=source, module=module, build=build, example_inputs=inputs, loss_fn=loss, time_limit=time_limit,
+        reads=reads,
     )
 
 
