@@ -15,11 +15,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from cli._options import ForceOpt, PlanPathArg, QuietOpt, is_quiet, stdout_console
+
+if TYPE_CHECKING:
+    from planner.io import OutputSet
 
 EMIT_EXAMPLES = [
     "planner emit plan_out/plan.json --out run1",
@@ -53,21 +56,23 @@ def emit(
     files: Files = dict(render(plan, PLAN_FILE))
     files[PLAN_FILE] = (plan.to_json(), False)
     model = Path(plan.model.path)
-    written = write_outputs(out, files, force, inputs=[model, model.with_name("config.json")])
+    result = write_outputs(out, files, force, inputs=[model, model.with_name("config.json")])
     if not is_quiet(ctx, quiet):
         console = stdout_console()
+        # kept (edited) files are named in write_outputs' note, not listed as written
+        written = sorted(result.written + result.unchanged)
         console.print(f"Wrote {len(written)} files to {out}:")
         for path in written:
             console.print(f"  {path}")
 
 
-def write_outputs(out_dir: Path, files: Files, force: bool, inputs: list[Path] | None = None) -> list[Path]:
+def write_outputs(out_dir: Path, files: Files, force: bool, inputs: list[Path] | None = None) -> OutputSet:
     """Write rendered files into out_dir as one unit (planner.io.write_output_set), under the folder's lock.
 
     Refused unless `force`: a different plan.json there (another plan's folder), or, with no plan.json
     there, files of the same names with other content (someone else's work). With the same plan.json,
     the files its last run wrote are rewritten (e.g. by a newer planner's templates) but a file edited
-    since is kept and named in a note on stderr. Returns every path of the set now in out_dir.
+    since is kept and named in a note on stderr. Returns what happened to each file (written, unchanged, kept).
     `inputs`: the files the plan reads (model file, compiled source, its config, data files): an output that
     would replace one of them with other content is refused, with or without --force.
     """
@@ -107,7 +112,7 @@ def write_outputs(out_dir: Path, files: Files, force: bool, inputs: list[Path] |
             "--force to replace it with the generated version.",
             err=True,
         )
-    return sorted(result.written + result.unchanged + result.kept)
+    return result
 
 
 def refuse_overwriting_inputs(out: Path, files: Files, inputs: list[Path]) -> None:

@@ -16,6 +16,7 @@ Usage:
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -147,6 +148,9 @@ def plan(
     written.
     """
     check_training_options(lr)
+    # Where the files go is settled before any of the model's code runs (it may chdir; planner.model.guard
+    # undoes that too).
+    out_dir = Path(os.path.abspath(out))
     request = plan_request(
         model_file, model_arg, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node,
         global_batch_size=global_batch_size, dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages,
@@ -194,13 +198,13 @@ def plan(
     if source_files:  # hf:/module: sources: the compiled model file travels with the plan
         from planner.model.sources import SOURCE_FILE
 
-        model = result_plan.model.model_copy(update={"path": str((out / SOURCE_FILE).absolute())})
+        model = result_plan.model.model_copy(update={"path": str(out_dir / SOURCE_FILE)})
         result_plan = result_plan.model_copy(update={"model": model})
     files = {**source_files, **render_outputs(result_plan, result)}
     inputs = [Path(request.model_path), *map(Path, sorted(reads.files))]
     if hf_config is not None:
         inputs += [hf_config, hf_config / "config.json"]
-    write_outputs(out, files, force, inputs=inputs)
+    write_outputs(out_dir, files, force, inputs=inputs)
     if json:
         sys.stdout.write(files[PLAN_FILE][0])
     elif not quiet:
