@@ -302,7 +302,10 @@ def parse_model_args(items: list[str] | None) -> dict[str, Any]:
             out[key] = ast.literal_eval(raw.strip())
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             out[key] = raw
+        digits = raw.strip().lstrip("+-").replace("_", "")
         problem = unstorable(out[key])
+        if digits.isdigit() and len(digits) > MAX_INT_DIGITS:  # Python itself refuses to read it as a number
+            problem = f"an integer of more than {MAX_INT_DIGITS} digits"
         if problem:
             raise ConfigError(
                 f"--model-arg {key}: {problem}. plan.json stores model arguments as JSON, and `planner emit` "
