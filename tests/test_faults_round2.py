@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from cli._options import parse_model_args
 from cli.main import app
 from planner.codegen.render import render, write_scripts
-from planner.errors import ConfigError, PlannerError, SpecError
+from planner.errors import ConfigError, SpecError
 from planner.escape import py_str, py_text, shell_word
 from planner.hardware.load import list_specs, load_cluster, specs_dir
 
@@ -470,11 +470,22 @@ def test_a_folder_that_cannot_be_swapped_is_written_file_by_file(tmp_path, monke
     io.write_output_set(out, files, force=False)
     assert (out / "train.py").read_text() == files["train.py"][0]
     assert not list(tmp_path.glob(".mnt.tmp-*"))
-    out.chmod(0o555)
-    try:
-        if os.access(out, os.W_OK):
-            pytest.skip("running as root: a read-only folder is still writable")
-        with pytest.raises(PlannerError, match="Read-only|Permission denied"):
-            io.write_output_set(out, {"x.txt": ("x", False)}, force=False)
-    finally:
-        out.chmod(0o755)
+
+
+def test_a_read_only_mount_point_as_out_names_the_cause(tmp_path):
+    """A real read-only bind mount (in a user namespace): the message says read-only, not "resource busy"."""
+    import shlex
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    q = shlex.quote(str(folder))
+    code = ("import sys\nfrom planner.io import write_output_set\nfrom planner.errors import PlannerError\n"
+            f"try:\n    write_output_set({str(folder)!r}, {{'a.txt': ('a', False)}}, force=False)\n"
+            "except PlannerError as e:\n    print(e)\n    sys.exit(2)\n")
+    python = shlex.quote(sys.executable)
+    cmd = f"mount --bind {q} {q} && mount -o remount,bind,ro {q} && {python} -c {shlex.quote(code)}"
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 2 and "mount" in proc.stderr + proc.stdout:
+        pytest.skip(f"no user namespace to mount in: {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Read-only file system" in proc.stdout and "resource busy" not in proc.stdout
