@@ -287,17 +287,19 @@ def test_chdir_at_import_does_not_move_a_relative_out(tmp_path, monkeypatch):
 
 
 def test_json_stays_clean_in_a_real_process(tmp_path):
-    """fd 1 written and closed, sys.stdout and sys.__stdout__ closed, at import: the real `planner plan --json`
-    still prints one JSON document on its stdout and exits 0 (one process for the four: each costs seconds)."""
-    code = ("import os, sys\nos.write(1, b'{not json')\nsys.stdout.close()\nsys.__stdout__.close()\n"
-            "os.close(1)\n")
+    """fd 1 written and closed, sys.stdout and sys.__stdout__ closed, sys.exit replaced and an atexit handler
+    that prints and exits, at import: the real `planner plan --json` still prints one JSON document on its
+    stdout and exits 0 (one process for them all: each costs seconds)."""
+    code = ("import atexit, os, sys\nos.write(1, b'{not json')\nsys.stdout.close()\nsys.__stdout__.close()\n"
+            "os.close(1)\nsys.exit = lambda *a: None\n"
+            "atexit.register(lambda: (print('{at exit'), os.write(1, b'{fd at exit'), os._exit(7)))\n")
     model = write(tmp_path / "m.py", code + NET)
     proc = subprocess.run([sys.executable, "-m", "cli.main", "plan", str(model), *CLUSTER, "--out",
                            str(tmp_path / "out"), "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PLANNER_NO_CACHE": "1"})
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["schema_version"]
-    assert "{not json" in proc.stderr
+    assert "{not json" in proc.stderr and "{at exit" in proc.stderr
 
 
 # --- 7 / 8. YAML specs and plan.json -------------------------------------------------------------------------

@@ -13,6 +13,9 @@ the whole plan). While it runs, `user_code()`:
   stream onto stderr that the code cannot close, and file descriptor 1 itself points at stderr while the code
   runs (C code, `os.write(1, ...)`, a subprocess), so that closing or writing it does not touch the real one;
 - keeps the working directory: a `os.chdir` in the code is undone when it returns;
+- keeps the way out: `sys.exit` and `sys.excepthook` are put back, and an `atexit` handler the code registers
+  runs at exit under the same rules (prints on stderr, no exit of its own), so it cannot change the status or
+  write into `--json` output;
 
 and restores every signal handler, the timer, `os._exit`, stdout (fd 1 and sys.stdout) and the working
 directory afterwards. Guards nest: an inner one
@@ -24,6 +27,7 @@ is out of reach of any guard short of a subprocess.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import math
@@ -127,6 +131,7 @@ def user_code(path: str | Path, what: str, time_limit: float | None = DEFAULT_TI
     saved_handlers = {}
     saved_timer = None
     saved_exit = os._exit
+    saved_sys_exit, saved_excepthook, saved_register = sys.exit, sys.excepthook, atexit.register
     posix = sys.modules.get("posix")
     saved_posix_exit = getattr(posix, "_exit", None)
     _active = guard
@@ -147,6 +152,7 @@ def user_code(path: str | Path, what: str, time_limit: float | None = DEFAULT_TI
         os._exit = _fake_exit
         if posix is not None and saved_posix_exit is not None:
             posix._exit = _fake_exit
+        atexit.register = _exit_handler_registrar(saved_register)  # type: ignore[assignment]
         with _cwd_kept(), _fd1_to_stderr(), contextlib.redirect_stdout(_StdoutOnStderr()):
             yield
     except _Escape as e:
@@ -161,6 +167,7 @@ def user_code(path: str | Path, what: str, time_limit: float | None = DEFAULT_TI
         if main:
             signal.setitimer(signal.ITIMER_REAL, 0)
         os._exit = saved_exit
+        sys.exit, sys.excepthook, atexit.register = saved_sys_exit, saved_excepthook, saved_register  # type: ignore[assignment]
         if posix is not None and saved_posix_exit is not None:
             posix._exit = saved_posix_exit
         if main:
@@ -175,6 +182,29 @@ def user_code(path: str | Path, what: str, time_limit: float | None = DEFAULT_TI
             if saved_timer is not None and saved_timer[0] > 0:
                 signal.setitimer(signal.ITIMER_REAL, *saved_timer)
         _active = None
+
+
+def _exit_handler_registrar(register):
+    """atexit.register while user code runs: the handler is registered, but runs at exit as user code does
+    here (its prints on stderr, fd 1 kept, no exit of its own, errors ignored), so that a model cannot write
+    into `--json` output or change the exit status on the planner's way out."""
+
+    def guarded_register(fn, *args, **kwargs):
+        def run() -> None:
+            saved = os._exit
+            os._exit = _fake_exit
+            try:
+                with _fd1_to_stderr(), contextlib.redirect_stdout(_StdoutOnStderr()):
+                    fn(*args, **kwargs)
+            except BaseException:  # noqa: BLE001 - the planner is exiting: the model's handler cannot stop it
+                pass
+            finally:
+                os._exit = saved
+
+        register(run)
+        return fn
+
+    return guarded_register
 
 
 class _StdoutOnStderr(io.TextIOBase):
