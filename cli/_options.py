@@ -192,7 +192,7 @@ SequenceParallelOpt = Annotated[
 # --- search -----------------------------------------------------------------------------------------------
 
 TopKOpt = Annotated[
-    int, typer.Option(min=0, max=MAX_TOP_K, help=f"Runners-up to keep and report (at most {MAX_TOP_K}).",
+    int, typer.Option(min=0, help=f"Runners-up to keep and report (at most {MAX_TOP_K}).",
                       rich_help_panel=_SEARCH),
 ]
 TimeLimitOpt = Annotated[
@@ -364,6 +364,13 @@ def plan_request(
     """
     from planner.model.sources import compile_source, is_source
     from planner.pipeline import PlanRequest
+
+    if top_k > MAX_TOP_K:  # before the model is loaded: refused at once
+        raise ConfigError(
+            f"--top-k {top_k} is above the most runners-up the planner keeps, {MAX_TOP_K}: each one kept weakens the "
+            "search's pruning (thousands would make it solve nearly every candidate, for minutes). Pass --top-k "
+            f"{MAX_TOP_K} or less."
+        )
 
     if is_source(str(model_file)):
         import atexit
