@@ -273,7 +273,7 @@ def check_plan(plan: Plan, worker: CheckWorker | None = None) -> None:
             check_plan_runs(plan)
 
     analysis = analysis_key(plan.model) if cache_enabled() else None
-    reads = reads_digest(analysis) if analysis is not None else None
+    reads = reads_digest(analysis, Path(plan.model.path).parent) if analysis is not None else None
     if analysis is None or reads is None:  # no cache, or the files the model's code read are not all known
         run_check()
         return

@@ -227,6 +227,31 @@ def test_cache_misses_when_a_sub_package_or_a_yaml_file_changes(tmp_path, monkey
     sys.path[:] = [p for p in sys.path if p != str(folder)]
 
 
+def test_the_same_model_in_another_folder_still_hits(tmp_path, monkeypatch):
+    """Files read beside the model are recorded relative to its folder: a model compiled into a fresh folder
+    each run (hf:, module: sources) keeps its cache entry."""
+    from planner.model import analysis
+    from planner.pipeline import PlanRequest, analyse
+
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("PLANNER_NO_CACHE", raising=False)
+    reader = "from pathlib import Path\nWIDTH = len(Path(__file__).with_name('sizes.txt').read_text())\n"
+    for name in ("a", "b"):
+        write(tmp_path / name / "sizes.txt", "12345678")
+        write(tmp_path / name / "model.py", reader + NET)
+    first = analyse(PlanRequest(model_path=str(tmp_path / "a" / "model.py"), gpu="cpu", global_batch_size=4))
+
+    def no_analysis(*_):
+        raise AssertionError("the cache missed")
+
+    monkeypatch.setattr(analysis, "analyse_model", no_analysis)
+    again = analyse(PlanRequest(model_path=str(tmp_path / "b" / "model.py"), gpu="cpu", global_batch_size=4))
+    assert again.total_params == first.total_params
+    (tmp_path / "b" / "sizes.txt").write_text("changed")
+    with pytest.raises(AssertionError, match="missed"):
+        analyse(PlanRequest(model_path=str(tmp_path / "b" / "model.py"), gpu="cpu", global_batch_size=4))
+
+
 # --- 4. --model-arg values survive plan.json, or are refused ------------------------------------------------
 
 

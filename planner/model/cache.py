@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from planner import __version__
 from planner.io import atomic_write_text
 from planner.model.graph import ModelGraph, ModelSource
-from planner.model.reads import Reads, digests
+from planner.model.reads import Reads, current_digests, digests
 
 CACHE_DIR_ENV = "PLANNER_CACHE_DIR"  # shared with the profile cache (planner.measure.profile)
 NO_CACHE_ENV = "PLANNER_NO_CACHE"
@@ -85,7 +85,7 @@ def analysis_key(source: ModelSource) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _entry(key: str, cache_dir: str | Path | None) -> dict | None:
+def _entry(key: str, folder: str | Path | None, cache_dir: str | Path | None) -> dict | None:
     """The entry stored for ``key`` whose recorded reads all still hold, or None."""
     path = analysis_cache_dir(cache_dir) / f"{key}.json"
     try:
@@ -93,38 +93,45 @@ def _entry(key: str, cache_dir: str | Path | None) -> dict | None:
         if data.get("key") != key or data.get("schema") != SCHEMA:
             return None
         reads = data["reads"]
-        if not isinstance(reads, dict) or digests(list(reads)) != reads:
+        if not isinstance(reads, dict) or current_digests(list(reads), folder) != reads:
             return None  # a file the model's code read has changed since (or appeared, or went away)
         return data
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
 
 
-def read_cached(key: str, cache_dir: str | Path | None = None) -> ModelGraph | None:
-    """The cached graph for ``key``, or None (absent, unreadable, not this key's, or a read file changed)."""
-    data = _entry(key, cache_dir)
+def read_cached(
+    key: str, folder: str | Path | None = None, cache_dir: str | Path | None = None
+) -> ModelGraph | None:
+    """The cached graph for ``key``, or None (absent, unreadable, not this key's, or a read file changed).
+    ``folder``: the model file's, against which the files read beside it are checked."""
+    data = _entry(key, folder, cache_dir)
     try:
         return None if data is None else ModelGraph.model_validate(data["graph"])
     except (KeyError, TypeError, ValidationError):
         return None
 
 
-def reads_digest(key: str, cache_dir: str | Path | None = None) -> str | None:
+def reads_digest(key: str, folder: str | Path | None = None, cache_dir: str | Path | None = None) -> str | None:
     """A digest of the files the cached analysis of ``key`` read, as they are now; None when there is no valid
     entry (the plan-time check's cache then does not apply either)."""
-    data = _entry(key, cache_dir)
+    data = _entry(key, folder, cache_dir)
     if data is None:
         return None
     return hashlib.sha256(json.dumps(data["reads"], sort_keys=True).encode()).hexdigest()
 
 
-def write_cached(key: str, graph: ModelGraph, reads: Reads, cache_dir: str | Path | None = None) -> None:
+def write_cached(
+    key: str, graph: ModelGraph, reads: Reads, folder: str | Path | None = None, cache_dir: str | Path | None = None
+) -> None:
     """Store ``graph`` under ``key`` with the digests of what the model's code read; an analysis whose reads are
     not all known, or a cache that cannot be written, is skipped."""
     if not reads.complete:
         return
     path = analysis_cache_dir(cache_dir) / f"{key}.json"
-    entry = {"schema": SCHEMA, "key": key, "reads": digests(reads.files), "graph": graph.model_dump(mode="json")}
+    entry = {
+        "schema": SCHEMA, "key": key, "reads": digests(reads.files, folder), "graph": graph.model_dump(mode="json"),
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(entry))

@@ -122,12 +122,29 @@ def recording(folder: str | Path | None = None) -> Iterator[Reads]:
         reads.files |= _module_files(before, None if folder is None else str(folder))
 
 
-def digests(files: set[str] | list[str]) -> dict[str, str]:
-    """{path: sha256 of its bytes, or "missing"} for each recorded file (a file since created is a change too)."""
+def digests(files: set[str] | list[str], folder: str | Path | None = None) -> dict[str, str]:
+    """{name: sha256 of its bytes, or "missing"} for each recorded file (a file since created is a change too).
+    A file inside `folder` (the model file's) is named relative to it ("./config.json"), so that the same model
+    in another folder (a source compiled into a fresh temporary folder each run) finds its entry."""
+    inside = os.path.join(os.path.abspath(folder), "") if folder is not None else None
     out = {}
     for name in sorted(files):
-        try:
-            out[name] = hashlib.sha256(Path(name).read_bytes()).hexdigest() if os.path.isfile(name) else "missing"
-        except OSError:
-            out[name] = "unreadable"
-    return out
+        key = "./" + name[len(inside):] if inside and name.startswith(inside) else name
+        out[key] = _digest(name)
+    return dict(sorted(out.items()))
+
+
+def current_digests(recorded: list[str], folder: str | Path | None = None) -> dict[str, str]:
+    """The digests now of files named as `digests` names them."""
+    base = Path(folder) if folder is not None else None
+    return {
+        name: _digest(str(base / name[2:]) if name.startswith("./") and base is not None else name)
+        for name in recorded
+    }
+
+
+def _digest(path: str) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest() if os.path.isfile(path) else "missing"
+    except OSError:
+        return "unreadable"
