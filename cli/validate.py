@@ -139,7 +139,9 @@ def validate(
             + f". Last lines of {log_path}:\n{_tail(log_path)}"
         )
     try:
-        step_times, losses, ranks, memory_kind = read_metrics(metrics_path, started)
+        step_times, losses, ranks, memory_kind = read_metrics(
+            metrics_path, started, name=f"{METRICS_FILE} (this run's)"
+        )
         os.replace(metrics_path, final_metrics)
     finally:
         metrics_path.unlink(missing_ok=True)
@@ -290,14 +292,17 @@ def _tail(path: Path, lines: int = TAIL_LINES) -> str:
 RankMemory = tuple[int, int | None, int]  # (global rank, pp rank, peak bytes)
 
 
-def read_metrics(path: Path, not_before: float = 0.0) -> tuple[list[float], list[float], list[RankMemory], str]:
+def read_metrics(
+    path: Path, not_before: float = 0.0, name: str | None = None
+) -> tuple[list[float], list[float], list[RankMemory], str]:
     """(step times, losses, [(rank, pp rank, peak bytes)], memory kind) from the metrics.json train.py writes.
 
-    not_before: a file older than this (epoch seconds) is a previous run's and is refused.
+    not_before: a file older than this (epoch seconds) is a previous run's and is refused. name: what the file
+    is called in messages (this run's own path carries a run id).
     """
     if not path.is_file() or path.stat().st_mtime < not_before - 1:
         raise RunError(
-            f"The training run finished but wrote no {path.name} at {path}. Regenerate the scripts with "
+            f"The training run finished but wrote no {name or path.name} at {path}. Regenerate the scripts with "
             "`planner emit` so that train.py writes metrics."
         )
     try:
