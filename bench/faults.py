@@ -1,4 +1,5 @@
-"""Issue 13's hostile-input cases, each run against the real `planner` command; prints how many hold.
+"""The hostile-input cases of issue 13 and of issue 28 (round two, the "R2" lines), each run against the real
+`planner` command; prints how many hold.
 
     python bench/faults.py          # one line per case, then "N/M hold"
 
@@ -295,6 +296,271 @@ def case_p2p_inter_node() -> bool:
     return p2p_time(1e6, cand, slow) > 100 * p2p_time(1e6, cand, cluster)
 
 
+# --- round two (issue 28) ------------------------------------------------------------------------------------
+
+HF_CONFIG = ROOT / "tests" / "fixtures" / "models" / "hf_llama_config"
+NET = """\
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, width=8, depth=2):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return x
+
+
+def build_model(**kwargs):
+    return Net()
+
+
+def example_inputs(batch_size, **kwargs):
+    return (torch.randn(batch_size, 8),)
+"""
+
+
+def net(name: str, prefix: str = "", old: str = "", new: str = "") -> Path:
+    path = TMP / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prefix + (NET.replace(old, new) if old else NET))
+    return path
+
+
+def _plan_json(proc: subprocess.CompletedProcess) -> dict | None:
+    try:
+        return json.loads(proc.stdout)
+    except ValueError:
+        return None
+
+
+def case_hf_injection() -> bool:
+    marker = TMP / "PWNED"
+    for name in (f'x/a"""\nimport os; os.system("touch {marker}")\n"""', f"x/$(touch {marker})`touch {marker}`"):
+        proc = planner("plan", f"hf:{name}", "--hf-config", HF_CONFIG, "-a", "seq=32", "--dp", "2", *CLUSTER,
+                       "--out", TMP / "inj", "--force", "--json")
+        doc = _plan_json(proc)
+        if proc.returncode != 0 or doc is None or doc.get("source_spec") != f"hf:{name}" or marker.exists():
+            return False
+    return True
+
+
+def case_train_py_model_kept() -> bool:
+    folder = TMP / "own"
+    model = net("own/train.py")
+    before = model.read_bytes()
+    ok = all(user_error(planner("plan", model, *CLUSTER, "--out", folder, *force), "never replaces")
+             for force in ((), ("--force",)))
+    return ok and model.read_bytes() == before
+
+
+def case_cache_sub_package_and_yaml() -> bool:
+    folder = TMP / "cached"
+    (folder / "netpkg").mkdir(parents=True, exist_ok=True)
+    (folder / "netpkg" / "__init__.py").write_text("DEPTH = 2\n")
+    (folder / "sizes.yaml").write_text("width: 8\n")
+    reader = ("import yaml\nimport netpkg\nfrom pathlib import Path\n"
+              "W = yaml.safe_load(Path(__file__).with_name('sizes.yaml').read_text())['width']\n")
+    model = net("cached/model.py", reader, "return Net()", "return Net(W, netpkg.DEPTH)")
+    model.write_text(model.read_text().replace("torch.randn(batch_size, 8)", "torch.randn(batch_size, W)"))
+    env = {"PLANNER_CACHE_DIR": str(TMP / "cache")}
+
+    def params() -> int | None:
+        doc = _plan_json(planner("dry-run", model, *CLUSTER, "--json", env=env))
+        return None if doc is None else doc.get("total_params")
+
+    first = params()
+    (folder / "netpkg" / "__init__.py").write_text("DEPTH = 4\n")
+    deeper = params()
+    (folder / "sizes.yaml").write_text("width: 32\n")
+    wider = params()
+    return first == 2 * 72 and deeper == 4 * 72 and wider == 4 * (32 * 32 + 32)
+
+
+def case_model_args_round_trip() -> bool:
+    refused = all(user_error(planner("plan", TINY, *CLUSTER, "-a", arg, "--out", TMP / "x"), "--model-arg")
+                  for arg in ("widths={0: 16, 1: 16}", "shape=(1, 2)", "eps=1e999", "x=b'\\xff'"))
+    arg = "cfg={'widths': [16, 16], 'eps': 1e-05, 'name': 'a b'}"
+    out, again = TMP / "args", TMP / "args2"
+    model = net("args.py")
+    planned = planner("plan", model, *CLUSTER, "-a", arg, "--out", out, "-q").returncode == 0
+    emitted = planner("emit", out, "--out", again, "-q").returncode == 0
+    line = "MODEL_ARGS = {'cfg': {'widths': [16, 16], 'eps': 1e-05, 'name': 'a b'}}"
+    import ast
+
+    def args_of(folder: Path) -> object:
+        tree = ast.parse((folder / "train.py").read_text())
+        node = next(n for n in tree.body
+                    if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "MODEL_ARGS")
+        return ast.literal_eval(node.value)
+
+    want = ast.literal_eval(line.split(" = ", 1)[1])
+    return refused and planned and emitted and args_of(out) == want == args_of(again)
+
+
+def case_validate_fresh_metrics() -> bool:
+    out = TMP / "val"
+    plan_into(out)
+    (out / "metrics.json").write_text(json.dumps({"steps": [{"step_time_s": 1.0, "loss": 1.0}] * 5}))
+    (out / "launch.sh").write_text("#!/bin/bash\nexit 0\n")
+    return user_error(planner("validate", out, "--steps", "2"), "wrote no")
+
+
+def case_chdir_relative_out() -> bool:
+    model = net("cd.py", "import os\nos.chdir('/')\n")
+    rel = Path(os.path.relpath(TMP / "cd_out", ROOT))
+    proc = planner("plan", model, *CLUSTER, "--out", rel, "-q")
+    return proc.returncode == 0 and (TMP / "cd_out" / "plan.json").is_file()
+
+
+def _json_with(code: str) -> Callable[[], bool]:
+    def check() -> bool:
+        proc = planner("plan", net("fd.py", code + "\n"), *CLUSTER, "--out", TMP / "fd", "--force", "--json")
+        return proc.returncode == 0 and _plan_json(proc) is not None
+    return check
+
+
+def _spec_with(text: str, *needles: str) -> Callable[[], bool]:
+    def check() -> bool:
+        path = TMP / "r2spec.yaml"
+        path.write_text(text)
+        t0 = time.monotonic()
+        proc = planner("plan", TINY, "--gpu", path, "--global-batch-size", "4", "--out", TMP / "x")
+        return user_error(proc, *needles) and time.monotonic() - t0 < 60
+    return check
+
+
+def _bomb() -> str:
+    lines = ["a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    return "\n".join(lines) + "\nname: bomb\n"
+
+
+def _h100_with(field: str, value: object, duplicate: bool = False) -> str:
+    import yaml
+
+    from planner.hardware.load import specs_dir
+
+    text = (specs_dir() / "h100-sxm5-80gb.yaml").read_text()
+    if duplicate:
+        return text + f"{field}: {value}\n"
+    spec = yaml.safe_load(text)
+    target = spec
+    *head, last = field.split(".")
+    for key in head:
+        target = target[key]
+    target[last] = value
+    return yaml.safe_dump(spec)
+
+
+def case_top_k() -> bool:
+    t0 = time.monotonic()
+    return user_error(plan_into(TMP / "x", "--top-k", "100000"), "--top-k") and time.monotonic() - t0 < 60
+
+
+def _plan_text_with(old: str, new: str) -> Callable[[], bool]:
+    def check() -> bool:
+        src = TMP / "good"
+        if not (src / "plan.json").exists():
+            plan_into(src)
+        bad = TMP / "r2bad.json"
+        bad.write_text((src / "plan.json").read_text().replace(old, new, 1))
+        return all(user_error(planner(*cmd)) for cmd in (("report", bad), ("emit", bad, "--out", TMP / "r2emit")))
+    return check
+
+
+def case_script_module() -> bool:
+    model = net("jit.py", old="    return Net()", new="    return torch.jit.script(Net())")
+    return user_error(planner("plan", model, *CLUSTER, "--out", TMP / "x"), "TorchScript")
+
+
+def case_lazy() -> bool:
+    model = net("lazy.py", old="nn.Linear(width, width)", new="nn.LazyLinear(width)")
+    return user_error(planner("plan", model, *CLUSTER, "--out", TMP / "x"), "lazy modules")
+
+
+def case_non_utf8_arg() -> bool:
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "plan", str(TINY), *CLUSTER, "-a", b"x=\xff\xfe",
+                           "--out", str(TMP / "x")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return user_error(proc, "--model-arg x")
+
+
+def case_read_only_out() -> bool:
+    """A read-only bind mount as --out (made in a user namespace with `unshare -rm`): the error names the
+    read-only file system, not "Device or resource busy" (the failed folder exchange)."""
+    import shlex
+
+    folder = TMP / "ro"
+    folder.mkdir(exist_ok=True)
+    q = shlex.quote(str(folder))
+    cmd = (f"mount --bind {q} {q} && mount -o remount,bind,ro {q} && {shlex.quote(sys.executable)} -m cli.main "
+           f"plan {shlex.quote(str(TINY))} {' '.join(CLUSTER)} --out {q} -q")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    if "mount" in proc.stderr and proc.returncode != 2:  # no user namespaces here: the fallback's own check
+        from planner import io
+
+        saved = io._exchange
+
+        def busy(a, b):
+            import errno
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(b))
+
+        io._exchange = busy
+        try:
+            io.write_output_set(folder, {"a.txt": ("a", False)}, force=False)
+        finally:
+            io._exchange = saved
+        return (folder / "a.txt").read_text() == "a"
+    return user_error(proc, "Read-only file system") and "resource busy" not in proc.stderr
+
+
+def case_launch_steps() -> bool:
+    out = TMP / "steps"
+    plan_into(out)
+    (out / "metrics.json").write_text("{}")
+    procs = [subprocess.run(["bash", "launch.sh", "--steps", s], cwd=out, capture_output=True, text=True,
+                            timeout=600) for s in ("0", "-1")]
+    kept = (out / "metrics.json").read_text() == "{}"
+    return kept and all(p.returncode != 0 and "--steps" in p.stderr for p in procs)
+
+
+def case_emit_kept_listing() -> bool:
+    out = TMP / "kept"
+    plan_into(out)
+    (out / "train.py").write_text((out / "train.py").read_text() + "# mine\n")
+    proc = planner("emit", out, "--out", out)
+    return proc.returncode == 0 and "kept train.py" in proc.stderr and str(out / "train.py") not in proc.stdout
+
+
+def case_unknown_model_type() -> bool:
+    config = json.loads((HF_CONFIG / "config.json").read_text())
+    config["model_type"] = "llamma"
+    folder = TMP / "badtype"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    proc = planner("plan", "hf:x/y", "--hf-config", folder, *CLUSTER, "--out", TMP / "x")
+    return user_error(proc, "llamma") and len(proc.stderr) < 1000
+
+
+def case_fifo_and_dev_zero() -> bool:
+    fifo = TMP / "fifo.py"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    return all(user_error(planner("plan", path, *CLUSTER, "--out", TMP / "x"), "not a regular file")
+               for path in (fifo, Path("/dev/zero")))
+
+
+def case_data_signature() -> bool:
+    model = net("data.py")
+    model.write_text(model.read_text() + "\n\ndef get_batch(step):\n    return (torch.randn(2, 8),)\n")
+    return user_error(planner("plan", model, *CLUSTER, "--out", TMP / "x"), "get_batch(step)")
+
+
 CASES: list[tuple[str, Callable[[], bool]]] = [
     ("1 sys.exit(0) at import -> exit 2", _exit_at_import("import sys; sys.exit(0)")),
     ("1 os._exit(0) at import -> exit 2", _exit_at_import("import os; os._exit(0)")),
@@ -330,6 +596,36 @@ CASES: list[tuple[str, Callable[[], bool]]] = [
     ("8 a directory as model file: 'is a directory'", case_directory_model),
     ("8 report to /dev/full -> clean error", case_report_full_device),
     ("9 p2p across nodes on the inter-node link", case_p2p_inter_node),
+    ("R2 1 hf: name with quotes, newlines, $() runs nothing", case_hf_injection),
+    ("R2 2 a model named train.py is never replaced (with or without --force)", case_train_py_model_kept),
+    ("R2 3 cache misses on an edited sub-package and YAML file", case_cache_sub_package_and_yaml),
+    ("R2 4 --model-arg values round-trip through plan.json or are refused", case_model_args_round_trip),
+    ("R2 5 validate does not report an old metrics.json", case_validate_fresh_metrics),
+    ("R2 6 os.chdir at import does not move a relative --out", case_chdir_relative_out),
+    ("R2 7 YAML alias bomb refused at once", _spec_with(_bomb(), "anchor or alias")),
+    ("R2 7 --top-k 100000 refused at once", case_top_k),
+    ("R2 8 duplicate YAML key refused", _spec_with(_h100_with("memory_gib", 8000, duplicate=True), "duplicate key")),
+    ("R2 8 duplicate \"training\" in plan.json refused", _plan_text_with('\n  "training": {',
+                                                                     '\n  "training": {},\n  "training": {')),
+    ("R2 8 bandwidth in bytes/s refused as a unit slip",
+     _spec_with(_h100_with("memory_bandwidth_gbps", 3.35e12), "memory_bandwidth_gbps", "GB/s")),
+    ("R2 8 peak in FLOP/s refused as a unit slip",
+     _spec_with(_h100_with("peak_tflops.bf16", 989e12), "peak_tflops.bf16", "TFLOP/s")),
+    ("R2 9 build_model returning a ScriptModule -> exit 2", case_script_module),
+    ("R2 9 nn.LazyLinear -> exit 2", case_lazy),
+    ("R2 9 self-referencing YAML alias -> exit 2", _spec_with("name: &a [*a]\n", "alias")),
+    ("R2 9 non-UTF-8 bytes --model-arg -> exit 2", case_non_utf8_arg),
+    ("R2 9 5000-digit integer in plan.json -> exit 2 (report, emit)",
+     _plan_text_with('"seed": 0', '"seed": ' + "9" * 5000)),
+    ("R2 9 a model closing fd 1 -> plan, clean JSON", _json_with("import os; os.close(1)")),
+    ("R2 9 a model closing sys.stdout -> plan, clean JSON", _json_with("import sys; sys.stdout.close()")),
+    ("R2 10 --json with a model writing to fd 1 at import", _json_with("import os; os.write(1, b'{oops')")),
+    ("R2 11 a read-only mount point as --out: 'Read-only file system'", case_read_only_out),
+    ("R2 11 launch.sh --steps 0 / -1 refused, metrics.json kept", case_launch_steps),
+    ("R2 11 emit does not list kept files as written", case_emit_kept_listing),
+    ("R2 11 unknown HF model_type: one short paragraph", case_unknown_model_type),
+    ("R2 11 a FIFO or /dev/zero as the model file", case_fifo_and_dev_zero),
+    ("R2 11 --data naming a function with the wrong signature", case_data_signature),
 ]
 
 

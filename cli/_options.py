@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from planner.errors import ConfigError, ModelLoadError
-from planner.names import RECOMPUTE_MODES, SCHEDULES
+from planner.names import MAX_TOP_K, RECOMPUTE_MODES, SCHEDULES
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -239,7 +239,10 @@ SequenceParallelOpt = Annotated[
 
 # --- search -----------------------------------------------------------------------------------------------
 
-TopKOpt = Annotated[int, typer.Option(min=0, help="Runners-up to keep and report.", rich_help_panel=_SEARCH)]
+TopKOpt = Annotated[
+    int, typer.Option(min=0, help=f"Runners-up to keep and report (at most {MAX_TOP_K}).",
+                      rich_help_panel=_SEARCH),
+]
 TimeLimitOpt = Annotated[
     float | None,
     typer.Option(min=0.0, help="Seconds each stage-partition ILP may take; 0 for no limit (default: the "
@@ -357,7 +360,50 @@ def parse_model_args(items: list[str] | None) -> dict[str, Any]:
             out[key] = ast.literal_eval(raw.strip())
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             out[key] = raw
+        digits = raw.strip().lstrip("+-").replace("_", "")
+        problem = unstorable(out[key])
+        if digits.isdigit() and len(digits) > MAX_INT_DIGITS:  # Python itself refuses to read it as a number
+            problem = f"an integer of more than {MAX_INT_DIGITS} digits"
+        if problem:
+            raise ConfigError(
+                f"--model-arg {key}: {problem}. plan.json stores model arguments as JSON, and `planner emit` "
+                "rebuilds the script from it, so a value must survive that unchanged: numbers (finite), strings, "
+                "true/false, None, lists and dicts with string keys. Pass it in one of those forms."
+            )
     return out
+
+
+MAX_INT_DIGITS = 1000  # far above any model size; Python refuses to print integers of more than 4300 digits
+
+
+def unstorable(value: Any, depth: int = 0) -> str:
+    """Why `value` would not come back unchanged from plan.json ('' when it would)."""
+    import math
+
+    if depth > 32:
+        return "it nests more than 32 levels deep"
+    if value is None or isinstance(value, bool):
+        return ""
+    if isinstance(value, int):
+        return f"an integer of more than {MAX_INT_DIGITS} digits" if value.bit_length() > 3 * MAX_INT_DIGITS else ""
+    if isinstance(value, float):
+        return "" if math.isfinite(value) else f"{value!r} is not a finite number"
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "it holds bytes that are not UTF-8 text"
+        return ""
+    if isinstance(value, list):
+        return next((why for why in (unstorable(v, depth + 1) for v in value) if why), "")
+    if isinstance(value, dict):
+        key = next((k for k in value if not isinstance(k, str)), None)
+        if key is not None:
+            return f"the dict key {key!r} is not a string (JSON would turn it into one)"
+        return next((why for why in (unstorable(v, depth + 1) for v in value.values()) if why), "")
+    if isinstance(value, tuple):
+        return "a tuple comes back from plan.json as a list: write it as a list [...]"
+    return f"a {type(value).__name__} has no JSON form"
 
 
 def plan_request(
@@ -376,6 +422,13 @@ def plan_request(
     """
     from planner.model.sources import compile_source, is_source
     from planner.pipeline import PlanRequest
+
+    if top_k > MAX_TOP_K:  # before the model is loaded: refused at once
+        raise ConfigError(
+            f"--top-k {top_k} is above the most runners-up the planner keeps, {MAX_TOP_K}: each one kept weakens the "
+            "search's pruning (thousands would make it solve nearly every candidate, for minutes). Pass --top-k "
+            f"{MAX_TOP_K} or less."
+        )
 
     if is_source(str(model_file)):
         import atexit

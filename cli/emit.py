@@ -13,12 +13,16 @@ Usage:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from cli._options import ForceOpt, InitFromOpt, PlanPathArg, QuietOpt, is_quiet, stdout_console
+
+if TYPE_CHECKING:
+    from planner.io import OutputSet
 
 EMIT_EXAMPLES = [
     "planner emit plan_out/plan.json --out run1",
@@ -56,27 +60,33 @@ def emit(
         plan = with_init_from(plan, init_from)
     files: Files = dict(render(plan, PLAN_FILE))
     files[PLAN_FILE] = (plan.to_json(), False)
-    written = write_outputs(out, files, force)
+    model = Path(plan.model.path)
+    result = write_outputs(out, files, force, inputs=[model, model.with_name("config.json")])
     if not is_quiet(ctx, quiet):
         console = stdout_console()
+        # kept (edited) files are named in write_outputs' note, not listed as written
+        written = sorted(result.written + result.unchanged)
         console.print(f"Wrote {len(written)} files to {out}:")
         for path in written:
             console.print(f"  {path}")
 
 
-def write_outputs(out_dir: Path, files: Files, force: bool) -> list[Path]:
+def write_outputs(out_dir: Path, files: Files, force: bool, inputs: list[Path] | None = None) -> OutputSet:
     """Write rendered files into out_dir as one unit (planner.io.write_output_set), under the folder's lock.
 
     Refused unless `force`: a different plan.json there (another plan's folder), or, with no plan.json
     there, files of the same names with other content (someone else's work). With the same plan.json,
     the files its last run wrote are rewritten (e.g. by a newer planner's templates) but a file edited
-    since is kept and named in a note on stderr. Returns every path of the set now in out_dir.
+    since is kept and named in a note on stderr. Returns what happened to each file (written, unchanged, kept).
+    `inputs`: the files the plan reads (model file, compiled source, its config, data files): an output that
+    would replace one of them with other content is refused, with or without --force.
     """
     from planner.io import OutputConflictError, write_output_set
 
     new_plan = files.get(PLAN_FILE, ("", False))[0]
 
     def precheck(out: Path, c) -> None:
+        refuse_overwriting_inputs(out, files, inputs or [])
         if force or PLAN_FILE not in files:
             return
         existing = out / PLAN_FILE
@@ -107,7 +117,34 @@ def write_outputs(out_dir: Path, files: Files, force: bool) -> list[Path]:
             "--force to replace it with the generated version.",
             err=True,
         )
-    return sorted(result.written + result.unchanged + result.kept)
+    return result
+
+
+def refuse_overwriting_inputs(out: Path, files: Files, inputs: list[Path]) -> None:
+    """An output file that is one of the plan's inputs and would change is an error, --force or not: the
+    planner never replaces the user's model (a model file named train.py planned into its own folder)."""
+    from planner.io import OutputConflictError
+
+    real = {}
+    for path in inputs:
+        try:
+            real[os.path.realpath(path)] = path
+        except (OSError, ValueError):
+            continue
+    for name, (text, _) in sorted(files.items()):
+        target = os.path.realpath(out / name)
+        if target not in real:
+            continue
+        try:
+            if Path(target).read_bytes() == text.encode("utf-8"):
+                continue  # the same bytes: nothing of the input changes
+        except OSError:
+            pass
+        raise OutputConflictError(
+            f"Writing {name} into {out} would overwrite {real[target]}, which this plan reads (its model file, "
+            "model source, config or data). planner never replaces its own inputs, not even with --force. Write "
+            "the plan into another folder with --out (or rename the model file)."
+        )
 
 
 def _same_plan(old: str | None, new: str) -> bool:

@@ -16,6 +16,7 @@ Usage:
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -79,6 +80,7 @@ if TYPE_CHECKING:
     from planner.hardware.spec import ClusterSpec
     from planner.model.graph import ModelGraph, ModelSource
     from planner.model.load import LoadedModel
+    from planner.model.reads import Reads
     from planner.pipeline import PlanRequest
     from planner.plan import Plan
     from planner.search.search import SearchResult
@@ -153,6 +155,9 @@ def plan(
     written.
     """
     check_training_options(lr)
+    # Where the files go is settled before any of the model's code runs (it may chdir; planner.model.guard
+    # undoes that too).
+    out_dir = Path(os.path.abspath(out))
     request = plan_request(
         model_file, model_arg, gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node,
         global_batch_size=global_batch_size, dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages,
@@ -174,9 +179,12 @@ def plan(
         worker = CheckWorker.start(request.model_path, source, request.seed, pinned_tp, cluster.gpu.memory_bytes)
         return worker.ahead if worker is not None else None
 
+    from planner.model.reads import Reads
+
+    reads = Reads()  # what the model's code read: inputs the output set must not replace
     try:
         result_plan, graph, result = run_search(
-            request, show_progress=not quiet, load_timeout=load_timeout, before_analysis=start_worker
+            request, show_progress=not quiet, load_timeout=load_timeout, before_analysis=start_worker, reads=reads
         )
         from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code
 
@@ -202,10 +210,13 @@ def plan(
     if source_files:  # hf:/module: sources: the compiled model file travels with the plan
         from planner.model.sources import SOURCE_FILE
 
-        model = result_plan.model.model_copy(update={"path": str((out / SOURCE_FILE).absolute())})
+        model = result_plan.model.model_copy(update={"path": str(out_dir / SOURCE_FILE)})
         result_plan = result_plan.model_copy(update={"model": model})
     files = {**source_files, **render_outputs(result_plan, result)}
-    write_outputs(out, files, force)
+    inputs = [Path(request.model_path), *map(Path, sorted(reads.files))]
+    if hf_config is not None:
+        inputs += [hf_config, hf_config / "config.json"]
+    write_outputs(out_dir, files, force, inputs=inputs)
     if json:
         sys.stdout.write(files[PLAN_FILE][0])
     elif not quiet:
@@ -266,19 +277,22 @@ def check_plan(plan: Plan, worker: CheckWorker | None = None) -> None:
 
     import planner.codegen
     from planner.codegen.check import check_plan_runs
-    from planner.model.cache import analysis_key, cache_enabled, check_passed, record_check_pass
+    from planner.model.cache import analysis_key, cache_enabled, check_passed, reads_digest, record_check_pass
     from planner.runtime.digest import digest_of, runtime_files
 
     def run_check() -> None:
         if worker is None or worker.check(plan) is None:
             check_plan_runs(plan)
 
-    if not cache_enabled():
+    analysis = analysis_key(plan.model) if cache_enabled() else None
+    reads = reads_digest(analysis, Path(plan.model.path).parent) if analysis is not None else None
+    if analysis is None or reads is None:  # no cache, or the files the model's code read are not all known
         run_check()
         return
     codegen = Path(planner.codegen.__file__).parent  # the plan -> layout conversion
     parts = [
-        analysis_key(plan.model),
+        analysis,
+        reads,
         digest_of(runtime_files()),
         digest_of({f.name: f.read_bytes() for f in sorted(codegen.glob("*.py"))}),
         plan.model_dump_json(exclude={"created_at"}),
@@ -294,6 +308,7 @@ def run_search(
     show_progress: bool,
     load_timeout: float | None = None,
     before_analysis: Callable[[ClusterSpec, ModelSource], Callable[[Plan], None] | None] | None = None,
+    reads: Reads | None = None,
 ) -> tuple[Plan, ModelGraph, SearchResult]:
     """plan_model with a spinner and a progress bar on stderr when it is a terminal (nothing otherwise).
 
@@ -301,7 +316,7 @@ def run_search(
     `before_analysis` is called with the cluster and the model's source once the model file is loaded, before
     it is analysed, outside the guard and with no progress display running (it may fork: no other thread
     then); what it returns, where not None, is called with the plan of each best so far during the search
-    (plan_model's `ahead`).
+    (plan_model's `ahead`). `reads`, where given, collects the files the model's import read.
     """
     import time
 
@@ -327,13 +342,20 @@ def run_search(
 
     def loaded(model: LoadedModel) -> LoadedModel:
         nonlocal ahead
+        if reads is not None:
+            reads.update(model.reads)
         if before_analysis is not None:
             ahead = before_analysis(cluster, model.source)
         return model
 
     def analysed(model: LoadedModel) -> ModelGraph:
-        with guarded(f"Tracing {name}"):
-            return analyse(request, model=model)
+        from planner.model.reads import recording
+
+        with recording(Path(request.model_path).parent) as during, guarded(f"Tracing {name}"):
+            graph = analyse(request, model=model)
+        if reads is not None:
+            reads.update(during)
+        return graph
 
     # A wrong --gpu is reported at once, before the (slower) tracing of the model.
     cluster = load_cluster(request.gpu, request.nodes, request.gpus_per_node)

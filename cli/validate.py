@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -99,7 +100,11 @@ def validate(
             f"{launcher} does not exist. Write the scripts with "
             f"`planner emit {plan_dir / 'plan.json'} --out {plan_dir}`."
         )
-    metrics_path = (plan_dir / METRICS_FILE).resolve()
+    # This run writes its metrics to a path named by a fresh run id, so what is measured below can only be
+    # what this run wrote (never a previous run's metrics.json); it becomes metrics.json once read.
+    run_id = uuid.uuid4().hex[:12]
+    final_metrics = (plan_dir / METRICS_FILE).resolve()
+    metrics_path = final_metrics.with_name(f".{METRICS_FILE}.run-{run_id}")
     log_path = plan_dir / LOG_FILE
     quiet = is_quiet(ctx, quiet)
     if not refit and (out is not None or gpu is not None or note is not None):
@@ -116,6 +121,8 @@ def validate(
             code = _run(cmd, plan_dir, log_path, timeout, session.env if session else None)
     else:
         code = _run(cmd, plan_dir, log_path, timeout, session.env if session else None)
+    if code is None or code != 0:
+        metrics_path.unlink(missing_ok=True)  # a half-written run's file: nothing of it is measured
     if code is None:
         raise RunError(
             f"The training run did not finish within {timeout:g} s and was stopped. Last lines of {log_path}:\n"
@@ -131,7 +138,14 @@ def validate(
             + (f"; the first error was: {cause}" if cause else "")
             + f". Last lines of {log_path}:\n{_tail(log_path)}"
         )
-    step_times, losses, ranks, memory_kind = read_metrics(metrics_path, started)
+    try:
+        step_times, losses, ranks, memory_kind = read_metrics(
+            metrics_path, started, name=f"{METRICS_FILE} (this run's)"
+        )
+        os.replace(metrics_path, final_metrics)
+    finally:
+        metrics_path.unlink(missing_ok=True)
+    metrics_path = final_metrics
     measured = step_times[WARMUP_STEPS:]
     if session is not None:
         result = session.finish(started, note)
@@ -278,14 +292,17 @@ def _tail(path: Path, lines: int = TAIL_LINES) -> str:
 RankMemory = tuple[int, int | None, int]  # (global rank, pp rank, peak bytes)
 
 
-def read_metrics(path: Path, not_before: float = 0.0) -> tuple[list[float], list[float], list[RankMemory], str]:
+def read_metrics(
+    path: Path, not_before: float = 0.0, name: str | None = None
+) -> tuple[list[float], list[float], list[RankMemory], str]:
     """(step times, losses, [(rank, pp rank, peak bytes)], memory kind) from the metrics.json train.py writes.
 
-    not_before: a file older than this (epoch seconds) is a previous run's and is refused.
+    not_before: a file older than this (epoch seconds) is a previous run's and is refused. name: what the file
+    is called in messages (this run's own path carries a run id).
     """
     if not path.is_file() or path.stat().st_mtime < not_before - 1:
         raise RunError(
-            f"The training run finished but wrote no {path.name} at {path}. Regenerate the scripts with "
+            f"The training run finished but wrote no {name or path.name} at {path}. Regenerate the scripts with "
             "`planner emit` so that train.py writes metrics."
         )
     try:

@@ -274,9 +274,14 @@ def write_output_set(
                     data["files"].pop(name, None)
             manifest = json.dumps(data, indent=2, sort_keys=True) + "\n"
         try:
+            swapped = False
             if _can_swap(out):
-                _write_swapped(out, to_write, manifest, drop=set(to_write) | set(c.stale) | set(c.blocked))
-            else:
+                try:
+                    _write_swapped(out, to_write, manifest, drop=set(to_write) | set(c.stale) | set(c.blocked))
+                    swapped = True
+                except _CannotSwap:
+                    pass  # a mount point (a bind mount looks like a plain folder): file by file instead
+            if not swapped:
                 _write_in_place(out, to_write, manifest, c.stale, c.blocked)
         except OSError as e:
             raise ConfigError(
@@ -324,7 +329,12 @@ def _write_swapped(out: Path, files: Files, manifest: str, drop: set[str]) -> No
         _write_file(stage / MANIFEST, manifest, False)
         if out.is_dir():
             _link_tree(out, stage, drop | {MANIFEST})
-            _exchange(stage, out)  # stage now holds the old folder
+            try:
+                _exchange(stage, out)  # stage now holds the old folder
+            except OSError as e:
+                if e.errno in (errno.EBUSY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EPERM):
+                    raise _CannotSwap from e
+                raise
         else:
             os.rename(stage, out)
             stage = None  # type: ignore[assignment]
@@ -332,6 +342,10 @@ def _write_swapped(out: Path, files: Files, manifest: str, drop: set[str]) -> No
     finally:
         if stage is not None:
             shutil.rmtree(stage, ignore_errors=True)
+
+
+class _CannotSwap(Exception):
+    """The folder cannot be exchanged (it is a mount point): the caller writes file by file."""
 
 
 def _umask() -> int:

@@ -19,3 +19,6 @@ __all__ = ["RECOMPUTE_MODES", "SCHEDULES", "Recompute", "Schedule", "SearchStatu
 SolveStatus = Literal["optimal", "infeasible", "cutoff", "time_limit", "node_limit", "not_solved"]
 # What a whole search (and each plan it ranks) ended with: exact, or stopped early at a limit.
 SearchStatus = Literal["optimal", "time_limit", "node_limit"]
+# The most runners-up a search keeps (--top-k): each one raises the cutoff the search prunes with, so a search
+# asked for thousands of them solves nearly every candidate (137 s at 500 on GPT-3 175B against 4 s at 5).
+MAX_TOP_K = 50

@@ -313,6 +313,8 @@ def analyse(request: PlanRequest, cache: bool | None = None, model: LoadedModel 
     beside it, arguments, dtype, planner and torch), else built, traced and analysed, then cached.
     ``cache=None``: unless PLANNER_NO_CACHE is set (planner.model.cache). ``model``: the request's model file
     as `load_request_model` loaded it, where the caller has it."""
+    from pathlib import Path
+
     from planner.model.cache import analysis_key, cache_enabled, read_cached, write_cached
 
     if model is None:
@@ -321,14 +323,19 @@ def analyse(request: PlanRequest, cache: bool | None = None, model: LoadedModel 
         cache = cache_enabled()
     key = analysis_key(model.source) if cache else ""
     if cache:
-        graph = read_cached(key)
+        graph = read_cached(key, Path(model.source.path).parent)
         if graph is not None and graph.source.model_copy(update={"path": model.source.path}) == model.source:
             return graph.model_copy(update={"source": model.source})  # the same file elsewhere
     from planner.model.analysis import analyse_model
+    from planner.model.reads import Reads, recording
 
-    graph = analyse_model(model)
+    reads = Reads()
+    reads.update(model.reads)
+    with recording(Path(model.source.path).parent) as during:
+        graph = analyse_model(model)
+    reads.update(during)
     if cache:
-        write_cached(key, graph)
+        write_cached(key, graph, reads, Path(model.source.path).parent)
     return graph
 
 

@@ -261,6 +261,22 @@ class Plan(_Model):
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=2, allow_nan=False) + "\n"
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object hook refusing a key given twice in one object."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def load_plan(path: str | Path) -> Plan:
     """Read and validate plan.json (or a directory holding one)."""
     p = Path(path)
@@ -269,8 +285,15 @@ def load_plan(path: str | Path) -> Plan:
     if not p.is_file():
         raise PlanError(f"No plan found at {p}. Pass a plan.json file or the directory `planner plan --out` wrote.")
     try:
-        raw: Any = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raw: Any = json.loads(p.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise PlanError(
+            f"{p} gives the key {e.key!r} twice in one object; JSON readers disagree on which one counts (Python's "
+            "keeps the last), so the plan is refused. Keep one of them, or regenerate the plan with `planner plan`."
+        ) from None
+    except ValueError as e:  # JSONDecodeError, and an integer longer than Python converts (4300 digits)
+        raise PlanError(f"{p} is not valid JSON ({str(e)[:200]}). Regenerate it with `planner plan`.") from None
+    except (OSError, UnicodeDecodeError, RecursionError) as e:
         raise PlanError(f"{p} is not valid JSON ({e}). Regenerate it with `planner plan`.") from None
     if not isinstance(raw, dict):
         raise PlanError(f"{p} does not hold a JSON object. Regenerate it with `planner plan`.")

@@ -67,6 +67,11 @@ ACTIONS = {
     "sleep": ("import time; time.sleep(3600)", "time limit"),
     "raise": ("raise ValueError('boom')", "ValueError"),
     "print": ("print('hello from the model'); print('{\"not\": \"json\"}')", None),
+    # issue 28: what the code does to the process's cwd and stdout is undone, and --json stays one document
+    "chdir": ("import os; os.chdir('/')", None),
+    "fd1_write": ("import os; os.write(1, b'{raw fd 1')", None),
+    "fd1_close": ("import os; os.close(1)", None),
+    "stdout_close": ("import sys; sys.stdout.close()", None),
 }
 PLACES = ("at_import", "in_build", "in_inputs", "in_forward")
 
@@ -92,6 +97,7 @@ def test_fuzz_model_files(tmp_path, place, action):
     path = model_file(tmp_path, place, code)
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM, signal.SIGUSR1)}
     exit_before = os._exit
+    cwd, stdout_before = Path.cwd(), os.fstat(1)
     # A short limit only where the code hangs (it covers the planner's tracing too, slow on a busy machine).
     limit = "3" if needle == "time limit" else "600"
     result = runner.invoke(
@@ -101,16 +107,35 @@ def test_fuzz_model_files(tmp_path, place, action):
     assert {s: signal.getsignal(s) for s in before} == before
     assert os._exit is exit_before
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert Path.cwd() == cwd and os.path.samestat(os.fstat(1), stdout_before)  # cwd and fd 1 as they were
     if needle is None:
         assert result.exit_code == 0, result.output
         json.loads(result.stdout)  # the model's prints went to stderr, not into the plan document
-        assert "hello from the model" in result.stderr
+        if action == "print":
+            assert "hello from the model" in result.stderr
         return
     assert result.exit_code == 2, f"{result.exit_code}\n{result.output}\n{result.exception!r}"
     assert "Traceback" not in result.output
     message = result.stderr[result.stderr.rfind("Error: "):]
     assert needle in message
     assert f"model.py, line {_line_of(path, code.split(';')[-1].strip()[:12])}" in message
+    assert not (tmp_path / "out").exists()
+
+
+MODEL_KINDS = {
+    "script_module": ("return torch.jit.script(Net())", "TorchScript"),
+    "lazy": ("return nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(8))", "lazy modules"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MODEL_KINDS))
+def test_fuzz_models_the_planner_cannot_take_apart(tmp_path, kind):
+    """build_model returning what cannot be traced and split (issue 28): one paragraph, exit 2, no file."""
+    code, needle = MODEL_KINDS[kind]
+    path = model_file(tmp_path, "in_build", code)
+    result = runner.invoke(app, ["plan", str(path), *CLUSTER, "--out", str(tmp_path / "out"), "--json"])
+    assert result.exit_code == 2, f"{result.exit_code}\n{result.output}\n{result.exception!r}"
+    assert "Traceback" not in result.output and needle in result.stderr
     assert not (tmp_path / "out").exists()
 
 

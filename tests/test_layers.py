@@ -12,7 +12,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lowest first. A module may import modules of its own group or of a lower one.
 LAYERS: list[tuple[str, ...]] = [
-    ("planner", "planner.errors", "planner.io", "planner.names", "planner.processes", "planner.runtime"),
+    (
+        "planner", "planner.errors", "planner.escape", "planner.io", "planner.names", "planner.processes",
+        "planner.runtime",
+    ),
     ("planner.hardware",),
     ("planner.model",),
     ("planner.cost",),

@@ -20,6 +20,7 @@ from typing import Any
 import jinja2
 
 from planner.errors import PlanError
+from planner.escape import py_text
 from planner.io import write_output_set
 from planner.model.graph import ModelSource
 from planner.names import SCHEDULES
@@ -117,8 +118,8 @@ def _flat(value: Any) -> str:
 
 
 def _text(value: str) -> str:
-    """`value` safe inside a docstring or a shell comment: printable, no quotes or backslashes."""
-    return "".join(ch if ch.isprintable() and ch not in "\"'`\\$" else "_" for ch in value)
+    """`value` safe inside a docstring or a shell comment (planner.escape.py_text)."""
+    return py_text(value)
 
 
 def _schedule_note(plan: Plan) -> str:

@@ -200,7 +200,8 @@ def _parse(path: str, data: bytes) -> Spec:
     except UnicodeDecodeError as e:
         raise SpecError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}). Save it as UTF-8.") from e
     try:
-        raw = yaml.load(text, Loader=_SAFE_LOADER)
+        _refuse_anchors(path, text)
+        raw = yaml.load(text, Loader=_SpecLoader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
@@ -231,7 +232,7 @@ def _parse(path: str, data: bytes) -> Spec:
         field, number = bad_number
         raise SpecError(f"{path}: field '{field}' is {number}; spec numbers must be finite. Fix the value.")
     try:
-        return model.model_validate(raw)
+        spec = model.model_validate(raw)
     except ValidationError as e:
         what = "GPU spec" if model is GPUSpec else "cluster preset"
         raise SpecError(
@@ -240,6 +241,74 @@ def _parse(path: str, data: bytes) -> Spec:
         ) from e
     except (TypeError, ValueError) as e:  # pydantic wraps validator errors, but odd YAML types can slip past
         raise SpecError(f"{path} is not a valid hardware spec: {e}. See {specs_dir()} for examples.") from e
+    _check_plausible(path, spec)
+    return spec
+
+
+class _SpecLoader(_SAFE_LOADER):  # type: ignore[misc,valid-type]
+    """The safe loader, refusing a key given twice in one mapping (YAML's last-wins would hide a typo)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:
+                    continue  # an unhashable key: the base constructor words that error
+                if first is not key_node:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first at line {first.start_mark.line + 1}); a key may "
+                        "appear once in a mapping", key_node.start_mark,
+                    )
+        return super().construct_mapping(node, deep=deep)
+
+
+def _refuse_anchors(path: str, text: str) -> None:
+    """Anchors and aliases (&a / *a) are refused: a spec has no use for them, and a few KB of nested aliases
+    expand to billions of nodes (the "billion laughs"), a self-referencing one to a cycle. Checked on the
+    parser's events, which are never expanded."""
+    for event in yaml.parse(text, Loader=_SAFE_LOADER):
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            mark = event.start_mark
+            raise SpecError(
+                f"{path} uses a YAML anchor or alias ({'*' if isinstance(event, yaml.AliasEvent) else '&'}"
+                f"{event.anchor}) at line {mark.line + 1}, column {mark.column + 1}. Hardware specs take plain "
+                "values only: write the value out where it is used."
+            )
+
+
+# Above these a figure is not a GPU's but a unit slip (bytes/s for GB/s, FLOP/s for TFLOP/s, bytes for GiB).
+# The largest real ones (2026): ~8 TB/s of HBM, ~1.8 TB/s of NVLink per GPU, ~20 PFLOP/s of dense fp4.
+PLAUSIBLE_MAX = {
+    "memory_bandwidth_gbps": (10_000.0, "GB/s (10 TB/s = 10000)"),
+    "intra_node_bandwidth_gbps": (10_000.0, "GB/s per GPU (10 TB/s = 10000)"),
+    "inter_node_bandwidth_gbps": (10_000.0, "GB/s per GPU (10 TB/s = 10000)"),
+    "peak_tflops": (100_000.0, "TFLOP/s (100 PFLOP/s = 100000)"),
+    "memory_gib": (16_384.0, "GiB (16 TiB = 16384)"),
+    "intra_node_latency_us": (1e6, "microseconds (1 s = 1000000)"),
+    "inter_node_latency_us": (1e6, "microseconds (1 s = 1000000)"),
+}
+
+
+def _check_plausible(path: str, spec: Spec) -> None:
+    """Each figure within the physical bounds of one GPU (PLAUSIBLE_MAX): above them, a SpecError naming the
+    field and the unit it is read in."""
+    topology = spec.topology.model_dump()
+    figures: dict[str, float] = {f"topology.{k}": v for k, v in topology.items() if k in PLAUSIBLE_MAX}
+    if isinstance(spec, GPUSpec):
+        figures["memory_bandwidth_gbps"] = spec.memory_bandwidth_gbps
+        figures["memory_gib"] = spec.memory_gib
+        figures.update({f"peak_tflops.{k}": v for k, v in spec.peak_tflops.items()})
+    for field, value in figures.items():
+        limit, unit = PLAUSIBLE_MAX[field.split(".")[0] if field.startswith("peak") else field.split(".")[-1]]
+        if value > limit:
+            raise SpecError(
+                f"{path}: field '{field}' is {value:g}, more than any GPU has ({limit:g}): it is read in {unit}, so "
+                "this looks like a unit slip (bytes or FLOP where the field counts GB, GiB or TFLOP). Write the "
+                "value in that unit."
+            )
 
 
 def _first_non_finite(value: Any, where: str = "") -> tuple[str, float] | None:

@@ -1,6 +1,11 @@
 """The analysis cache: a ModelGraph on disk, keyed by a digest of everything the analysis read, so that
 re-planning the same model skips building, tracing and counting.
 
+Everything the model's own code read is a dependency of the entry (planner.model.reads): the source files of
+the modules its import brought in (a sub-package, a sibling module) and the files its import and build
+opened (a YAML or JSON config), each with its sha256. An entry is used only when every one of them still has
+that digest; an analysis whose reads are not all known (its code opened a file for writing) is not cached.
+
 The key covers the model file's bytes (not its path: a source compiled into each plan directory hits, and
 the graph takes the path it was loaded from), the .py and .json files beside it (sibling imports, a compiled
 source's config.json), the function names, --model-arg values and dtype, the planner's version and the
@@ -23,10 +28,11 @@ from pydantic import ValidationError
 from planner import __version__
 from planner.io import atomic_write_text
 from planner.model.graph import ModelGraph, ModelSource
+from planner.model.reads import Reads, current_digests, digests
 
 CACHE_DIR_ENV = "PLANNER_CACHE_DIR"  # shared with the profile cache (planner.measure.profile)
 NO_CACHE_ENV = "PLANNER_NO_CACHE"
-SCHEMA = 1
+SCHEMA = 2  # 2: the entry lists the files the model's code read, with their digests
 
 
 def cache_enabled() -> bool:
@@ -79,24 +85,56 @@ def analysis_key(source: ModelSource) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def read_cached(key: str, cache_dir: str | Path | None = None) -> ModelGraph | None:
-    """The cached graph for ``key``, or None (absent, unreadable, or not this key's)."""
+def _entry(key: str, folder: str | Path | None, cache_dir: str | Path | None) -> dict | None:
+    """The entry stored for ``key`` whose recorded reads all still hold, or None."""
     path = analysis_cache_dir(cache_dir) / f"{key}.json"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if data.get("key") != key or data.get("schema") != SCHEMA:
             return None
-        return ModelGraph.model_validate(data["graph"])
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, ValidationError):
+        reads = data["reads"]
+        if not isinstance(reads, dict) or current_digests(list(reads), folder) != reads:
+            return None  # a file the model's code read has changed since (or appeared, or went away)
+        return data
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
 
 
-def write_cached(key: str, graph: ModelGraph, cache_dir: str | Path | None = None) -> None:
-    """Store ``graph`` under ``key``; a cache that cannot be written is skipped."""
+def read_cached(
+    key: str, folder: str | Path | None = None, cache_dir: str | Path | None = None
+) -> ModelGraph | None:
+    """The cached graph for ``key``, or None (absent, unreadable, not this key's, or a read file changed).
+    ``folder``: the model file's, against which the files read beside it are checked."""
+    data = _entry(key, folder, cache_dir)
+    try:
+        return None if data is None else ModelGraph.model_validate(data["graph"])
+    except (KeyError, TypeError, ValidationError):
+        return None
+
+
+def reads_digest(key: str, folder: str | Path | None = None, cache_dir: str | Path | None = None) -> str | None:
+    """A digest of the files the cached analysis of ``key`` read, as they are now; None when there is no valid
+    entry (the plan-time check's cache then does not apply either)."""
+    data = _entry(key, folder, cache_dir)
+    if data is None:
+        return None
+    return hashlib.sha256(json.dumps(data["reads"], sort_keys=True).encode()).hexdigest()
+
+
+def write_cached(
+    key: str, graph: ModelGraph, reads: Reads, folder: str | Path | None = None, cache_dir: str | Path | None = None
+) -> None:
+    """Store ``graph`` under ``key`` with the digests of what the model's code read; an analysis whose reads are
+    not all known, or a cache that cannot be written, is skipped."""
+    if not reads.complete:
+        return
     path = analysis_cache_dir(cache_dir) / f"{key}.json"
+    entry = {
+        "schema": SCHEMA, "key": key, "reads": digests(reads.files, folder), "graph": graph.model_dump(mode="json"),
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps({"schema": SCHEMA, "key": key, "graph": graph.model_dump(mode="json")}))
+        atomic_write_text(path, json.dumps(entry))
     except OSError:
         pass
 

@@ -9,9 +9,16 @@ the whole plan). While it runs, `user_code()`:
 - catches SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 (whoever sends them) as an error at the line that was
   running; a real Ctrl-C (SIGINT) still interrupts the planner;
 - arms a wall-clock limit with `signal.setitimer` (main thread only), so a hang becomes an error too;
-- sends what the code prints to stderr, so that `--json` on stdout stays one document;
+- sends what the code prints to stderr, so that `--json` on stdout stays one document: `sys.stdout` is a
+  stream onto stderr that the code cannot close, and file descriptor 1 itself points at stderr while the code
+  runs (C code, `os.write(1, ...)`, a subprocess), so that closing or writing it does not touch the real one;
+- keeps the working directory: a `os.chdir` in the code is undone when it returns;
+- keeps the way out: `sys.exit` and `sys.excepthook` are put back, and an `atexit` handler the code registers
+  runs at exit under the same rules (prints on stderr, no exit of its own), so it cannot change the status or
+  write into `--json` output;
 
-and restores every signal handler, the timer, `os._exit` and stdout afterwards. Guards nest: an inner one
+and restores every signal handler, the timer, `os._exit`, stdout (fd 1 and sys.stdout) and the working
+directory afterwards. Guards nest: an inner one
 (e.g. build_model inside a guarded trace) shares the outer one's timer and only adds its own description.
 Ordinary exceptions pass through unchanged: the caller words those (it knows which contract was broken).
 What cannot be caught in-process (SIGKILL, os.abort, a hang inside C code that never checks for signals)
@@ -20,7 +27,9 @@ is out of reach of any guard short of a subprocess.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import io
 import math
 import os
 import signal
@@ -122,6 +131,7 @@ def user_code(path: str | Path, what: str, time_limit: float | None = DEFAULT_TI
     saved_handlers = {}
     saved_timer = None
     saved_exit = os._exit
+    saved_sys_exit, saved_excepthook, saved_register = sys.exit, sys.excepthook, atexit.register
     posix = sys.modules.get("posix")
     saved_posix_exit = getattr(posix, "_exit", None)
     _active = guard
@@ -142,7 +152,8 @@ def user_code(path: str | Path, what: str, time_limit: float | None = DEFAULT_TI
         os._exit = _fake_exit
         if posix is not None and saved_posix_exit is not None:
             posix._exit = _fake_exit
-        with contextlib.redirect_stdout(sys.stderr):
+        atexit.register = _exit_handler_registrar(saved_register)  # type: ignore[assignment]
+        with _cwd_kept(), _fd1_to_stderr(), contextlib.redirect_stdout(_StdoutOnStderr()):
             yield
     except _Escape as e:
         raise _error(file, what, e) from None
@@ -156,6 +167,7 @@ def user_code(path: str | Path, what: str, time_limit: float | None = DEFAULT_TI
         if main:
             signal.setitimer(signal.ITIMER_REAL, 0)
         os._exit = saved_exit
+        sys.exit, sys.excepthook, atexit.register = saved_sys_exit, saved_excepthook, saved_register  # type: ignore[assignment]
         if posix is not None and saved_posix_exit is not None:
             posix._exit = saved_posix_exit
         if main:
@@ -170,6 +182,103 @@ def user_code(path: str | Path, what: str, time_limit: float | None = DEFAULT_TI
             if saved_timer is not None and saved_timer[0] > 0:
                 signal.setitimer(signal.ITIMER_REAL, *saved_timer)
         _active = None
+
+
+def _exit_handler_registrar(register):
+    """atexit.register while user code runs: the handler is registered, but runs at exit as user code does
+    here (its prints on stderr, fd 1 kept, no exit of its own, errors ignored), so that a model cannot write
+    into `--json` output or change the exit status on the planner's way out."""
+
+    def guarded_register(fn, *args, **kwargs):
+        def run() -> None:
+            saved = os._exit
+            os._exit = _fake_exit
+            try:
+                with _fd1_to_stderr(), contextlib.redirect_stdout(_StdoutOnStderr()):
+                    fn(*args, **kwargs)
+            except BaseException:  # noqa: BLE001 - the planner is exiting: the model's handler cannot stop it
+                pass
+            finally:
+                os._exit = saved
+
+        register(run)
+        return fn
+
+    return guarded_register
+
+
+class _StdoutOnStderr(io.TextIOBase):
+    """sys.stdout while user code runs: writes go to the current sys.stderr; close() does nothing (a model
+    closing sys.stdout must not close the planner's streams)."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def closed(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return sys.stderr.fileno()
+
+    def isatty(self) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def _fd1_to_stderr() -> Iterator[None]:
+    """File descriptor 1 points at fd 2 during the block and at the real stdout again afterwards, whatever the
+    block did to it (wrote, closed or replaced it)."""
+    for stream in (sys.stdout, sys.__stdout__):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()  # what the planner wrote before goes out on the real stdout
+    try:
+        saved = os.dup(1)
+    except OSError:
+        yield  # no fd 1 to protect (closed before the planner started)
+        return
+    try:
+        os.dup2(2, 1)
+    except OSError:
+        os.close(saved)
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            sys.__stdout__.flush()  # type: ignore[union-attr]
+        os.dup2(saved, 1)
+        os.close(saved)
+        if getattr(sys.stdout, "closed", False) and sys.stdout is sys.__stdout__:
+            # the code closed sys.__stdout__ (the process's own stream): a new one on the restored fd 1
+            sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
+
+
+@contextlib.contextmanager
+def _cwd_kept() -> Iterator[None]:
+    """The working directory as it was before the block (a model calling os.chdir at import)."""
+    try:
+        cwd = os.open(".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.fchdir(cwd)
+        os.close(cwd)
 
 
 def _exit_escape(e: SystemExit) -> _Escape:

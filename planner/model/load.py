@@ -20,6 +20,7 @@ from typing import Any
 from planner.errors import ModelLoadError
 from planner.model.graph import ModelSource
 from planner.model.guard import DEFAULT_TIME_LIMIT_S, user_code, where_in
+from planner.model.reads import Reads, recording
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -36,6 +37,7 @@ class LoadedModel:
     time_limit: float | None = DEFAULT_TIME_LIMIT_S  # seconds for each guarded call into the user's code
     input_ids: dict[int, int] = field(default_factory=dict)  # id(meta input tensor) -> its index
     input_refs: list[tuple] = field(default_factory=list)  # keeps those tensors alive so ids stay unique
+    reads: Reads = field(default_factory=Reads)  # what the import read (planner.model.reads): the cache's inputs
 
 
 def torch_dtype(name: str):
@@ -74,6 +76,12 @@ def load_model_file(
             f"Model file {str(path)!r} is a directory. Pass the path of the Python file inside it that defines "
             "build_model(**kwargs) and example_inputs(batch_size, **kwargs), e.g. sample_models/gpt.py."
         )
+    if p.exists() and not p.is_file():
+        raise ModelLoadError(
+            f"Model file {str(path)!r} is not a regular file (a FIFO, a device or a socket): the planner reads the "
+            "model's Python source from it. Pass the path of the .py file that defines build_model(**kwargs) and "
+            "example_inputs(batch_size, **kwargs)."
+        )
     if not p.is_file():
         raise ModelLoadError(
             f"Model file {str(path)!r} does not exist. Pass the path of a Python file that defines "
@@ -94,7 +102,7 @@ def load_model_file(
     sys.path.insert(0, str(p.parent))
     try:
         sys.modules[name] = module
-        with user_code(p, f"Importing {p}", time_limit):
+        with recording(p.parent) as reads, user_code(p, f"Importing {p}", time_limit):
             spec.loader.exec_module(module)
     except ModelLoadError:
         sys.modules.pop(name, None)
@@ -142,8 +150,12 @@ def load_model_file(
         dtype=dtype,  # type: ignore[arg-type]
     )
     _check_model_args(p, source.model_args, [(build_fn, build, 0), (inputs_fn, inputs, 1)])
+    if callable(batch):
+        _check_data_fn(p, source.batch_fn or "get_batch", batch, source.model_args)
+    reads.files.add(str(p))
     return LoadedModel(
-        source=source, module=module, build=build, example_inputs=inputs, loss_fn=loss, time_limit=time_limit
+        source=source, module=module, build=build, example_inputs=inputs, loss_fn=loss, time_limit=time_limit,
+        reads=reads,
     )
 
 
@@ -173,6 +185,22 @@ def _check_model_args(path: Path, args: dict[str, Any], fns: list[tuple[str, Cal
                 f"{', '.join(names) or 'no keyword arguments'}).{hint} Fix the key, or give {fn_name} a **kwargs "
                 "parameter if it should accept and ignore other arguments."
             )
+
+
+def _check_data_fn(path: Path, name: str, fn: Callable[..., Any], args: dict[str, Any]) -> None:
+    """The data function takes (step, micro_batch_size, **model_args), as the generated train.py calls it."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C function: nothing to check against
+    try:
+        signature.bind(0, 1, **args)
+    except TypeError as e:
+        raise ModelLoadError(
+            f"The data function {name}{signature} in {path.name} cannot be called as {name}(step, "
+            f"micro_batch_size, **model_args), which is how train.py calls it for each batch ({e}). Give it that "
+            "signature (add **kwargs to accept the model arguments), or name another function with --data."
+        ) from None
 
 
 def _call_user(
@@ -219,9 +247,32 @@ def build_meta_model(loaded: LoadedModel):
         raise ModelLoadError(
             f"{loaded.source.build_fn}() returned {type(model).__name__}, not a torch.nn.Module. Return the model."
         )
+    _check_traceable(model, loaded.source.build_fn)
     model = model.to(torch_dtype(loaded.source.dtype))
     _check_input_dtypes(model, loaded)
     return model
+
+
+def _check_traceable(model, build_fn: str) -> None:
+    """A model the planner can take apart: not TorchScript, no parameter left uninitialised (lazy modules)."""
+    import torch
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ModelLoadError(
+            f"{build_fn}() returned a TorchScript module ({type(model).__name__}). The planner traces, splits and "
+            "shards the model's Python modules, which torch.jit.script compiles away. Return the nn.Module "
+            "itself (script it in the training script if you need to)."
+        )
+    lazy = [name or type(m).__name__ for name, m in model.named_modules()
+            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+    if lazy:
+        raise ModelLoadError(
+            f"{build_fn}() returned a model with lazy modules whose shapes are not known yet ({', '.join(lazy[:3])}"
+            f"{' ...' if len(lazy) > 3 else ''}): their parameters exist only after a first forward pass, so "
+            "nothing can be counted or placed. Give them their input sizes (nn.Linear(in, out) for nn.LazyLinear), "
+            "or run the model once on example inputs inside build_model."
+        )
 
 
 def _float_input_modules() -> tuple[type, ...]:

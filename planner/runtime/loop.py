@@ -158,6 +158,17 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _positive_int(text: str) -> int:
+    """--steps: 0 or a negative count would train nothing and still replace metrics.json; argparse says so."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} steps would train nothing: pass 1 or more")
+    return value
+
+
 def parse_args(
     argv: Sequence[str] | None,
     description: str,
@@ -167,7 +178,7 @@ def parse_args(
     init_from: str | None = None,
 ) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
+    parser.add_argument("--steps", type=_positive_int, default=steps, help=f"training steps (default {steps})")
     parser.add_argument(
         "--metrics",
         type=Path,

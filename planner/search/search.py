@@ -10,6 +10,7 @@ k-th best objective as its cutoff.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import heapq
@@ -28,10 +29,10 @@ from planner.cost.model import (
     unit_cost,
 )
 from planner.cost.terms import comm_reserve_bytes, rank_capacity
-from planner.errors import InfeasibleError
+from planner.errors import ConfigError, InfeasibleError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
-from planner.names import RECOMPUTE_MODES, SearchStatus
+from planner.names import MAX_TOP_K, RECOMPUTE_MODES, SearchStatus
 from planner.search.bounds import (
     BlockBounds,
     IntervalBounds,
@@ -183,6 +184,11 @@ def search(
     on_best: called with each plan that becomes the best so far (the last call's is the result's best, where
     the search ends normally); the search itself does not depend on it.
     """
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
+        raise ConfigError(
+            f"top_k {top_k!r} is outside 0..{MAX_TOP_K}: each runner-up kept weakens the search's pruning, so the "
+            f"planner keeps at most {MAX_TOP_K}. Pass --top-k {MAX_TOP_K} or less."
+        )
     t0 = time.perf_counter()
     space = enumerate_space(graph, cluster, global_batch, pins)
     rejected = Counter(space.rejected)
@@ -305,9 +311,9 @@ def search(
 
     def add(ev: Evaluated) -> None:
         nonlocal ranked
-        ranked.append(ev)
-        ranked.sort(key=lambda e: (score(e), _key(e.cand)))
-        ranked = ranked[: top_k + 1]
+        # a sorted list of at most top_k + 1 (bounded by MAX_TOP_K): one insertion, the worst dropped
+        bisect.insort(ranked, ev, key=lambda e: (score(e), _key(e.cand)))
+        del ranked[top_k + 1 :]
         if on_best is not None and ranked[0] is ev:
             on_best(ev)
 
