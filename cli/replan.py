@@ -87,7 +87,9 @@ def replan(
         )
     relative = os.path.relpath(where, out.absolute())
     files[RESUME_FILE] = (resume_script(new_plan, relative, old_dir.name), True)
-    write_outputs(out, files, force)
+    # the model file (and a compiled source's files) the new plan reads are never replaced, even with --force
+    inputs = [Path(old.model.path), *(old_dir / name for name in source_names)]
+    write_outputs(out, files, force, inputs=inputs)
     if not is_quiet(ctx, quiet):
         from planner.runtime.checkpoint import latest
 
