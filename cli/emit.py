@@ -19,10 +19,20 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cli._options import ForceOpt, InitFromOpt, PlanPathArg, QuietOpt, is_quiet, stdout_console
+from cli._options import (
+    ForceOpt,
+    InitFromOpt,
+    PlanPathArg,
+    QuietOpt,
+    compiled_source_files,
+    is_quiet,
+    stdout_console,
+)
+from planner.model.sources import SOURCE_FILE
 
 if TYPE_CHECKING:
     from planner.io import OutputSet
+    from planner.plan import Plan
 
 EMIT_EXAMPLES = [
     "planner emit plan_out/plan.json --out run1",
@@ -58,9 +68,12 @@ def emit(
         from planner.codegen.check import with_init_from
 
         plan = with_init_from(plan, init_from)
+    plan = model_beside(plan, plan_path)
     files: Files = dict(render(plan, PLAN_FILE))
     files[PLAN_FILE] = (plan.to_json(), False)
     model = Path(plan.model.path)
+    if model.name == SOURCE_FILE and model.is_file():  # a compiled source (hf: ...) travels with its config
+        files.update(compiled_source_files("hf:", str(model)))
     result = write_outputs(out, files, force, inputs=[model, model.with_name("config.json")])
     if not is_quiet(ctx, quiet):
         console = stdout_console()
@@ -69,6 +82,26 @@ def emit(
         console.print(f"Wrote {len(written)} files to {out}:")
         for path in written:
             console.print(f"  {path}")
+
+
+def model_beside(plan: Plan, plan_path: Path) -> Plan:
+    """`plan` with its model file where the plan folder holds it, when the path plan.json names is not there
+    (a plan folder moved to another machine): the copy in model/ (or the compiled model_source.py) beside it."""
+    from planner.codegen.modelcopy import MODEL_DIR
+
+    model = Path(plan.model.path)
+    if model.is_file():
+        return plan
+    folder = plan_path if plan_path.is_dir() else plan_path.parent
+    if model.name == SOURCE_FILE:
+        candidates = [folder / SOURCE_FILE]
+    else:
+        candidates = [folder / MODEL_DIR / model.name, folder / MODEL_DIR / "model_file.py"]
+    for candidate in candidates:
+        if candidate.is_file():
+            moved = plan.model.model_copy(update={"path": str(candidate.resolve())})
+            return plan.model_copy(update={"model": moved})
+    return plan
 
 
 def write_outputs(out_dir: Path, files: Files, force: bool, inputs: list[Path] | None = None) -> OutputSet:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from cli._options import ForceOpt, PlanPathArg, QuietOpt, is_quiet, stdout_console
-from cli.emit import PLAN_FILE, write_outputs
+from cli.emit import PLAN_FILE, model_beside, write_outputs
 
 if TYPE_CHECKING:
     from planner.pipeline import PlanRequest
@@ -70,7 +70,7 @@ def replan(
     from planner.plan import load_plan
 
     old_dir = plan_path if plan_path.is_dir() else plan_path.parent
-    old = load_plan(plan_path)
+    old = model_beside(load_plan(plan_path), plan_path)  # on the cluster: the copy in the plan folder
     request = replan_request(old, old_dir, nodes, gpus_per_node, gpu)
     new_plan, graph, result = run_search(request, show_progress=not is_quiet(ctx, quiet))
     new_plan, result = best_that_runs(request, new_plan, graph, result)

@@ -540,7 +540,9 @@ def test_emit_renders_the_same_scripts_as_plan(planned, tmp_path):
     runtime = sorted(p.name for p in (planned / "planner_runtime").glob("*.py"))
     for name in runtime:
         assert (out / "planner_runtime" / name).read_bytes() == (planned / "planner_runtime" / name).read_bytes()
-    assert runtime and f"Wrote {5 + len(runtime)} files" in result.stdout
+    model = sorted(p.name for p in (planned / "model").glob("*.py"))  # the model file's copy
+    assert model and (out / "model" / model[0]).read_bytes() == (planned / "model" / model[0]).read_bytes()
+    assert runtime and f"Wrote {5 + len(runtime) + len(model)} files" in result.stdout
 
 
 def test_emit_keeps_other_content_unless_forced(planned, tmp_path):

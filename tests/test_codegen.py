@@ -67,7 +67,8 @@ def test_render_is_deterministic(name):
     assert first == again
     scripts = {"train.py", "launch.sh", "launch_multinode.sh", "slurm.sbatch"}
     runtime = {f"planner_runtime/{name}" for name in runtime_files()}
-    assert set(first) == scripts | runtime and "planner_runtime/loop.py" in runtime
+    model = {f"model/{Path(plan.model.path).name}"}  # the model file travels with the scripts
+    assert set(first) == scripts | runtime | model and "planner_runtime/loop.py" in runtime
     assert all(first[name][1] for name in scripts) and not any(first[name][1] for name in runtime)
 
 
@@ -97,7 +98,7 @@ def test_constants_carry_the_plan():
     assert c["TP_PLAN"]["blocks.{0-3}.attn.o"] == "rowwise" and "blocks.3.attn.o" not in c["TP_PLAN"]
     layout, _, _ = runtime_objects(plan)
     assert layout.tp_plan == plan.tp_plan
-    assert c["MODEL_FILE"] == plan.model.path and c["MODEL_ARGS"] == plan.model.model_args
+    assert c["MODEL_FILE"] == f"model/{Path(plan.model.path).name}" and c["MODEL_ARGS"] == plan.model.model_args
     assert (c["LOSS_FN"], c["BATCH_FN"], c["BUILD_FN"]) == ("loss_fn", None, "build_model")
     assert (c["SEED"], c["LR"], c["STEPS"], c["DTYPE"]) == (0, 0.01, 3, "fp32")
 
@@ -130,7 +131,8 @@ def test_paths_with_spaces_and_quotes_are_quoted(tmp_path):
     plan = plan.model_copy(update={"model": plan.model.model_copy(update={"path": str(odd)})})
     out = tmp_path / "out dir"
     write_scripts(plan, out)
-    assert _constants((out / "train.py").read_text())["MODEL_FILE"] == str(odd)
+    assert _constants((out / "train.py").read_text())["MODEL_FILE"] == "model/model_file.py"  # an importable name
+    assert (out / "model" / "model_file.py").read_bytes() == odd.read_bytes()
     for name in ("launch.sh", "launch_multinode.sh", "slurm.sbatch"):
         text = (out / name).read_text()
         assert "set -euo pipefail" in text
@@ -145,7 +147,9 @@ def test_write_scripts_sets_modes(tmp_path):
     for path in scripts:
         assert path.stat().st_mode & stat.S_IXUSR
     copied = sorted(p.name for p in written if p.parent == tmp_path / "planner_runtime")
-    assert copied == sorted(runtime_files()) and len(copied) == len(written) - len(scripts)
+    model = [p for p in written if p.parent == tmp_path / "model"]  # the model file's copy
+    assert copied == sorted(runtime_files()) and len(model) == 1
+    assert len(copied) + len(scripts) + len(model) == len(written)
     for path in written:
         if path.parent != tmp_path:
             assert not path.stat().st_mode & stat.S_IXUSR

@@ -129,6 +129,9 @@ def test_every_plan_field_reaching_train_py_and_launchers_is_escaped(tmp_path):
     each as the same value, the launchers are valid shell that never expand them."""
     plan = make_plan("gpt")
     hostile = HOSTILE[0] + HOSTILE[2]
+    hostile_file = tmp_path / f"m{HOSTILE[2]}.py"
+    hostile_file.parent.mkdir(parents=True)
+    hostile_file.write_bytes(Path(plan.model.path).read_bytes())
     model = plan.model.model_copy(update={
         "path": str(tmp_path / f"m{HOSTILE[2]}.py"), "build_fn": hostile, "inputs_fn": hostile,
         "loss_fn": hostile, "batch_fn": hostile, "model_args": {**plan.model.model_args, "tag": hostile},
@@ -139,7 +142,7 @@ def test_every_plan_field_reaching_train_py_and_launchers_is_escaped(tmp_path):
     consts = {n.targets[0].id: ast.literal_eval(n.value) for n in ast.parse(train).body
               if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
               and n.targets[0].id in ("MODEL_FILE", "BUILD_FN", "MODEL_ARGS")}
-    assert consts["MODEL_FILE"] == model.path and consts["BUILD_FN"] == hostile
+    assert consts["MODEL_FILE"] == "model/model_file.py" and consts["BUILD_FN"] == hostile
     assert consts["MODEL_ARGS"]["tag"] == hostile
     for name in ("launch.sh", "launch_multinode.sh", "slurm.sbatch"):
         text = (tmp_path / "out" / name).read_text()

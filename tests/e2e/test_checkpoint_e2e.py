@@ -164,8 +164,15 @@ def test_replan_to_half_the_ranks_resumes_and_keeps_training(tmp_path, uninterru
 
     old = tmp_path / "old"
     reference = uninterrupted("dp4_zero3")
-    write_scripts(LAYOUTS["dp4_zero3"](), old)
-    (old / "plan.json").write_text(LAYOUTS["dp4_zero3"]().to_json())
+    # planned where the model file was (a laptop's folder), re-planned where only the plan folder is
+    old_plan = LAYOUTS["dp4_zero3"]()
+    laptop = tmp_path / "laptop" / Path(old_plan.model.path).name
+    laptop.parent.mkdir()
+    shutil.copy(old_plan.model.path, laptop)
+    old_plan = old_plan.model_copy(update={"model": old_plan.model.model_copy(update={"path": str(laptop)})})
+    write_scripts(old_plan, old)
+    (old / "plan.json").write_text(old_plan.to_json())
+    shutil.rmtree(laptop.parent)
     shutil.copytree(reference / "checkpoints" / "step-00000003", old / "checkpoints" / "step-00000003")
     new = tmp_path / "new"
     result = CliRunner().invoke(app, ["replan", str(old), "--gpus-per-node", "2", "--out", str(new)])

@@ -1,0 +1,97 @@
+"""The user's model file travels with the plan: copied into the plan folder's model/, with the modules beside it
+that it imports, so that train.py names it by a path relative to itself and the folder runs on the cluster
+(where the planning machine's absolute path does not exist).
+
+A compiled model source (hf:, torchtitan:, module:) is already written into the plan folder as
+model_source.py beside its config.json; train.py names it there and nothing is copied.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from planner.errors import PlanError
+
+MODEL_DIR = "model"
+# A local package copied whole is bounded: a model folder holding a whole repository is a sign the model file
+# imports something it should install instead.
+MAX_PACKAGE_FILES = 200
+
+Files = dict[str, tuple[str, bool]]
+
+
+def copied_model(path: str) -> tuple[str, Files]:
+    """(MODEL_FILE relative to train.py, {relative path: (text, executable)}) for the model file at `path`."""
+    from planner.model.sources import SOURCE_FILE
+
+    src = Path(path)
+    if src.name == SOURCE_FILE:
+        return SOURCE_FILE, {}
+    if not src.is_file():
+        raise PlanError(
+            f"The plan's model file {path} is not there to copy beside the scripts. Run where the model file is, or "
+            "re-plan with the model file's new path."
+        )
+    name = src.name if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*\.py", src.name) else "model_file.py"
+    files: Files = {f"{MODEL_DIR}/{name}": (_read(src), False)}
+    for rel, file in sorted(local_imports(src).items()):
+        files.setdefault(f"{MODEL_DIR}/{rel}", (_read(file), False))
+    return f"{MODEL_DIR}/{name}", files
+
+
+def local_imports(model: Path) -> dict[str, Path]:
+    """The modules beside `model` that it imports, transitively: {path relative to its folder: file}. A module
+    `x` imported by name is `x.py` or the package `x/` in the model's folder (the folder is first on sys.path
+    when the runtime imports the model file); everything else is installed and not copied."""
+    root = model.parent
+    found: dict[str, Path] = {}
+    todo = [model]
+    seen: set[Path] = set()
+    while todo:
+        file = todo.pop()
+        if file in seen:
+            continue
+        seen.add(file)
+        for top in sorted(_imported_names(file)):
+            module = root / f"{top}.py"
+            package = root / top
+            if module.is_file() and module.resolve() != model.resolve():
+                found[f"{top}.py"] = module
+                todo.append(module)
+            elif (package / "__init__.py").is_file():
+                members = sorted(p for p in package.rglob("*.py") if "__pycache__" not in p.parts)
+                if len(members) > MAX_PACKAGE_FILES:
+                    raise PlanError(
+                        f"The model file imports the local package {package} of {len(members)} Python files, more "
+                        f"than the {MAX_PACKAGE_FILES} the plan folder copies. Install it (pip install -e) on the "
+                        "cluster's machines so that the model file imports it from there, then re-plan."
+                    )
+                for member in members:
+                    found[member.relative_to(root).as_posix()] = member
+                    todo.append(member)
+    return found
+
+
+def _imported_names(file: Path) -> set[str]:
+    try:
+        tree = ast.parse(_read(file), filename=str(file))
+    except SyntaxError:
+        return set()  # the model file itself parsed when it was traced; a broken sibling fails where it is used
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _read(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlanError(
+            f"Cannot read {file} to copy it beside the scripts ({e}). Make it readable UTF-8 text."
+        ) from None
