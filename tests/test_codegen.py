@@ -117,10 +117,11 @@ def test_body_is_the_same_for_every_plan():
 
 def test_train_py_is_short_and_calls_the_runtime():
     text = render(make_plan("gpt", pp=2, dp=2))["train.py"][0]
-    assert len(text.splitlines()) < 120
+    assert len(text.splitlines()) < 140
     assert "from planner_runtime.loop import run" in text
     code = text[text.index("def check_runtime") :]
-    assert len(code.splitlines()) < 45  # the code (not the plan's constants) is a check and one call
+    # the code (not the plan's constants): a check, the editable step, one call
+    assert len(code.splitlines()) < 60 and "def train_step(step):" in code
 
 
 def test_paths_with_spaces_and_quotes_are_quoted(tmp_path):
@@ -280,7 +281,7 @@ def test_compressed_names_expand_back(names):
 def test_train_py_stays_short_for_deep_models():
     plan = make_plan("gpt", pp=16, tp=8, model_args={**TINY["gpt"], "layers": 96})  # GPT-3 175B's layout
     text = render(plan)["train.py"][0]
-    assert len(text.splitlines()) < 120 and max(len(line) for line in text.splitlines()) <= LINE_LENGTH
+    assert len(text.splitlines()) < 140 and max(len(line) for line in text.splitlines()) <= LINE_LENGTH
 
 
 def test_one_line_length():
@@ -307,7 +308,7 @@ def test_module_lists_too_long_for_train_py_go_to_layout_json(tmp_path):
     plan = _long_plan()
     files = render(plan)
     text = files["train.py"][0]
-    assert len(text.splitlines()) < 120 and max(len(line) for line in text.splitlines()) <= LINE_LENGTH
+    assert len(text.splitlines()) < 140 and max(len(line) for line in text.splitlines()) <= LINE_LENGTH
     assert "layout.json" in files
     (tmp_path / "train.py").write_text(text)
     ruff = subprocess.run(

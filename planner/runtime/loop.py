@@ -286,6 +286,61 @@ def pipeline_step(
     return torch.stack([x.detach().float() for x in losses]).mean() if has_last else None
 
 
+class Step:
+    """One optimizer step as train.py's `train_step` sees it: this replica's micro-batches and the three parts of
+    a step, each doing what the plan's layout needs (the pipeline schedule or gradient accumulation, tied weights,
+    norms over every parallel group). `number` counts from 0; `stages`, `optimizers` and `schedulers` are this
+    rank's, for a step that does more (a second loss, a per-group learning rate, an EMA of the weights)."""
+
+    def __init__(
+        self,
+        number: int,
+        batches: list[tuple[torch.Tensor, ...]],
+        stages: list[LocalStage],
+        optimizers: list[torch.optim.Optimizer],
+        schedulers: list[Any],
+        forward_backward: Callable[[list[tuple[torch.Tensor, ...]]], torch.Tensor | None],
+        norm: Callable[[], torch.Tensor],
+        grad_clip: float | None,
+    ) -> None:
+        self.number, self.batches, self.stages = number, batches, stages
+        self.optimizers, self.schedulers = optimizers, schedulers
+        self._forward_backward, self._norm, self._grad_clip = forward_backward, norm, grad_clip
+        self._params = [p for stage in stages for p in stage.parameters()]
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, ...]] | None = None) -> torch.Tensor | None:
+        """Forward and backward over the micro-batches (default: the step's), gradients accumulated and reduced
+        as the plan says. The mean micro-batch loss on ranks that hold the last stage, else None."""
+        return self._forward_backward(self.batches if batches is None else batches)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global gradient norm over every parallel group (DTensor shards, pipeline stages, tied copies and
+        expert shards each counted once), without clipping."""
+        return self._norm()
+
+    def clip_gradients(self, max_norm: float | None = None) -> torch.Tensor:
+        """The global gradient norm over every parallel group; gradients scaled down to `max_norm` (default:
+        GRAD_CLIP; None there: not clipped) where it is larger. Returns the norm before clipping."""
+        norm = self._norm()
+        clip_gradients(self._params, self._grad_clip if max_norm is None else max_norm, norm)
+        return norm
+
+    def optimizer_step(self) -> None:
+        """AdamW on this rank's parameters, gradients zeroed, then the learning-rate schedule's step."""
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers, strict=True):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+
+
+def default_train_step(step: Step) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The step train.py writes out for editing: forward and backward, clipping, the optimizer."""
+    loss = step.forward_backward()
+    grad_norm = step.clip_gradients()
+    step.optimizer_step()
+    return loss, grad_norm
+
+
 def run(
     layout: Layout,
     spec: ModelFile,
@@ -294,9 +349,13 @@ def run(
     argv: Sequence[str] | None = None,
     description: str = "Train the planned model.",
     init_from: str | None = None,
+    train_step: Callable[[Step], tuple[torch.Tensor | None, torch.Tensor]] = default_train_step,
+    predicted: dict[str, float] | None = None,
 ) -> None:
     """Train as the plan says; `script` is the train.py path (metrics.json goes next to it by default);
-    `init_from`: the checkpoint the weights start from (train.py's --init-from overrides it)."""
+    `init_from`: the checkpoint the weights start from (train.py's --init-from overrides it); `train_step`: one
+    optimizer step (train.py's, which people edit); `predicted`: the plan's step time, MFU and peak memory
+    per GPU, written beside the measured ones in metrics.jsonl."""
     # Imported here, not at the top: torch.distributed.pipelining imports torch._dynamo, which nothing else in
     # the runtime needs.
     from .schedule import MicroBatchLoss, PlannedStage, build_schedule
@@ -409,7 +468,23 @@ def run(
     n = layout.num_micro_batches
     tokens_per_step = layout.dp * n * example[0].numel() if is_tokens else None
 
+    def forward_backward(batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor | None:
+        result: torch.Tensor | None
+        if schedule is None:
+            result = accumulate(stages[0], layout, batches, loss_fn, n_inputs)
+        else:
+            result = pipeline_step(schedule, layout, loss, batches, has_first, has_last, n_inputs)
+        if tied is not None:
+            tied.sum_gradients()
+        return result
+
+    def norm_of_gradients() -> torch.Tensor:
+        return grad_norm(
+            params, layout, mesh["pp"].get_group(), device, tied.later_copies() if tied else None, expert_params
+        )
+
     # 5. Train.
+    board = tensorboard(args.metrics.parent / "tensorboard") if reports else None
     history = []
     jsonl = args.metrics.with_suffix(".jsonl")
     if reports and start_step == 0:
@@ -427,21 +502,14 @@ def run(
             )
             for i in range(n)
         ]
-        step_loss: torch.Tensor | None
-        if schedule is None:
-            step_loss = accumulate(stages[0], layout, batches, loss_fn, n_inputs)
-        else:
-            step_loss = pipeline_step(schedule, layout, loss, batches, has_first, has_last, n_inputs)
-        if tied is not None:
-            tied.sum_gradients()
-        norm = grad_norm(
-            params, layout, mesh["pp"].get_group(), device, tied.later_copies() if tied else None, expert_params
+        step_loss, norm = train_step(
+            Step(step, batches, stages, optimizers, schedulers, forward_backward, norm_of_gradients, training.grad_clip)
         )
-        clip_gradients(params, training.grad_clip, norm)
-        for optimizer, scheduler in zip(optimizers, schedulers, strict=True):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+        if not has_last:
+            step_loss = None  # only the last stage's ranks have the loss (a step may return something else)
+        elif step_loss is None:
+            raise RunError("train_step returned no loss on a rank that holds the last stage: return the loss that "
+                           "step.forward_backward() gave (train.py's train_step).")
         if step_loss is not None:
             # The step's loss is the mean over the global batch: average the replicas' means.
             dist.all_reduce(step_loss, group=mesh["dp"].get_group())
@@ -463,9 +531,21 @@ def run(
             if tokens_per_step:
                 record["tokens_per_s"] = tokens_per_step / elapsed
                 line += f"  {record['tokens_per_s']:,.0f} tokens/s"
+            record["peak_memory_bytes"] = peak_memory_bytes(device)  # this rank's, so far
+            if predicted:
+                record.update(against_plan(predicted, elapsed))
+                if "mfu" in record:
+                    line += f"  MFU {record['mfu']:.1%} (plan {predicted['mfu']:.1%})"
             history.append(record)
             append_jsonl(jsonl, record)
+            if board is not None:
+                for key in ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes"):
+                    if key in record:
+                        board.add_scalar(f"train/{key}", record[key], step + 1)
+                board.flush()
             print(line, flush=True)
+    if board is not None:
+        board.close()
     if args.steps > start_step:
         checkpoints.save(args.steps, train_state(args.steps, layout, training, data_identity), final=True)
     checkpoints.wait()
@@ -570,6 +650,31 @@ def resume(
         f"{before['tp']}, ZeRO {before['zero_stage']})"
     )
     return int(state["step"])
+
+
+def against_plan(predicted: dict[str, float], elapsed: float) -> dict[str, float]:
+    """A step's measured MFU beside the plan's: the model FLOPs of a step are what the plan counted, so the
+    measured MFU is the predicted one scaled by predicted / measured step time."""
+    out: dict[str, float] = {}
+    step_time = predicted.get("step_time_s")
+    if step_time and elapsed > 0:
+        out["predicted_step_time_s"] = step_time
+        if predicted.get("mfu") is not None:
+            out["mfu"] = predicted["mfu"] * step_time / elapsed
+            out["predicted_mfu"] = predicted["mfu"]
+    if predicted.get("peak_memory_bytes") is not None:
+        out["predicted_peak_memory_bytes"] = predicted["peak_memory_bytes"]
+    return out
+
+
+def tensorboard(folder: Path) -> Any:
+    """A TensorBoard writer into `folder` where the tensorboard package is installed, else None (metrics.jsonl
+    holds the same figures)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(log_dir=str(folder))
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
