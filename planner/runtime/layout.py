@@ -75,7 +75,7 @@ class Training:
     seed: int = 0
     lr: float = 1e-3
     steps: int = 10
-    dtype: str = "bf16"  # bf16 / fp16: mixed precision on GPUs (fp16 without loss scaling); CPU runs use fp32
+    dtype: str = "bf16"  # bf16 / fp16: mixed precision on GPUs (fp16 with dynamic loss scaling); CPU runs use fp32
     # AdamW and its schedule: linear warm-up over warmup_steps, then lr_decay down to lr * min_lr_ratio.
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)

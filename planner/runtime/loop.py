@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import socket
@@ -30,7 +31,7 @@ from .experts import ExpertParallel, shard_experts
 from .layout import Layout, ModelFile, Training
 from .loss import default_loss
 from .model import build_model, input_count, load_model_file, make_batch, materialise
-from .optim import build_optimizers, clip_gradients
+from .optim import LossScale, build_optimizers, clip_gradients
 from .parallel import parallelize, sequence_parallel, with_tied_styles
 from .stages import (
     AsWritten,
@@ -252,9 +253,11 @@ def accumulate(
     batches: list[tuple[torch.Tensor, ...]],
     loss_fn: Callable[..., torch.Tensor],
     n_inputs: int = 1,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     """One step without a pipeline: gradient accumulation over the micro-batches, each loss scaled by
-    1/NUM_MICRO_BATCHES (the sum a pipeline schedule makes too). Returns the mean micro-batch loss."""
+    1/NUM_MICRO_BATCHES (the sum a pipeline schedule makes too) and by fp16's loss `scale`. Returns the mean
+    micro-batch loss (unscaled)."""
     n = layout.num_micro_batches
     total = torch.zeros((), device=batches[0][0].device)
     for i, batch in enumerate(batches):
@@ -262,7 +265,7 @@ def accumulate(
         assert isinstance(stage, FSDPModule), "parallelize() applies FSDP2 or replicate to every stage"
         stage.set_requires_gradient_sync(i == n - 1)
         mb_loss = loss_fn(stage(*batch[:n_inputs]), *batch)
-        (mb_loss / n).backward()
+        (mb_loss * (scale / n)).backward()
         total += mb_loss.detach().float()
     return total / n
 
@@ -282,8 +285,12 @@ def pipeline_step(
     inputs = tuple(torch.cat([b[j] for b in batches]) for j in range(n_inputs)) if has_first else ()
     # The micro-batch numbers as the target, see MicroBatchLoss.
     target = torch.arange(layout.num_micro_batches) if has_last else None
+    loss.unscaled = {}
     schedule.step(*inputs, target=target, losses=losses if has_last else None, return_outputs=False)
-    return torch.stack([x.detach().float() for x in losses]).mean() if has_last else None
+    # the losses before fp16's scale (the schedule's are scaled; an overflowing step's would read inf)
+    mean = torch.stack([x.float() for x in loss.before_scale(losses)]).mean() if has_last else None
+    loss.unscaled = {}
+    return mean
 
 
 class Step:
@@ -302,10 +309,12 @@ class Step:
         forward_backward: Callable[[list[tuple[torch.Tensor, ...]]], torch.Tensor | None],
         norm: Callable[[], torch.Tensor],
         grad_clip: float | None,
+        loss_scale: LossScale | None = None,
     ) -> None:
         self.number, self.batches, self.stages = number, batches, stages
         self.optimizers, self.schedulers = optimizers, schedulers
         self._forward_backward, self._norm, self._grad_clip = forward_backward, norm, grad_clip
+        self.loss_scale = loss_scale if loss_scale is not None else LossScale(False)
         self._params = [p for stage in stages for p in stage.parameters()]
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, ...]] | None = None) -> torch.Tensor | None:
@@ -325,12 +334,19 @@ class Step:
         clip_gradients(self._params, self._grad_clip if max_norm is None else max_norm, norm)
         return norm
 
-    def optimizer_step(self) -> None:
-        """AdamW on this rank's parameters, gradients zeroed, then the learning-rate schedule's step."""
+    def optimizer_step(self) -> bool:
+        """AdamW on this rank's parameters, gradients zeroed, then the learning-rate schedule's step. Under
+        fp16 a step whose gradients overflowed on any rank is skipped (gradients zeroed, no update, the schedule
+        not advanced) and the loss scale adjusted; returns whether the update was made."""
+        skipped = self.loss_scale.found_inf
         for optimizer, scheduler in zip(self.optimizers, self.schedulers, strict=True):
-            optimizer.step()
+            if not skipped:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            if not skipped:
+                scheduler.step()
+        self.loss_scale.update()
+        return not skipped
 
 
 def default_train_step(step: Step) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -437,6 +453,7 @@ def run(
         expert_params = (ids, ep_mesh["ep"].get_group())
     params = [p for stage in stages for p in stage.parameters()]
     optimizers, schedulers = build_optimizers(stages, training, args.steps)
+    loss_scale = LossScale(training.dtype == "fp16")  # fp16 trains with dynamic loss scaling; bf16 needs none
     checkpoints = Checkpointer(
         args.checkpoint_dir.resolve(), stages, optimizers, schedulers, device, not args.sync_checkpoint, log0
     )
@@ -445,7 +462,7 @@ def run(
     data_identity = data.identity() if data is not None else batches_identity
     if args.resume is not None:
         where = Path(args.resume) if args.resume else args.checkpoint_dir
-        start_step = resume(checkpoints, where, layout, training, data_identity)
+        start_step = resume(checkpoints, where, layout, training, data_identity, loss_scale)
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
     how = "the model as written" if method == "module" else f"traced with {method}"
     log0(
@@ -468,14 +485,19 @@ def run(
     n = layout.num_micro_batches
     tokens_per_step = layout.dp * n * example[0].numel() if is_tokens else None
 
+    scale_used = [loss_scale.scale]  # the scale the step's backward ran with, for metrics
+
     def forward_backward(batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor | None:
         result: torch.Tensor | None
+        scale_used[0] = loss_scale.scale
         if schedule is None:
-            result = accumulate(stages[0], layout, batches, loss_fn, n_inputs)
+            result = accumulate(stages[0], layout, batches, loss_fn, n_inputs, loss_scale.scale)
         else:
+            loss.scale = loss_scale.scale
             result = pipeline_step(schedule, layout, loss, batches, has_first, has_last, n_inputs)
         if tied is not None:
             tied.sum_gradients()
+        loss_scale.unscale_(params)  # fp16: gradients back to their size, an overflow on any rank found
         return result
 
     def norm_of_gradients() -> torch.Tensor:
@@ -502,9 +524,10 @@ def run(
             )
             for i in range(n)
         ]
-        step_loss, norm = train_step(
-            Step(step, batches, stages, optimizers, schedulers, forward_backward, norm_of_gradients, training.grad_clip)
-        )
+        step_loss, norm = train_step(Step(
+            step, batches, stages, optimizers, schedulers, forward_backward, norm_of_gradients, training.grad_clip,
+            loss_scale,
+        ))
         if not has_last:
             step_loss = None  # only the last stage's ranks have the loss (a step may return something else)
         elif step_loss is None:
@@ -517,7 +540,7 @@ def run(
         done = step + 1
         if args.checkpoint_every and done % args.checkpoint_every == 0 and done < args.steps:
             # Inside the step's time: what a save blocks the training for (an asynchronous one, its copy to CPU).
-            checkpoints.save(done, train_state(done, layout, training, data_identity))
+            checkpoints.save(done, train_state(done, layout, training, data_identity, loss_scale))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -532,6 +555,11 @@ def run(
                 record["tokens_per_s"] = tokens_per_step / elapsed
                 line += f"  {record['tokens_per_s']:,.0f} tokens/s"
             record["peak_memory_bytes"] = peak_memory_bytes(device)  # this rank's, so far
+            if loss_scale.enabled:
+                record["loss_scale"] = scale_used[0]
+                record["skipped"] = loss_scale.found_inf
+                if loss_scale.found_inf:
+                    line += f"  skipped (fp16 overflow; loss scale now {loss_scale.scale:g})"
             if predicted:
                 record.update(against_plan(predicted, elapsed))
                 if "mfu" in record:
@@ -547,7 +575,7 @@ def run(
     if board is not None:
         board.close()
     if args.steps > start_step:
-        checkpoints.save(args.steps, train_state(args.steps, layout, training, data_identity), final=True)
+        checkpoints.save(args.steps, train_state(args.steps, layout, training, data_identity, loss_scale), final=True)
     checkpoints.wait()
 
     # 6. Metrics: every rank's peak memory, gathered to the reporting rank, which writes the file.
@@ -592,7 +620,9 @@ def token_file(
     return TokenFile(Path(path), args.data_dtype or training.data_dtype, example[0].shape[1], training.seed)
 
 
-def train_state(step: int, layout: Layout, training: Training, data: dict[str, Any]) -> dict[str, Any]:
+def train_state(
+    step: int, layout: Layout, training: Training, data: dict[str, Any], loss_scale: LossScale | None = None
+) -> dict[str, Any]:
     """What a checkpoint records beside the tensors: the step, the data position (batches are a function of
     (seed, step, micro-batch index), so the position is the step: step x global batch samples read) with the
     data's identity, and the facts a resumed run must share with this one."""
@@ -602,11 +632,17 @@ def train_state(step: int, layout: Layout, training: Training, data: dict[str, A
         "global_batch_size": layout.samples_per_step,
         "data": {**data, "step": step, "samples_read": step * layout.samples_per_step},
         "layout": layout.describe(),
+        **({"loss_scale": loss_scale.state()} if loss_scale is not None and loss_scale.enabled else {}),
     }
 
 
 def resume(
-    checkpoints: Checkpointer, where: Path, layout: Layout, training: Training, data: dict[str, Any]
+    checkpoints: Checkpointer,
+    where: Path,
+    layout: Layout,
+    training: Training,
+    data: dict[str, Any],
+    loss_scale: LossScale | None = None,
 ) -> int:
     """Load the newest complete checkpoint under `where` (rank 0 chooses, every rank loads it); the step to
     continue from."""
@@ -644,6 +680,8 @@ def resume(
             f"{layout.micro_batch_size}; the model file's batches are drawn per micro-batch, so the steps to come "
             "see other samples than the old run would have (a --data token file does not depend on it)."
         )
+    if loss_scale is not None:
+        loss_scale.load(state.get("loss_scale"))  # fp16: the scale the run had reached
     before = state["layout"]
     log0(
         f"resumed from {path} at step {state['step']} (saved under pp {before['pp']} x dp {before['dp']} x tp "
@@ -679,8 +717,10 @@ def tensorboard(folder: Path) -> Any:
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     """One line per step, flushed as it ends (a run killed later keeps the steps it finished)."""
+    # strict JSON: a non-finite figure (a diverged loss, an fp16 overflow's norm) is written as null
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
     with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json.dumps(clean) + "\n")
 
 
 def write_metrics(

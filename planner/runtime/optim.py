@@ -67,3 +67,60 @@ def clip_gradients(params: Sequence[nn.Parameter], max_norm: float | None, total
             groups.setdefault(key, []).append(p)
     for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
+
+
+class LossScale:
+    """Dynamic loss scaling for fp16 (torch.amp.GradScaler's rule, as Megatron-LM's DynamicGradScaler): the loss
+    is multiplied by `scale` before backward so small fp16 gradients do not flush to zero; the gradients are
+    divided by it before the norm and the optimizer. A step whose gradients hold an inf or nan on any rank is
+    skipped everywhere (no optimizer or schedule step) and the scale halves; after `growth_interval` good steps
+    in a row it doubles. Powers of two, so scaling and unscaling are exact. Disabled (scale 1, never skips)
+    for bf16 and fp32."""
+
+    def __init__(
+        self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000, min_scale: float = 1.0
+    ) -> None:
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
+        self.good_steps = 0
+        self.found_inf = False
+
+    def unscale_(self, params: Sequence[nn.Parameter], group: Any = None) -> bool:
+        """Divide every gradient by the scale and find infs/nans; the verdict is agreed over `group` (every
+        rank: a step is skipped by all or by none). Returns whether this step is skipped."""
+        self.found_inf = False
+        if not self.enabled:
+            return False
+        grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in params if p.grad is not None]
+        bad = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        inv = 1.0 / self.scale
+        for g in grads:
+            g.mul_(inv)
+            bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX, group=group)
+        self.found_inf = bool(bad.item())
+        return self.found_inf
+
+    def update(self) -> None:
+        """After the step: halve on a skipped step, double after growth_interval good ones."""
+        if not self.enabled:
+            return
+        if self.found_inf:
+            self.scale = max(self.min_scale, self.scale / 2)
+            self.good_steps = 0
+        else:
+            self.good_steps += 1
+            if self.good_steps >= self.growth_interval:
+                self.scale *= 2
+                self.good_steps = 0
+
+    def state(self) -> dict[str, float]:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load(self, state: dict[str, float] | None) -> None:
+        if self.enabled and state:
+            self.scale = float(state["scale"])
+            self.good_steps = int(state["good_steps"])

@@ -50,9 +50,20 @@ class MicroBatchLoss:
     def __init__(self, loss_fn: Callable[..., torch.Tensor]) -> None:
         self.loss_fn = loss_fn
         self.batches: list[tuple[torch.Tensor, ...]] = []
+        self.scale = 1.0  # fp16's loss scale (the schedule's backward starts from the scaled loss)
+        # id of each loss handed to the schedule -> (it, the loss before the scale): the schedule reports the
+        # tensors it was given (and calls the loss once more for its shape inference on the first step)
+        self.unscaled: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, output: Any, index: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(output, *self.batches[int(index)])
+        loss = self.loss_fn(output, *self.batches[int(index)])
+        scaled = loss * self.scale if self.scale != 1.0 else loss
+        self.unscaled[id(scaled)] = (scaled, loss.detach())
+        return scaled
+
+    def before_scale(self, losses: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The losses the schedule reported, as they were before fp16's scale."""
+        return [self.unscaled[id(x)][1] if id(x) in self.unscaled else x.detach() / self.scale for x in losses]
 
 
 def build_schedule(layout: Layout, stages: Sequence[PipelineStage], loss: MicroBatchLoss) -> Any:
