@@ -145,6 +145,13 @@ def grad_norm(
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """The run's peak memory on this rank, at its end (every rank calls it once)."""
+    return memory_so_far(device)
+
+
+def memory_so_far(device: torch.device) -> int:
+    """This rank's peak memory up to now, for a step's metrics (peak_memory_bytes is the end-of-run figure,
+    which the measurement probe hooks: it is called by every rank once, this only by the reporting one)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -554,7 +561,7 @@ def run(
             if tokens_per_step:
                 record["tokens_per_s"] = tokens_per_step / elapsed
                 line += f"  {record['tokens_per_s']:,.0f} tokens/s"
-            record["peak_memory_bytes"] = peak_memory_bytes(device)  # this rank's, so far
+            record["peak_memory_bytes"] = memory_so_far(device)  # this rank's peak so far
             if loss_scale.enabled:
                 record["loss_scale"] = scale_used[0]
                 record["skipped"] = loss_scale.found_inf
