@@ -28,6 +28,7 @@ from cli._options import (
     is_quiet,
     stdout_console,
 )
+from planner.codegen.modelcopy import copy_in_plan_folder
 from planner.model.sources import SOURCE_FILE
 
 if TYPE_CHECKING:
@@ -69,7 +70,8 @@ def emit(
 
         plan = with_init_from(plan, init_from)
     plan = model_beside(plan, plan_path)
-    files: Files = dict(render(plan, PLAN_FILE))
+    folder = plan_path if plan_path.is_dir() else plan_path.parent
+    files: Files = dict(render(plan, PLAN_FILE, copy_in_plan_folder(folder)))  # the folder's copy, edits included
     files[PLAN_FILE] = (plan.to_json(), False)
     model = Path(plan.model.path)
     if model.name == SOURCE_FILE and model.is_file():  # a compiled source (hf: ...) travels with its config

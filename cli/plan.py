@@ -70,10 +70,10 @@ from cli._options import (
     stderr_console,
     stdout_console,
 )
-from cli.emit import PLAN_FILE, write_outputs
+from cli.emit import PLAN_FILE, Files, write_outputs
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
     from contextlib import AbstractContextManager
 
     from planner.codegen.worker import CheckWorker
@@ -212,7 +212,7 @@ def plan(
 
         model = result_plan.model.model_copy(update={"path": str(out_dir / SOURCE_FILE)})
         result_plan = result_plan.model_copy(update={"model": model})
-    files = {**source_files, **render_outputs(result_plan, result)}
+    files = {**source_files, **render_outputs(result_plan, result, reads.files)}
     inputs = [Path(request.model_path), *map(Path, sorted(reads.files))]
     if hf_config is not None:
         inputs += [hf_config, hf_config / "config.json"]
@@ -383,8 +383,12 @@ def run_search(
         return plan_model(request, graph, progress=advance, ahead=ahead)
 
 
-def render_outputs(plan: Plan, result: SearchResult) -> dict[str, tuple[str, bool]]:
-    """Every file `planner plan` writes, rendered in memory: {name: (text, executable)}."""
+def render_outputs(
+    plan: Plan, result: SearchResult, reads: Iterable[str] = (), model: tuple[str, Files] | None = None
+) -> dict[str, tuple[str, bool]]:
+    """Every file `planner plan` writes, rendered in memory: {name: (text, executable)}. `reads`: the files the
+    model read while planned (copied with it); `model`: a plan folder's copy to carry instead."""
+    from planner.codegen.modelcopy import copied_model
     from planner.codegen.render import render
     from planner.pipeline import simulate_evaluated
     from planner.report.tables import degrees, stage_labels
@@ -393,7 +397,7 @@ def render_outputs(plan: Plan, result: SearchResult) -> dict[str, tuple[str, boo
 
     c = plan.cluster
     title = f"{plan.model_class} on {c.nodes} x {c.gpus_per_node} {c.gpu}: {degrees(plan.parallel)}"
-    files = dict(render(plan, PLAN_FILE))
+    files = dict(render(plan, PLAN_FILE, model if model is not None else copied_model(plan.model.path, reads)))
     sim, labels = simulate_evaluated(result.best), stage_labels(plan)
     files[TIMELINE_FILE] = (timeline_svg(sim, title, labels), False)
     files[TRACE_FILE] = (chrome_trace(sim, title, labels), False)

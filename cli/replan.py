@@ -21,6 +21,7 @@ import typer
 
 from cli._options import ForceOpt, PlanPathArg, QuietOpt, is_quiet, stdout_console
 from cli.emit import PLAN_FILE, model_beside, write_outputs
+from planner.codegen.modelcopy import copy_in_plan_folder
 
 if TYPE_CHECKING:
     from planner.pipeline import PlanRequest
@@ -74,7 +75,7 @@ def replan(
     request = replan_request(old, old_dir, nodes, gpus_per_node, gpu)
     new_plan, graph, result = run_search(request, show_progress=not is_quiet(ctx, quiet))
     new_plan, result = best_that_runs(request, new_plan, graph, result)
-    files = dict(render_outputs(new_plan, result))
+    files = dict(render_outputs(new_plan, result, model=copy_in_plan_folder(old_dir)))
     source_names = ("model_source.py", "config.json") if old.source_spec else ()
     for name in source_names:  # a compiled source (hf:NAME) travels with the plan: copy it into the new folder
         if (old_dir / name).is_file():

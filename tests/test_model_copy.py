@@ -127,3 +127,41 @@ def test_a_moved_plan_folder_trains_without_the_original_model(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     steps = json.loads((moved / "metrics.json").read_text())["steps"]
     assert len(steps) == 1 and steps[0]["loss"] == steps[0]["loss"]  # trained one step, a finite loss
+
+
+def test_files_the_model_read_keep_their_place_relative_to_it(tmp_path):
+    """A model that reaches a file by a path built from its own __file__ (a base model two folders up, a config
+    beside it): the copy keeps them where that path leads."""
+    repo = tmp_path / "repo"
+    (repo / "configs").mkdir(parents=True)
+    (repo / "models" / "ft").mkdir(parents=True)
+    (repo / "base.py").write_text("WIDTH = 8\n")
+    (repo / "models" / "ft" / "cfg.yaml").write_text("width: 8\n")
+    (repo / "configs" / "big.bin").write_bytes(b"\0" * 16)  # not text: not copied
+    model = repo / "models" / "ft" / "tune.py"
+    model.write_text("from pathlib import Path\nBASE = Path(__file__).resolve().parents[2] / 'base.py'\n")
+    rel, files = copied_model(str(model), reads=[str(repo / "base.py"), str(repo / "configs" / "big.bin")])
+    assert rel == "model/models/ft/tune.py"
+    assert sorted(files) == ["model/base.py", "model/models/ft/cfg.yaml", "model/models/ft/tune.py"]
+    out = tmp_path / "out"
+    for name, (text, _) in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    assert (out / rel).resolve().parents[2] / "base.py" == (out / "model" / "base.py").resolve()
+
+
+def test_emit_carries_the_plan_folders_copy_with_its_edits(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from planner.codegen.render import write_scripts
+
+    plan = make_plan("gpt")
+    out = tmp_path / "plan_out"
+    write_scripts(plan, out)
+    (out / "plan.json").write_text(plan.to_json())
+    copy = out / "model" / Path(plan.model.path).name
+    copy.write_text(copy.read_text() + "\nEDITED = True\n")
+    result = CliRunner().invoke(app, ["emit", str(out), "--out", str(tmp_path / "again"), "-q"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "again" / "model" / copy.name).read_text().endswith("EDITED = True\n")

@@ -9,7 +9,9 @@ model_source.py beside its config.json; train.py names it there and nothing is c
 from __future__ import annotations
 
 import ast
+import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from planner.errors import PlanError
@@ -22,8 +24,16 @@ MAX_PACKAGE_FILES = 200
 Files = dict[str, tuple[str, bool]]
 
 
-def copied_model(path: str) -> tuple[str, Files]:
-    """(MODEL_FILE relative to train.py, {relative path: (text, executable)}) for the model file at `path`."""
+# Files beside the model that it may read by a path relative to its own (a config next to it): copied with it.
+CONFIG_SUFFIXES = (".json", ".yaml", ".yml", ".toml")
+MAX_COPIED_BYTES = 4 << 20  # per file: a larger one (weights, a corpus) is data the job names itself, not code
+
+
+def copied_model(path: str, reads: Iterable[str] = ()) -> tuple[str, Files]:
+    """(MODEL_FILE relative to train.py, {relative path: (text, executable)}) for the model file at `path`: the
+    file, the local modules it imports, the configs beside it and `reads` (files the model's code opened or
+    imported while it was planned: planner.model.reads), laid out under model/ as they lie relative to their
+    common folder, so that paths the model builds from its own __file__ still resolve in the copy."""
     from planner.model.sources import SOURCE_FILE
 
     src = Path(path)
@@ -34,11 +44,62 @@ def copied_model(path: str) -> tuple[str, Files]:
             f"The plan's model file {path} is not there to copy beside the scripts. Run where the model file is, or "
             "re-plan with the model file's new path."
         )
-    name = src.name if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*\.py", src.name) else "model_file.py"
-    files: Files = {f"{MODEL_DIR}/{name}": (_read(src), False)}
-    for rel, file in sorted(local_imports(src).items()):
-        files.setdefault(f"{MODEL_DIR}/{rel}", (_read(file), False))
-    return f"{MODEL_DIR}/{name}", files
+    src = src.resolve()
+    members = {src, *local_imports(src).values()}
+    members |= {p.resolve() for p in src.parent.iterdir() if p.suffix in CONFIG_SUFFIXES and p.is_file()}
+    for name in reads:
+        file = Path(name)
+        if file.is_file() and file.suffix != ".pyc":
+            members.add(file.resolve())
+    members = {m for m in members if m == src or _small_text(m)}
+    root = Path(os.path.commonpath([str(m.parent) for m in members]))
+    files: Files = {}
+    model = ""
+    for member in sorted(members):
+        rel = member.relative_to(root).as_posix()
+        if member == src:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*\.py", src.name):
+                rel = member.parent.relative_to(root).joinpath("model_file.py").as_posix()  # an importable name
+            model = f"{MODEL_DIR}/{rel}"
+        files[f"{MODEL_DIR}/{rel}"] = (_read(member), False)
+    return model, files
+
+
+def _small_text(file: Path) -> bool:
+    try:
+        if file.stat().st_size > MAX_COPIED_BYTES:
+            return False
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    return "\0" not in text  # a binary file that happens to decode
+
+
+def copy_in_plan_folder(folder: Path) -> tuple[str, Files] | None:
+    """The model copy a plan folder holds (what its train.py names as MODEL_FILE, and every file of its
+    model/), to carry into another folder as it is (edits included); None where the folder has none."""
+    train = folder / "train.py"
+    tree = folder / MODEL_DIR
+    if not train.is_file() or not tree.is_dir():
+        return None
+    try:
+        module = ast.parse(train.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, SyntaxError):
+        return None
+    model = None
+    for node in module.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["MODEL_FILE"]:
+            try:
+                model = ast.literal_eval(node.value)
+            except ValueError:
+                return None
+    if not isinstance(model, str) or not model.startswith(f"{MODEL_DIR}/") or not (folder / model).is_file():
+        return None
+    files: Files = {}
+    for member in sorted(p for p in tree.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        if _small_text(member):
+            files[member.relative_to(folder).as_posix()] = (_read(member), False)
+    return model, files
 
 
 def local_imports(model: Path) -> dict[str, Path]:

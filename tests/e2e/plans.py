@@ -142,3 +142,15 @@ def reference_of(plan: Plan) -> Plan:
             "stages": [ref.stages[0].model_copy(update={"modules": [m for s in plan.stages for m in s.modules]})],
         }
     )
+
+
+def model_reads(path: str) -> list[str]:
+    """The files a model file reads when imported (planner.model.reads, as `planner plan` records them), for
+    scripts written from a Plan built here: a model that reaches its base model by a path from its own __file__
+    (tests/fixtures/models/finetune_gpt.py) has it copied beside it."""
+    from planner.model.reads import recording
+    from planner.runtime.model import load_model_file
+
+    with recording(Path(path).parent) as reads:
+        load_model_file(path)
+    return sorted(reads.files)

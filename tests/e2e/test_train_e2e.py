@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from e2e.plans import TINY, make_plan, reference_of
+from e2e.plans import TINY, make_plan, model_reads, reference_of
 
 from planner.codegen.render import write_scripts
 from planner.plan import Plan
@@ -89,7 +89,7 @@ def run(cmd: list[str], cwd: Path) -> None:
 
 
 def train(plan: Plan, where: Path, processes: int) -> dict:
-    write_scripts(plan, where)
+    write_scripts(plan, where, reads=model_reads(plan.model.path))
     if processes == 1:
         run([sys.executable, "train.py", "--steps", str(STEPS), "--device", "cpu"], where)
     else:
