@@ -72,6 +72,7 @@ from planner.hardware.spec import ClusterSpec, Efficiencies
 from planner.model.graph import ModelGraph
 from planner.pipeline import PlanRequest, analyse, build_plan, pins_from, predicted_for
 from planner.plan import Plan, Predicted
+from planner.search.problem import PartitionProblem
 from planner.search.search import SearchResult, evaluate, search
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -308,7 +309,7 @@ def predicted_megatron_layout(row: Row, graph: ModelGraph, cluster: ClusterSpec)
     costs = [unit_cost(u, cand, cluster, graph.source.dtype) for u in graph.units]
     partition = megatron_partition(graph, row)
     options = CostOptions(overlap_dp_comm=row.ddp == "torch")
-    ev = evaluate(graph, cluster, cand, partition, ["full"] * len(partition), costs, options)
+    ev = evaluate(PartitionProblem(graph, cluster, cand, costs, options=options), partition, ["full"] * len(partition))
     return predicted_for(ev, graph, cluster, options, row.batch)[0]
 
 
@@ -317,7 +318,8 @@ def memory_rank0(row: Row, graph: ModelGraph, cluster: ClusterSpec) -> tuple[flo
     cand = candidate(row, sp=row.t > 1)
     costs = [unit_cost(u, cand, cluster, graph.source.dtype) for u in graph.units]
     partition = megatron_partition(graph, row)
-    ev = evaluate(graph, cluster, cand, partition, ["selective"] * len(partition), costs, CostOptions())
+    pb = PartitionProblem(graph, cluster, cand, costs, options=CostOptions())
+    ev = evaluate(pb, partition, ["selective"] * len(partition))
     bare = [replace(s, comm_buffers=0.0) for s in ev.stages]
     total = rank_memory(bare, cand, CostOptions(workspace_bytes=0.0, fragmentation=0.0))[0]
     states = sum(s.weights + s.gradients + s.optimizer for s in bare if s.rank == 0)

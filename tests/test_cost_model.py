@@ -32,6 +32,7 @@ from planner.cost.schedules import bubble_fraction, schedule_violation
 from planner.cost.simulate import simulate
 from planner.hardware.load import load_cluster
 from planner.model.graph import ModelGraph, TPPair, Unit
+from planner.search.problem import PartitionProblem
 from planner.search.search import CostTable, evaluate
 
 GiB = 2**30
@@ -83,7 +84,8 @@ def even_partition(n_units: int, stages: int) -> list[list[int]]:
 
 def run_eval(graph: ModelGraph, cluster, c: Candidate, partition, mode: str = "none"):
     costs = CostTable(graph, cluster, None).units(c)
-    return evaluate(graph, cluster, c, partition, [mode] * len(partition), costs, CostOptions())
+    pb = PartitionProblem(graph, cluster, c, costs, options=CostOptions())
+    return evaluate(pb, partition, [mode] * len(partition))
 
 
 @pytest.fixture(scope="module")

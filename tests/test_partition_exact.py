@@ -9,9 +9,9 @@ from synthetic import make_graph, make_unit
 
 from planner.cost.model import Candidate, CostOptions
 from planner.hardware.load import load_cluster
-from planner.search.bounds import IntervalTables
 from planner.search.ilp import block_run, solve_partition
 from planner.search.ilp.chain import solve_chain
+from planner.search.problem import PartitionProblem
 from planner.search.reference import brute_force_partition, dp_partition
 from planner.search.search import CostTable, evaluate
 
@@ -35,15 +35,15 @@ def cluster_with(memory_gib: float, nodes: int = 2):
 def _check(graph, cluster, cand, modes, with_dp: bool, form: str | None = None):
     options = CostOptions()
     costs = CostTable(graph, cluster, None).units(cand)
-    ilp = solve_partition(graph, cluster, cand, costs, modes, options, force_form=form)
-    ref = dp_partition(graph, cluster, cand, costs, modes, options) if with_dp else None
-    brute = brute_force_partition(graph, cluster, cand, costs, modes, options)
+    ilp = solve_partition(PartitionProblem(graph, cluster, cand, costs, modes, options), force_form=form)
+    ref = dp_partition(PartitionProblem(graph, cluster, cand, costs, modes, options)) if with_dp else None
+    brute = brute_force_partition(PartitionProblem(graph, cluster, cand, costs, modes, options))
     if brute is None:
         assert ilp.status == "infeasible"
         assert ref is None
         return
     assert ilp.status == "optimal", ilp
-    ev = evaluate(graph, cluster, cand, ilp.partition, ilp.recompute, costs, options)
+    ev = evaluate(PartitionProblem(graph, cluster, cand, costs, options=options), ilp.partition, ilp.recompute)
     assert max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes * (1 + 1e-9)
     # the ILP's own objective and the cost model's evaluation of its partition agree
     assert ev.objective == pytest.approx(ilp.objective, rel=1e-6)
@@ -156,8 +156,9 @@ def test_a_model_of_different_blocks_is_planned_in_the_interval_form():
     cl = load_cluster("a100-sxm4-80gb", 1)
     best = result.best
     costs = CostTable(graph, cl, None).units(best.cand)
-    assert solve_partition(graph, cl, best.cand, costs, ("none", "full"), CostOptions()).form == "interval"
-    brute = brute_force_partition(graph, cl, best.cand, costs, ("none", "full"), CostOptions())
+    pb = PartitionProblem(graph, cl, best.cand, costs, ("none", "full"), CostOptions())
+    assert solve_partition(pb).form == "interval"
+    brute = brute_force_partition(PartitionProblem(graph, cl, best.cand, costs, ("none", "full"), CostOptions()))
     assert best.objective == pytest.approx(brute[0], rel=1e-9)
 
 
@@ -182,21 +183,21 @@ def test_chain_dp_equals_brute_force(units, stages, schedule, extra_m, dp, zero,
     cand = Candidate(dp, 1, stages, 1, 1, stages + extra_m, schedule, zero if dp > 1 else 0, False)
     modes = ("none", "selective", "full")
     costs = CostTable(graph, cluster, None).units(cand)
-    brute = brute_force_partition(graph, cluster, cand, costs, modes, options)
-    tables = IntervalTables.of(graph, costs, cand, cluster, options, modes)
+    brute = brute_force_partition(PartitionProblem(graph, cluster, cand, costs, modes, options))
     limit = None if cut is None or brute is None else cut * brute[0]
-    got = solve_chain(graph, cluster, cand, costs, modes, options, tables, limit)
+    got = solve_chain(PartitionProblem(graph, cluster, cand, costs, modes, options), limit)
     assert got is not None
     if brute is None or (limit is not None and brute[0] >= limit):
         assert got.partition is None
         return
     assert got.partition is not None and got.recompute is not None
-    ev = evaluate(graph, cluster, cand, got.partition, got.recompute, costs, options)
+    ev = evaluate(PartitionProblem(graph, cluster, cand, costs, options=options), got.partition, got.recompute)
     assert max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes * (1 + 1e-9)
     assert got.objective == pytest.approx(ev.objective, rel=1e-12)
     assert ev.objective == pytest.approx(brute[0], rel=1e-9)
     # and through solve_partition, which picks the dynamic program for these candidates
-    assert solve_partition(graph, cluster, cand, costs, modes, options).objective == pytest.approx(brute[0], rel=1e-9)
+    pb = PartitionProblem(graph, cluster, cand, costs, modes, options)
+    assert solve_partition(pb).objective == pytest.approx(brute[0], rel=1e-9)
 
 
 def test_chain_gives_up_after_its_path_budget_and_cbc_solves(monkeypatch):
@@ -210,13 +211,12 @@ def test_chain_gives_up_after_its_path_budget_and_cbc_solves(monkeypatch):
     cand = Candidate(2, 1, 3, 1, 1, 8, "1f1b", 1, False)
     costs = CostTable(graph, cluster, None).units(cand)
     modes = ("none", "full")
-    brute = brute_force_partition(graph, cluster, cand, costs, modes, options)
+    brute = brute_force_partition(PartitionProblem(graph, cluster, cand, costs, modes, options))
     assert brute is not None
-    tables = IntervalTables.of(graph, costs, cand, cluster, options, modes)
-    assert chain.solve_chain(graph, cluster, cand, costs, modes, options, tables, None) is not None
+    assert chain.solve_chain(PartitionProblem(graph, cluster, cand, costs, modes, options), None) is not None
     monkeypatch.setattr(chain, "MAX_PATHS", 0)
-    assert chain.solve_chain(graph, cluster, cand, costs, modes, options, tables, None) is None
-    res = solve_partition(graph, cluster, cand, costs, modes, options, cuts=False)
+    assert chain.solve_chain(PartitionProblem(graph, cluster, cand, costs, modes, options), None) is None
+    res = solve_partition(PartitionProblem(graph, cluster, cand, costs, modes, options), cuts=False)
     assert res.form != "chain" and res.objective == pytest.approx(brute[0], rel=1e-6)
 
 

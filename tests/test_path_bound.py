@@ -15,10 +15,10 @@ from test_search_exact import full_space
 from planner.cost.model import CostOptions
 from planner.cost.simulate import simulate
 from planner.cost.terms import rank_capacity
-from planner.search.bounds import Totals, lower_bounds, tail_bound
+from planner.search.bounds import lower_bounds, tail_bound
 from planner.search.evaluate import evaluate, simulated_time
-from planner.search.ilp import block_run
 from planner.search.pathbound import CountOracle, IntervalOracle, pipeline_bound, solve_game
+from planner.search.problem import PartitionProblem
 from planner.search.search import CostTable, search_modes
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2))
@@ -35,7 +35,7 @@ def _least(graph, cluster, cand, costs, modes):
     best = None
     for part in _partitions(len(graph.units), cand.stages):
         for rec in choices:
-            ev = evaluate(graph, cluster, cand, part, list(rec), costs, CostOptions())
+            ev = evaluate(PartitionProblem(graph, cluster, cand, costs, options=CostOptions()), part, list(rec))
             if max(ev.rank_memory.values()) > cap:
                 continue
             pair = (simulated_time(ev), ev.reported)
@@ -54,8 +54,6 @@ def test_the_path_bound_is_valid_for_every_partition(chunk):
         graph, cluster, batch, pin_dp = instance(seed)
         table = CostTable(graph, cluster, None)
         modes = search_modes(graph)
-        run = block_run(graph)
-        dtype = graph.source.dtype
         for cand in full_space(graph, cluster, batch, pin_dp):
             if cand.stages == 1:
                 continue
@@ -64,11 +62,11 @@ def test_the_path_bound_is_valid_for_every_partition(chunk):
             least = _least(graph, cluster, cand, costs, cm)
             if least is None:
                 continue
-            tot = Totals.of(costs, cm)
-            tail = tail_bound(tot, cand, cluster, dtype, options)
-            b = lower_bounds(graph, costs, cand, cluster, options, cm, run, True, tot, tail)
+            pb = PartitionProblem(graph, cluster, cand, costs, cm, options)
+            tail = tail_bound(pb)
+            b = lower_bounds(pb, True, tail)
             assert b.feasible
-            pipe = pipeline_bound(graph, costs, cand, cluster, cm, run, b.block or b.interval, None)
+            pipe = pipeline_bound(pb, b.block or b.interval, None)
             assert pipe <= least[0] * (1 + 1e-9), (seed, cand, pipe, least)
             assert pipe + tail <= least[1] * (1 + 1e-9), (seed, cand, pipe + tail, least)
             checked += 1

@@ -16,8 +16,8 @@ from planner.cost.model import Candidate, CostOptions
 from planner.cost.terms import rank_capacity
 from planner.hardware.load import load_cluster
 from planner.search import search as search_mod
-from planner.search.bounds import IntervalTables
 from planner.search.ilp import ranks, solve_partition
+from planner.search.problem import PartitionProblem
 from planner.search.reference import brute_force_partition
 from planner.search.search import CostTable, evaluate, search
 from planner.search.space import Pins
@@ -41,7 +41,7 @@ def instance(units, schedule, v, m_rounds, dp, zero, memory):
     graph, cluster = make_graph(us), cluster_with(memory)
     cand = Candidate(dp, 1, 2, v, 1, 2 * m_rounds, schedule, zero if dp > 1 else 0, False)
     costs = CostTable(graph, cluster, None).units(cand)
-    tables = IntervalTables.of(graph, costs, cand, cluster, CostOptions(), MODES)
+    tables = PartitionProblem(graph, cluster, cand, costs, MODES, CostOptions()).tables
     return graph, cluster, cand, costs, tables
 
 
@@ -66,15 +66,15 @@ def test_branch_and_bound_equals_brute_force(units, shape, m_rounds, dp, zero, m
         units = units + units[: 2 * v - len(units)]
     graph, cluster, cand, costs, tables = instance(units, schedule, v, m_rounds, dp, zero, memory)
     options = CostOptions()
-    brute = brute_force_partition(graph, cluster, cand, costs, MODES, options)
+    brute = brute_force_partition(PartitionProblem(graph, cluster, cand, costs, MODES, options))
     limit = None if cut is None or brute is None else cut * brute[0]
-    got = ranks.solve_ranks(graph, cluster, cand, costs, MODES, options, tables, limit, max_nodes=None)
+    got = ranks.solve_ranks(PartitionProblem(graph, cluster, cand, costs, MODES, options), limit, max_nodes=None)
     assert got.proven
     if brute is None or (limit is not None and brute[0] >= limit):
         assert got.partition is None
         return
     assert got.partition is not None and got.recompute is not None
-    ev = evaluate(graph, cluster, cand, got.partition, got.recompute, costs, options)
+    ev = evaluate(PartitionProblem(graph, cluster, cand, costs, options=options), got.partition, got.recompute)
     assert max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes * (1 + 1e-9)
     assert got.objective == pytest.approx(ev.objective, rel=1e-9)
     assert ev.objective == pytest.approx(brute[0], rel=1e-9)
@@ -89,8 +89,8 @@ def test_a_stopped_branch_and_bound_keeps_a_valid_bound(units, shape, m_rounds, 
         units = units + units[: 2 * v - len(units)]
     graph, cluster, cand, costs, tables = instance(units, schedule, v, m_rounds, dp, zero, memory)
     options = CostOptions()
-    brute = brute_force_partition(graph, cluster, cand, costs, MODES, options)
-    got = ranks.solve_ranks(graph, cluster, cand, costs, MODES, options, tables, None, max_nodes=budget)
+    brute = brute_force_partition(PartitionProblem(graph, cluster, cand, costs, MODES, options))
+    got = ranks.solve_ranks(PartitionProblem(graph, cluster, cand, costs, MODES, options), None, max_nodes=budget)
     assert got.nodes <= max(budget, len(MODES))
     if brute is None:
         assert got.partition is None
@@ -99,7 +99,7 @@ def test_a_stopped_branch_and_bound_keeps_a_valid_bound(units, shape, m_rounds, 
     if got.objective is not None:
         assert got.objective >= brute[0] * (1 - 1e-9)
         assert got.proven == (got.low >= got.objective * (1 - 1e-9))
-        ev = evaluate(graph, cluster, cand, got.partition, got.recompute, costs, options)
+        ev = evaluate(PartitionProblem(graph, cluster, cand, costs, options=options), got.partition, got.recompute)
         assert max(ev.rank_memory.values()) <= cluster.gpu.memory_bytes * (1 + 1e-9)
         assert got.objective == pytest.approx(ev.objective, rel=1e-9)
 
@@ -114,13 +114,13 @@ def test_the_local_search_scores_plans_as_the_cost_model_does(units, shape, m_ro
         units = units + units[: 2 * v - len(units)]
     graph, cluster, cand, costs, tables = instance(units, schedule, v, m_rounds, dp, zero, memory)
     options = CostOptions()
-    bb = ranks._Search(graph, cluster, cand, costs, MODES, options, tables)
+    bb = ranks._Search(PartitionProblem(graph, cluster, cand, costs, MODES, options))
     rnd = random.Random(seed)
     U, S = len(units), cand.stages
     cuts = [0, *sorted(rnd.sample(range(1, U), S - 1)), U]
     for q, mode in enumerate(MODES):
         part = [list(range(cuts[t], cuts[t + 1])) for t in range(S)]
-        ev = evaluate(graph, cluster, cand, part, [mode] * S, costs, options)
+        ev = evaluate(PartitionProblem(graph, cluster, cand, costs, options=options), part, [mode] * S)
         got = float(bb.objective(q, np.array([cuts]))[0])
         cap = rank_capacity(cluster, cand)
         if max(ev.rank_memory.values()) <= cap * (1 - 1e-9):
@@ -131,7 +131,8 @@ def test_the_local_search_scores_plans_as_the_cost_model_does(units, shape, m_ro
         assert obj <= got
         if obj < float("inf"):
             part = [list(range(better[t], better[t + 1])) for t in range(S)]
-            assert obj == pytest.approx(evaluate(graph, cluster, cand, part, [mode] * S, costs, options).objective)
+            pb = PartitionProblem(graph, cluster, cand, costs, options=options)
+            assert obj == pytest.approx(evaluate(pb, part, [mode] * S).objective)
 
 
 @settings(max_examples=200, deadline=None)
@@ -181,7 +182,7 @@ def test_solve_partition_uses_it_for_several_stages_per_rank():
     for schedule in ("interleaved-1f1b", "zero-bubble"):
         cand = Candidate(2, 1, 2, 2, 1, 4, schedule, 1, False)
         costs = CostTable(graph, cluster, None).units(cand)
-        res = solve_partition(graph, cluster, cand, costs, MODES, options)
-        cbc = solve_partition(graph, cluster, cand, costs, MODES, options, force_form="interval")
+        res = solve_partition(PartitionProblem(graph, cluster, cand, costs, MODES, options))
+        cbc = solve_partition(PartitionProblem(graph, cluster, cand, costs, MODES, options), force_form="interval")
         assert res.form == "ranks" and res.status == "optimal"
         assert res.objective == pytest.approx(cbc.objective, rel=1e-6)

@@ -22,6 +22,7 @@ from planner.cost.simulate import simulate
 from planner.errors import InfeasibleError
 from planner.hardware.load import load_cluster
 from planner.search.evaluate import Evaluated, evaluate, simulate_evaluated
+from planner.search.problem import PartitionProblem
 from planner.search.search import CostTable, search, search_modes
 from planner.search.space import Pins
 
@@ -50,7 +51,7 @@ def candidate_minimum(graph, cluster, cand, costs, modes) -> float | None:
     best = None
     for part in _partitions(len(graph.units), cand.stages):
         for rec in choices:
-            ev = evaluate(graph, cluster, cand, part, list(rec), costs, CostOptions())
+            ev = evaluate(PartitionProblem(graph, cluster, cand, costs, options=CostOptions()), part, list(rec))
             if max(ev.rank_memory.values()) > cap:
                 continue
             r = reported(ev, graph, cluster)
@@ -123,22 +124,21 @@ def test_chosen_is_fastest_by_the_reported_figure(chunk):
 def test_the_bounds_are_valid_for_the_reported_figure():
     """Every level of the queue's reported bound (`QueueItem.reported`) is at most the candidate's least
     reported figure, on random instances (dominated candidates included)."""
-    from planner.search.bounds import Totals, backward_share, comm_bound, lower_bounds, reported_bound
+    from planner.search.bounds import backward_share, comm_bound, lower_bounds, reported_bound
     from planner.search.ilp import block_run
 
     def check(graph, cluster, cand, costs, modes, low):
         if low is None:
             return
         options = CostOptions()
-        tot = Totals.of(costs, modes)
-        dtype = graph.source.dtype
         run = block_run(graph)
         beta = backward_share(costs, cand)
         for joint in (False, True):
-            b = lower_bounds(graph, costs, cand, cluster, options, modes, run, joint=joint)
+            pb = PartitionProblem(graph, cluster, cand, costs, modes, options)
+            b = lower_bounds(pb, joint=joint)
             assert b.feasible
-            comm = comm_bound(graph, cand, cluster, run) if cand.stages > 1 else 0.0
-            key = reported_bound(b.time, tot, cand, cluster, dtype, options, beta, comm, b.block or b.interval)
+            comm = comm_bound(pb, run) if cand.stages > 1 else 0.0
+            key = reported_bound(pb, b.time, beta, comm, b.block or b.interval)
             assert key <= low * (1 + 1e-9), (cand, joint, key, low)
 
     for seed in range(1000, 1040):

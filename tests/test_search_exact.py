@@ -13,7 +13,7 @@ from planner.cost.model import CostOptions
 from planner.errors import InfeasibleError
 from planner.hardware.load import load_cluster
 from planner.search.bounds import lower_bounds
-from planner.search.ilp import block_run
+from planner.search.problem import PartitionProblem
 from planner.search.reference import brute_force_partition
 from planner.search.search import CostTable, search, search_modes
 from planner.search.space import SCHEDULE_NAMES, Pins, enumerate_space
@@ -48,14 +48,13 @@ def brute_force(graph, cluster, batch, dp=None, **pinned):
     options = CostOptions()
     table = CostTable(graph, cluster, None)
     modes = search_modes(graph)
-    run = block_run(graph)
     best = None
     for cand in full_space(graph, cluster, batch, dp, **pinned):
         cm = tuple(m for m in modes if not (cand.schedule == "zero-bubble" and m == "selective"))
         costs = table.units(cand)
-        res = brute_force_partition(graph, cluster, cand, costs, cm, options)
+        res = brute_force_partition(PartitionProblem(graph, cluster, cand, costs, cm, options))
         for joint in (False, True):
-            b = lower_bounds(graph, costs, cand, cluster, options, cm, run, joint=joint)
+            b = lower_bounds(PartitionProblem(graph, cluster, cand, costs, cm, options), joint=joint)
             if res is not None:
                 assert b.feasible, cand
                 assert b.time <= res[0] * (1 + 1e-9), (cand, joint, b.time, res[0])
@@ -102,7 +101,8 @@ def test_search_equals_brute_force(shape, pre, block, post, others, n_blocks, gp
     # the chosen configuration's own optimum (brute force over its partitions) is that objective
     table = CostTable(graph, cl, None)
     modes = tuple(m for m in search_modes(graph) if not (got.best.cand.schedule == "zero-bubble" and m == "selective"))
-    own = brute_force_partition(graph, cl, got.best.cand, table.units(got.best.cand), modes, CostOptions())
+    pb = PartitionProblem(graph, cl, got.best.cand, table.units(got.best.cand), modes, CostOptions())
+    own = brute_force_partition(pb)
     assert own[0] == pytest.approx(got.best.objective, rel=1e-9)
     # the runners-up are in order and none beats the winner
     objs = [e.objective for e in got.ranked]

@@ -12,6 +12,7 @@ from planner.cost.model import Candidate, CostOptions
 from planner.errors import InfeasibleError
 from planner.hardware.load import load_cluster
 from planner.search.ilp import solve_partition
+from planner.search.problem import PartitionProblem
 from planner.search.search import CostTable, search
 from planner.search.space import Pins
 
@@ -44,19 +45,20 @@ def instance(memory_gib: float = 80.0):
 
 def test_optimal_and_node_limit():
     graph, cl, costs = instance()
-    exact = solve_partition(graph, cl, CAND, costs, MODES, CostOptions())
+    exact = solve_partition(PartitionProblem(graph, cl, CAND, costs, MODES, CostOptions()))
     assert exact.status == "optimal" and exact.form == "ranks"
     # the branch and bound for several stages per rank stopped at once (past the root of each recomputation
     # mode): its plan (the start) and a valid lower bound
-    stopped = solve_partition(graph, cl, CAND, costs, MODES, CostOptions(), bb_nodes=1)
+    stopped = solve_partition(PartitionProblem(graph, cl, CAND, costs, MODES, CostOptions()), bb_nodes=1)
     assert stopped.status == "node_limit" and stopped.form == "ranks" and stopped.nodes == len(MODES)
     assert stopped.objective >= exact.objective * (1 - 1e-9)
     assert stopped.low is not None and stopped.low <= exact.objective * (1 + 1e-9)
     for form in ("interval", "assign"):
-        assert solve_partition(graph, cl, CAND, costs, MODES, CostOptions(), force_form=form).objective == (
+        pb = PartitionProblem(graph, cl, CAND, costs, MODES, CostOptions())
+        assert solve_partition(pb, force_form=form).objective == (
             pytest.approx(exact.objective, rel=1e-6)
         )
-        stopped = solve_partition(graph, cl, CAND, costs, MODES, CostOptions(), max_nodes=1, force_form=form)
+        stopped = solve_partition(pb, max_nodes=1, force_form=form)
         assert stopped.status == "node_limit" and stopped.form == form
         assert stopped.objective >= exact.objective * (1 - 1e-9)
         assert sorted(u for st in stopped.partition for u in st) == list(range(len(graph.units)))
@@ -64,9 +66,8 @@ def test_optimal_and_node_limit():
 
 def test_time_limit_is_named_when_one_was_asked_for():
     graph, cl, costs = instance()
-    stopped = solve_partition(
-        graph, cl, CAND, costs, MODES, CostOptions(), time_limit=60.0, max_nodes=1, force_form="interval"
-    )
+    pb = PartitionProblem(graph, cl, CAND, costs, MODES, CostOptions())
+    stopped = solve_partition(pb, time_limit=60.0, max_nodes=1, force_form="interval")
     assert stopped.status == "time_limit"
 
 
@@ -81,16 +82,16 @@ def test_search_reports_the_limit_and_the_gap():
 
 def test_cutoff():
     graph, cl, costs = instance()
-    best = solve_partition(graph, cl, CAND, costs, MODES, CostOptions()).objective
-    above = solve_partition(graph, cl, CAND, costs, MODES, CostOptions(), cutoff=best * 1.01)
+    best = solve_partition(PartitionProblem(graph, cl, CAND, costs, MODES, CostOptions())).objective
+    above = solve_partition(PartitionProblem(graph, cl, CAND, costs, MODES, CostOptions()), cutoff=best * 1.01)
     assert above.status == "optimal" and above.objective == pytest.approx(best, rel=1e-9)
-    below = solve_partition(graph, cl, CAND, costs, MODES, CostOptions(), cutoff=best * 0.99)
+    below = solve_partition(PartitionProblem(graph, cl, CAND, costs, MODES, CostOptions()), cutoff=best * 0.99)
     assert below.status == "cutoff" and below.partition is None
 
 
 def test_infeasible_and_the_shortfall_message():
     graph, cl, costs = instance(memory_gib=4.0)
-    assert solve_partition(graph, cl, CAND, costs, MODES, CostOptions()).status == "infeasible"
+    assert solve_partition(PartitionProblem(graph, cl, CAND, costs, MODES, CostOptions())).status == "infeasible"
     with pytest.raises(InfeasibleError) as e:
         search(graph, cl, BATCH, PINS)
     msg = str(e.value)

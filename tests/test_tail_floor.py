@@ -10,9 +10,10 @@ from synthetic import make_graph, make_unit
 from test_partition_exact import cluster_with, unit_st
 
 from planner.cost.model import Candidate, CostOptions
-from planner.search.bounds import IntervalTables, Totals, comm_bound
+from planner.search.bounds import Totals, comm_bound
 from planner.search.ilp import solve_partition
 from planner.search.ilp.tailcut import tail_floor
+from planner.search.problem import PartitionProblem
 from planner.search.reference import brute_force_partition
 from planner.search.search import CostTable, evaluate
 
@@ -45,22 +46,22 @@ instances = dict(
 def test_floor_is_below_every_plan(units, stages, schedule, extra_m, dp, zero, memory):
     graph, cluster, cand, costs = _instance(units, stages, schedule, extra_m, dp, zero, memory)
     options = CostOptions()
-    tables = IntervalTables.of(graph, costs, cand, cluster, options, MODES)
-    floor = tail_floor(tables, costs, cand, cluster, options, MODES, graph.source.dtype)
-    brute = brute_force_partition(graph, cluster, cand, costs, MODES, options)
+    pb = PartitionProblem(graph, cluster, cand, costs, MODES, options)
+    floor = tail_floor(pb)
+    brute = brute_force_partition(PartitionProblem(graph, cluster, cand, costs, MODES, options))
     if brute is None:
         return  # no plan: nothing to bound (the floor may still exist, from the ILP's memory rows)
     assert floor is not None
-    ev = evaluate(graph, cluster, cand, brute[1], brute[2], costs, options)
+    ev = evaluate(PartitionProblem(graph, cluster, cand, costs, options=options), brute[1], brute[2])
     work = Totals.of(costs, MODES).work
     # each term of the objective is at least its bound, so their sum is below the optimum
-    assert work + comm_bound(graph, cand, cluster) + floor.joint <= brute[0] * (1 + 1e-9)
+    assert work + comm_bound(pb) + floor.joint <= brute[0] * (1 + 1e-9)
     assert floor.joint >= floor.tail * (1 - 1e-12)
     assert ev.objective == pytest.approx(brute[0], rel=1e-12)
     # with a limit the bound stays valid (the limit is the best plan's own share of the objective)
-    limit = brute[0] - work - comm_bound(graph, cand, cluster)
-    capped = tail_floor(tables, costs, cand, cluster, options, MODES, graph.source.dtype, limit)
-    assert capped is not None and work + comm_bound(graph, cand, cluster) + capped.joint <= brute[0] * (1 + 1e-9)
+    limit = brute[0] - work - comm_bound(pb)
+    capped = tail_floor(pb, limit)
+    assert capped is not None and work + comm_bound(pb) + capped.joint <= brute[0] * (1 + 1e-9)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -68,13 +69,13 @@ def test_floor_is_below_every_plan(units, stages, schedule, extra_m, dp, zero, m
 def test_ilp_with_the_floor_equals_brute_force(units, stages, schedule, extra_m, dp, zero, memory):
     graph, cluster, cand, costs = _instance(units, stages, schedule, extra_m, dp, zero, memory)
     options = CostOptions()
-    ilp = solve_partition(graph, cluster, cand, costs, MODES, options)
-    brute = brute_force_partition(graph, cluster, cand, costs, MODES, options)
+    ilp = solve_partition(PartitionProblem(graph, cluster, cand, costs, MODES, options))
+    brute = brute_force_partition(PartitionProblem(graph, cluster, cand, costs, MODES, options))
     if brute is None:
         assert ilp.status == "infeasible"
         return
     assert ilp.status == "optimal", ilp
-    ev = evaluate(graph, cluster, cand, ilp.partition, ilp.recompute, costs, options)
+    ev = evaluate(PartitionProblem(graph, cluster, cand, costs, options=options), ilp.partition, ilp.recompute)
     assert ev.objective == pytest.approx(brute[0], rel=1e-9)
     assert ilp.objective == pytest.approx(brute[0], rel=1e-6)
 
@@ -85,8 +86,9 @@ def test_uneven_blocks_settle_without_branching():
     sizes = [(p * 10_000_000, p * 2e11, 200_000_000, 8_000_000, 0) for p in (4, 8, 12, 16, 20)]
     units = [sizes[i % 5] for i in range(30)]
     graph, cluster, cand, costs = _instance(units, 8, "gpipe", 8, 2, 1, 80)
-    res = solve_partition(graph, cluster, cand, costs, MODES, CostOptions())
+    res = solve_partition(PartitionProblem(graph, cluster, cand, costs, MODES, CostOptions()))
     assert res.status == "optimal" and res.start == (res.partition, res.recompute)
-    brute_free = solve_partition(graph, cluster, cand, costs, MODES, CostOptions(), force_form="interval")
+    pb = PartitionProblem(graph, cluster, cand, costs, MODES, CostOptions())
+    brute_free = solve_partition(pb, force_form="interval")
     assert brute_free.status == "optimal"
     assert res.objective == pytest.approx(brute_free.objective, rel=1e-6)

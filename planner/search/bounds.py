@@ -32,10 +32,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
-import numpy.typing as npt
 
 from planner.cost.memory import model_state_bytes_per_param
-from planner.cost.model import Candidate, CostOptions, UnitCost
+from planner.cost.model import Candidate, UnitCost
 from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches, stage_rank
 from planner.cost.terms import (
     comm_buffer_bytes,
@@ -53,10 +52,14 @@ from planner.cost.terms import (
 )
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
+from planner.search.problem import BoolArray, FloatArray, PartitionProblem
+
+# PartitionProblem derives these (planner.search.problem); they stay importable from here.
+from planner.search.problem import IntervalTables as IntervalTables
+from planner.search.problem import Totals as Totals
+from planner.search.problem import gather_coefficients as gather_coefficients
 
 INF = float("inf")
-FloatArray = npt.NDArray[np.float64]
-BoolArray = npt.NDArray[np.bool_]
 # (capacities, minimum counts) per stage or rank for a bottleneck value
 Caps = Callable[[float], tuple[FloatArray, FloatArray]]
 _Arg = TypeVar("_Arg")
@@ -71,74 +74,37 @@ class Bounds:
     interval: IntervalBounds | None = None  # the assignment form's
 
 
-def lower_bounds(
-    graph: ModelGraph,
-    costs: list[UnitCost],
-    cand: Candidate,
-    cluster: ClusterSpec,
-    options: CostOptions,
-    modes: tuple[str, ...],
-    run: tuple[int, int, int] | None,
-    joint: bool = True,
-    tot: Totals | None = None,
-    tail: float | None = None,
-) -> Bounds:
+def lower_bounds(pb: PartitionProblem, joint: bool = True, tail: float | None = None) -> Bounds:
     """The best valid bound available for this candidate (see the module docstring); joint=False skips
-    the joint minimum with the tail (cheaper, looser: the mean tail is added instead); ``tot`` and
-    ``tail``: the costs' `Totals` and the candidate's `tail_bound`, when the caller has them."""
-    dtype = graph.source.dtype
-    tot = tot or Totals.of(costs, modes)
+    the joint minimum with the tail (cheaper, looser: the mean tail is added instead); ``tail``: the
+    candidate's `tail_bound`, when the caller has it."""
+    cand, costs, run = pb.cand, pb.costs, pb.run
     if tail is None:
-        tail = tail_bound(tot, cand, cluster, dtype, options)
-    b = simple_bound(tot, cand, cluster, dtype, options, tail)
-    if cand.stages == 1 or b.memory > rank_capacity(cluster, cand):
+        tail = tail_bound(pb)
+    b = simple_bound(pb, tail)
+    if cand.stages == 1 or b.memory > pb.capacity:
         return b
     if run is None:
-        ib = interval_bound(graph, costs, cand, cluster, options, modes)
+        ib = interval_bound(pb)
         if ib is None:
             return Bounds(b.time, b.memory, feasible=False)
         tight = ib.pipeline(cand, costs) + tail
-        return Bounds(max(b.time, tight + comm_bound(graph, cand, cluster)), b.memory, interval=ib)
-    blk = block_bound(graph, costs, cand, cluster, options, modes, run, joint)
+        return Bounds(max(b.time, tight + comm_bound(pb)), b.memory, interval=ib)
+    blk = block_bound(pb, joint)
     if blk is None:
         return Bounds(b.time, b.memory, feasible=False)
-    tight = blk.total() + comm_bound(graph, cand, cluster, run)
+    tight = blk.total() + comm_bound(pb, run)
     if not joint:
         tight += tail
     return Bounds(max(b.time, tight), b.memory, block=blk)
 
 
-@dataclass(frozen=True)
-class Totals:
-    """Whole-model sums of unit costs that the simple bound needs (shared by candidates with the same
-    tp, micro-batch size and sequence parallelism)."""
-
-    work: float  # forward + cheapest backward
-    fwd: float
-    params: float
-    sync: float  # parameters as the data-parallel ring counts them (`UnitCost.sync_params`)
-    act: float  # cheapest activation bytes per micro-batch
-    bwd_max: float  # most expensive backward (the widest overlap window)
-
-    @classmethod
-    def of(cls, costs: list[UnitCost], modes: tuple[str, ...]) -> Totals:
-        return cls(
-            work=sum(c.fwd + min(c.bwd[r] for r in modes) for c in costs),
-            fwd=sum(c.fwd for c in costs),
-            params=sum(c.params_local for c in costs),
-            sync=sum(c.sync_params for c in costs),
-            act=sum(min(c.act[r] for r in modes) for c in costs),
-            bwd_max=sum(max(c.bwd.values()) for c in costs),
-        )
-
-
-def simple_bound(
-    tot: Totals, cand: Candidate, cluster: ClusterSpec, dtype: str, options: CostOptions, tail: float | None = None
-) -> Bounds:
+def simple_bound(pb: PartitionProblem, tail: float | None = None) -> Bounds:
     """Stage times sum to at least the whole model's work W (cheapest recomputation) and, under ZeRO-3,
     to at least the sum of the weight gathers; the largest is at least the mean. The tail is at least the
     mean over ranks of exposed gradient sync plus the optimizer step (``tail``: `tail_bound`'s value, when
     the caller has it). Memory: the busiest rank holds at least the mean of all ranks' bytes."""
+    tot, cand, cluster, dtype, options = pb.totals, pb.cand, pb.cluster, pb.dtype, pb.options
     work, fwd, params = tot.work, tot.fwd, tot.params
     S, p, m = cand.stages, cand.pp, cand.num_micro_batches
     work = max(work, zero3_gather_time(tot.sync, cand, cluster, dtype))
@@ -149,18 +115,17 @@ def simple_bound(
     acts = min_inflight * tot.act
     memory = rank_peak_bytes(states / p, acts / p, options)
     if tail is None:
-        tail = tail_bound(tot, cand, cluster, dtype, options)
+        tail = tail_bound(pb)
     return Bounds(pipe + tail, memory)
 
 
-def interval_vars(
-    tables: IntervalTables, cand: Candidate, modes: tuple[str, ...], U: int, limit: float | None, rest: float
-) -> dict[int, list[tuple[int, int, str]]]:
+def interval_vars(pb: PartitionProblem, limit: float | None, rest: float) -> dict[int, list[tuple[int, int, str]]]:
     """The (i, j, mode) each stage s of the interval-form ILP needs: every stage keeps at least one unit
     and the order; with one stage per rank, the memory row fits at s; and, given `limit` (an upper bound
     on the optimum: a feasible plan's objective, or the cutoff) and `rest` (a lower bound on the
     objective's other terms: work, point-to-point and tail), the stage time (the forward for zero-bubble)
     stays within what the limit leaves for the largest stage. An optimal plan uses no other interval."""
+    cand, modes, tables, U = pb.cand, pb.modes, pb.tables, len(pb.graph.units)
     S, p, m = cand.stages, cand.pp, cand.num_micro_batches
     cap = INF
     if limit is not None:
@@ -191,14 +156,6 @@ def interval_vars(
     for s in range(S - 1, 0, -1):
         ends[s - 1] = {i for i, j, _ in out[s] if j in ends[s] and i in starts[s]}
     return {s: [(i, j, r) for i, j, r in out[s] if i in starts[s] and j in ends[s]] for s in range(S)}
-
-
-def gather_coefficients(cand: Candidate, cluster: ClusterSpec, dtype: str) -> tuple[float, float] | None:
-    """(g, c): a stage's ZeRO-3 weight gathers per micro-batch take g * params + c, the linear form of
-    `planner.cost.terms.zero3_gather_time`; None without ZeRO-3 over more than one replica."""
-    if cand.zero_stage != 3 or cand.dp <= 1:
-        return None
-    return linear_form(lambda x: zero3_gather_time(x, cand, cluster, dtype))
 
 
 def tail_coefficients(cand: Candidate, cluster: ClusterSpec, dtype: str) -> tuple[float, float, float]:
@@ -364,9 +321,10 @@ def _min_in_flight(schedule: str, p: int, m: int, v: int) -> int:
     return min(in_flight_microbatches(schedule, p, m, v, s) for s in range(p * v))
 
 
-def tail_bound(tot: Totals, cand: Candidate, cluster: ClusterSpec, dtype: str, options: CostOptions) -> float:
+def tail_bound(pb: PartitionProblem) -> float:
     """Mean over ranks of (exposed sync + optimizer step): at most the largest rank's. Each of the p
     ranks pays the sync's latency at least once (the constant of its linear form)."""
+    tot, cand, cluster, dtype, options = pb.totals, pb.cand, pb.cluster, pb.dtype, pb.options
     p = cand.pp
     params = tot.params
     a_sync, c_sync = linear_form(lambda x: dp_sync_time(x, cand, cluster, dtype))
@@ -445,12 +403,8 @@ def one_f_one_b_bound(costs: list[UnitCost], cand: Candidate, beta: float) -> fl
 
 
 def reported_bound(
+    pb: PartitionProblem,
     linear_bound: float,
-    tot: Totals,
-    cand: Candidate,
-    cluster: ClusterSpec,
-    dtype: str,
-    options: CostOptions,
     beta: float = 1.0,
     comm: float = 0.0,
     tight: BlockBounds | IntervalBounds | None = None,
@@ -484,6 +438,7 @@ def reported_bound(
     Plus the same mean tail as the linear bounds (`tail_bound`). tests/test_reported_exact.py checks the
     bound against the brute-force minimum of the reported figure on random instances.
     """
+    tot, cand, cluster, dtype = pb.totals, pb.cand, pb.cluster, pb.dtype
     if linear_bounds_reported(cand):
         return linear_bound
     S, p, m, v = cand.stages, cand.pp, cand.num_micro_batches, cand.virtual_stages
@@ -510,17 +465,16 @@ def reported_bound(
         if coef >= 0:
             pipe = max(pipe, work + coef * largest + comm)
         pipe = max(pipe, work + path + comm)
-    out: float = pipe + (tail_bound(tot, cand, cluster, dtype, options) if tail is None else tail)
+    out: float = pipe + (tail_bound(pb) if tail is None else tail)
     return out
 
 
-def comm_bound(
-    graph: ModelGraph, cand: Candidate, cluster: ClusterSpec, run: tuple[int, int, int] | None = None
-) -> float:
+def comm_bound(pb: PartitionProblem, run: tuple[int, int, int] | None = None) -> float:
     """Fill/drain point-to-point: one forward and one backward send per stage boundary, each at least the
     smallest tensor a boundary can carry (in the count form a block's output or the prefix's; otherwise
     the output of any unit but the last)."""
-    out: float = 2.0 * (cand.stages - 1) * p2p_time(smallest_boundary(graph, run), cand, cluster)
+    cand = pb.cand
+    out: float = 2.0 * (cand.stages - 1) * p2p_time(smallest_boundary(pb.graph, run), cand, pb.cluster)
     return out
 
 
@@ -577,9 +531,8 @@ class _Stage:
     buffers: float  # comm buffers (bytes)
 
 
-def _stages(
-    graph: ModelGraph, costs: list[UnitCost], cand: Candidate, options: CostOptions, run: tuple[int, int, int]
-) -> list[_Stage]:
+def _stages(pb: PartitionProblem, run: tuple[int, int, int]) -> list[_Stage]:
+    graph, costs, cand, options = pb.graph, pb.costs, pb.cand, pb.options
     start, end, n = run
     S = cand.stages
     pre, post = list(range(0, start)), list(range(end + 1, n))
@@ -615,42 +568,26 @@ def _stages(
     return stages
 
 
-def block_bound(
-    graph: ModelGraph,
-    costs: list[UnitCost],
-    cand: Candidate,
-    cluster: ClusterSpec,
-    options: CostOptions,
-    modes: tuple[str, ...],
-    run: tuple[int, int, int],
-    joint: bool = True,
-) -> BlockBounds | None:
+def block_bound(pb: PartitionProblem, joint: bool = True) -> BlockBounds | None:
     """Lower bounds on the pipeline terms of the count-form ILP (largest stage time, largest rank time,
     largest stage forward, per recomputation mode); None if no integer block distribution fits memory."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        return _block_bound(graph, costs, cand, cluster, options, modes, run, joint)
+        return _block_bound(pb, joint)
 
 
-def _block_bound(
-    graph: ModelGraph,
-    costs: list[UnitCost],
-    cand: Candidate,
-    cluster: ClusterSpec,
-    options: CostOptions,
-    modes: tuple[str, ...],
-    run: tuple[int, int, int],
-    joint: bool = True,
-) -> BlockBounds | None:
+def _block_bound(pb: PartitionProblem, joint: bool = True) -> BlockBounds | None:
     """`block_bound` (numpy's divide and invalid warnings off: capacities divide by zero-time blocks)."""
+    costs, cand, cluster, options, modes, run = pb.costs, pb.cand, pb.cluster, pb.options, pb.modes, pb.run
+    assert run is not None, "block_bound needs a run of identical blocks (the count form)"
     start, end, _ = run
     L = end - start + 1
     S, p, m, v = cand.stages, cand.pp, cand.num_micro_batches, cand.virtual_stages
     blk = costs[start]
-    dtype = graph.source.dtype
+    dtype = pb.dtype
     state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
     per_param = model_state_bytes(1.0, state)
     budget = memory_budget(rank_capacity(cluster, cand), options)
-    stages = _stages(graph, costs, cand, options, run)
+    stages = _stages(pb, run)
     a_sync, c_sync, opt_rate = tail_coefficients(cand, cluster, dtype)
     blocks = np.arange(L + 1)
 
@@ -885,71 +822,7 @@ class IntervalBounds:
         return out
 
 
-@dataclass
-class IntervalTables:
-    """Per unit interval [i, j) (matrices indexed [i, j]): time per mode, forward time, ZeRO-3 gathers,
-    and with one stage per rank whether the ILP's memory row fits at stage s in mode r."""
-
-    t: dict[str, np.ndarray]
-    fwd: np.ndarray
-    gather: np.ndarray
-    valid: np.ndarray  # j > i
-    mem_ok: dict[tuple[int, str], np.ndarray]
-
-    @classmethod
-    def of(
-        cls,
-        graph: ModelGraph,
-        costs: list[UnitCost],
-        cand: Candidate,
-        cluster: ClusterSpec,
-        options: CostOptions,
-        modes: tuple[str, ...],
-    ) -> IntervalTables:
-        U, S, p, m = len(costs), cand.stages, cand.pp, cand.num_micro_batches
-        dtype = graph.source.dtype
-
-        def pre(xs: list[float]) -> FloatArray:
-            return np.concatenate([[0.0], np.cumsum(xs)])
-
-        def span(c: FloatArray) -> FloatArray:  # span[i, j] = sum over units i..j-1
-            out: FloatArray = c[None, :] - c[:, None]
-            return out
-
-        params = span(pre([c.params_local for c in costs]))
-        act = {r: span(pre([c.act[r] for c in costs])) for r in modes}
-        gc = gather_coefficients(cand, cluster, dtype)
-        synced = span(pre([c.sync_params for c in costs]))
-        gather = gc[0] * synced + gc[1] if gc is not None else np.zeros_like(params)
-        mem_ok: dict[tuple[int, str], BoolArray] = {}
-        if cand.virtual_stages == 1:
-            state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
-            budget = memory_budget(rank_capacity(cluster, cand), options)
-            largest = max(c.largest_param_bytes for c in costs)
-            out_bytes = np.array([0.0] + [u.output_bytes for u in graph.units])  # [j]: unit j-1's output
-            for s in range(S):
-                k = in_flight_microbatches(cand.schedule, p, m, 1, s)
-                buf = comm_buffer_bytes(out_bytes[None, :] if s < S - 1 else 0.0, cand, options, largest)
-                for r in modes:
-                    mem_ok[s, r] = model_state_bytes(params, state) + buf + k * act[r] <= budget
-        return cls(
-            t={r: span(pre([c.fwd + c.bwd[r] for c in costs])) for r in modes},
-            fwd=span(pre([c.fwd for c in costs])),
-            gather=gather,
-            valid=np.triu(np.ones((U + 1, U + 1), dtype=bool), 1),
-            mem_ok=mem_ok,
-        )
-
-
-def interval_bound(
-    graph: ModelGraph,
-    costs: list[UnitCost],
-    cand: Candidate,
-    cluster: ClusterSpec,
-    options: CostOptions,
-    modes: tuple[str, ...],
-    tables: IntervalTables | None = None,
-) -> IntervalBounds | None:
+def interval_bound(pb: PartitionProblem) -> IntervalBounds | None:
     """The least largest stage time over contiguous partitions of the units into the candidate's stages.
 
     Stage s may hold units i..j-1 when, in some mode, its time (and ZeRO-3 gathers) stays within Z and,
@@ -958,8 +831,9 @@ def interval_bound(
     interval times finds the least feasible Z. With several stages per rank memory is a rank's row and
     is left out here (a relaxation). None when no partition fits memory.
     """
+    costs, cand, modes = pb.costs, pb.cand, pb.modes
     U, S = len(costs), cand.stages
-    tb = tables or IntervalTables.of(graph, costs, cand, cluster, options, modes)
+    tb = pb.tables
     t, gather, valid, mem_ok = tb.t, tb.gather, tb.valid, tb.mem_ok
     values = np.unique(np.concatenate([np.maximum(t[r], gather)[valid] for r in modes]))
 

@@ -11,18 +11,15 @@ from dataclasses import dataclass, field
 
 from planner.cost.model import (
     Candidate,
-    CostOptions,
     StageCost,
-    UnitCost,
     iteration_linear,
     rank_memory,
     rank_tail,
     stage_costs,
 )
 from planner.cost.simulate import SimResult, simulate
-from planner.hardware.spec import ClusterSpec
-from planner.model.graph import ModelGraph
 from planner.names import SearchStatus
+from planner.search.problem import PartitionProblem
 
 
 @dataclass
@@ -44,18 +41,10 @@ class Evaluated:
         return simulated_time(self) + self.tail
 
 
-def evaluate(
-    graph: ModelGraph,
-    cluster: ClusterSpec,
-    cand: Candidate,
-    partition: list[list[int]],
-    recompute: list[str],
-    costs: list[UnitCost],
-    options: CostOptions,
-) -> Evaluated:
+def evaluate(pb: PartitionProblem, partition: list[list[int]], recompute: list[str]) -> Evaluated:
     """The cost model's figures for a fixed partition (what the ILP optimises, recomputed directly)."""
-    stages = stage_costs(graph, cluster, cand, partition, recompute, costs, options)
-    dtype = graph.source.dtype
+    cand, cluster, options, dtype = pb.cand, pb.cluster, pb.options, pb.dtype
+    stages = stage_costs(pb.graph, cluster, cand, partition, recompute, pb.costs, options)
     obj = iteration_linear(stages, cand, options, cluster, dtype)
     tail = rank_tail(stages, cand, options, cluster, dtype)
     return Evaluated(cand, partition, recompute, stages, obj, rank_memory(stages, cand, options), tail)

@@ -40,13 +40,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from planner.cost.model import Candidate, UnitCost
 from planner.cost.placement import stage_rank
 from planner.cost.simulate import PathCounts, simulate
 from planner.cost.terms import p2p_time
-from planner.hardware.spec import ClusterSpec
-from planner.model.graph import ModelGraph
 from planner.search.bounds import BlockBounds, IntervalBounds, smallest_boundary
+from planner.search.problem import PartitionProblem
 
 FloatArray = npt.NDArray[np.float64]
 INF = float("inf")
@@ -199,12 +197,7 @@ Oracle = CountOracle | IntervalOracle
 
 
 def pipeline_bound(
-    graph: ModelGraph,
-    costs: list[UnitCost],
-    cand: Candidate,
-    cluster: ClusterSpec,
-    modes: tuple[str, ...],
-    run: tuple[int, int, int] | None,
+    pb: PartitionProblem,
     tight: BlockBounds | IntervalBounds | None,
     target: float | None,
     max_sims: int = 24,
@@ -212,6 +205,7 @@ def pipeline_bound(
     """`path_bound` of a pipelined candidate: a valid lower bound on the simulated pipeline time (the
     reported figure without its tail) of every partition and recomputation that fits memory. `tight`:
     the candidate's block or interval bounds (their memory capacities); `target`: stop once reached."""
+    graph, costs, cand, cluster, modes, run = pb.graph, pb.costs, pb.cand, pb.cluster, pb.modes, pb.run
     S, p, v = cand.stages, cand.pp, cand.virtual_stages
     if S == 1:
         return 0.0

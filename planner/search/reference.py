@@ -17,11 +17,9 @@ import itertools
 import math
 from collections.abc import Iterator
 
-from planner.cost.model import Candidate, CostOptions, UnitCost, rank_memory, rank_tail_parts, stage_costs
-from planner.cost.terms import rank_capacity
-from planner.hardware.spec import ClusterSpec
-from planner.model.graph import ModelGraph
+from planner.cost.model import Candidate, rank_memory, rank_tail_parts, stage_costs
 from planner.search.evaluate import Evaluated, evaluate
+from planner.search.problem import PartitionProblem
 
 # (objective, partition, recompute per stage)
 ReferenceResult = tuple[float, list[list[int]], list[str]]
@@ -33,21 +31,14 @@ def _partitions(n_units: int, n_stages: int) -> Iterator[list[list[int]]]:
         yield [list(range(bounds[i], bounds[i + 1])) for i in range(n_stages)]
 
 
-def brute_force_partition(
-    graph: ModelGraph,
-    cluster: ClusterSpec,
-    cand: Candidate,
-    costs: list[UnitCost],
-    modes: tuple[str, ...],
-    options: CostOptions,
-) -> ReferenceResult | None:
+def brute_force_partition(pb: PartitionProblem) -> ReferenceResult | None:
     """(objective, partition, recompute) minimising the cost model over every partition; None if none fits."""
-    cap = rank_capacity(cluster, cand)
+    cand, cap = pb.cand, pb.capacity
     best: ReferenceResult | None = None
-    choices = _choices(cand, modes)
-    for part in _partitions(len(graph.units), cand.stages):
+    choices = _choices(cand, pb.modes)
+    for part in _partitions(len(pb.graph.units), cand.stages):
         for rec in choices:
-            ev = evaluate(graph, cluster, cand, part, list(rec), costs, options)
+            ev = evaluate(pb, part, list(rec))
             if max(ev.rank_memory.values()) > cap:
                 continue
             if best is None or ev.objective < best[0] - 1e-12:
@@ -68,24 +59,17 @@ def choices_count(n_units: int, cand: Candidate, modes: tuple[str, ...]) -> int:
     return math.comb(n_units - 1, cand.stages - 1) * rec
 
 
-def brute_force_reported(
-    graph: ModelGraph,
-    cluster: ClusterSpec,
-    cand: Candidate,
-    costs: list[UnitCost],
-    modes: tuple[str, ...],
-    options: CostOptions,
-) -> tuple[Evaluated, float] | None:
+def brute_force_reported(pb: PartitionProblem) -> tuple[Evaluated, float] | None:
     """(the evaluated partition with the least reported figure, the least linear objective), both over
     every partition and recomputation that fits memory; None if none fits. Ties keep the first found
     (partitions in lexicographic order of their cuts), so the result is deterministic."""
-    cap = rank_capacity(cluster, cand)
+    cand, cap = pb.cand, pb.capacity
     best: Evaluated | None = None
     least_linear = float("inf")
-    choices = _choices(cand, modes)
-    for part in _partitions(len(graph.units), cand.stages):
+    choices = _choices(cand, pb.modes)
+    for part in _partitions(len(pb.graph.units), cand.stages):
         for rec in choices:
-            ev = evaluate(graph, cluster, cand, part, list(rec), costs, options)
+            ev = evaluate(pb, part, list(rec))
             if max(ev.rank_memory.values()) > cap:
                 continue
             least_linear = min(least_linear, ev.objective)
@@ -94,19 +78,13 @@ def brute_force_reported(
     return None if best is None else (best, least_linear)
 
 
-def dp_partition(
-    graph: ModelGraph,
-    cluster: ClusterSpec,
-    cand: Candidate,
-    costs: list[UnitCost],
-    modes: tuple[str, ...],
-    options: CostOptions,
-) -> ReferenceResult | None:
+def dp_partition(pb: PartitionProblem) -> ReferenceResult | None:
     """Exact optimum for GPipe/1F1B (one stage per rank) by bottleneck/tail enumeration plus DP."""
+    cand, modes = pb.cand, pb.modes
     if cand.virtual_stages != 1 or cand.schedule not in ("gpipe", "1f1b"):
         raise ValueError("dp_partition handles one stage per rank (gpipe, 1f1b)")
-    U, S = len(graph.units), cand.stages
-    cap = rank_capacity(cluster, cand)
+    U, S = len(pb.graph.units), cand.stages
+    cap = pb.capacity
     values_b: set[float] = set()
     values_q: set[float] = set()
     table: dict[tuple[int, int, int, str], tuple[float, float, float, bool]] = {}
@@ -114,7 +92,7 @@ def dp_partition(
         for i in range(U):
             for j in range(i + 1, U + 1):
                 for mode in modes:
-                    t, p2p, tail, mem = _stage(graph, cluster, cand, costs, options, i, j, s, mode)
+                    t, p2p, tail, mem = _stage(pb, i, j, s, mode)
                     table[i, j, s, mode] = (t, p2p, tail, mem <= cap)
                     if mem <= cap:
                         values_b.add(t)
@@ -157,22 +135,13 @@ def dp_partition(
     return best
 
 
-def _stage(
-    graph: ModelGraph,
-    cluster: ClusterSpec,
-    cand: Candidate,
-    costs: list[UnitCost],
-    options: CostOptions,
-    i: int,
-    j: int,
-    s: int,
-    mode: str,
-) -> tuple[float, float, float, float]:
+def _stage(pb: PartitionProblem, i: int, j: int, s: int, mode: str) -> tuple[float, float, float, float]:
     """Units i..j-1 as stage s: (time with ZeRO-3 gathers, doubled p2p, tail, rank memory), as the cost
     model counts them. The other stages of the placeholder partition do not affect stage s's figures."""
+    graph, cluster, cand, options = pb.graph, pb.cluster, pb.cand, pb.options
     part = [[0] for _ in range(cand.stages)]
     part[s] = list(range(i, j))
-    sc = stage_costs(graph, cluster, cand, part, [mode] * cand.stages, costs, options)[s]
+    sc = stage_costs(graph, cluster, cand, part, [mode] * cand.stages, pb.costs, options)[s]
     p2p = 0.0 if s == cand.stages - 1 else 2.0 * sc.p2p
     tail = sum(rank_tail_parts([sc], cand, options, cluster, graph.source.dtype))
     mem = rank_memory([sc], cand, options)[sc.rank]

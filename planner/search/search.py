@@ -50,6 +50,7 @@ from planner.search.evaluate import Evaluated, evaluate, simulate_evaluated
 from planner.search.forked import fork_allowed, map_forked
 from planner.search.ilp import ILPResult, block_run, solve_partition
 from planner.search.pathbound import pipeline_bound
+from planner.search.problem import PartitionProblem
 from planner.search.reference import brute_force_reported, choices_count
 from planner.search.space import Pins, enumerate_space
 
@@ -90,13 +91,15 @@ class QueueItem:
     bound: float
     index: int
     level: int = field(compare=False)
-    cand: Candidate = field(compare=False)
-    costs: list[UnitCost] = field(compare=False, repr=False)
-    modes: tuple[str, ...] = field(compare=False)
+    pb: PartitionProblem = field(compare=False)
     bounds: BlockBounds | IntervalBounds | None = field(default=None, compare=False, repr=False)
     reported: float = field(default=0.0, compare=False)
     tail: float = field(default=0.0, compare=False)  # `bounds.tail_bound` of the candidate
     paths: bool = field(default=False, compare=False)  # `reported` raised by `pathbound.pipeline_bound`
+
+    @property
+    def cand(self) -> Candidate:
+        return self.pb.cand
 
 
 @dataclass
@@ -210,7 +213,6 @@ def search(
         )
     by_reported = prefer_simulated
     table = CostTable(graph, cluster, profile)
-    dtype = graph.source.dtype
     cap = cluster.gpu.memory_bytes
     modes = (pins.recompute,) if pins.recompute else search_modes(graph)
     run = block_run(graph)
@@ -229,25 +231,22 @@ def search(
         if not by_reported:
             return linear
         c = item.cand
-        tkey = _totals_key(c, item.modes)
-        key = (*tkey, c.zero_stage == 3)
+        key = (*_totals_key(c, item.pb.modes), c.zero_stage == 3)
         if key not in shares:
-            shares[key] = backward_share(item.costs, c)
-        tot = totals[tkey]
+            shares[key] = backward_share(item.pb.costs, c)
         extra = 0.0
         if path and c.schedule == "1f1b" and c.pp > 1:
-            extra = one_f_one_b_bound(item.costs, c, shares[key])
-        return reported_bound(
-            linear, tot, c, cluster, dtype, options, shares[key], comm, item.bounds, extra, item.tail
-        )
+            extra = one_f_one_b_bound(item.pb.costs, c, shares[key])
+        return reported_bound(item.pb, linear, shares[key], comm, item.bounds, extra, item.tail)
 
     def enqueue(i: int, cand: Candidate, costs: list[UnitCost], cand_modes: tuple[str, ...], floor: float) -> None:
         nonlocal smallest_need
         tkey = _totals_key(cand, cand_modes)
         if tkey not in totals:
             totals[tkey] = Totals.of(costs, cand_modes)
-        tail = tail_bound(totals[tkey], cand, cluster, dtype, options)
-        b = simple_bound(totals[tkey], cand, cluster, dtype, options, tail)
+        pb = PartitionProblem(graph, cluster, cand, costs, cand_modes, options, shared_totals=totals[tkey])
+        tail = tail_bound(pb)
+        b = simple_bound(pb, tail)
         if b.memory > rank_capacity(cluster, cand):
             # beyond the GPU itself, or only beyond what the reserve (fixed and this plan's NCCL share) leaves
             refuse(cand, OOM_BOUND if b.memory > cap + cluster.reserved_gib * GiB else RESERVE)
@@ -255,7 +254,7 @@ def search(
             if smallest_need is None or short < smallest_need[0] - rank_capacity(cluster, smallest_need[1]):
                 smallest_need = (b.memory, cand)
             return
-        item = QueueItem(max(b.time, floor), i, 0, cand, costs, cand_modes, tail=tail)
+        item = QueueItem(max(b.time, floor), i, 0, pb, tail=tail)
         item.reported = max(reported_of(item, b.time), floor)
         heap.append(item)
 
@@ -293,12 +292,7 @@ def search(
 
     def solve(item: QueueItem, cutoff: float | None, nodes: int | None) -> ILPResult:
         return solve_partition(
-            graph,
-            cluster,
-            item.cand,
-            item.costs,
-            item.modes,
-            options,
+            item.pb,
             time_limit=time_limit,
             max_nodes=max_nodes,
             cutoff=cutoff,
@@ -319,21 +313,16 @@ def search(
 
     def tighten(item: QueueItem) -> QueueItem | None:
         """The item with its next level of bounds; None (and the rejection counted) if nothing fits."""
-        tot = totals[_totals_key(item.cand, item.modes)]
-        b = lower_bounds(
-            graph, item.costs, item.cand, cluster, options, item.modes, run, item.level == 1, tot, item.tail
-        )
+        b = lower_bounds(item.pb, item.level == 1, item.tail)
         if not b.feasible:
             refuse(item.cand, OOM_BOUND)
             return None
         nxt = item.level + 1 if run is not None else 2
         tight = b.block or b.interval
-        out = QueueItem(
-            max(item.bound, b.time), item.index, nxt, item.cand, item.costs, item.modes, tight, tail=item.tail
-        )
+        out = QueueItem(max(item.bound, b.time), item.index, nxt, item.pb, tight, tail=item.tail)
         comm = 0.0
         if by_reported and not linear_bounds_reported(item.cand):
-            comm = comm_bound(graph, item.cand, cluster, run)
+            comm = comm_bound(item.pb, run)
         out.reported = max(item.reported, reported_of(out, out.bound, comm, path=True))
         return out
 
@@ -361,7 +350,7 @@ def search(
         if pins.recompute:
             costs = [_only(c, pins.recompute) for c in costs]
         if optimum is not None:
-            ev = evaluate(graph, cluster, twin, optimum[0], optimum[1], costs, options)
+            ev = evaluate(PartitionProblem(graph, cluster, twin, costs, modes, options), optimum[0], optimum[1])
             fits = max(ev.rank_memory.values()) <= rank_capacity(cluster, twin)
             if fits and ev.objective <= linear_low * (1 + DOMINANCE_TOL):
                 revived += 1
@@ -376,7 +365,7 @@ def search(
             revived += 1
 
     def brute(item: QueueItem) -> None:
-        res = brute_force_reported(graph, cluster, item.cand, item.costs, item.modes, options)
+        res = brute_force_reported(item.pb)
         if res is None:
             refuse(item.cand, "out of memory: no stage partition fits every rank")
             return
@@ -388,11 +377,11 @@ def search(
         """`low`, a valid bound on the item's reported figure, raised by the schedule's longest paths
         (`pathbound.pipeline_bound`, aiming at the choice's figure) plus the tail bound."""
         target = score(ranked[0]) - item.tail
-        pipe = pipeline_bound(graph, item.costs, item.cand, cluster, item.modes, run, item.bounds, target)
+        pipe = pipeline_bound(item.pb, item.bounds, target)
         return max(low, pipe + item.tail)
 
     def small(item: QueueItem) -> bool:
-        return by_reported and item.cand.stages > 1 and choices_count(n_units, item.cand, item.modes) <= REFINE_LIMIT
+        return by_reported and item.cand.stages > 1 and choices_count(n_units, item.cand, item.pb.modes) <= REFINE_LIMIT
 
     # The next ILP_WORKERS candidates in bound order are solved side by side (a fixed number, so that the counts
     # reported do not depend on the machine): in forked processes where fork_allowed and two of them have several
@@ -442,7 +431,7 @@ def search(
             solved += len(batch)
             bb_left = max(0, bb_left - sum(r.nodes for r in results))
             for item, res in zip(batch, results, strict=True):
-                bound, cand, costs = item.bound, item.cand, item.costs
+                bound, cand = item.bound, item.cand
                 exact_linear = linear_bounds_reported(cand) or not by_reported
                 if res.status == "cutoff":
                     # the linear optimum is at least the cutoff: so is the reported figure where it bounds it
@@ -470,7 +459,7 @@ def search(
                 if res.status == "time_limit" or res.status == "node_limit":
                     status = found = res.status
                     gaps.append((res.objective - bound) / res.objective if res.objective else 0.0)
-                ev = evaluate(graph, cluster, cand, res.partition, res.recompute, costs, options)
+                ev = evaluate(item.pb, res.partition, res.recompute)
                 if (
                     by_reported
                     and cand.stages > 1
@@ -480,7 +469,7 @@ def search(
                     # The linear objective only approximates the schedule (it cannot see how 1F1B hides part
                     # of the fill, or how uneven stages of one rank stall each other): keep the balanced
                     # start when the reported figure says it is faster and it fits.
-                    alt = evaluate(graph, cluster, cand, res.start[0], res.start[1], costs, options)
+                    alt = evaluate(item.pb, res.start[0], res.start[1])
                     if alt.reported < ev.reported and max(alt.rank_memory.values()) <= rank_capacity(cluster, cand):
                         ev = alt
                 linear_low = res.objective if found == "optimal" else bound

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from planner.cost.model import Candidate, CostOptions, UnitCost
+from planner.cost.model import Candidate
 from planner.cost.terms import (
     dp_sync_time,
     linear_form,
@@ -38,9 +38,7 @@ from planner.cost.terms import (
     sync_overlap_window,
     zero3_gather_time,
 )
-from planner.hardware.spec import ClusterSpec
-from planner.model.graph import ModelGraph
-from planner.search.bounds import IntervalTables
+from planner.search.problem import PartitionProblem
 
 FloatArray = npt.NDArray[np.float64]
 INF = float("inf")
@@ -71,13 +69,7 @@ def _on_floats(a: float, c: float, x: FloatArray) -> FloatArray:
 
 
 def solve_chain(
-    graph: ModelGraph,
-    cluster: ClusterSpec,
-    cand: Candidate,
-    costs: list[UnitCost],
-    modes: tuple[str, ...],
-    options: CostOptions,
-    tables: IntervalTables,
+    pb: PartitionProblem,
     limit: float | None,
     incumbent: tuple[list[list[int]], list[str], float] | None = None,
     low: float = 0.0,
@@ -86,8 +78,9 @@ def solve_chain(
     ``incumbent`` a known plan (partition, recomputation, objective) to beat and ``low`` a valid lower
     bound on the optimum (a plan within 1e-9 of it is optimal); None when the branch and bound ran out of
     paths (MAX_PATHS)."""
+    graph, cluster, cand, costs, modes, options = pb.graph, pb.cluster, pb.cand, pb.costs, pb.modes, pb.options
+    tables, dtype = pb.tables, pb.dtype
     U, S, m = len(costs), cand.stages, cand.num_micro_batches
-    dtype = graph.source.dtype
 
     def span(xs: list[float]) -> FloatArray:
         pre = np.concatenate([[0.0], np.cumsum(xs)])

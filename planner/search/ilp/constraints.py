@@ -9,8 +9,7 @@ from typing import Any
 
 import pulp
 
-from planner.cost.memory import StateBytes
-from planner.cost.model import Candidate, CostOptions, UnitCost
+from planner.cost.memory import model_state_bytes_per_param
 from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches
 from planner.cost.terms import (
     comm_buffer_bytes,
@@ -24,9 +23,9 @@ from planner.cost.terms import (
     sync_overlap_window,
     zero3_gather_time,
 )
-from planner.hardware.spec import ClusterSpec
 from planner.search.bounds import BlockBounds, IntervalBounds
-from planner.search.ilp.forms import CountForm, Modes, ModeVars, StageExprs
+from planner.search.ilp.forms import CountForm, ModeVars, StageExprs
+from planner.search.problem import PartitionProblem
 
 # Memory rows in GiB: byte-sized coefficients (1e10) next to second-sized ones (1e-3) make CBC's presolve
 # declare feasible models infeasible.
@@ -45,8 +44,9 @@ class Maxima:
     F: Any = 0.0  # largest stage forward (zero-bubble)
 
 
-def add_mode_choice(prob: pulp.LpProblem, cand: Candidate, modes: Modes) -> ModeVars:
+def add_mode_choice(prob: pulp.LpProblem, pb: PartitionProblem) -> ModeVars:
     """y[s, r] binary, sum_r y[s, r] = 1; with several stages per rank y[s, r] = y[0, r]."""
+    cand, modes = pb.cand, pb.modes
     mode_vars: ModeVars = {}
     for s in range(cand.stages):
         for r in modes:
@@ -60,10 +60,9 @@ def add_mode_choice(prob: pulp.LpProblem, cand: Candidate, modes: Modes) -> Mode
     return mode_vars
 
 
-def add_stage_maxima(
-    prob: pulp.LpProblem, ex: StageExprs, cand: Candidate, cluster: ClusterSpec, dtype: str
-) -> Maxima:
+def add_stage_maxima(prob: pulp.LpProblem, ex: StageExprs, pb: PartitionProblem) -> Maxima:
     """T_s >= tot_s, T_s >= gather_s (ZeRO-3), Z >= T_s, and the aggregate cut S Z >= sum_s T_s."""
+    cand, cluster, dtype = pb.cand, pb.cluster, pb.dtype
     S = cand.stages
     has_gather = cand.zero_stage == 3 and cand.dp > 1
     T = [pulp.LpVariable(f"T_{s}", lowBound=0) for s in range(S)]
@@ -79,12 +78,11 @@ def add_stage_maxima(
     return Maxima(T, Z)
 
 
-def add_symmetry_breaking(
-    prob: pulp.LpProblem, form: CountForm, cand: Candidate, ranks: list[int], modes: Modes
-) -> None:
+def add_symmetry_breaking(prob: pulp.LpProblem, form: CountForm, pb: PartitionProblem) -> None:
     """Count form, several stages per rank: blocks(a) >= blocks(b) for consecutive block-only stages a < b
     of one rank, neither the rank's first (whose backward hides the gradient sync): swapping their
     contents changes no term."""
+    cand, ranks, modes = pb.cand, pb.ranks, pb.modes
     S = cand.stages
     for r in range(cand.pp):
         mine = [s for s in range(S) if ranks[s] == r]
@@ -97,12 +95,12 @@ def add_stage_cuts(
     prob: pulp.LpProblem,
     mx: Maxima,
     bounds: BlockBounds | IntervalBounds,
-    cand: Candidate,
-    modes: Modes,
+    pb: PartitionProblem,
     mode_vars: ModeVars,
 ) -> None:
     """Z >= the bound's least largest stage (per mode with several stages per rank, modes that cannot fit
     memory excluded: y[0, r] = 0)."""
+    cand, modes = pb.cand, pb.modes
     allowed = bounds.rank_max if isinstance(bounds, BlockBounds) else bounds.stage_max
     if cand.virtual_stages == 1:
         prob += mx.Z >= min(bounds.stage_max.values()) * RELAX
@@ -114,11 +112,11 @@ def add_stage_cuts(
 
 
 def add_rank_maxima(
-    prob: pulp.LpProblem, mx: Maxima, ex: StageExprs, cand: Candidate, ranks: list[int], bb: BlockBounds | None,
-    modes: Modes, mode_vars: ModeVars,
+    prob: pulp.LpProblem, mx: Maxima, ex: StageExprs, pb: PartitionProblem, bb: BlockBounds | None, mode_vars: ModeVars
 ) -> None:
     """Interleaved and zero-bubble: Y >= sum_{s on r} T_s, p Y >= sum_s T_s; zero-bubble F >= fwd_s; with
     the block bound's cuts on Y and F."""
+    cand, ranks, modes = pb.cand, pb.ranks, pb.modes
     if cand.schedule in ("gpipe", "1f1b"):
         return
     S = cand.stages
@@ -136,12 +134,10 @@ def add_rank_maxima(
             prob += F >= pulp.lpSum(mode_vars[0, r] * bb.fwd_max[r] * RELAX for r in modes if r in bb.fwd_max)
 
 
-def add_tail(
-    prob: pulp.LpProblem, ex: StageExprs, cand: Candidate, cluster: ClusterSpec, options: CostOptions, dtype: str,
-    ranks: list[int], costs: list[UnitCost],
-) -> Any:
+def add_tail(prob: pulp.LpProblem, ex: StageExprs, pb: PartitionProblem) -> Any:
     """tail >= e_r + step_r, e_r >= sum_{s on r} sync_s - window(first stage of r), e_r >= 0; the cut
     tail >= the optimizer step of the unit with the most parameters. Returns the tail variable."""
+    cand, cluster, options, dtype, ranks, costs = pb.cand, pb.cluster, pb.options, pb.dtype, pb.ranks, pb.costs
     S = cand.stages
     tail = pulp.LpVariable("tail", lowBound=0)
     for r in range(cand.pp):
@@ -158,10 +154,11 @@ def add_tail(
 
 
 def add_joint_cut(
-    prob: pulp.LpProblem, mx: Maxima, tail: Any, bb: BlockBounds, cand: Candidate, modes: Modes, mode_vars: ModeVars
+    prob: pulp.LpProblem, mx: Maxima, tail: Any, bb: BlockBounds, pb: PartitionProblem, mode_vars: ModeVars
 ) -> None:
     """The block bound's joint minimum of the maxima terms plus the tail: (m-1) Z + tail >= J (one stage
     per rank), m Y + (p-1) Z|F + tail >= sum_r y[0, r] J_r (several)."""
+    cand, modes = pb.cand, pb.modes
     if cand.virtual_stages == 1:
         prob += (cand.num_micro_batches - 1) * mx.Z + tail >= min(bb.joint.values()) * RELAX
         return
@@ -171,20 +168,20 @@ def add_joint_cut(
     )
 
 
-def objective(mx: Maxima, tail: Any, ex: StageExprs, cand: Candidate, cluster: ClusterSpec) -> Any:
+def objective(mx: Maxima, tail: Any, ex: StageExprs, pb: PartitionProblem) -> Any:
     """`terms.pipeline_time` on (sum_s T_s, Z, Y, F, sum_s p2p_s) plus the tail: the cost model's
     `iteration_linear` with its maxima replaced by their epigraph variables."""
+    cand, cluster = pb.cand, pb.cluster
     p2p = [p2p_time(ex.boundary[s], cand, cluster) for s in range(cand.stages - 1)]
     return pipeline_time(cand, pulp.lpSum(mx.T), mx.Z, mx.Y, mx.F, pulp.lpSum(p2p)) + tail
 
 
-def add_memory(
-    prob: pulp.LpProblem, ex: StageExprs, cand: Candidate, cluster: ClusterSpec, options: CostOptions,
-    state: StateBytes, ranks: list[int], costs: list[UnitCost],
-) -> None:
+def add_memory(prob: pulp.LpProblem, ex: StageExprs, pb: PartitionProblem) -> None:
     """Per rank r: rank_peak_bytes(sum_{s on r} states_s + buffers_s, k_r * act) + the NCCL buffers of the
     candidate's process groups (`terms.comm_reserve_bytes`) <= capacity, with act the stage's activations (one
     stage per rank) or A_r >= act_s of each of the rank's stages (several)."""
+    cand, cluster, options, ranks, costs = pb.cand, pb.cluster, pb.options, pb.ranks, pb.costs
+    state = model_state_bytes_per_param(pb.dtype, cand.zero_stage, cand.dp)
     S = cand.stages
     largest = max(c.largest_param_bytes for c in costs)
     cap = cluster.gpu.memory_bytes

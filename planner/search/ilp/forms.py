@@ -14,12 +14,11 @@ from typing import Any
 
 import pulp
 
-from planner.cost.model import Candidate, UnitCost
-from planner.model.graph import ModelGraph
+from planner.search.problem import PartitionProblem, Run
+from planner.search.problem import block_run as block_run  # the count form's run, exported by planner.search.ilp
 
 Expr = Any  # pulp.LpAffineExpression or LpVariable (pulp has no type information)
 Partition = list[list[int]]
-Run = tuple[int, int, int]
 Modes = tuple[str, ...]
 ModeVars = dict[tuple[int, str], Any]  # y[s, r]: stage s runs recomputation mode r
 
@@ -36,26 +35,6 @@ class StageExprs:
     # parameters as the data-parallel ring counts them (`UnitCost.sync_params`: experts over dp/ep replicas)
     sync: list[Expr] = field(default_factory=list)
 
-
-def block_run(graph: ModelGraph) -> Run | None:
-    """(start, end, number of units) of the single run of identical units, when units are pre? run post?."""
-    sigs = [u.signature for u in graph.units]
-    n = len(sigs)
-    best = None
-    i = 0
-    while i < n:
-        j = i
-        while j + 1 < n and sigs[j + 1] == sigs[i]:
-            j += 1
-        if best is None or (j - i) > (best[1] - best[0]):
-            best = (i, j)
-        i = j + 1
-    if best is None:
-        return None
-    start, end = best
-    if start > 1 or end < n - 2 or end - start + 1 < 2:
-        return None
-    return start, end, n
 
 
 def count_partition(counts: list[int], run: Run) -> Partition:
@@ -91,15 +70,8 @@ class CountForm:
     has_blocks: Any = None
     name: str = "count"
 
-    def build(
-        self,
-        prob: pulp.LpProblem,
-        graph: ModelGraph,
-        cand: Candidate,
-        costs: list[UnitCost],
-        modes: Modes,
-        mode_vars: ModeVars,
-    ) -> StageExprs:
+    def build(self, prob: pulp.LpProblem, pb: PartitionProblem, mode_vars: ModeVars) -> StageExprs:
+        graph, cand, costs, modes = pb.graph, pb.cand, pb.costs, pb.modes
         start, end, n = self.run
         S, L = cand.stages, end - start + 1
         blk = costs[start]
@@ -170,15 +142,8 @@ class IntervalForm:
     x: dict[tuple[int, int, int, str], Any] = field(default_factory=dict)
     name: str = "interval"
 
-    def build(
-        self,
-        prob: pulp.LpProblem,
-        graph: ModelGraph,
-        cand: Candidate,
-        costs: list[UnitCost],
-        modes: Modes,
-        mode_vars: ModeVars,
-    ) -> StageExprs:
+    def build(self, prob: pulp.LpProblem, pb: PartitionProblem, mode_vars: ModeVars) -> StageExprs:
+        graph, cand, costs, modes = pb.graph, pb.cand, pb.costs, pb.modes
         S, U, ivars = cand.stages, len(costs), self.ivars
         c_fwd = _prefix(c.fwd for c in costs)
         c_par = _prefix(c.params_local for c in costs)
@@ -234,15 +199,8 @@ class AssignForm:
     w: dict[tuple[int, int, str], Any] = field(default_factory=dict)
     name: str = "assign"
 
-    def build(
-        self,
-        prob: pulp.LpProblem,
-        graph: ModelGraph,
-        cand: Candidate,
-        costs: list[UnitCost],
-        modes: Modes,
-        mode_vars: ModeVars,
-    ) -> StageExprs:
+    def build(self, prob: pulp.LpProblem, pb: PartitionProblem, mode_vars: ModeVars) -> StageExprs:
+        graph, cand, costs, modes = pb.graph, pb.cand, pb.costs, pb.modes
         S, U = cand.stages, len(costs)
         z = self.z = {(u, s): pulp.LpVariable(f"z_{u}_{s}", cat="Binary") for u in range(U) for s in range(S)}
         w = self.w = {

@@ -49,8 +49,7 @@ import numpy as np
 import numpy.typing as npt
 
 from planner.cost.memory import model_state_bytes_per_param
-from planner.cost.model import Candidate, CostOptions, UnitCost
-from planner.cost.placement import stage_rank
+from planner.cost.model import Candidate, UnitCost
 from planner.cost.schedules import rank_in_flight_microbatches
 from planner.cost.terms import (
     comm_buffer_bytes,
@@ -64,9 +63,7 @@ from planner.cost.terms import (
     sync_overlap_window,
     zero3_gather_time,
 )
-from planner.hardware.spec import ClusterSpec
-from planner.model.graph import ModelGraph
-from planner.search.bounds import IntervalTables
+from planner.search.problem import PartitionProblem
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.intp]
@@ -202,20 +199,12 @@ class _Children:
 class _Search:
     """The precomputed tables of one candidate (per mode where they depend on it) and the node expansion."""
 
-    def __init__(
-        self,
-        graph: ModelGraph,
-        cluster: ClusterSpec,
-        cand: Candidate,
-        costs: list[UnitCost],
-        modes: tuple[str, ...],
-        options: CostOptions,
-        tables: IntervalTables,
-    ) -> None:
+    def __init__(self, pb: PartitionProblem) -> None:
+        graph, cluster, cand, costs, modes, options = pb.graph, pb.cluster, pb.cand, pb.costs, pb.modes, pb.options
+        tables, dtype = pb.tables, pb.dtype
         U, S, p, m = len(costs), cand.stages, cand.pp, cand.num_micro_batches
         self.U, self.S, self.p, self.m, self.modes = U, S, p, m, modes
-        dtype = graph.source.dtype
-        self.ranks = [stage_rank(cand.schedule, p, cand.virtual_stages, s) for s in range(S)]
+        self.ranks = pb.ranks
         self.first = [self.ranks.index(r) for r in range(p)]  # each rank's first stage (its sync hides there)
         self.active = [sorted(set(self.ranks[s:])) for s in range(S + 1)]  # ranks with a stage from s on
         self.params = _span([c.params_local for c in costs])
@@ -441,13 +430,7 @@ class _Search:
 
 
 def solve_ranks(
-    graph: ModelGraph,
-    cluster: ClusterSpec,
-    cand: Candidate,
-    costs: list[UnitCost],
-    modes: tuple[str, ...],
-    options: CostOptions,
-    tables: IntervalTables,
+    pb: PartitionProblem,
     limit: float | None,
     incumbent: tuple[list[list[int]], list[str], float] | None = None,
     max_nodes: int | None = MAX_NODES,
@@ -455,7 +438,8 @@ def solve_ranks(
     """The least objective below ``limit`` (None: no limit) over the partitions that fit memory, one
     recomputation mode for every stage, ``incumbent`` a known plan (partition, recomputation, objective) to
     beat; past ``max_nodes`` the best plan found and a valid lower bound (see the module docstring)."""
-    bb = _Search(graph, cluster, cand, costs, modes, options, tables)
+    cand, costs, modes = pb.cand, pb.costs, pb.modes
+    bb = _Search(pb)
     best_obj = INF if limit is None else limit
     best: tuple[list[list[int]], list[str], float] | None = None
     if incumbent is not None and incumbent[2] < best_obj:

@@ -9,18 +9,10 @@ from dataclasses import dataclass
 
 import pulp
 
-from planner.cost.memory import model_state_bytes_per_param
-from planner.cost.model import Candidate, CostOptions, UnitCost
-from planner.cost.placement import stage_rank
-from planner.cost.terms import rank_capacity
-from planner.hardware.spec import ClusterSpec
-from planner.model.graph import ModelGraph
 from planner.names import SolveStatus
 from planner.search.bounds import (
     BlockBounds,
     IntervalBounds,
-    IntervalTables,
-    Totals,
     block_bound,
     comm_bound,
     interval_bound,
@@ -36,15 +28,13 @@ from planner.search.ilp.forms import (
     CountForm,
     Form,
     IntervalForm,
-    Modes,
     Partition,
-    Run,
-    block_run,
     count_partition,
 )
 from planner.search.ilp.ranks import MAX_NODES, RanksResult, solve_ranks
 from planner.search.ilp.ranks import applies as ranks_applies
 from planner.search.ilp.tailcut import TailFloor, tail_floor
+from planner.search.problem import PartitionProblem, Run
 
 log = logging.getLogger(__name__)
 OBJ_SCALE = 1e6
@@ -68,12 +58,7 @@ class ILPResult:
 
 
 def solve_partition(
-    graph: ModelGraph,
-    cluster: ClusterSpec,
-    cand: Candidate,
-    costs: list[UnitCost],
-    modes: tuple[str, ...],
-    options: CostOptions,
+    pb: PartitionProblem,
     time_limit: float | None = None,
     force_form: str | None = None,
     max_nodes: int | None = None,
@@ -90,17 +75,17 @@ def solve_partition(
     `bounds`: that function's result when the caller has it already. `bb_nodes`: the nodes the branch and
     bound for several stages per rank (`ranks.solve_ranks`) may expand (None: no limit).
     """
-    U = len(graph.units)
+    cand, modes = pb.cand, pb.modes
+    U = len(pb.graph.units)
     S = cand.stages
     if S > U:
         return ILPResult("infeasible", None, None, None)
     if S == 1:
-        return _single_stage(graph, cluster, cand, costs, modes, options)
-    run = block_run(graph)
+        return _single_stage(pb)
+    run = pb.run
     kind = force_form or ("count" if run is not None else None)
     if kind == "count" and run is None:
         kind = "assign"
-    dtype = graph.source.dtype
     ib = None
     floor: TailFloor | None = None
     start_sol = None
@@ -110,24 +95,22 @@ def solve_partition(
         form = CountForm(run)
     else:
         # Any unit sequence: the interval bound (cut and start), then the intervals an optimal plan can use.
+        # (the tables are the problem's own: `interval_bound` computed the given bounds from them)
         given = bounds if isinstance(bounds, IntervalBounds) else None
-        tables = (
-            given.tables if given and given.tables else IntervalTables.of(graph, costs, cand, cluster, options, modes)
-        )
         if cuts:
-            ib = given or interval_bound(graph, costs, cand, cluster, options, modes, tables)
+            ib = given or interval_bound(pb)
             if ib is None:
                 return ILPResult("infeasible", None, None, None, form=kind or "interval")
-            start_sol = _best_start(graph, cluster, cand, costs, options, ib.starts)
+            start_sol = _best_start(pb, ib.starts)
         limits = [v for v in (cutoff, start_sol[2] if start_sol else None) if v is not None]
-        tot_ = Totals.of(costs, modes)
+        tot_ = pb.totals
         work = tot_.work if cand.virtual_stages == 1 else cand.num_micro_batches * tot_.work / cand.pp
-        rest = work + comm_bound(graph, cand, cluster) + tail_bound(tot_, cand, cluster, dtype, options)
+        rest = work + comm_bound(pb) + tail_bound(pb)
         if cuts and force_form is None and start_sol is not None and cand.virtual_stages == 1:
             # One stage per rank: the objective is at least work + p2p + (m-1) Z + tail, each term at least
             # its bound; a start that reaches that sum is optimal without branching.
-            comm = comm_bound(graph, cand, cluster)
-            floor = tail_floor(tables, costs, cand, cluster, options, modes, dtype, start_sol[2] - work - comm)
+            comm = comm_bound(pb)
+            floor = tail_floor(pb, start_sol[2] - work - comm)
             if floor is not None and start_sol[2] <= (work + comm + floor.joint) * (1 + 1e-9):
                 part, rec, obj = start_sol
                 if cutoff is not None and obj >= cutoff * (1 + 1e-9):
@@ -135,23 +118,23 @@ def solve_partition(
                 return ILPResult("optimal", obj, part, rec, form=kind or "interval", start=(part, rec))
         if force_form is None and chain_applies(cand):
             # one stage per rank: the exact dynamic program (chain.py) instead of CBC, unless it gives up
-            low = work + comm_bound(graph, cand, cluster) + (floor.joint if floor is not None else 0.0)
+            low = work + comm_bound(pb) + (floor.joint if floor is not None else 0.0)
             limit = None if cutoff is None else cutoff * (1 + 1e-9)
-            got = solve_chain(graph, cluster, cand, costs, modes, options, tables, limit, start_sol, low)
+            got = solve_chain(pb, limit, start_sol, low)
             log.debug("%s: chain %s, %d shortest paths", cand.label(), got and got.objective, got and got.paths)
-            done = _chain_result(graph, cluster, cand, costs, options, got, cutoff, start_sol)
+            done = _chain_result(pb, got, cutoff, start_sol)
             if done is not None:
                 return done
         if force_form is None and cuts and ranks_applies(cand):
             # several stages per rank: the branch and bound (ranks.py) instead of CBC
             limit = None if cutoff is None else cutoff * (1 + 1e-9)
-            got_r = solve_ranks(graph, cluster, cand, costs, modes, options, tables, limit, start_sol, bb_nodes)
+            got_r = solve_ranks(pb, limit, start_sol, bb_nodes)
             log.debug("%s: ranks %s, %d nodes", cand.label(), got_r.objective, got_r.nodes)
-            done = _ranks_result(graph, cluster, cand, costs, options, got_r, cutoff, start_sol)
+            done = _ranks_result(pb, got_r, cutoff, start_sol)
             if done is not None:
                 return done
         # the intervals an optimal plan can use, for CBC (the dynamic programs above need none)
-        ivars = interval_vars(tables, cand, modes, U, min(limits) if limits else None, rest)
+        ivars = interval_vars(pb, min(limits) if limits else None, rest)
         if not all(ivars.values()):
             return ILPResult(
                 "cutoff" if cutoff is not None else "infeasible", None, None, None, form=kind or "interval"
@@ -163,39 +146,35 @@ def solve_partition(
     bb = None
     if isinstance(form, CountForm) and cuts:
         given_bb = bounds if isinstance(bounds, BlockBounds) else None
-        bb = given_bb or block_bound(graph, costs, cand, cluster, options, modes, form.run)
+        bb = given_bb or block_bound(pb)
         if bb is None:
             return ILPResult("infeasible", None, None, None, form=form.name)
 
     prob = pulp.LpProblem("partition", pulp.LpMinimize)
-    mode_vars = rows.add_mode_choice(prob, cand, modes)
-    ex = form.build(prob, graph, cand, costs, modes, mode_vars)
-    ranks = [stage_rank(cand.schedule, cand.pp, cand.virtual_stages, s) for s in range(S)]
-    mx = rows.add_stage_maxima(prob, ex, cand, cluster, dtype)
+    mode_vars = rows.add_mode_choice(prob, pb)
+    ex = form.build(prob, pb, mode_vars)
+    mx = rows.add_stage_maxima(prob, ex, pb)
     if isinstance(form, CountForm) and cand.virtual_stages > 1:
-        rows.add_symmetry_breaking(prob, form, cand, ranks, modes)
+        rows.add_symmetry_breaking(prob, form, pb)
     for cut in (bb, ib):
         if cut is not None:
-            rows.add_stage_cuts(prob, mx, cut, cand, modes, mode_vars)
-    rows.add_rank_maxima(prob, mx, ex, cand, ranks, bb, modes, mode_vars)
-    tail = rows.add_tail(prob, ex, cand, cluster, options, dtype, ranks, costs)
+            rows.add_stage_cuts(prob, mx, cut, pb, mode_vars)
+    rows.add_rank_maxima(prob, mx, ex, pb, bb, mode_vars)
+    tail = rows.add_tail(prob, ex, pb)
     if floor is not None:
         prob += tail >= floor.tail * rows.RELAX
         if cand.num_micro_batches > 1:
             prob += (cand.num_micro_batches - 1) * mx.Z + tail >= floor.joint * rows.RELAX
     if bb is not None:
-        rows.add_joint_cut(prob, mx, tail, bb, cand, modes, mode_vars)
+        rows.add_joint_cut(prob, mx, tail, bb, pb, mode_vars)
     # In microseconds: CBC's absolute tolerances (1e-7 .. 1e-10) would otherwise be coarse next to
     # iteration times of a few milliseconds, and near-ties could come out in the wrong order.
-    prob += OBJ_SCALE * rows.objective(mx, tail, ex, cand, cluster)
-    state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
-    rows.add_memory(prob, ex, cand, cluster, options, state, ranks, costs)
+    prob += OBJ_SCALE * rows.objective(mx, tail, ex, pb)
+    rows.add_memory(prob, ex, pb)
 
     if isinstance(form, CountForm):
-        tries = _count_starts(cand, costs, modes, form.run, bb.starts if bb else [])
-        start_sol = _best_start(
-            graph, cluster, cand, costs, options, [(count_partition(c, form.run), r) for c, r in tries]
-        )
+        tries = _count_starts(pb, form.run, bb.starts if bb else [])
+        start_sol = _best_start(pb, [(count_partition(c, form.run), r) for c, r in tries])
     warm = start_sol is not None and form.warm_start(start_sol[0], start_sol[1], modes, mode_vars)
     status, res_status = _solve_cbc(prob, time_limit, max_nodes, cutoff, warm)
     if status is not None:
@@ -208,11 +187,7 @@ def solve_partition(
 
 
 def _chain_result(
-    graph: ModelGraph,
-    cluster: ClusterSpec,
-    cand: Candidate,
-    costs: list[UnitCost],
-    options: CostOptions,
+    pb: PartitionProblem,
     got: ChainResult | None,
     cutoff: float | None,
     start_sol: tuple[Partition, list[str], float] | None,
@@ -224,19 +199,15 @@ def _chain_result(
         return None
     if got.partition is None or got.recompute is None:
         return ILPResult("cutoff" if cutoff is not None else "infeasible", None, None, None, form="chain")
-    ev = evaluate(graph, cluster, cand, got.partition, got.recompute, costs, options)
-    if max(ev.rank_memory.values()) > rank_capacity(cluster, cand):
+    ev = evaluate(pb, got.partition, got.recompute)
+    if max(ev.rank_memory.values()) > pb.capacity:
         return None
     start = None if start_sol is None else (start_sol[0], start_sol[1])
     return ILPResult("optimal", ev.objective, got.partition, got.recompute, form="chain", start=start)
 
 
 def _ranks_result(
-    graph: ModelGraph,
-    cluster: ClusterSpec,
-    cand: Candidate,
-    costs: list[UnitCost],
-    options: CostOptions,
+    pb: PartitionProblem,
     got: RanksResult,
     cutoff: float | None,
     start_sol: tuple[Partition, list[str], float] | None,
@@ -251,8 +222,8 @@ def _ranks_result(
                 "cutoff" if cutoff is not None else "infeasible", None, None, None, form="ranks", nodes=got.nodes
             )
         return ILPResult("not_solved", None, None, None, form="ranks", low=got.low, nodes=got.nodes)
-    ev = evaluate(graph, cluster, cand, got.partition, got.recompute, costs, options)
-    if max(ev.rank_memory.values()) > rank_capacity(cluster, cand):
+    ev = evaluate(pb, got.partition, got.recompute)
+    if max(ev.rank_memory.values()) > pb.capacity:
         return None
     status: SolveStatus = "optimal" if got.proven else "node_limit"
     return ILPResult(
@@ -288,28 +259,17 @@ def _solve_cbc(
     return None, "optimal"
 
 
-def _single_stage(
-    graph: ModelGraph,
-    cluster: ClusterSpec,
-    cand: Candidate,
-    costs: list[UnitCost],
-    modes: Modes,
-    options: CostOptions,
-) -> ILPResult:
+def _single_stage(pb: PartitionProblem) -> ILPResult:
     """One stage: the partition is forced, so only the recomputation mode is chosen, by evaluation."""
-    part = [list(range(len(graph.units)))]
-    best = _best_start(graph, cluster, cand, costs, options, [(part, [mode]) for mode in modes])
+    part = [list(range(len(pb.graph.units)))]
+    best = _best_start(pb, [(part, [mode]) for mode in pb.modes])
     if best is None:
         return ILPResult("infeasible", None, None, None, form="single")
     return ILPResult("optimal", best[2], part, best[1], form="single")
 
 
 def _count_starts(
-    cand: Candidate,
-    costs: list[UnitCost],
-    modes: Modes,
-    run: Run,
-    extra: Iterable[tuple[list[int], list[str]]] = (),
+    pb: PartitionProblem, run: Run, extra: Iterable[tuple[list[int], list[str]]] = ()
 ) -> list[tuple[list[int], list[str]]]:
     """Block counts per stage and recomputation per stage to try as CBC's start in the count form.
 
@@ -317,6 +277,7 @@ def _count_starts(
     prefix and suffix; equal block counts, which balances ranks when one rank holds both ends, as in the
     V schedule), plus `extra` (built from the bound's relaxation).
     """
+    cand, costs, modes = pb.cand, pb.costs, pb.modes
     start, end, n = run
     L, S = end - start + 1, cand.stages
     pre, post = list(range(0, start)), list(range(end + 1, n))
@@ -341,21 +302,17 @@ def _count_starts(
 
 
 def _best_start(
-    graph: ModelGraph,
-    cluster: ClusterSpec,
-    cand: Candidate,
-    costs: list[UnitCost],
-    options: CostOptions,
-    starts: Iterable[tuple[Partition, list[str]]],
+    pb: PartitionProblem, starts: Iterable[tuple[Partition, list[str]]]
 ) -> tuple[Partition, list[str], float] | None:
     """(partition, recomputation, objective) of the fitting candidate partition with the lowest
     objective under the cost model (first of equals), or None."""
+    cand, cap = pb.cand, pb.capacity
     best: tuple[Partition, list[str], float] | None = None
     for part, rec in starts:
         if cand.virtual_stages > 1 and len(set(rec)) > 1:
             continue
-        ev = evaluate(graph, cluster, cand, part, rec, costs, options)
-        if max(ev.rank_memory.values()) <= rank_capacity(cluster, cand) and (best is None or ev.objective < best[2]):
+        ev = evaluate(pb, part, rec)
+        if max(ev.rank_memory.values()) <= cap and (best is None or ev.objective < best[2]):
             best = (part, rec, ev.objective)
     return best
 

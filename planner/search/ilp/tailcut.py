@@ -24,10 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.cost.model import Candidate, CostOptions, UnitCost
 from planner.cost.terms import dp_sync_time, linear_form, optimizer_step_time, sync_overlap_window
-from planner.hardware.spec import ClusterSpec
-from planner.search.bounds import IntervalTables
+from planner.search.problem import PartitionProblem
 
 
 @dataclass
@@ -42,19 +40,13 @@ class TailFloor:
 MAX_JOINT_STEPS = 64
 
 
-def tail_floor(
-    tables: IntervalTables,
-    costs: list[UnitCost],
-    cand: Candidate,
-    cluster: ClusterSpec,
-    options: CostOptions,
-    modes: tuple[str, ...],
-    dtype: str,
-    limit: float | None = None,
-) -> TailFloor | None:
+def tail_floor(pb: PartitionProblem, limit: float | None = None) -> TailFloor | None:
     """tau* and the joint bound J = min over partitions of (m-1) max_s T_s + max_s tau_s (see the module
     docstring), or None with several stages per rank or when no partition fits. ``limit``: an upper bound
     on J (a feasible plan's (m-1) Z + tail); only stage maxima that could beat it are tried."""
+    tables, costs, cand, cluster, options, modes, dtype = (
+        pb.tables, pb.costs, pb.cand, pb.cluster, pb.options, pb.modes, pb.dtype
+    )
     if cand.virtual_stages != 1:
         return None
     U, S, m = len(costs), cand.stages, cand.num_micro_batches

@@ -1,0 +1,189 @@
+"""One candidate's partition problem: the inputs every bound, form and solver of a stage partition reads.
+
+`PartitionProblem` carries the model, the cluster, the candidate, its unit costs, the recomputation modes
+searched and the cost options, and derives once (cached properties) what several steps share: the
+whole-model `Totals`, the `IntervalTables` over unit intervals, the run of identical blocks (`run`) and
+the pp rank of each stage (`ranks`). It is passed as the one argument through `planner.search.bounds`,
+`planner.search.ilp`, `planner.search.pathbound`, `planner.search.reference` and `evaluate`, as PyTorch's
+autoparallel keeps its problem on one `ShardingOptimizer`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from planner.cost.memory import model_state_bytes_per_param
+from planner.cost.model import Candidate, CostOptions, UnitCost
+from planner.cost.placement import stage_rank
+from planner.cost.schedules import in_flight_microbatches
+from planner.cost.terms import (
+    comm_buffer_bytes,
+    linear_form,
+    memory_budget,
+    model_state_bytes,
+    rank_capacity,
+    zero3_gather_time,
+)
+from planner.hardware.spec import ClusterSpec
+from planner.model.graph import ModelGraph
+from planner.names import RECOMPUTE_MODES
+
+FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
+Run = tuple[int, int, int]
+
+
+@dataclass(frozen=True, eq=False)
+class PartitionProblem:
+    """The stage partition (and recomputation) problem of one candidate. Frozen: the derived properties
+    are computed at most once. `shared_totals`: the `Totals` of another problem with the same costs and
+    modes, when the caller has them (the search shares them over candidates of one (tp, mbs, sp))."""
+
+    graph: ModelGraph
+    cluster: ClusterSpec
+    cand: Candidate
+    costs: list[UnitCost]
+    modes: tuple[str, ...] = RECOMPUTE_MODES  # the recomputation modes a solver chooses from (evaluate reads none)
+    options: CostOptions = field(default_factory=CostOptions)
+    shared_totals: Totals | None = field(default=None, repr=False)
+
+    @property
+    def dtype(self) -> str:
+        return self.graph.source.dtype
+
+    @property
+    def capacity(self) -> float:
+        """The bytes a rank may use (`terms.rank_capacity`)."""
+        return rank_capacity(self.cluster, self.cand)
+
+    @functools.cached_property
+    def totals(self) -> Totals:
+        return self.shared_totals or Totals.of(self.costs, self.modes)
+
+    @functools.cached_property
+    def tables(self) -> IntervalTables:
+        return IntervalTables.of(self)
+
+    @functools.cached_property
+    def run(self) -> Run | None:
+        """The single run of identical blocks (`block_run`), None when the units are not transformer-shaped."""
+        return block_run(self.graph)
+
+    @functools.cached_property
+    def ranks(self) -> list[int]:
+        """The pp rank of each stage."""
+        c = self.cand
+        return [stage_rank(c.schedule, c.pp, c.virtual_stages, s) for s in range(c.stages)]
+
+    def with_costs(self, cand: Candidate, costs: list[UnitCost]) -> PartitionProblem:
+        """The same model, cluster, modes and options for another candidate and its costs."""
+        return PartitionProblem(self.graph, self.cluster, cand, costs, self.modes, self.options)
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Whole-model sums of unit costs that the simple bound needs (shared by candidates with the same
+    tp, micro-batch size and sequence parallelism)."""
+
+    work: float  # forward + cheapest backward
+    fwd: float
+    params: float
+    sync: float  # parameters as the data-parallel ring counts them (`UnitCost.sync_params`)
+    act: float  # cheapest activation bytes per micro-batch
+    bwd_max: float  # most expensive backward (the widest overlap window)
+
+    @classmethod
+    def of(cls, costs: list[UnitCost], modes: tuple[str, ...]) -> Totals:
+        return cls(
+            work=sum(c.fwd + min(c.bwd[r] for r in modes) for c in costs),
+            fwd=sum(c.fwd for c in costs),
+            params=sum(c.params_local for c in costs),
+            sync=sum(c.sync_params for c in costs),
+            act=sum(min(c.act[r] for r in modes) for c in costs),
+            bwd_max=sum(max(c.bwd.values()) for c in costs),
+        )
+
+
+
+def gather_coefficients(cand: Candidate, cluster: ClusterSpec, dtype: str) -> tuple[float, float] | None:
+    """(g, c): a stage's ZeRO-3 weight gathers per micro-batch take g * params + c, the linear form of
+    `planner.cost.terms.zero3_gather_time`; None without ZeRO-3 over more than one replica."""
+    if cand.zero_stage != 3 or cand.dp <= 1:
+        return None
+    return linear_form(lambda x: zero3_gather_time(x, cand, cluster, dtype))
+
+
+
+@dataclass
+class IntervalTables:
+    """Per unit interval [i, j) (matrices indexed [i, j]): time per mode, forward time, ZeRO-3 gathers,
+    and with one stage per rank whether the ILP's memory row fits at stage s in mode r."""
+
+    t: dict[str, np.ndarray]
+    fwd: np.ndarray
+    gather: np.ndarray
+    valid: np.ndarray  # j > i
+    mem_ok: dict[tuple[int, str], np.ndarray]
+
+    @classmethod
+    def of(cls, pb: PartitionProblem) -> IntervalTables:
+        graph, costs, cand, cluster, options, modes = pb.graph, pb.costs, pb.cand, pb.cluster, pb.options, pb.modes
+        U, S, p, m = len(costs), cand.stages, cand.pp, cand.num_micro_batches
+        dtype = pb.dtype
+
+        def pre(xs: list[float]) -> FloatArray:
+            return np.concatenate([[0.0], np.cumsum(xs)])
+
+        def span(c: FloatArray) -> FloatArray:  # span[i, j] = sum over units i..j-1
+            out: FloatArray = c[None, :] - c[:, None]
+            return out
+
+        params = span(pre([c.params_local for c in costs]))
+        act = {r: span(pre([c.act[r] for c in costs])) for r in modes}
+        gc = gather_coefficients(cand, cluster, dtype)
+        synced = span(pre([c.sync_params for c in costs]))
+        gather = gc[0] * synced + gc[1] if gc is not None else np.zeros_like(params)
+        mem_ok: dict[tuple[int, str], BoolArray] = {}
+        if cand.virtual_stages == 1:
+            state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
+            budget = memory_budget(rank_capacity(cluster, cand), options)
+            largest = max(c.largest_param_bytes for c in costs)
+            out_bytes = np.array([0.0] + [u.output_bytes for u in graph.units])  # [j]: unit j-1's output
+            for s in range(S):
+                k = in_flight_microbatches(cand.schedule, p, m, 1, s)
+                buf = comm_buffer_bytes(out_bytes[None, :] if s < S - 1 else 0.0, cand, options, largest)
+                for r in modes:
+                    mem_ok[s, r] = model_state_bytes(params, state) + buf + k * act[r] <= budget
+        return cls(
+            t={r: span(pre([c.fwd + c.bwd[r] for c in costs])) for r in modes},
+            fwd=span(pre([c.fwd for c in costs])),
+            gather=gather,
+            valid=np.triu(np.ones((U + 1, U + 1), dtype=bool), 1),
+            mem_ok=mem_ok,
+        )
+
+
+
+def block_run(graph: ModelGraph) -> Run | None:
+    """(start, end, number of units) of the single run of identical units, when units are pre? run post?."""
+    sigs = [u.signature for u in graph.units]
+    n = len(sigs)
+    best = None
+    i = 0
+    while i < n:
+        j = i
+        while j + 1 < n and sigs[j + 1] == sigs[i]:
+            j += 1
+        if best is None or (j - i) > (best[1] - best[0]):
+            best = (i, j)
+        i = j + 1
+    if best is None:
+        return None
+    start, end = best
+    if start > 1 or end < n - 2 or end - start + 1 < 2:
+        return None
+    return start, end, n
