@@ -233,6 +233,9 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
             for mbs in divisors(per_replica):
                 if pins.micro_batch_size is not None and mbs != pins.micro_batch_size:
                     continue
+                if mbs < graph.min_micro_batch:
+                    rej[(f"mbs={mbs}", MIN_MICRO_BATCH_REFUSAL.format(least=graph.min_micro_batch))] += 1
+                    continue
                 m = per_replica // mbs
                 if m > MAX_MICRO_BATCHES:
                     rej[
@@ -348,6 +351,14 @@ def ep_granularity(graph: ModelGraph) -> int:
         if u.ep_granularity:
             g = gcd(g, u.ep_granularity)
     return g
+
+
+# Why a micro-batch below the model's smallest (ModelGraph.min_micro_batch) is refused.
+MIN_MICRO_BATCH_REFUSAL = (
+    "the model's batch norm sees one value per channel in a sample and computes its training statistics over the "
+    "micro-batch, so it needs at least {least} samples per micro-batch (PyTorch raises 'Expected more than 1 value "
+    "per channel when training' otherwise); use --micro-batch-size {least} or more"
+)
 
 
 # Why ep > 1 with tp > 1 is refused, and what running it would take.
