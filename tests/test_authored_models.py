@@ -135,3 +135,25 @@ def test_batch_norm_counts_are_per_sample():
     block = next(u for u in graph.units if u.kind == "block")
     assert block.matmul_flops == 2 * 64 * 64
     assert block.input_bytes == 64 * 4
+
+
+# --- sequence parallelism needs a sequence --------------------------------------------------------------------
+
+
+def test_no_sequence_parallelism_without_a_sequence():
+    """A recommender's inputs are [batch, 13] dense features and [batch, 4] table ids: tp2 x dp2 plans with sequence
+    parallelism off (it used to be chosen, and the plan-time check then refused every candidate), and a pin of it is
+    refused with the reason."""
+    plan = planned(dry_run(AUTHORED / "recommender.py", *LAYOUTS["tp2xdp2"]))
+    assert plan["parallel"]["tp"] == 2 and plan["parallel"]["sequence_parallel"] is False
+    assert not any(r["region"] == "tp=2 without sp" for r in plan["rejected"])
+    refused(dry_run(AUTHORED / "recommender.py", *LAYOUTS["tp2xdp2"], "--sequence-parallel"),
+            "tp=2 with sp", "no sequence dimension", "(13)")
+
+
+def test_a_language_model_keeps_its_sequence():
+    from planner.model.analysis import analyse_model
+    from planner.model.load import load_model_file
+
+    assert analyse_model(load_model_file(AUTHORED / "hf_llama_default.py")).has_sequence
+    assert not analyse_model(load_model_file(AUTHORED / "recommender.py")).has_sequence

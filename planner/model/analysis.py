@@ -87,6 +87,7 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
     params_by_name = dict(model.named_parameters())
     buffers = tuple(model.buffers())
     state_ids = {id(t) for t in (*params_by_name.values(), *buffers)}
+    sequence = has_sequence(inputs, captured, out, state_ids)
     names = ModuleNames.of(model)
     root_attrs: dict[int, list[str]] = {}
     for n, u in node_unit.items():
@@ -201,12 +202,33 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
         tokens_per_sample=tokens,
         sample_input_shapes=[[1, *t.shape[1:]] if t.dim() else [] for t in inputs],
         min_micro_batch=min_micro_batch,
+        has_sequence=sequence,
         distinct_blocks=len(analysed),
         structure=structure.found,
         source_spec=getattr(loaded.module, "SOURCE", None) if _compiled(loaded) else None,
         source_settings=dict(getattr(loaded.module, "SETTINGS", {})) if _compiled(loaded) else loaded.settings,
         dtype_bytes=dtype_bytes,
     )
+
+
+def has_sequence(inputs: tuple, captured: dict[int, tuple], out, state_ids: set[int]) -> bool:
+    """Whether the model has a sequence for sequence parallelism to split: dimension 1 of the first input, carried
+    by the activations between units (or the output) as their dimension 1 with features after it ([batch, seq,
+    hidden]), as the generated script's rewrite expects. False where nothing does: a recommender's [batch, 13]
+    dense features, an image's channels."""
+    import torch
+
+    first = inputs[0]
+    if first.dim() < 2:
+        return False
+    seq = int(first.shape[1])
+    model_inputs = {id(t) for t in inputs} | state_ids
+    values = [a for args in captured.values() for a in flatten_tensors(args)] + flatten_tensors(out)
+    found = any(
+        isinstance(t, torch.Tensor) and id(t) not in model_inputs and t.dim() >= 3 and t.shape[1] == seq
+        for t in values
+    )
+    return found
 
 
 def trace_batch(model) -> int:

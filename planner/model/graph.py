@@ -125,6 +125,11 @@ class ModelGraph(_Model):
         None, description="sequence length when the inputs are integer tokens, else None"
     )
     sample_input_shapes: list[list[int]] = Field(description="shapes of example_inputs(1)")
+    has_sequence: bool = Field(
+        True, description="the activations carry dimension 1 of the first input as their dimension 1 ([batch, seq, "
+        "...]): the sequence that sequence parallelism splits; False where the model has none (a recommender's "
+        "dense features)"
+    )
     min_micro_batch: int = Field(
         1, description="the smallest micro-batch the model accepts in training: 2 where a batch norm sees one value "
         "per channel in a sample (its statistics need two)"
