@@ -9,6 +9,7 @@ import json
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch  # noqa: F401 - see tests/test_cli.py: torch's log handlers bind to the real stderr
 from typer.testing import CliRunner
 
@@ -157,3 +158,28 @@ def test_a_language_model_keeps_its_sequence():
 
     assert analyse_model(load_model_file(AUTHORED / "hf_llama_default.py")).has_sequence
     assert not analyse_model(load_model_file(AUTHORED / "recommender.py")).has_sequence
+
+
+# --- fp32 islands under bf16 ----------------------------------------------------------------------------------
+
+
+def test_an_fp32_island_traces_under_the_runs_mixed_precision():
+    """A diffusion UNet's timestep embedding is computed in fp32 on purpose and fed to a Linear: under bf16 the
+    analysis gives the Linear its input in bf16, as autocast and FSDP2's input cast do, instead of refusing it."""
+    import torch.nn.functional as F
+
+    from planner.model.analysis import analyse_model
+    from planner.model.counting import mixed_precision_mode
+    from planner.model.load import load_model_file
+
+    x = torch.empty(2, 4, 8, 8, device="meta")
+    w = torch.empty(4, 4, 3, 3, device="meta", dtype=torch.bfloat16)
+    b = torch.empty(4, device="meta", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="should be the same"):
+        F.conv2d(x, w, b)
+    with mixed_precision_mode(torch.bfloat16):
+        assert F.conv2d(x, w, b).dtype == torch.bfloat16
+        assert F.linear(x.flatten(1), torch.empty(4, 256, device="meta", dtype=torch.bfloat16)).dtype == torch.bfloat16
+    graph = analyse_model(load_model_file(AUTHORED / "diffusion_unet.py", dtype="bf16"))
+    assert graph.structure == ["4 x ResBlock in blocks (ModuleList)"]
+    assert graph.total_params == sum(u.params for u in graph.units)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
-from planner.model.counting import Counts, analyse_callable, flatten_tensors, tensor_bytes
+from planner.model.counting import Counts, analyse_callable, flatten_tensors, mixed_precision_mode, tensor_bytes
 from planner.model.graph import ModelGraph, TPPair, Unit
 from planner.model.grouping import (
     discover_structure,
@@ -18,7 +18,7 @@ from planner.model.grouping import (
     structure_key,
     unit_name,
 )
-from planner.model.load import DTYPE_BYTES, LoadedModel, build_meta_model, meta_inputs
+from planner.model.load import DTYPE_BYTES, LoadedModel, build_meta_model, meta_inputs, torch_dtype
 from planner.model.moe import correct_counts, ep_granularity, expert_storages, unit_moe_layers
 from planner.model.tp import ModuleNames, TPInfo, constant_inputs, renamer, tp_info
 from planner.model.trace import lazy_graph_modules, trace_model
@@ -34,6 +34,7 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
     meta_without_dynamo()  # meta elementwise kernels would import torch._dynamo (planner.runtime.meta)
     model = build_meta_model(loaded)
     batch = trace_batch(model)
+    compute = torch_dtype(loaded.source.dtype)
     inputs = meta_inputs(loaded, batch)
     n_in = model_input_count(model, len(inputs))
     structure = discover_structure(model)
@@ -44,7 +45,8 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
         with lazy_graph_modules():
             parts = split_module(gm, model, lambda n: node_unit[n], keep_original_order=True)
         keys = {i: structure_key(model, g, blocks) for i, g in enumerate(groups)}
-        out, captured, sigs = run_units_once(parts, inputs[:n_in], keys)
+        with mixed_precision_mode(compute):
+            out, captured, sigs = run_units_once(parts, inputs[:n_in], keys)
         return groups, node_unit, parts, out, captured, sigs
 
     with _batch_norm_inputs(model) as norm_inputs:
@@ -118,9 +120,9 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                 analysed[sig] = Counts()
             else:
                 tagged = frozenset(expert_storages(model, moe))
-                analysed[sig] = per_sample(
-                    analyse_callable(sub, args, list(unit_params.values()), seq, buffers, tagged), batch
-                )
+                with mixed_precision_mode(compute):
+                    counts = analyse_callable(sub, args, list(unit_params.values()), seq, buffers, tagged)
+                analysed[sig] = per_sample(counts, batch)
                 correct_counts(analysed[sig], moe, seq or 1)  # routed expert work, counted from the structure
                 tp_by_sig[sig] = (group, tp_per_sample(
                     tp_info(sub, args, model, names, constant_inputs(parts, i), traced.method), batch
