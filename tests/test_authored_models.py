@@ -183,3 +183,47 @@ def test_an_fp32_island_traces_under_the_runs_mixed_precision():
     graph = analyse_model(load_model_file(AUTHORED / "diffusion_unet.py", dtype="bf16"))
     assert graph.structure == ["4 x ResBlock in blocks (ModuleList)"]
     assert graph.total_params == sum(u.params for u in graph.units)
+
+
+# --- PyTorch's own transformer modules ------------------------------------------------------------------------
+
+
+def test_transformer_encoder_is_traced_as_a_container():
+    """nn.TransformerEncoder was one torch.fx leaf (every torch.nn module is): one unit, no pp, no tp pairs. Traced
+    through, each layer is a unit, every parameter is counted, and linear1 / linear2 are a tensor-parallel pair
+    (MultiheadAttention, whose q/k/v weights are one packed parameter, stays whole on each rank)."""
+    from planner.model.analysis import analyse_model
+    from planner.model.load import load_model_file
+
+    loaded = load_model_file(AUTHORED / "transformer_encoder_lm.py")
+    graph = analyse_model(loaded)
+    model = loaded.build()
+    assert [u.name for u in graph.units] == ["embed", *(f"encoder.layers.{i}" for i in range(4)), "head"]
+    assert graph.total_params == sum(p.numel() for p in model.parameters())
+    assert sum(u.params for u in graph.units) == graph.total_params
+    layer = graph.unit("encoder.layers.0")
+    assert [(p.column, p.row) for p in layer.tp_pairs] == [(["encoder.layers.0.linear1"], "encoder.layers.0.linear2")]
+    plan = planned(dry_run(AUTHORED / "transformer_encoder_lm.py", *LAYOUTS["pp2xdp2"]))
+    assert [s["units"] for s in plan["stages"]] == [["embed", "encoder.layers.0", "encoder.layers.1"],
+                                                    ["encoder.layers.2", "encoder.layers.3", "head"]]
+
+
+# --- every authored model in every layout ---------------------------------------------------------------------
+
+# (model, layout) -> what the refusal names; every other pair plans.
+REFUSED = {
+    ("batchnorm_mlp", "tp2xdp2"): "no Linear pairs",  # each Linear feeds a batch norm, not a partner Linear
+    ("clip_two_tower", "tp2xdp2"): "no Linear pairs",  # residual MLP blocks of one Linear each
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", sorted(p.stem for p in AUTHORED.glob("*.py")))
+def test_each_authored_model_plans_or_is_refused_with_a_physical_reason(name, layout):
+    result = dry_run(AUTHORED / f"{name}.py", *LAYOUTS[layout])
+    if (name, layout) in REFUSED:
+        refused(result, REFUSED[(name, layout)])
+        return
+    plan = planned(result)
+    wanted = {"dp4": (4, 1, 1), "pp2xdp2": (2, 1, 2), "tp2xdp2": (2, 2, 1)}[layout]
+    assert (plan["parallel"]["dp"], plan["parallel"]["tp"], plan["parallel"]["pp"]) == wanted
