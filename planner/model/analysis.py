@@ -6,7 +6,9 @@ and activations, tp.py its tensor-parallel pairs; grouping.py decides what the u
 
 from __future__ import annotations
 
-from planner.model.counting import Counts, analyse_callable, flatten_tensors, tensor_bytes
+import contextlib
+
+from planner.model.counting import Counts, analyse_callable, flatten_tensors, mixed_precision_mode, tensor_bytes
 from planner.model.graph import ModelGraph, TPPair, Unit
 from planner.model.grouping import (
     discover_structure,
@@ -16,7 +18,7 @@ from planner.model.grouping import (
     structure_key,
     unit_name,
 )
-from planner.model.load import DTYPE_BYTES, LoadedModel, build_meta_model, meta_inputs
+from planner.model.load import DTYPE_BYTES, LoadedModel, build_meta_model, meta_inputs, torch_dtype
 from planner.model.moe import correct_counts, ep_granularity, expert_storages, unit_moe_layers
 from planner.model.tp import ModuleNames, TPInfo, constant_inputs, renamer, tp_info
 from planner.model.trace import lazy_graph_modules, trace_model
@@ -31,7 +33,9 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
 
     meta_without_dynamo()  # meta elementwise kernels would import torch._dynamo (planner.runtime.meta)
     model = build_meta_model(loaded)
-    inputs = meta_inputs(loaded, 1)
+    batch = trace_batch(model)
+    compute = torch_dtype(loaded.source.dtype)
+    inputs = meta_inputs(loaded, batch)
     n_in = model_input_count(model, len(inputs))
     structure = discover_structure(model)
     roots, blocks = structure.roots, structure.blocks
@@ -41,11 +45,16 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
         with lazy_graph_modules():
             parts = split_module(gm, model, lambda n: node_unit[n], keep_original_order=True)
         keys = {i: structure_key(model, g, blocks) for i, g in enumerate(groups)}
-        out, captured, sigs = run_units_once(parts, inputs[:n_in], keys)
+        with mixed_precision_mode(compute):
+            out, captured, sigs = run_units_once(parts, inputs[:n_in], keys)
         return groups, node_unit, parts, out, captured, sigs
 
-    traced = trace_model(model, inputs[:n_in], loaded.source.path, check=split_and_run)
+    with _batch_norm_inputs(model) as norm_inputs:
+        traced = trace_model(model, inputs[:n_in], loaded.source.path, check=split_and_run)
     groups, node_unit, parts, out, captured, unit_sig = traced.checked
+    # A batch norm that sees one value per channel in a sample (BatchNorm1d on [batch, features]) refuses a
+    # batch of one in training: the smallest micro-batch the model accepts is then 2.
+    min_micro_batch = 2 if any(values == 1 for values in norm_inputs.values()) else 1
 
     dtype_bytes = DTYPE_BYTES[loaded.source.dtype]
     tokens = None
@@ -80,6 +89,7 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
     params_by_name = dict(model.named_parameters())
     buffers = tuple(model.buffers())
     state_ids = {id(t) for t in (*params_by_name.values(), *buffers)}
+    sequence = has_sequence(inputs, captured, out, state_ids)
     names = ModuleNames.of(model)
     root_attrs: dict[int, list[str]] = {}
     for n, u in node_unit.items():
@@ -110,17 +120,21 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                 analysed[sig] = Counts()
             else:
                 tagged = frozenset(expert_storages(model, moe))
-                analysed[sig] = analyse_callable(sub, args, list(unit_params.values()), seq, buffers, tagged)
+                with mixed_precision_mode(compute):
+                    counts = analyse_callable(sub, args, list(unit_params.values()), seq, buffers, tagged)
+                analysed[sig] = per_sample(counts, batch)
                 correct_counts(analysed[sig], moe, seq or 1)  # routed expert work, counted from the structure
-                tp_by_sig[sig] = (group, tp_info(sub, args, model, names, constant_inputs(parts, i), traced.method))
+                tp_by_sig[sig] = (group, tp_per_sample(
+                    tp_info(sub, args, model, names, constant_inputs(parts, i), traced.method), batch
+                ))
         c = analysed[sig]
         n_params = sum(p.numel() for p in unit_params.values())
         act = sum(c.saved.values())
         core = sum(v for k, v in c.saved.items() if k in c.attention_core)
         # What enters per sample: torch.export lifts parameters and buffers into inputs, which are not
         # activations (full recompute keeps the unit's input, not its weights).
-        in_bytes = sum(tensor_bytes(a) for a in args if isinstance(a, torch.Tensor) and id(a) not in state_ids)
-        out_bytes = sum(sizes.get(v, 0) for v, p in produced.items() if p <= i < last_use.get(v, -1))
+        in_bytes = sum(tensor_bytes(a) for a in args if isinstance(a, torch.Tensor) and id(a) not in state_ids) // batch
+        out_bytes = sum(sizes.get(v, 0) for v, p in produced.items() if p <= i < last_use.get(v, -1)) // batch
 
         first_group, info = tp_by_sig.get(sig, (group, TPInfo()))
         rename = renamer(first_group, group)
@@ -158,7 +172,9 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                 attention_core_bytes=core,
                 sdpa_score_bytes=c.sdpa_scores,
                 input_bytes=in_bytes,
-                output_bytes=out_bytes if i < len(groups) - 1 else sum(tensor_bytes(t) for t in flatten_tensors(out)),
+                output_bytes=(
+                    out_bytes if i < len(groups) - 1 else sum(tensor_bytes(t) for t in flatten_tensors(out)) // batch
+                ),
                 tp_pairs=tp_pairs,
                 tp_shardable_params=info.shard_params if styles else 0,
                 tp_gather_bytes=info.gather_bytes if i == len(groups) - 1 else 0,
@@ -186,13 +202,95 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
         units=units,
         total_params=sum(p.numel() for p in model.parameters()),
         tokens_per_sample=tokens,
-        sample_input_shapes=[list(t.shape) for t in inputs],
+        sample_input_shapes=[[1, *t.shape[1:]] if t.dim() else [] for t in inputs],
+        min_micro_batch=min_micro_batch,
+        has_sequence=sequence,
         distinct_blocks=len(analysed),
         structure=structure.found,
         source_spec=getattr(loaded.module, "SOURCE", None) if _compiled(loaded) else None,
-        source_settings=dict(getattr(loaded.module, "SETTINGS", {})) if _compiled(loaded) else {},
+        source_settings=dict(getattr(loaded.module, "SETTINGS", {})) if _compiled(loaded) else loaded.settings,
         dtype_bytes=dtype_bytes,
     )
+
+
+def has_sequence(inputs: tuple, captured: dict[int, tuple], out, state_ids: set[int]) -> bool:
+    """Whether the model has a sequence for sequence parallelism to split: dimension 1 of the first input, carried
+    by the activations between units (or the output) as their dimension 1 with features after it ([batch, seq,
+    hidden]), as the generated script's rewrite expects. False where nothing does: a recommender's [batch, 13]
+    dense features, an image's channels."""
+    import torch
+
+    first = inputs[0]
+    if first.dim() < 2:
+        return False
+    seq = int(first.shape[1])
+    model_inputs = {id(t) for t in inputs} | state_ids
+    values = [a for args in captured.values() for a in flatten_tensors(args)] + flatten_tensors(out)
+    found = any(
+        isinstance(t, torch.Tensor) and id(t) not in model_inputs and t.dim() >= 3 and t.shape[1] == seq
+        for t in values
+    )
+    return found
+
+
+def trace_batch(model) -> int:
+    """Samples in the batch the analysis traces and counts (its figures are then divided back to one sample):
+    2 where the model holds a batch norm in training mode, whose statistics are over the batch (one sample can
+    give one value per channel, which it refuses), else 1."""
+    from torch import nn
+
+    norms = (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    return 2 if any(m.training for m in norms) else 1
+
+
+def per_sample(c: Counts, batch: int) -> Counts:
+    """Counts of a ``batch``-sample run as per-sample figures (every counted op and saved tensor scales with the
+    batch; the weights' share of the memory-bound bytes is divided too, as it is read once per micro-batch)."""
+    if batch == 1:
+        return c
+    for name in ("fwd_flops", "fwd_matmul", "fwd_attention", "fwd_mem_bytes", "bwd_flops", "bwd_matmul",
+                 "bwd_attention", "bwd_mem_bytes", "tagged_fwd", "tagged_bwd"):
+        setattr(c, name, getattr(c, name) / batch)
+    c.saved = {k: v // batch for k, v in c.saved.items()}
+    c.sdpa_scores //= batch
+    return c
+
+
+def tp_per_sample(info: TPInfo, batch: int) -> TPInfo:
+    """TPInfo of a ``batch``-sample run as per-sample figures (the all-reduced and gathered bytes, the FLOPs)."""
+    if batch == 1:
+        return info
+    for pair in info.pairs:
+        pair.allreduce_bytes //= batch
+    info.shard_flops /= batch
+    info.unpaired_flops /= batch
+    info.gather_bytes //= batch
+    return info
+
+
+@contextlib.contextmanager
+def _batch_norm_inputs(model):
+    """Record, for each batch norm in training mode the analysis runs, the values per channel in one sample of its
+    input (the product of the sizes after the channel dimension): {module name: values}."""
+    import torch
+    from torch import nn
+
+    seen: dict[str, int] = {}
+
+    def hook(name):
+        def record(module, args):
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and not isinstance(x, torch.fx.Proxy) and x.dim() >= 2:
+                seen[name] = min(seen.get(name, x[0, 0].numel()), x[0, 0].numel())
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules()
+               if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _rename_text(rename, first: list[str], group: list[str], text: str) -> str:

@@ -6,14 +6,13 @@ the modules its import brought in (a sub-package, a sibling module) and the file
 opened (a YAML or JSON config), each with its sha256. An entry is used only when every one of them still has
 that digest; an analysis whose reads are not all known (its code opened a file for writing) is not cached.
 
-The key covers the model file's bytes (not its path: a source compiled into each plan directory hits, and
-the graph takes the path it was loaded from), the .py and .json files beside it (sibling imports, a compiled
-source's config.json), the function names, --model-arg values and dtype, the planner's version and the
-source of planner.model (the analysis itself), and the torch, transformers and torchtitan versions (what
-tracing, Hugging Face and torchtitan models depend on). Files live in ``$PLANNER_CACHE_DIR/analysis`` (default
-``~/.cache/planner/analysis``); ``PLANNER_NO_CACHE=1`` bypasses the cache. An unreadable or mismatched entry
-is ignored (and rewritten). The plan-time check's passes are remembered beside it (``checks/``).
-"""
+The key covers the model file's bytes (not its path: a source compiled into each plan directory hits, and the graph
+takes the path it was loaded from), the .py and .json files beside it (sibling imports, a compiled source's
+config.json), the function names, --model-arg values and dtype, the planner's version and the source of
+planner.model (the analysis itself) and of planner.runtime (its tracers), and the torch, transformers and torchtitan
+versions (what tracing, Hugging Face and torchtitan models depend on). Files live in ``$PLANNER_CACHE_DIR/analysis``
+(default ``~/.cache/planner/analysis``); ``PLANNER_NO_CACHE=1`` bypasses the cache. An unreadable or mismatched
+entry is ignored (and rewritten). The plan-time check's passes are remembered beside it (``checks/``)."""
 
 from __future__ import annotations
 
@@ -76,6 +75,8 @@ def analysis_key(source: ModelSource) -> str:
             "beside": _files_digest(beside),
             "planner": __version__,
             "planner.model": _files_digest(list(here.glob("*.py"))),
+            # the analysis traces and builds with the runtime's tracers, stages and model loading
+            "planner.runtime": _files_digest(list((here.parent / "runtime").glob("*.py"))),
             "torch": _version("torch"),
             "transformers": _version("transformers"),
             "torchtitan": _version("torchtitan"),  # torchtitan:MODEL sources build from its registry

@@ -245,6 +245,42 @@ def _gpu_kernels_mode(counts: Counts):
     return GpuKernelsMode()
 
 
+def mixed_precision_mode(dtype):
+    """While active, matmuls and convolutions take their fp32 floating inputs in ``dtype`` (bf16/fp16), as
+    torch.autocast and FSDP2's mixed precision (its input cast) give them on a GPU: a model that computes a value
+    in fp32 on purpose (a diffusion UNet's sinusoidal timestep embedding, `.float()`) and feeds it to a Linear
+    holding bf16 weights runs here as in the run, instead of failing on mixed dtypes. The cast is an op like any
+    other (counted). A null context for fp32."""
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    ops = {F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+           F.conv_transpose3d, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.Tensor.matmul,
+           torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.bmm, torch.einsum}
+
+    def cast(a):
+        if isinstance(a, torch.Tensor) and not isinstance(a, torch.fx.Proxy) and a.dtype == torch.float32:
+            return a.to(dtype)
+        return a
+
+    class MixedPrecisionMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in ops:
+                tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+                if any(t.dtype == dtype for t in tensors) and any(t.dtype == torch.float32 for t in tensors):
+                    args = tuple(cast(a) for a in args)
+                    kwargs = {k: cast(v) for k, v in kwargs.items()}
+            return func(*args, **kwargs)
+
+    return MixedPrecisionMode()
+
+
 def _storage_key(t) -> int:
     return t.untyped_storage()._cdata
 

@@ -125,13 +125,23 @@ class ModelGraph(_Model):
         None, description="sequence length when the inputs are integer tokens, else None"
     )
     sample_input_shapes: list[list[int]] = Field(description="shapes of example_inputs(1)")
+    has_sequence: bool = Field(
+        True, description="the activations carry dimension 1 of the first input as their dimension 1 ([batch, seq, "
+        "...]): the sequence that sequence parallelism splits; False where the model has none (a recommender's "
+        "dense features)"
+    )
+    min_micro_batch: int = Field(
+        1, description="the smallest micro-batch the model accepts in training: 2 where a batch norm sees one value "
+        "per channel in a sample (its statistics need two)"
+    )
     distinct_blocks: int = Field(description="number of distinct unit signatures analysed")
     structure: list[str] = Field(
         default_factory=list, description="the repeated blocks found and where, e.g. '12 x GPT2Block in transformer.h'"
     )
     source_spec: str | None = Field(None, description="the model source compiled into the model file (hf:NAME)")
     source_settings: dict[str, Any] = Field(
-        default_factory=dict, description="settings the compiled source applies (use_cache=False, sdpa ...)"
+        default_factory=dict, description="settings the compiled source applies (use_cache=False, sdpa ...), or "
+        "that the planner applies to the transformers models a model file builds"
     )
     dtype_bytes: int
 

@@ -38,6 +38,7 @@ class LoadedModel:
     input_ids: dict[int, int] = field(default_factory=dict)  # id(meta input tensor) -> its index
     input_refs: list[tuple] = field(default_factory=list)  # keeps those tensors alive so ids stay unique
     reads: Reads = field(default_factory=Reads)  # what the import read (planner.model.reads): the cache's inputs
+    settings: dict[str, Any] = field(default_factory=dict)  # Hugging Face training settings the build applied
 
 
 def torch_dtype(name: str):
@@ -235,7 +236,7 @@ def build_meta_model(loaded: LoadedModel):
     """
     import torch
 
-    from planner.runtime.model import no_init_on_meta
+    from planner.runtime.model import hf_training_settings, no_init_on_meta
 
     # No initialiser runs on a meta tensor: it would write nothing, and what it runs costs seconds to import.
     with torch.device("meta"), no_init_on_meta():
@@ -248,6 +249,7 @@ def build_meta_model(loaded: LoadedModel):
             f"{loaded.source.build_fn}() returned {type(model).__name__}, not a torch.nn.Module. Return the model."
         )
     _check_traceable(model, loaded.source.build_fn)
+    loaded.settings = hf_training_settings(model)  # as the generated script's build applies them
     model = model.to(torch_dtype(loaded.source.dtype))
     _check_input_dtypes(model, loaded)
     return model

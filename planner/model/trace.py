@@ -148,6 +148,9 @@ def trace_model(model, inputs: tuple, model_path: str, check=None) -> Traced:
         # the real cause, not the tracer's ability to follow control flow.
         raise
     except Exception as e:  # noqa: BLE001
+        own = _model_error(model, inputs, model_path)
+        if own is not None:
+            raise own from e
         where = _user_frame(e, Path(model_path))
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise TraceError(
@@ -158,3 +161,26 @@ def trace_model(model, inputs: tuple, model_path: str, check=None) -> Traced:
             "with tensor ops (torch.where) or move it out of forward()."
             + (f" Symbolic tracing had failed with {fx_error}." if fx_error else "")
         ) from e
+
+
+def _model_error(model, inputs: tuple, model_path: str) -> TraceError | None:
+    """The model's own error, when running it as written on the example inputs (meta tensors, no tracer) raises:
+    then the tracers failed because the model does, and the message quotes the model rather than guessing at
+    control flow. None when the model runs (the tracers' limits are the cause)."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    except PlannerError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the model's own error, quoted
+        where = _user_frame(e, Path(model_path))
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        shapes = ", ".join(str(list(t.shape)) for t in inputs if isinstance(t, torch.Tensor))
+        return TraceError(
+            f"The model raises when run as written on its example inputs (shapes {shapes}), before any tracer is "
+            f"involved ({type(e).__name__}" + (f" at {where}" if where else "") + f"): {first[:300]}"
+            + " Fix the model or example_inputs() so that model(*example_inputs(batch)) runs in training mode."
+        )
+    return None

@@ -133,6 +133,9 @@ def summary_panel(plan: Plan, params: int | None = None, timeline: str | Path | 
     if plan.source_spec:
         settings = ", ".join(f"{k}={v}" for k, v in sorted(plan.source_settings.items()))
         grid.add_row("Model source", plan.source_spec + (f" ({settings}, set by the planner)" if settings else ""))
+    elif plan.source_settings:  # a transformers model built in a model file gets the hf: source's training settings
+        settings = ", ".join(f"{k}={v}" for k, v in sorted(plan.source_settings.items()))
+        grid.add_row("Model settings", f"{settings} (transformers, set by the planner for training)")
     if plan.structure:
         grid.add_row("Units", "; ".join(plan.structure))
     if plan.tp_head_attrs:

@@ -165,7 +165,32 @@ def build_model(user: Any, spec: ModelFile, seed: int, everything_on_meta: bool)
         model = build(**spec.model_args)
     if not isinstance(model, nn.Module):
         raise RunError(f"{spec.build_fn}() returned {type(model).__name__}, not a torch.nn.Module: return the model.")
+    hf_training_settings(model)
     return model.train()
+
+
+# Attention implementations of transformers that the planner traces on meta and the script runs on any device.
+HF_TRACEABLE_ATTENTION = ("sdpa", "eager")
+
+
+def hf_training_settings(model: nn.Module) -> dict[str, Any]:
+    """Set what training needs on every transformers PreTrainedModel inside `model`, however the model file
+    built it (a default config ships use_cache=True): no KV cache and so no returned past, and an attention
+    implementation that traces (sdpa, or eager where the class has no sdpa path, as the hf: source sets; an
+    implementation chosen as sdpa or eager is kept). The settings set, for the plan to report; {} when the
+    model holds no PreTrainedModel. The planner's analysis and the generated script both build through here."""
+    settings: dict[str, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if not hf_owner(module) or config is None:
+            continue
+        config.use_cache = False
+        attention = getattr(config, "_attn_implementation", None)
+        if attention not in HF_TRACEABLE_ATTENTION:
+            attention = "eager" if getattr(module, "_supports_sdpa", True) is False else "sdpa"
+            config._attn_implementation = attention
+        settings = {"use_cache": False, "attn_implementation": attention}
+    return settings
 
 
 def default_init(name: str, p: torch.Tensor) -> None:

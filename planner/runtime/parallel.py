@@ -602,6 +602,9 @@ def apply_data_parallel(
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()  # CPU: fp32 throughout
+    # Scalar (0-dim) parameters, CLIP's logit_scale: FSDP2 shards a parameter along a dimension and refuses them,
+    # so they stay whole on every rank, outside FSDP, with their gradients averaged over dp here.
+    ignored = replicated_scalars(stage, dp_mesh) or None
     if layout.zero_stage == 0:
         if replicate is None:
             raise RunError(
@@ -610,7 +613,7 @@ def apply_data_parallel(
             )
         if replica_mesh is not None:
             apply_expert_data_parallel(stage, replica_mesh, layout, mp, False)
-        replicate(stage, mesh=dp_mesh, mp_policy=mp)
+        replicate(stage, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
         return
     # ZeRO-3 frees gathered weights after forward and gathers them again for backward; ZeRO-1/2 keep them
     # (with a pipeline, that also avoids an all-gather per micro-batch). Zero-bubble keeps them too: its
@@ -629,8 +632,27 @@ def apply_data_parallel(
     for i, unit in enumerate(units):
         params = [id(p) for p in unit.parameters()]
         if params and all(owners[p] == i for p in params):
-            fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+            fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored)
+    fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored)
+
+
+def replicated_scalars(stage: nn.Module, dp_mesh: DeviceMesh) -> set[nn.Parameter]:
+    """The stage's 0-dim parameters, kept whole on every rank (FSDP2 cannot shard them): each trainable one gets
+    its gradient averaged over the dp ranks after every accumulation into it (the average of the accumulated sum
+    equals the sum of the micro-batches' averages), as FSDP averages the others'. Returns them."""
+    scalars = {p for p in stage.parameters() if p.dim() == 0}
+    group = dp_mesh.get_group()
+    size = dp_mesh.size()
+
+    def average(p: torch.Tensor) -> None:
+        if p.grad is not None and size > 1:
+            dist.all_reduce(p.grad, group=group)  # SUM, then divide: gloo has no AVG
+            p.grad.div_(size)
+
+    for p in scalars:
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(average)
+    return scalars
 
 
 def parallelize(

@@ -60,6 +60,11 @@ class MetaTraceError(RuntimeError):
     """The model cannot be traced with meta values (the caller falls back to torch.export)."""
 
 
+# torch.nn modules traced as containers, not as one call (the MultiheadAttention inside each layer stays one).
+TRACED_THROUGH = (nn.TransformerEncoder, nn.TransformerDecoder, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+                  nn.Transformer)
+
+
 class BufferTracer(fx.Tracer):
     """torch.fx's tracer, recording buffers as get_attr nodes like parameters (by default a buffer's value
     would be frozen into the graph as a constant: here, a meta tensor with no data), with a tensor-name cache.
@@ -75,7 +80,13 @@ class BufferTracer(fx.Tracer):
         self.leaves = leaves  # qualified names of modules kept as one call (expert-parallel experts)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
+        if module_qualified_name in self.leaves:
+            return True
+        # torch.fx keeps every torch.nn module as one call; PyTorch's own transformer containers hold layers
+        # (units to cut between) and Linears (tensor-parallel pairs), so they are traced through.
+        if isinstance(m, TRACED_THROUGH):
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         self._names: dict[int, str] = {}

@@ -233,6 +233,9 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
             for mbs in divisors(per_replica):
                 if pins.micro_batch_size is not None and mbs != pins.micro_batch_size:
                     continue
+                if mbs < graph.min_micro_batch:
+                    rej[(f"mbs={mbs}", MIN_MICRO_BATCH_REFUSAL.format(least=graph.min_micro_batch))] += 1
+                    continue
                 m = per_replica // mbs
                 if m > MAX_MICRO_BATCHES:
                     rej[
@@ -296,8 +299,12 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                     )
                                 ] += 1
                                 continue
+                            no_sp = sequence_refusal(graph, tp)
                             for sp in (False, True) if tp > 1 else (False,):
                                 if pins.sequence_parallel is not None and sp != pins.sequence_parallel:
+                                    continue
+                                if sp and no_sp:
+                                    rej[(f"tp={tp} with sp", no_sp)] += 1
                                     continue
                                 # The generated script must be able to run what is costed (issue 10): refuse
                                 # what its tensor parallelism cannot shard in a traced stage, with the reason.
@@ -310,7 +317,7 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                     continue
                                 if (
                                     pins.sequence_parallel is None and tp > 1 and not sp and not traced_tp_refusal
-                                    and not meta_traced
+                                    and not meta_traced and not no_sp
                                 ):
                                     rej[
                                         (
@@ -348,6 +355,27 @@ def ep_granularity(graph: ModelGraph) -> int:
         if u.ep_granularity:
             g = gcd(g, u.ep_granularity)
     return g
+
+
+def sequence_refusal(graph: ModelGraph, tp: int) -> str | None:
+    """Why sequence parallelism cannot split this model's sequence over tp ranks; None if it can."""
+    seq = graph.sample_input_shapes[0][1] if len(graph.sample_input_shapes[0]) >= 2 else 0
+    if not graph.has_sequence or not seq:
+        return (
+            "the model has no sequence dimension for sequence parallelism to split: no activation is [batch, seq, "
+            f"...] with the first input's dimension 1 ({seq or 'none'}) as its seq"
+        )
+    if seq % tp:
+        return f"sequence parallelism splits the sequence ({seq}) over tp={tp} ranks, which must divide it"
+    return None
+
+
+# Why a micro-batch below the model's smallest (ModelGraph.min_micro_batch) is refused.
+MIN_MICRO_BATCH_REFUSAL = (
+    "the model's batch norm sees one value per channel in a sample and computes its training statistics over the "
+    "micro-batch, so it needs at least {least} samples per micro-batch (PyTorch raises 'Expected more than 1 value "
+    "per channel when training' otherwise); use --micro-batch-size {least} or more"
+)
 
 
 # Why ep > 1 with tp > 1 is refused, and what running it would take.

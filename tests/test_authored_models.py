@@ -1,0 +1,229 @@
+"""Models as their authors write them (issue 27): a default-config Hugging Face model in a model file, batch norm,
+PyTorch's own transformer modules, a recommender without a sequence, an fp32 island under bf16 and a scalar
+parameter. Each is planned for 4 CPU ranks with dp4, pp2 x dp2 and tp2 x dp2, and plans or is refused with a
+physical reason (never "the tracer could not"); the fixtures live in tests/fixtures/models/authored/."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch  # noqa: F401 - see tests/test_cli.py: torch's log handlers bind to the real stderr
+from typer.testing import CliRunner
+
+from cli.main import app
+
+AUTHORED = Path(__file__).resolve().parent / "fixtures" / "models" / "authored"
+CLUSTER = ["--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4", "--global-batch-size", "8"]
+LAYOUTS = {"dp4": ["--dp", "4"], "pp2xdp2": ["--pp", "2", "--dp", "2"], "tp2xdp2": ["--tp", "2", "--dp", "2"]}
+runner = CliRunner()
+
+
+def dry_run(model: Path | str, *args: str):
+    return runner.invoke(app, ["dry-run", str(model), *CLUSTER, *args, "--json"])
+
+
+def planned(result) -> dict:
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def refused(result, *needles: str) -> str:
+    """The one-paragraph message of an exit-2 result, which names each needle and blames no tracer."""
+    assert result.exit_code == 2, f"{result.exit_code}\n{result.output}\n{result.exception!r}"
+    assert "Traceback" not in result.output
+    message = result.stderr[result.stderr.rfind("Error: "):]
+    for needle in needles:
+        assert needle in message, message
+    assert "control flow" not in message and "tracer could not" not in message, message
+    return message
+
+
+# --- Hugging Face models built in a model file ----------------------------------------------------------------
+
+
+def test_default_config_hf_model_gets_the_training_settings():
+    """LlamaForCausalLM(LlamaConfig(...)) ships use_cache=True: its DynamicCache in the output stopped every
+    tracer. The planner sets no cache and a traceable attention on it, and says so, as the hf: source does."""
+    plan = planned(dry_run(AUTHORED / "hf_llama_default.py", *LAYOUTS["dp4"]))
+    assert plan["source_settings"] == {"use_cache": False, "attn_implementation": "sdpa"}
+    assert plan["source_spec"] is None
+    assert plan["structure"] == ["4 x LlamaDecoderLayer in model.layers (ModuleList)"]
+
+
+def test_the_generated_script_builds_with_the_same_settings():
+    """The runtime's build (train.py, the plan-time check) applies them too, to every PreTrainedModel inside the
+    model (here one wrapped in a plain nn.Module), replacing an attention that does not trace (flash attention)."""
+    import transformers
+    from torch import nn
+
+    from planner.runtime.model import hf_training_settings
+
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2)
+    with torch.device("meta"):
+        wrapper = nn.ModuleDict({"lm": transformers.LlamaForCausalLM(config)})
+    wrapper["lm"].config._attn_implementation = "flash_attention_2"
+    assert wrapper["lm"].config.use_cache
+    assert hf_training_settings(wrapper) == {"use_cache": False, "attn_implementation": "sdpa"}
+    assert wrapper["lm"].config.use_cache is False
+    assert wrapper["lm"].config._attn_implementation == "sdpa"
+    assert hf_training_settings(nn.Linear(2, 2)) == {}
+
+
+MISMATCH = """\
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.head = nn.Linear(9, 2)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return self.head(x)
+
+
+def build_model(**kwargs):
+    return Net()
+
+
+def example_inputs(batch_size, **kwargs):
+    return (torch.randn(batch_size, 8),)
+"""
+
+
+def test_the_models_own_error_is_quoted(tmp_path):
+    """A model that fails by itself (a Linear fed the wrong width) is reported as the model's error, with its
+    line, not as data-dependent control flow the tracers could not follow."""
+    model = tmp_path / "mismatch.py"
+    model.write_text(textwrap.dedent(MISMATCH))
+    message = refused(dry_run(model, "--dp", "4"), "raises when run as written", "[1, 8] X [9, 2]",
+                      "mismatch.py, line 14")
+    assert "data-dependent" not in message
+
+
+# --- batch norm ------------------------------------------------------------------------------------------------
+
+
+def test_batch_norm_traces_two_samples_and_never_plans_a_micro_batch_of_one():
+    """BatchNorm1d on [batch, features] refuses one sample in training: the trace takes two and divides its counts
+    back to one sample; the search keeps micro-batches of 2 or more, and a pin of 1 is refused with why."""
+    plan = planned(dry_run(AUTHORED / "batchnorm_mlp.py", *LAYOUTS["dp4"]))
+    assert plan["parallel"]["micro_batch_size"] == 2
+    assert plan["total_params"] == 32 * 64 + 64 + 4 * (64 * 64 + 64 + 2 * 64) + 64 * 10 + 10
+    for alternative in plan["alternatives"]:
+        assert alternative["parallel"]["micro_batch_size"] >= 2
+    assert any(r["region"] == "mbs=1" and "batch norm" in r["reason"] for r in plan["rejected"])
+    refused(dry_run(AUTHORED / "batchnorm_mlp.py", *LAYOUTS["dp4"], "--micro-batch-size", "1"),
+            "mbs=1", "one value per channel", "--micro-batch-size 2")
+
+
+def test_batch_norm_counts_are_per_sample():
+    """Traced at two samples, the figures are those of one: the Linear FLOPs of a sample are 2 x in x out."""
+    from planner.model.analysis import analyse_model
+    from planner.model.load import load_model_file
+
+    graph = analyse_model(load_model_file(AUTHORED / "batchnorm_mlp.py", dtype="fp32"))
+    assert graph.min_micro_batch == 2
+    assert graph.sample_input_shapes == [[1, 32]]
+    block = next(u for u in graph.units if u.kind == "block")
+    assert block.matmul_flops == 2 * 64 * 64
+    assert block.input_bytes == 64 * 4
+
+
+# --- sequence parallelism needs a sequence --------------------------------------------------------------------
+
+
+def test_no_sequence_parallelism_without_a_sequence():
+    """A recommender's inputs are [batch, 13] dense features and [batch, 4] table ids: tp2 x dp2 plans with sequence
+    parallelism off (it used to be chosen, and the plan-time check then refused every candidate), and a pin of it is
+    refused with the reason."""
+    plan = planned(dry_run(AUTHORED / "recommender.py", *LAYOUTS["tp2xdp2"]))
+    assert plan["parallel"]["tp"] == 2 and plan["parallel"]["sequence_parallel"] is False
+    assert not any(r["region"] == "tp=2 without sp" for r in plan["rejected"])
+    refused(dry_run(AUTHORED / "recommender.py", *LAYOUTS["tp2xdp2"], "--sequence-parallel"),
+            "tp=2 with sp", "no sequence dimension", "(13)")
+
+
+def test_a_language_model_keeps_its_sequence():
+    from planner.model.analysis import analyse_model
+    from planner.model.load import load_model_file
+
+    assert analyse_model(load_model_file(AUTHORED / "hf_llama_default.py")).has_sequence
+    assert not analyse_model(load_model_file(AUTHORED / "recommender.py")).has_sequence
+
+
+# --- fp32 islands under bf16 ----------------------------------------------------------------------------------
+
+
+def test_an_fp32_island_traces_under_the_runs_mixed_precision():
+    """A diffusion UNet's timestep embedding is computed in fp32 on purpose and fed to a Linear: under bf16 the
+    analysis gives the Linear its input in bf16, as autocast and FSDP2's input cast do, instead of refusing it."""
+    import torch.nn.functional as F
+
+    from planner.model.analysis import analyse_model
+    from planner.model.counting import mixed_precision_mode
+    from planner.model.load import load_model_file
+
+    x = torch.empty(2, 4, 8, 8, device="meta")
+    w = torch.empty(4, 4, 3, 3, device="meta", dtype=torch.bfloat16)
+    b = torch.empty(4, device="meta", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="should be the same"):
+        F.conv2d(x, w, b)
+    with mixed_precision_mode(torch.bfloat16):
+        assert F.conv2d(x, w, b).dtype == torch.bfloat16
+        assert F.linear(x.flatten(1), torch.empty(4, 256, device="meta", dtype=torch.bfloat16)).dtype == torch.bfloat16
+    graph = analyse_model(load_model_file(AUTHORED / "diffusion_unet.py", dtype="bf16"))
+    assert graph.structure == ["4 x ResBlock in blocks (ModuleList)"]
+    assert graph.total_params == sum(u.params for u in graph.units)
+
+
+# --- PyTorch's own transformer modules ------------------------------------------------------------------------
+
+
+def test_transformer_encoder_is_traced_as_a_container():
+    """nn.TransformerEncoder was one torch.fx leaf (every torch.nn module is): one unit, no pp, no tp pairs. Traced
+    through, each layer is a unit, every parameter is counted, and linear1 / linear2 are a tensor-parallel pair
+    (MultiheadAttention, whose q/k/v weights are one packed parameter, stays whole on each rank)."""
+    from planner.model.analysis import analyse_model
+    from planner.model.load import load_model_file
+
+    loaded = load_model_file(AUTHORED / "transformer_encoder_lm.py")
+    graph = analyse_model(loaded)
+    model = loaded.build()
+    assert [u.name for u in graph.units] == ["embed", *(f"encoder.layers.{i}" for i in range(4)), "head"]
+    assert graph.total_params == sum(p.numel() for p in model.parameters())
+    assert sum(u.params for u in graph.units) == graph.total_params
+    layer = graph.unit("encoder.layers.0")
+    assert [(p.column, p.row) for p in layer.tp_pairs] == [(["encoder.layers.0.linear1"], "encoder.layers.0.linear2")]
+    plan = planned(dry_run(AUTHORED / "transformer_encoder_lm.py", *LAYOUTS["pp2xdp2"]))
+    assert [s["units"] for s in plan["stages"]] == [["embed", "encoder.layers.0", "encoder.layers.1"],
+                                                    ["encoder.layers.2", "encoder.layers.3", "head"]]
+
+
+# --- every authored model in every layout ---------------------------------------------------------------------
+
+# (model, layout) -> what the refusal names; every other pair plans.
+REFUSED = {
+    ("batchnorm_mlp", "tp2xdp2"): "no Linear pairs",  # each Linear feeds a batch norm, not a partner Linear
+    ("clip_two_tower", "tp2xdp2"): "no Linear pairs",  # residual MLP blocks of one Linear each
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", sorted(p.stem for p in AUTHORED.glob("*.py")))
+def test_each_authored_model_plans_or_is_refused_with_a_physical_reason(name, layout):
+    result = dry_run(AUTHORED / f"{name}.py", *LAYOUTS[layout])
+    if (name, layout) in REFUSED:
+        refused(result, REFUSED[(name, layout)])
+        return
+    plan = planned(result)
+    wanted = {"dp4": (4, 1, 1), "pp2xdp2": (2, 1, 2), "tp2xdp2": (2, 2, 1)}[layout]
+    assert (plan["parallel"]["dp"], plan["parallel"]["tp"], plan["parallel"]["pp"]) == wanted
