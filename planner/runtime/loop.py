@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .checkpoint import Checkpointer, latest
-from .data import TokenFile, check_same_data
+from .data import Samples, SavedDataset, TokenFile, check_same_data, is_saved_dataset
 from .errors import RunError
 from .experts import ExpertParallel, shard_experts
 from .layout import Layout, ModelFile, Training
@@ -221,10 +221,14 @@ def parse_args(
     )
     parser.add_argument(
         "--data", type=Path, default=None, metavar="PATH",
-        help="a flat binary file of token ids (nanoGPT / Megatron-LM style) to train on instead of the model "
-        "file's batches (default: DATA_FILE at the top of train.py)",
+        help="a flat binary file of token ids (nanoGPT / Megatron-LM style), or a tokenized Hugging Face dataset "
+        "folder (save_to_disk), to train on instead of the model file's batches (default: DATA_FILE at the top "
+        "of train.py)",
     )
     parser.add_argument("--data-dtype", choices=["uint16", "uint32"], default=None, help="its token id type")
+    parser.add_argument(
+        "--data-column", default="input_ids", metavar="NAME", help="a dataset folder's token column (input_ids)"
+    )
     args = parser.parse_args(argv)
     if args.checkpoint_every < 0:
         parser.error(f"--checkpoint-every must be 0 or more, got {args.checkpoint_every}")
@@ -613,17 +617,20 @@ def run(
 
 def token_file(
     args: argparse.Namespace, training: Training, here: Path, example: tuple[torch.Tensor, ...]
-) -> TokenFile | None:
-    """The corpus the run reads (--data, else DATA_FILE relative to train.py's folder), if any."""
+) -> Samples | None:
+    """The corpus the run reads (--data, else DATA_FILE relative to train.py's folder), if any: a token file,
+    or a tokenized Hugging Face dataset saved with save_to_disk."""
     path = args.data if args.data is not None else (here / training.data_file if training.data_file else None)
     if path is None:
         return None
     if len(example) != 1 or example[0].is_floating_point() or example[0].dim() != 2:
         raise RunError(
-            f"--data {path}: a token file gives (batch, sequence) token ids, but this model takes "
+            f"--data {path}: a corpus gives (batch, sequence) token ids, but this model takes "
             f"{[tuple(t.shape) for t in example]} ({', '.join(str(t.dtype) for t in example)}). Write a get_batch in "
             "the model file that reads your data instead."
         )
+    if is_saved_dataset(Path(path)):
+        return SavedDataset(Path(path), args.data_column, example[0].shape[1], training.seed)
     return TokenFile(Path(path), args.data_dtype or training.data_dtype, example[0].shape[1], training.seed)
 
 

@@ -30,6 +30,9 @@ EVERY = 2  # the killed runs save every 2 steps
 LAYOUTS = {
     "dp4_zero3": lambda: make_plan("gpt", dp=4, zero_stage=3),
     "pp2_dp2_1f1b": lambda: make_plan("gpt", pp=2, dp=2, num_micro_batches=4),
+    "pp2_dp2_interleaved": lambda: make_plan(
+        "gpt", pp=2, dp=2, virtual_stages=2, schedule="interleaved-1f1b", num_micro_batches=4
+    ),
     "tp2_dp2": lambda: make_plan("gpt", tp=2, dp=2, num_micro_batches=4),
 }
 
@@ -207,3 +210,20 @@ def test_token_file_run_resumes_on_the_same_next_batch_and_refuses_other_data(tm
     other = subprocess.run([*two, "--resume", "checkpoints/step-00000002"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=TIMEOUT_S)
     assert other.returncode != 0 and "this run reads the model file's batches" in other.stderr, other.stderr[-3000:]
+
+
+def test_dataset_folder_run_resumes_on_the_same_next_batch(tmp_path):
+    """dp2 on a tokenized Hugging Face dataset (save_to_disk): resumed from step 2, steps 3-4 see the batches the
+    uninterrupted run saw."""
+    import random
+
+    datasets = pytest.importorskip("datasets")
+    rng = random.Random(0)
+    docs = [[rng.randrange(256) for _ in range(rng.randrange(5, 60))] for _ in range(60)]
+    datasets.Dataset.from_dict({"input_ids": docs}).save_to_disk(str(tmp_path / "corpus"))
+    write_scripts(make_plan("gpt", dp=2), tmp_path)
+    two = [TORCHRUN, "--standalone", "--nproc-per-node=2", "train.py", "--device", "cpu", "--steps", "4"]
+    run([*two, "--checkpoint-every", "2", "--sync-checkpoint", "--data", "corpus"], tmp_path)
+    whole = losses(tmp_path)
+    run([*two, "--resume", "checkpoints/step-00000002", "--data", "corpus"], tmp_path)
+    assert losses(tmp_path) == {3: whole[3], 4: whole[4]}
