@@ -540,8 +540,9 @@ def test_emit_renders_the_same_scripts_as_plan(planned, tmp_path):
     runtime = sorted(p.name for p in (planned / "planner_runtime").glob("*.py"))
     for name in runtime:
         assert (out / "planner_runtime" / name).read_bytes() == (planned / "planner_runtime" / name).read_bytes()
-    model = sorted(p.name for p in (planned / "model").glob("*.py"))  # the model file's copy
-    assert model and (out / "model" / model[0]).read_bytes() == (planned / "model" / model[0]).read_bytes()
+    # the model file's copy (with the configs beside it): the same files
+    model = sorted(p.relative_to(planned) for p in (planned / "model").rglob("*") if p.is_file())
+    assert model and all((out / p).read_bytes() == (planned / p).read_bytes() for p in model)
     assert runtime and f"Wrote {5 + len(runtime) + len(model)} files" in result.stdout
 
 
