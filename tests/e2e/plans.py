@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from pydantic import BaseModel
 
 from planner.model.graph import ModelSource
@@ -142,6 +143,13 @@ def reference_of(plan: Plan) -> Plan:
             "stages": [ref.stages[0].model_copy(update={"modules": [m for s in plan.stages for m in s.modules]})],
         }
     )
+
+
+def ci_cases(cases: dict, kept: set[str]) -> list:
+    """The parameters of a corpus of cases: those in `kept` run in CI; the others are marked `corpus` (another model
+    through a path the kept ones already train), run with `python -m pytest -m corpus`."""
+    assert kept <= set(cases), kept - set(cases)
+    return [pytest.param(c) if c in kept else pytest.param(c, marks=pytest.mark.corpus) for c in cases]
 
 
 def model_reads(path: str) -> list[str]:
