@@ -10,6 +10,9 @@ generators and the step, every CHECKPOINT_EVERY steps and at the end.
 - A folder `step-NNNNNNNN` is taken as a checkpoint only once its COMPLETE marker exists; rank 0 writes the
   marker (atomically) after DCP has written every rank's data and the metadata, so a save killed half-way
   is never resumed from (`latest` says which folders it skipped).
+- A fused projection that TP reorders (TP_FUSED: q | k | v rows interleaved per tp rank, parallel.interleave_fused)
+  is saved in the model's own row order (gathered, the tp permutation undone) and put back in this layout's on
+  load, weights and AdamW moments alike, so such a checkpoint resumes under another tp degree too.
 - Saves are asynchronous where torch supports it (dcp.async_save: the state is copied to CPU memory, then
   written by a thread while training goes on) over a gloo group of their own, so the save's collectives never
   interleave with the training's.
@@ -38,8 +41,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .errors import RunError
+from .parallel import chunk_shard_order
 
 COMPLETE = "COMPLETE"  # the marker file: written last, by rank 0, once the whole checkpoint is on disk
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -47,6 +52,26 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 _STAGE_PREFIX = re.compile(r"^(?:pieces\.\d+|model)\.")
 _OPTIM_PREFIX = re.compile(r"^(state|param_groups)\.(?:pieces\.\d+|model)\.")
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def fused_params(tp: int, tp_fused: dict[str, int], tp_transposed: Sequence[str]) -> dict[str, tuple[int, int, int]]:
+    """Model parameter key -> (dim, chunks, tp) of each fused projection's tensors TP reorders (tp > 1)."""
+    if tp <= 1:
+        return {}
+    out: dict[str, tuple[int, int, int]] = {}
+    for module, chunks in tp_fused.items():
+        out[f"{module}.weight"] = (1 if module in tp_transposed else 0, chunks, tp)
+        out[f"{module}.bias"] = (0, chunks, tp)
+    return out
+
+
+def _fqn(key: str) -> str:
+    """The parameter a model or flattened optimizer key is of (`state.blocks.0.qkv.weight.exp_avg` -> the weight)."""
+    return key[len("state.") :].rsplit(".", 1)[0] if key.startswith("state.") else key
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def step_dir(folder: Path, step: int) -> Path:
@@ -129,12 +154,14 @@ class Checkpointer:
         device: torch.device,
         asynchronous: bool = True,
         log: Callable[[str], None] = lambda _: None,
+        fused: dict[str, tuple[int, int, int]] | None = None,
     ) -> None:
         self.folder = folder
         self.stages, self.optimizers, self.schedulers = list(stages), list(optimizers), list(schedulers)
         self.device = device
         self.asynchronous = asynchronous
         self.log = log
+        self.fused = fused or {}  # fused_params(...): tensors saved in the model's order, not this layout's
         # A group of its own (gloo: DCP's collectives are object collectives, and async_save needs a CPU
         # backend), so that a save's thread never interleaves collectives with the training's.
         self.group = dist.new_group(backend="gloo")
@@ -153,8 +180,27 @@ class Checkpointer:
                 optim.setdefault(optimizer_key(k), v)
         return model, optim
 
+    def _reordered(self, key: str, value: Any) -> tuple[int, int, int] | None:
+        spec = self.fused.get(_fqn(key))
+        if spec is None or not isinstance(value, torch.Tensor) or value.dim() <= spec[0]:
+            return None  # not a fused tensor (or an optimizer's step count)
+        return spec
+
+    def _in_model_order(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Fused projections' tensors gathered and put in the model's row order (plain tensors: DCP keeps one)."""
+        out = dict(state)
+        for key, value in state.items():
+            spec = self._reordered(key, value)
+            if spec is not None:
+                dim, chunks, tp = spec
+                full = _full(value)
+                order = chunk_shard_order(full.shape[dim], chunks, tp).to(full.device)
+                out[key] = full.index_select(dim, torch.argsort(order)).detach().clone()
+        return out
+
     def _state(self, train: dict[str, Any]) -> dict[str, Any]:
         model, optim = self._model_and_optimizer()
+        model, optim = self._in_model_order(model), self._in_model_order(optim)
         return {
             "model": model,
             "optimizer": optim,
@@ -225,7 +271,23 @@ class Checkpointer:
                 f"{path} holds no optimizer state for {missing[:3]}: it was saved by another optimizer set-up. "
                 "Start from its weights with a fresh optimizer, or resume with the optimizer it was saved with."
             )
+        targets = {}  # fused tensors: loaded whole in the model's order, then put in this layout's
+        for part in ("model", "optimizer"):
+            for key, value in list(state[part].items()):
+                if self._reordered(key, value) is not None:
+                    targets[(part, key)] = value
+                    state[part][key] = torch.empty(value.shape, dtype=value.dtype, device=value.device)
         dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+        for (part, key), target in targets.items():
+            dim, chunks, tp = self.fused[_fqn(key)]
+            whole = state[part][key]
+            ours = whole.index_select(dim, chunk_shard_order(whole.shape[dim], chunks, tp).to(whole.device))
+            if isinstance(target, DTensor):
+                shard = distribute_tensor(ours, target.device_mesh, target.placements).to_local()
+                target.to_local().copy_(shard)
+            else:
+                target.copy_(ours)
+            state[part][key] = target
         for stage, optimizer in zip(self.stages, self.optimizers, strict=True):
             own_model = {k: state["model"][model_key(k)] for k in get_model_state_dict(stage, options=_OPTIONS)}
             set_model_state_dict(stage, own_model, options=_OPTIONS)

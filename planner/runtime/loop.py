@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .checkpoint import Checkpointer, latest
+from .checkpoint import Checkpointer, fused_params, latest
 from .data import Samples, SavedDataset, TokenFile, check_same_data, is_saved_dataset
 from .errors import RunError
 from .experts import ExpertParallel, shard_experts
@@ -466,7 +466,8 @@ def run(
     optimizers, schedulers = build_optimizers(stages, training, args.steps)
     loss_scale = LossScale(training.dtype == "fp16")  # fp16 trains with dynamic loss scaling; bf16 needs none
     checkpoints = Checkpointer(
-        args.checkpoint_dir.resolve(), stages, optimizers, schedulers, device, not args.sync_checkpoint, log0
+        args.checkpoint_dir.resolve(), stages, optimizers, schedulers, device, not args.sync_checkpoint, log0,
+        fused_params(layout.tp, layout.tp_fused, layout.tp_transposed),
     )
     start_step = 0
     batches_identity = {"kind": "batches", "micro_batch_size": layout.micro_batch_size}

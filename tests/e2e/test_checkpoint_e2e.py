@@ -227,3 +227,22 @@ def test_dataset_folder_run_resumes_on_the_same_next_batch(tmp_path):
     whole = losses(tmp_path)
     run([*two, "--resume", "checkpoints/step-00000002", "--data", "corpus"], tmp_path)
     assert losses(tmp_path) == {3: whole[3], 4: whole[4]}
+
+
+def test_a_fused_qkv_checkpoint_of_tp2_resumes_under_tp1(tmp_path):
+    """nanoGPT's fused c_attn, which TP reorders per rank (q | k | v of each rank's heads): a tp2 x dp2 checkpoint
+    holds it in the model's order, so a dp4 plan resumes from it on the tp2 run's trajectory (weights and AdamW
+    moments put back in each layout's order)."""
+    from e2e.test_tp_e2e import plan_cli
+
+    tp2, dp4 = tmp_path / "tp2", tmp_path / "dp4"
+    assert plan_cli("nanogpt", tp2 / "plan", "--tp", "2", "--dp", "2", "--no-sequence-parallel").exit_code == 0
+    assert plan_cli("nanogpt", dp4 / "plan", "--dp", "4", "--zero-stage", "3").exit_code == 0
+    assert json.loads((tp2 / "plan" / "plan.json").read_text())["tp_fused"]
+    run(command("--checkpoint-every", "3", "--sync-checkpoint"), tp2 / "plan")
+    whole = losses(tp2 / "plan")
+    run(command("--resume", str(tp2 / "plan" / "checkpoints" / "step-00000003")), dp4 / "plan")
+    got = losses(dp4 / "plan")
+    assert sorted(got) == [4, 5, 6]
+    for step, loss in got.items():
+        assert abs(loss - whole[step]) <= 1e-4, (step, got, whole)
