@@ -27,9 +27,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("cli",),
 ]
 RUNTIME_ALLOWED = {"torch", "numpy"}  # numpy: torch.distributed.pipelining needs it
-# Libraries of a format the runtime reads when a run asks for it (weights.py: a Hugging Face checkpoint), imported
-# inside the functions that use them (tests/test_runtime_package.py checks that no module imports them at load).
-RUNTIME_OPTIONAL = {"safetensors", "huggingface_hub"}
+# Libraries of a format the runtime reads when a run asks for it (weights.py: a Hugging Face checkpoint; data.py: a
+# `datasets` folder, read through pyarrow), imported inside the functions that use them (tests/test_runtime_package.py
+# checks that no module imports them at load).
+RUNTIME_OPTIONAL = {"safetensors", "huggingface_hub", "datasets", "pyarrow"}
 
 
 def module_name(path: Path) -> str:

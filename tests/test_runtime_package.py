@@ -14,7 +14,7 @@ RUNTIME = Path(__file__).resolve().parents[1] / "planner" / "runtime"
 
 
 def test_imports_only_the_standard_library_and_torch():
-    """At load, only the standard library and torch; a format's library (safetensors, huggingface_hub) only
+    """At load, only the standard library and torch; a format's library (safetensors, huggingface_hub, datasets) only
     inside the function that reads that format, so a run that does not ask for it never needs it."""
     allowed = set(sys.stdlib_module_names) | {"torch"}
     for name, text in runtime_files(RUNTIME).items():
@@ -32,7 +32,7 @@ def test_imports_only_the_standard_library_and_torch():
                 roots = [(node.module or "").split(".")[0]]
             else:
                 continue
-            optional = {"safetensors", "huggingface_hub"} if id(node) in lazy else set()
+            optional = {"safetensors", "huggingface_hub", "datasets", "pyarrow"} if id(node) in lazy else set()
             assert set(roots) <= allowed | optional, (name, roots)
 
 

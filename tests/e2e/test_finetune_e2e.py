@@ -64,7 +64,7 @@ def reference(tmp_path_factory):
     return get
 
 
-KEPT = {"frozen_embeddings_pp2_dp2", "lora_dp2_zero3", "lora_planned_tp2_dp2"}
+KEPT = {"frozen_embeddings_pp2_dp2", "lora_planned_tp2_dp2"}
 
 
 @pytest.mark.parametrize("case", ci_cases(CASES, KEPT))

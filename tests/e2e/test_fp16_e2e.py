@@ -41,7 +41,7 @@ def _train(plan: Plan, folder: Path, edit: tuple[str, str] | None = None) -> lis
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+@pytest.mark.parametrize("layout", ["dp2", pytest.param("pp2", marks=pytest.mark.corpus)])
 def test_fp16_with_loss_scaling_trains_like_fp32(layout, tmp_path):
     plan = make_plan("gpt", dp=2) if layout == "dp2" else make_plan("gpt", pp=2, num_micro_batches=4)
     fp32 = _train(plan, tmp_path / "fp32")

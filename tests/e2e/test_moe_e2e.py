@@ -43,7 +43,7 @@ CASES = {
 }
 
 
-KEPT = {"deepseek_v2_dp4_ep2", "deepseek_style_pp2_dp2_ep2", "mixtral_dp4_ep2"}
+KEPT = {"deepseek_v2_dp4_ep2", "deepseek_style_pp2_dp2_ep2"}
 
 
 @pytest.mark.parametrize("case", ci_cases(CASES, KEPT))
