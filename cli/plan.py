@@ -325,11 +325,13 @@ def run_search(
     from planner.pipeline import analyse, load_request_model, plan_model
 
     limit = DEFAULT_TIME_LIMIT_S if load_timeout is None else (load_timeout or None)
-    deadline = None if limit is None else time.monotonic() + limit
+    deadline: list[float] = []  # set when the model's code first runs: the planner's own start-up is not its time
     name = Path(request.model_path).name
 
     def guarded(what: str) -> AbstractContextManager[None]:  # the time left of the one limit
-        left = None if deadline is None else max(1e-3, deadline - time.monotonic())
+        if limit is not None and not deadline:
+            deadline.append(time.monotonic() + limit)
+        left = None if limit is None else max(1e-3, deadline[0] - time.monotonic())
         return user_code(request.model_path, what, left)
 
     def load() -> LoadedModel:
