@@ -63,3 +63,17 @@ def test_a_train_step_that_loses_the_loss_is_named(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "train_step returned no loss" in result.stderr, result.stderr[-3000:]
+
+
+def test_tensorboard_gets_the_steps_where_it_is_installed(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    write_scripts(make_plan("mlp"), tmp_path)
+    steps = _train(tmp_path, "--steps", "2")
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == [1, 2]
+    assert [e.value for e in loss] == pytest.approx([s["loss"] for s in steps], rel=1e-6)
+    assert "train/mfu" in events.Tags()["scalars"]
