@@ -51,28 +51,30 @@ def copied_model(path: str, reads: Iterable[str] = ()) -> tuple[str, Files]:
         file = Path(name)
         if file.is_file() and file.suffix != ".pyc":
             members.add(file.resolve())
-    members = {m for m in members if m == src or _small_text(m)}
-    root = Path(os.path.commonpath([str(m.parent) for m in members]))
+    texts = {m: _read(m) if m == src else _small_text(m) for m in members}
+    copied = {m: text for m, text in texts.items() if text is not None}
+    root = Path(os.path.commonpath([str(m.parent) for m in copied]))
     files: Files = {}
     model = ""
-    for member in sorted(members):
+    for member, text in sorted(copied.items()):
         rel = member.relative_to(root).as_posix()
         if member == src:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*\.py", src.name):
                 rel = member.parent.relative_to(root).joinpath("model_file.py").as_posix()  # an importable name
             model = f"{MODEL_DIR}/{rel}"
-        files[f"{MODEL_DIR}/{rel}"] = (_read(member), False)
+        files[f"{MODEL_DIR}/{rel}"] = (text, False)
     return model, files
 
 
-def _small_text(file: Path) -> bool:
+def _small_text(file: Path) -> str | None:
+    """The file's text where it is small UTF-8 text, else None (too large, unreadable or binary)."""
     try:
         if file.stat().st_size > MAX_COPIED_BYTES:
-            return False
+            return None
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
-        return False
-    return "\0" not in text  # a binary file that happens to decode
+        return None
+    return None if "\0" in text else text  # a binary file that happens to decode
 
 
 def copy_in_plan_folder(folder: Path) -> tuple[str, Files] | None:
@@ -97,8 +99,9 @@ def copy_in_plan_folder(folder: Path) -> tuple[str, Files] | None:
         return None
     files: Files = {}
     for member in sorted(p for p in tree.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
-        if _small_text(member):
-            files[member.relative_to(folder).as_posix()] = (_read(member), False)
+        text = _small_text(member)
+        if text is not None:
+            files[member.relative_to(folder).as_posix()] = (text, False)
     return model, files
 
 

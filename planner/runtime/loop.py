@@ -321,12 +321,14 @@ class Step:
         norm: Callable[[], torch.Tensor],
         grad_clip: float | None,
         loss_scale: LossScale | None = None,
+        params: list[nn.Parameter] | None = None,
     ) -> None:
         self.number, self.batches, self.stages = number, batches, stages
         self.optimizers, self.schedulers = optimizers, schedulers
         self._forward_backward, self._norm, self._grad_clip = forward_backward, norm, grad_clip
         self.loss_scale = loss_scale if loss_scale is not None else LossScale(False)
-        self._params = [p for stage in stages for p in stage.parameters()]
+        # this rank's parameters (the loop's list, built once; else collected from the stages)
+        self._params = params if params is not None else [p for stage in stages for p in stage.parameters()]
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, ...]] | None = None) -> torch.Tensor | None:
         """Forward and backward over the micro-batches (default: the step's), gradients accumulated and reduced
@@ -538,7 +540,7 @@ def run(
         ]
         step_loss, norm = train_step(Step(
             step, batches, stages, optimizers, schedulers, forward_backward, norm_of_gradients, training.grad_clip,
-            loss_scale,
+            loss_scale, params,
         ))
         if not has_last:
             step_loss = None  # only the last stage's ranks have the loss (a step may return something else)

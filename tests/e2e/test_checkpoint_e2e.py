@@ -195,6 +195,18 @@ def test_replan_to_half_the_ranks_resumes_and_keeps_training(tmp_path, uninterru
     assert (new / "checkpoints" / f"step-{STEPS:08d}" / "COMPLETE").is_file()
 
 
+def resumes_on_the_same_next_batch(folder: Path, data: str) -> list[str]:
+    """Train dp2 for 4 steps on `data` (checkpoints every 2), resume from step 2: steps 3-4 give the same losses.
+    Returns the command (without --resume and --data) for further runs."""
+    write_scripts(make_plan("gpt", dp=2), folder)
+    two = [TORCHRUN, "--standalone", "--nproc-per-node=2", "train.py", "--device", "cpu", "--steps", "4"]
+    run([*two, "--checkpoint-every", "2", "--sync-checkpoint", "--data", data], folder)
+    whole = losses(folder)
+    run([*two, "--resume", "checkpoints/step-00000002", "--data", data], folder)
+    assert losses(folder) == {3: whole[3], 4: whole[4]}
+    return two
+
+
 def test_token_file_run_resumes_on_the_same_next_batch_and_refuses_other_data(tmp_path):
     """dp2 on a flat uint16 token file: resumed from step 2, steps 3-4 read the batches the whole run read (the
     losses are equal); resumed without the file (the model's own batches), it is refused."""
@@ -203,12 +215,7 @@ def test_token_file_run_resumes_on_the_same_next_batch_and_refuses_other_data(tm
 
     rng = random.Random(0)
     (tmp_path / "corpus.bin").write_bytes(array.array("H", (rng.randrange(256) for _ in range(32 * 40))).tobytes())
-    write_scripts(make_plan("gpt", dp=2), tmp_path)
-    two = [TORCHRUN, "--standalone", "--nproc-per-node=2", "train.py", "--device", "cpu", "--steps", "4"]
-    run([*two, "--checkpoint-every", "2", "--sync-checkpoint", "--data", "corpus.bin"], tmp_path)
-    whole = losses(tmp_path)
-    run([*two, "--resume", "checkpoints/step-00000002", "--data", "corpus.bin"], tmp_path)
-    assert losses(tmp_path) == {3: whole[3], 4: whole[4]}
+    two = resumes_on_the_same_next_batch(tmp_path, "corpus.bin")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     other = subprocess.run([*two, "--resume", "checkpoints/step-00000002"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -224,12 +231,7 @@ def test_dataset_folder_run_resumes_on_the_same_next_batch(tmp_path):
     rng = random.Random(0)
     docs = [[rng.randrange(256) for _ in range(rng.randrange(5, 60))] for _ in range(60)]
     datasets.Dataset.from_dict({"input_ids": docs}).save_to_disk(str(tmp_path / "corpus"))
-    write_scripts(make_plan("gpt", dp=2), tmp_path)
-    two = [TORCHRUN, "--standalone", "--nproc-per-node=2", "train.py", "--device", "cpu", "--steps", "4"]
-    run([*two, "--checkpoint-every", "2", "--sync-checkpoint", "--data", "corpus"], tmp_path)
-    whole = losses(tmp_path)
-    run([*two, "--resume", "checkpoints/step-00000002", "--data", "corpus"], tmp_path)
-    assert losses(tmp_path) == {3: whole[3], 4: whole[4]}
+    resumes_on_the_same_next_batch(tmp_path, "corpus")
 
 
 def test_a_fused_qkv_checkpoint_of_tp2_resumes_under_tp1(tmp_path):
