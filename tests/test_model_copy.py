@@ -134,13 +134,19 @@ def test_files_the_model_read_keep_their_place_relative_to_it(tmp_path):
     beside it): the copy keeps them where that path leads."""
     repo = tmp_path / "repo"
     (repo / "configs").mkdir(parents=True)
+    (repo / "pyproject.toml").write_text("[project]\nname = 'ft'\n")  # the project the model belongs to
+    (tmp_path / "home" / ".cache").mkdir(parents=True)
+    token = tmp_path / "home" / ".cache" / "token"  # read by a library, outside the project: never copied
+    token.write_text("hf_secret\n")
+    (repo / ".env").write_text("KEY=1\n")  # hidden, inside it: never copied
     (repo / "models" / "ft").mkdir(parents=True)
     (repo / "base.py").write_text("WIDTH = 8\n")
     (repo / "models" / "ft" / "cfg.yaml").write_text("width: 8\n")
     (repo / "configs" / "big.bin").write_bytes(b"\0" * 16)  # not text: not copied
     model = repo / "models" / "ft" / "tune.py"
     model.write_text("from pathlib import Path\nBASE = Path(__file__).resolve().parents[2] / 'base.py'\n")
-    rel, files = copied_model(str(model), reads=[str(repo / "base.py"), str(repo / "configs" / "big.bin")])
+    reads = [str(repo / "base.py"), str(repo / "configs" / "big.bin"), str(token), str(repo / ".env")]
+    rel, files = copied_model(str(model), reads=reads)
     assert rel == "model/models/ft/tune.py"
     assert sorted(files) == ["model/base.py", "model/models/ft/cfg.yaml", "model/models/ft/tune.py"]
     out = tmp_path / "out"

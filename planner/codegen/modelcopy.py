@@ -31,9 +31,10 @@ MAX_COPIED_BYTES = 4 << 20  # per file: a larger one (weights, a corpus) is data
 
 def copied_model(path: str, reads: Iterable[str] = ()) -> tuple[str, Files]:
     """(MODEL_FILE relative to train.py, {relative path: (text, executable)}) for the model file at `path`: the
-    file, the local modules it imports, the configs beside it and `reads` (files the model's code opened or
-    imported while it was planned: planner.model.reads), laid out under model/ as they lie relative to their
-    common folder, so that paths the model builds from its own __file__ still resolve in the copy."""
+    file, the local modules it imports, the configs beside it and those of `reads` (files the model's code opened
+    or imported while it was planned: planner.model.reads) that lie in its project (project_root; hidden files
+    left out), laid out under model/ as they lie relative to their common folder, so that paths the model builds
+    from its own __file__ still resolve in the copy."""
     from planner.model.sources import SOURCE_FILE
 
     src = Path(path)
@@ -46,11 +47,19 @@ def copied_model(path: str, reads: Iterable[str] = ()) -> tuple[str, Files]:
         )
     src = src.resolve()
     members = {src, *local_imports(src).values()}
-    members |= {p.resolve() for p in src.parent.iterdir() if p.suffix in CONFIG_SUFFIXES and p.is_file()}
+    members |= {
+        p.resolve() for p in src.parent.iterdir()
+        if p.suffix in CONFIG_SUFFIXES and p.is_file() and not p.name.startswith(".")
+    }
+    project = project_root(src)
     for name in reads:
-        file = Path(name)
-        if file.is_file() and file.suffix != ".pyc":
-            members.add(file.resolve())
+        file = Path(name).resolve()
+        # only the project's own files: not what a library read elsewhere (a token in ~/.cache, the planner's
+        # cache), nor hidden files
+        if file.is_file() and file.suffix != ".pyc" and project in file.parents and not any(
+            part.startswith(".") for part in file.relative_to(project).parts
+        ):
+            members.add(file)
     texts = {m: _read(m) if m == src else _small_text(m) for m in members}
     copied = {m: text for m, text in texts.items() if text is not None}
     root = Path(os.path.commonpath([str(m.parent) for m in copied]))
@@ -64,6 +73,15 @@ def copied_model(path: str, reads: Iterable[str] = ()) -> tuple[str, Files]:
             model = f"{MODEL_DIR}/{rel}"
         files[f"{MODEL_DIR}/{rel}"] = (text, False)
     return model, files
+
+
+def project_root(model: Path) -> Path:
+    """The folder of the project the model file belongs to: the nearest one above it holding .git, .hg,
+    pyproject.toml or setup.py; else the model's own folder."""
+    for folder in model.parents:
+        if any((folder / marker).exists() for marker in (".git", ".hg", "pyproject.toml", "setup.py")):
+            return folder
+    return model.parent
 
 
 def _small_text(file: Path) -> str | None:
