@@ -118,3 +118,15 @@ def test_the_same_file_elsewhere_hits_with_its_own_path(model, monkeypatch, tmp_
     assert calls == [1]
     assert moved.source.path == str((other / "gpt.py").resolve())
     assert moved.model_copy(update={"source": first.source}) == first
+
+
+def test_the_planners_own_cache_files_are_not_the_models_reads(model, tmp_path):
+    """The analysis cache is read and written while the plan records what the model read (cli/plan.py wraps the
+    analysis in a recording): its files are the planner's, so they are neither reads nor writes of the model."""
+    from planner.model.reads import recording
+
+    for _ in range(2):  # a miss (written), then a hit (read)
+        with recording(model.parent) as during:
+            analyse(_request(model))
+        assert during.complete, during.why_incomplete
+        assert not [f for f in during.files if f.startswith(str(tmp_path / "cache"))], during.files

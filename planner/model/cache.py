@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from planner import __version__
 from planner.io import atomic_write_text
 from planner.model.graph import ModelGraph, ModelSource
-from planner.model.reads import Reads, current_digests, digests
+from planner.model.reads import Reads, current_digests, digests, paused
 
 CACHE_DIR_ENV = "PLANNER_CACHE_DIR"  # shared with the profile cache (planner.measure.profile)
 NO_CACHE_ENV = "PLANNER_NO_CACHE"
@@ -90,7 +90,8 @@ def _entry(key: str, folder: str | Path | None, cache_dir: str | Path | None) ->
     """The entry stored for ``key`` whose recorded reads all still hold, or None."""
     path = analysis_cache_dir(cache_dir) / f"{key}.json"
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        with paused():  # the planner's own file, not one the model read
+            data = json.loads(path.read_text(encoding="utf-8"))
         if data.get("key") != key or data.get("schema") != SCHEMA:
             return None
         reads = data["reads"]
@@ -135,7 +136,8 @@ def write_cached(
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(entry))
+        with paused():
+            atomic_write_text(path, json.dumps(entry))
     except OSError:
         pass
 
@@ -145,7 +147,8 @@ def check_passed(key: str, cache_dir: str | Path | None = None) -> bool:
     and the runtime's sources: the same check would run on the same inputs)."""
     root = analysis_cache_dir(cache_dir).parent if cache_dir is None else Path(cache_dir)
     try:
-        return (root / "checks" / key).read_text(encoding="utf-8").strip() == key
+        with paused():
+            return (root / "checks" / key).read_text(encoding="utf-8").strip() == key
     except (OSError, UnicodeDecodeError):
         return False
 
@@ -153,6 +156,7 @@ def check_passed(key: str, cache_dir: str | Path | None = None) -> bool:
 def record_check_pass(key: str, cache_dir: str | Path | None = None) -> None:
     root = analysis_cache_dir(cache_dir).parent if cache_dir is None else Path(cache_dir)
     try:
-        atomic_write_text(root / "checks" / key, key + "\n")
+        with paused():
+            atomic_write_text(root / "checks" / key, key + "\n")
     except OSError:
         pass

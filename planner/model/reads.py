@@ -42,6 +42,18 @@ class Reads:
 _active: list[Reads] = []
 _lock = threading.Lock()
 _hooked = False
+_paused = threading.local()  # the planner's own reads (its analysis cache) in this thread are not the model's
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Leave out what this thread opens in the block: the planner's own files, read while a model is recorded."""
+    depth = getattr(_paused, "depth", 0)
+    _paused.depth = depth + 1
+    try:
+        yield
+    finally:
+        _paused.depth = depth
 
 
 def _installed_roots() -> tuple[str, ...]:
@@ -66,7 +78,7 @@ def _relevant(path: str) -> bool:
 
 
 def _hook(event: str, args: tuple) -> None:
-    if event != "open" or not _active:
+    if event != "open" or not _active or getattr(_paused, "depth", 0):
         return
     path, mode, flags = (tuple(args) + (None, None, None))[:3]
     if isinstance(path, int) or path is None:
