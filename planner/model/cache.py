@@ -21,6 +21,7 @@ import json
 import os
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -86,12 +87,12 @@ def analysis_key(source: ModelSource) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _entry(key: str, folder: str | Path | None, cache_dir: str | Path | None) -> dict | None:
+def _entry(key: str, folder: str | Path | None, cache_dir: str | Path | None) -> dict[str, Any] | None:
     """The entry stored for ``key`` whose recorded reads all still hold, or None."""
     path = analysis_cache_dir(cache_dir) / f"{key}.json"
     try:
         with paused():  # the planner's own file, not one the model read
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
         if data.get("key") != key or data.get("schema") != SCHEMA:
             return None
         reads = data["reads"]

@@ -36,8 +36,10 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from planner.errors import ModelLoadError
 
@@ -73,16 +75,16 @@ def _fake_exit(code: int = 0) -> None:
     raise _Escape(f"called os._exit({code!r})")
 
 
-def _on_signal(signum: int, frame) -> None:
+def _on_signal(signum: int, frame: FrameType | None) -> None:
     raise _Escape(f"received signal {signal.Signals(signum).name}")
 
 
-def _on_alarm(signum: int, frame) -> None:
+def _on_alarm(signum: int, frame: FrameType | None) -> None:
     limit = _active.time_limit if _active is not None else None
     raise _Escape(f"did not finish within the {limit:g} s time limit (a hang?)", timeout=True)
 
 
-def _on_sigint(signum: int, frame) -> None:
+def _on_sigint(signum: int, frame: FrameType | None) -> None:
     if _active is not None:
         _active.interrupted = True
     raise KeyboardInterrupt
@@ -149,10 +151,11 @@ def user_code(path: str | Path, what: str, time_limit: float | None = DEFAULT_TI
             if guard.time_limit:
                 signal.signal(signal.SIGALRM, _on_alarm)
                 saved_timer = signal.setitimer(signal.ITIMER_REAL, guard.time_limit)
-        os._exit = _fake_exit
+        # setattr: the stubs type these as never returning, and the replacements raise instead
+        setattr(os, "_exit", _fake_exit)  # noqa: B010
         if posix is not None and saved_posix_exit is not None:
-            posix._exit = _fake_exit
-        atexit.register = _exit_handler_registrar(saved_register)  # type: ignore[assignment]
+            setattr(posix, "_exit", _fake_exit)  # noqa: B010
+        setattr(atexit, "register", _exit_handler_registrar(saved_register))  # noqa: B010
         with _cwd_kept(), _fd1_to_stderr(), contextlib.redirect_stdout(_StdoutOnStderr()):
             yield
     except _Escape as e:
@@ -166,10 +169,10 @@ def user_code(path: str | Path, what: str, time_limit: float | None = DEFAULT_TI
     finally:
         if main:
             signal.setitimer(signal.ITIMER_REAL, 0)
-        os._exit = saved_exit
-        sys.exit, sys.excepthook, atexit.register = saved_sys_exit, saved_excepthook, saved_register  # type: ignore[assignment]
+        setattr(os, "_exit", saved_exit)  # noqa: B010
+        sys.exit, sys.excepthook, atexit.register = saved_sys_exit, saved_excepthook, saved_register
         if posix is not None and saved_posix_exit is not None:
-            posix._exit = saved_posix_exit
+            setattr(posix, "_exit", saved_posix_exit)  # noqa: B010
         if main:
             for sig, handler in saved_handlers.items():
                 if handler is None:
@@ -184,22 +187,22 @@ def user_code(path: str | Path, what: str, time_limit: float | None = DEFAULT_TI
         _active = None
 
 
-def _exit_handler_registrar(register):
+def _exit_handler_registrar(register: Callable[..., Any]) -> Callable[..., Any]:
     """atexit.register while user code runs: the handler is registered, but runs at exit as user code does
     here (its prints on stderr, fd 1 kept, no exit of its own, errors ignored), so that a model cannot write
     into `--json` output or change the exit status on the planner's way out."""
 
-    def guarded_register(fn, *args, **kwargs):
+    def guarded_register(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
         def run() -> None:
             saved = os._exit
-            os._exit = _fake_exit
+            setattr(os, "_exit", _fake_exit)  # noqa: B010
             try:
                 with _fd1_to_stderr(), contextlib.redirect_stdout(_StdoutOnStderr()):
                     fn(*args, **kwargs)
             except BaseException:  # noqa: BLE001 - the planner is exiting: the model's handler cannot stop it
                 pass
             finally:
-                os._exit = saved
+                setattr(os, "_exit", saved)  # noqa: B010
 
         register(run)
         return fn
@@ -241,7 +244,8 @@ def _fd1_to_stderr() -> Iterator[None]:
     block did to it (wrote, closed or replaced it)."""
     for stream in (sys.stdout, sys.__stdout__):
         with contextlib.suppress(OSError, ValueError, AttributeError):
-            stream.flush()  # what the planner wrote before goes out on the real stdout
+            if stream is not None:
+                stream.flush()  # what the planner wrote before goes out on the real stdout
     try:
         saved = os.dup(1)
     except OSError:
@@ -257,12 +261,15 @@ def _fd1_to_stderr() -> Iterator[None]:
         yield
     finally:
         with contextlib.suppress(OSError, ValueError, AttributeError):
-            sys.__stdout__.flush()  # type: ignore[union-attr]
+            if sys.__stdout__ is not None:
+                sys.__stdout__.flush()
         os.dup2(saved, 1)
         os.close(saved)
         if getattr(sys.stdout, "closed", False) and sys.stdout is sys.__stdout__:
             # the code closed sys.__stdout__ (the process's own stream): a new one on the restored fd 1
-            sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
+            stdout = open(1, "w", encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
+            sys.stdout = stdout
+            setattr(sys, "__stdout__", stdout)  # noqa: B010 - typeshed declares it Final
 
 
 @contextlib.contextmanager

@@ -15,7 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 from planner.errors import ModelLoadError
 from planner.model.graph import ModelSource
@@ -36,12 +39,12 @@ class LoadedModel:
     loss_fn: Callable[..., Any] | None
     time_limit: float | None = DEFAULT_TIME_LIMIT_S  # seconds for each guarded call into the user's code
     input_ids: dict[int, int] = field(default_factory=dict)  # id(meta input tensor) -> its index
-    input_refs: list[tuple] = field(default_factory=list)  # keeps those tensors alive so ids stay unique
+    input_refs: list[tuple[Any, ...]] = field(default_factory=list)  # keeps those tensors alive so ids stay unique
     reads: Reads = field(default_factory=Reads)  # what the import read (planner.model.reads): the cache's inputs
     settings: dict[str, Any] = field(default_factory=dict)  # Hugging Face training settings the build applied
 
 
-def torch_dtype(name: str):
+def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
@@ -134,12 +137,18 @@ def load_model_file(
             )
         if not callable(fn):
             raise ModelLoadError(f"{p.name}: {fn_name} is not a function. Define it with `def {fn_name}(...)`.")
+        found: Callable[..., Any] = fn
+        return found
+
+    def _need(fn_name: str) -> Callable[..., Any]:
+        fn = _get(fn_name, True)
+        assert fn is not None  # _get raised for a required function it did not find
         return fn
 
-    build = _get(build_fn, True)
-    inputs = _get(inputs_fn, True)
-    loss = _get(loss_fn, True) if loss_fn else _get("loss_fn", False)
-    batch = _get(batch_fn, True) if batch_fn else getattr(module, "get_batch", None)
+    build = _need(build_fn)
+    inputs = _need(inputs_fn)
+    loss = _need(loss_fn) if loss_fn else _get("loss_fn", False)
+    batch = _need(batch_fn) if batch_fn else getattr(module, "get_batch", None)
     source = ModelSource(
         path=str(p),
         file_sha256=digest,
@@ -148,7 +157,7 @@ def load_model_file(
         loss_fn=(loss_fn or ("loss_fn" if loss is not None else None)),
         batch_fn=(batch_fn or "get_batch") if callable(batch) else None,
         model_args=dict(sorted((model_args or {}).items())),
-        dtype=dtype,  # type: ignore[arg-type]
+        dtype=dtype,
     )
     _check_model_args(p, source.model_args, [(build_fn, build, 0), (inputs_fn, inputs, 1)])
     if callable(batch):
@@ -205,7 +214,7 @@ def _check_data_fn(path: Path, name: str, fn: Callable[..., Any], args: dict[str
 
 
 def _call_user(
-    fn: Callable[..., Any], what: str, path: str, args: tuple, kwargs: dict[str, Any],
+    fn: Callable[..., Any], what: str, path: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     time_limit: float | None = DEFAULT_TIME_LIMIT_S,
 ) -> Any:
     """fn(*args, **kwargs) under the guard: an exit, signal or hang as well as an exception is a ModelLoadError."""
@@ -228,7 +237,7 @@ def _call_user(
         ) from e
 
 
-def build_meta_model(loaded: LoadedModel):
+def build_meta_model(loaded: LoadedModel) -> torch.nn.Module:
     """Build the model on the meta device in the training dtype: no weight is allocated.
 
     Each module that needs floating inputs (Linear, convolutions, norms) checks, the first time it runs, that
@@ -255,7 +264,7 @@ def build_meta_model(loaded: LoadedModel):
     return model
 
 
-def _check_traceable(model, build_fn: str) -> None:
+def _check_traceable(model: torch.nn.Module, build_fn: str) -> None:
     """A model the planner can take apart: not TorchScript, no parameter left uninitialised (lazy modules)."""
     import torch
     from torch.nn.modules.lazy import LazyModuleMixin
@@ -267,7 +276,7 @@ def _check_traceable(model, build_fn: str) -> None:
             "itself (script it in the training script if you need to)."
         )
     lazy = [name or type(m).__name__ for name, m in model.named_modules()
-            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]  # type: ignore[misc]
     if lazy:
         raise ModelLoadError(
             f"{build_fn}() returned a model with lazy modules whose shapes are not known yet ({', '.join(lazy[:3])}"
@@ -287,15 +296,15 @@ def _float_input_modules() -> tuple[type, ...]:
     return tuple(kinds)
 
 
-def _check_input_dtypes(model, loaded: LoadedModel) -> None:
+def _check_input_dtypes(model: torch.nn.Module, loaded: LoadedModel) -> None:
     """One-shot forward pre-hooks: an integer tensor reaching a float-only module is a ModelLoadError."""
     import torch
 
     kinds = _float_input_modules()
     handles: dict[str, Any] = {}
 
-    def hook(name: str):
-        def check(module, args):
+    def hook(name: str) -> Callable[[torch.nn.Module, tuple[Any, ...]], None]:
+        def check(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
             x = next((a for a in args if isinstance(a, (torch.Tensor, torch.fx.Proxy))), None)
             if x is None or isinstance(x, torch.fx.Proxy):
                 return  # symbolic tracing: no dtype yet; the meta run after it is checked
@@ -316,11 +325,11 @@ def _check_input_dtypes(model, loaded: LoadedModel) -> None:
         return check
 
     for name, module in model.named_modules():
-        if isinstance(module, kinds):
+        if any(isinstance(module, kind) for kind in kinds):  # (isinstance with the tuple narrows to object)
             handles[name] = module.register_forward_pre_hook(hook(name))
 
 
-def example_batch(loaded: LoadedModel, batch_size: int) -> tuple:
+def example_batch(loaded: LoadedModel, batch_size: int) -> tuple[torch.Tensor, ...]:
     """Call example_inputs(batch_size) and check it returns a non-empty tuple of tensors."""
     import torch
 
@@ -342,7 +351,7 @@ def example_batch(loaded: LoadedModel, batch_size: int) -> tuple:
     return tuple(out)
 
 
-def meta_inputs(loaded: LoadedModel, batch_size: int = 1) -> tuple:
+def meta_inputs(loaded: LoadedModel, batch_size: int = 1) -> tuple[torch.Tensor, ...]:
     """example_inputs on the meta device; floating inputs cast to the training dtype."""
 
     dt = torch_dtype(loaded.source.dtype)

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
@@ -45,10 +46,15 @@ _hooked = False
 _paused = threading.local()  # the planner's own reads (its analysis cache) in this thread are not the model's
 
 
+def _paused_depth() -> int:
+    depth: int = getattr(_paused, "depth", 0)
+    return depth
+
+
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
     """Leave out what this thread opens in the block: the planner's own files, read while a model is recorded."""
-    depth = getattr(_paused, "depth", 0)
+    depth = _paused_depth()
     _paused.depth = depth + 1
     try:
         yield
@@ -77,8 +83,8 @@ def _relevant(path: str) -> bool:
     return not os.path.realpath(path).startswith(_ROOTS)
 
 
-def _hook(event: str, args: tuple) -> None:
-    if event != "open" or not _active or getattr(_paused, "depth", 0):
+def _hook(event: str, args: tuple[Any, ...]) -> None:
+    if event != "open" or not _active or _paused_depth():
         return
     path, mode, flags = (tuple(args) + (None, None, None))[:3]
     if isinstance(path, int) or path is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from planner.errors import ModelLoadError
 from planner.escape import py_str, py_text
@@ -27,7 +28,7 @@ PREFIXES = ("hf:", "torchtitan:", "module:")
 HF_SETTINGS = {"use_cache": False, "return_dict": True, "attn_implementation": "sdpa"}
 
 
-def hf_settings(raw: dict) -> dict:
+def hf_settings(raw: dict[str, Any]) -> dict[str, Any]:
     """HF_SETTINGS for the config's architecture: its attention through scaled_dot_product_attention, or
     transformers' eager attention where the class has no sdpa path (Gemma-2's logit soft-capping: asking
     for sdpa raises), which then runs, traces and is costed as written (matmuls, softmax, the s x s map)."""
@@ -41,7 +42,7 @@ def hf_settings(raw: dict) -> dict:
     return settings
 
 
-def _py_dict(settings: dict) -> str:
+def _py_dict(settings: dict[str, Any]) -> str:
     """A settings dict (names to strings, numbers, booleans) as a Python literal, each string through py_str."""
     items = (f"{py_str(k)}: {py_str(v) if isinstance(v, str) else repr(v)}" for k, v in settings.items())
     return "{" + ", ".join(items) + "}"
