@@ -8,7 +8,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from cli.main import app
+from planner.cli.main import app
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = str(ROOT / "sample_models" / "gpt.py")

@@ -76,8 +76,9 @@ def test_plan_reads_the_revision(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
     env.update(HF_HOME=str(tmp_path), HF_HUB_OFFLINE="1", PLANNER_NO_CACHE="1", PYTHONPATH=str(ROOT))
     got = subprocess.run(
-        [sys.executable, "-c", "from cli.main import main; main()", "dry-run", "hf:org/tiny", "--revision", "v1",
-         "-a", "seq=16", "--gpu", "cpu", "--gpus-per-node", "1", "--global-batch-size", "1", "--json"],
+        [sys.executable, "-c", "from planner.cli.main import main; main()", "dry-run", "hf:org/tiny",
+         "--revision", "v1", "-a", "seq=16", "--gpu", "cpu", "--gpus-per-node", "1", "--global-batch-size", "1",
+         "--json"],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert got.returncode == 0, got.stderr[-2000:]

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("planner.plan",),
     ("planner.pipeline",),
     ("planner.codegen", "planner.report", "planner.export"),
-    ("cli",),
+    ("planner.cli",),
 ]
 RUNTIME_ALLOWED = {"torch", "numpy"}  # numpy: torch.distributed.pipelining needs it
 # Libraries of a format the runtime reads when a run asks for it (weights.py: a Hugging Face checkpoint; data.py: a
@@ -61,7 +61,7 @@ def imports_of(path: Path) -> set[str]:
 
 
 def project_modules() -> dict[str, Path]:
-    files = [*(ROOT / "planner").rglob("*.py"), *(ROOT / "cli").rglob("*.py")]
+    files = list((ROOT / "planner").rglob("*.py"))
     return {module_name(f): f for f in files}
 
 
@@ -173,8 +173,8 @@ def test_schedule_names_are_defined_once():
     leaf = ROOT / "planner" / "runtime" / "names.py"
     assert imports_of(leaf) <= {"__future__", "__future__.annotations", "typing", "typing.Literal", "typing.get_args"}
 
-    from cli._options import Recompute, Schedule
     from planner import names
+    from planner.cli._options import Recompute, Schedule
     from planner.runtime import layout
     from planner.runtime import names as runtime_names
 

@@ -18,7 +18,7 @@ from typing import Annotated
 
 import typer
 
-from cli._options import ForceOpt, PlanPathArg, QuietOpt, is_quiet, stdout_console
+from planner.cli._options import ForceOpt, PlanPathArg, QuietOpt, is_quiet, stdout_console
 
 EXPORT_EXAMPLES = ["planner export plan_out --to torchtitan", "planner export plan_out --to megatron"]
 FILES = {"torchtitan": "torchtitan_plan.py", "megatron": "megatron_args.sh"}

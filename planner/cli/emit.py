@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cli._options import (
+from planner.cli._options import (
     ForceOpt,
     InitFromOpt,
     PlanPathArg,

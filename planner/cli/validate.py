@@ -29,7 +29,7 @@ from typing import Annotated, Any
 
 import typer
 
-from cli._options import JsonOpt, QuietOpt, is_quiet, stderr_console, stdout_console
+from planner.cli._options import JsonOpt, QuietOpt, is_quiet, stderr_console, stdout_console
 from planner.errors import ConfigError, PlannerError
 
 VALIDATE_EXAMPLES = [
