@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from planner.cli._options import DType, Recompute, Schedule, parse_model_args, plan_request
+from planner.cli._options import DType, parse_model_args, plan_request
 from planner.cli.main import app
 from planner.cli.validate import read_metrics
 from planner.errors import ConfigError
@@ -295,8 +295,8 @@ def test_plan_request_maps_options_to_pins_and_defaults():
     assert request.time_limit == PlanRequest.model_fields["time_limit"].default  # unset: the library's default
     assert _request(time_limit=0.0).time_limit is None  # 0: no limit
     assert _request(time_limit=3.5).time_limit == 3.5
-    pinned = _request(dp=2, tp=1, pp=2, virtual_stages=2, micro_batch_size=1, schedule=Schedule("interleaved-1f1b"),
-                      zero_stage=0, recompute=Recompute("selective"), sequence_parallel=False, no_overlap=True)
+    pinned = _request(dp=2, tp=1, pp=2, virtual_stages=2, micro_batch_size=1, schedule="interleaved-1f1b",
+                      zero_stage=0, recompute="selective", sequence_parallel=False, no_overlap=True)
     assert pinned.pins == {
         "dp": 2, "tp": 1, "pp": 2, "virtual_stages": 2, "micro_batch_size": 1, "schedule": "interleaved-1f1b",
         "zero_stage": 0, "recompute": "selective", "sequence_parallel": False,

@@ -52,7 +52,7 @@ def export(
     if to is Framework.torchtitan:
         from planner.export.torchtitan import render
     else:
-        from planner.export.megatron import render  # type: ignore[assignment]
+        from planner.export.megatron import render
     text = render(plan)
     folder = plan_path if plan_path.is_dir() else plan_path.parent
     target = out if out is not None else folder / FILES[to.value]

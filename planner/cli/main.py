@@ -52,7 +52,9 @@ class _PlannerGroup(TyperGroup):
     Doing it here rather than around `app()` means the mapping also holds under typer's CliRunner.
     """
 
-    def invoke(self, ctx: typer.Context) -> Any:
+    # typer builds a typer.Context for every command; the base class annotates click's Context (vendored as
+    # typer._click since typer 0.2x), a private name to import.
+    def invoke(self, ctx: typer.Context) -> Any:  # type: ignore[override]
         try:
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort, typer.TyperException):
@@ -178,13 +180,13 @@ def main() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
     try:
         app(prog_name="planner")
-        code: object = 0
+        code: str | int | None = 0
     except SystemExit as e:  # click ends every command with sys.exit
         code = e.code
     exit_now(code)
 
 
-def exit_now(code: object) -> NoReturn:
+def exit_now(code: str | int | None) -> NoReturn:
     """Exit with `code` as sys.exit would, without the interpreter's teardown.
 
     Everything a command writes is written (atomically) before it returns; what is left at exit is the
