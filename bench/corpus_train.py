@@ -39,7 +39,7 @@ def main() -> None:
     from e2e.test_train_e2e import STEPS, run, train
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from planner.cli.main import app
     from planner.plan import load_plan
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

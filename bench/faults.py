@@ -29,7 +29,7 @@ TMP = Path(tempfile.mkdtemp(prefix="planner-faults-"))
 
 
 def planner(*args: str, env: dict[str, str] | None = None, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], cwd=ROOT, stdout=stdout,
+    return subprocess.run([sys.executable, "-m", "planner.cli.main", *map(str, args)], cwd=ROOT, stdout=stdout,
                           stderr=subprocess.PIPE, text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
@@ -116,8 +116,8 @@ def case_edit_and_different_plan() -> bool:
 
 def _paused(out: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     marker = TMP / f"pause-{out.name}"
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "plan", str(TINY), *CLUSTER, "--out", str(out), "-q",
-                             *extra], cwd=ROOT, env={**os.environ, PAUSE_ENV: str(marker)},
+    proc = subprocess.Popen([sys.executable, "-m", "planner.cli.main", "plan", str(TINY), *CLUSTER, "--out", str(out),
+                             "-q", *extra], cwd=ROOT, env={**os.environ, PAUSE_ENV: str(marker)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while not marker.exists():
         if proc.poll() is not None:
@@ -153,14 +153,14 @@ def case_folder_in_the_way() -> bool:
 
 
 def case_validate_first_error() -> bool:
-    from cli.validate import first_error
+    from planner.cli.validate import first_error
 
     log = "[rank1]: Traceback (most recent call last):\n[rank1]:   File \"x\"\n[rank1]: ValueError: real cause\n"
     return first_error(log) == "[rank1]: ValueError: real cause"
 
 
 def case_validate_kills_tree() -> bool:
-    from cli.validate import _alive, _run
+    from planner.cli.validate import _alive, _run
 
     pids = TMP / "pids"
     worker = model("worker.py", f"""
@@ -484,7 +484,7 @@ def case_lazy() -> bool:
 
 
 def case_non_utf8_arg() -> bool:
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "plan", str(TINY), *CLUSTER, "-a", b"x=\xff\xfe",
+    proc = subprocess.run([sys.executable, "-m", "planner.cli.main", "plan", str(TINY), *CLUSTER, "-a", b"x=\xff\xfe",
                            "--out", str(TMP / "x")], cwd=ROOT, capture_output=True, text=True, timeout=600)
     return user_error(proc, "--model-arg x")
 
@@ -497,7 +497,7 @@ def case_read_only_out() -> bool:
     folder = TMP / "ro"
     folder.mkdir(exist_ok=True)
     q = shlex.quote(str(folder))
-    cmd = (f"mount --bind {q} {q} && mount -o remount,bind,ro {q} && {shlex.quote(sys.executable)} -m cli.main "
+    cmd = (f"mount --bind {q} {q} && mount -o remount,bind,ro {q} && {shlex.quote(sys.executable)} -m planner.cli.main "
            f"plan {shlex.quote(str(TINY))} {' '.join(CLUSTER)} --out {q} -q")
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)

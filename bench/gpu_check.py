@@ -93,7 +93,7 @@ class Report:
 
 def planner_cmd(*args: str) -> list[str]:
     """The planner command of this interpreter's environment, whether or not it is activated."""
-    return [sys.executable, "-c", "from cli.main import main; main()", *args]
+    return [sys.executable, "-c", "from planner.cli.main import main; main()", *args]
 
 
 def run(cmd: list[str], env: dict[str, str], timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -159,7 +159,7 @@ def local_spec(device: str) -> str:
 
 
 def parse_model_args(items: list[str] | None) -> dict[str, Any]:
-    from cli._options import parse_model_args as parse
+    from planner.cli._options import parse_model_args as parse
 
     return parse(items)
 
@@ -325,9 +325,9 @@ def choice_of(plan) -> tuple[int, str]:
 def step_quality(setup: Setup, env: dict[str, str], graph, calibrated: Path, measured_plan: dict[str, Any],
                  report: Report) -> None:
     """4. Every micro-batch size x recomputation choice planned (pinned), written out, run for a few steps."""
-    from cli.emit import write_outputs
-    from cli.plan import render_outputs
-    from cli.validate import first_error, read_metrics
+    from planner.cli.emit import write_outputs
+    from planner.cli.plan import render_outputs
+    from planner.cli.validate import first_error, read_metrics
 
     specs = {"spec": setup.spec, "calibrated": str(calibrated)}
     choices: dict[str, tuple[int, str] | None] = {}

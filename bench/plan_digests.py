@@ -106,7 +106,7 @@ def run_case(name: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan"
         env = {**os.environ, "PLANNER_NO_CACHE": "1", "PYTHONPATH": str(ROOT)}
-        done = subprocess.run([sys.executable, "-m", "cli.main", *plan_args(name, out)], cwd=ROOT, env=env,
+        done = subprocess.run([sys.executable, "-m", "planner.cli.main", *plan_args(name, out)], cwd=ROOT, env=env,
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"{name}: planner plan failed ({done.returncode}):\n{done.stdout}{done.stderr}")

@@ -72,8 +72,8 @@ def search_only(cfg: str, name: str, ep: str) -> None:
     """Child process: the search and the Plan without the plan-time check (planner.pipeline through the CLI's
     request builder), the plan document on stdout. For a model whose check fails for a reason of its own.
     `cfg`: the HF config's path, or a torchtitan source's flavor."""
-    from cli._options import DType, plan_request
-    from cli.plan import run_search
+    from planner.cli._options import DType, plan_request
+    from planner.cli.plan import run_search
 
     titan = name.startswith("torchtitan:")
     request = plan_request(
@@ -124,7 +124,7 @@ def plan(name: str, config: dict | str, work: Path) -> None:
     else:
         cfg.write_text(json.dumps(config, indent=2))
         source = [f"hf:{name}", "--hf-config", str(cfg)]
-    cmd = [sys.executable, "-m", "cli.main", "plan", *source, "--model-arg", "seq=4096",
+    cmd = [sys.executable, "-m", "planner.cli.main", "plan", *source, "--model-arg", "seq=4096",
            "--gpu", "h100-sxm-80gb", "--nodes", "8", "--global-batch-size", "512", "--out", str(out), "--json"]
     env = {**os.environ, "PLANNER_NO_CACHE": "0" if WARM else "1"}
     if WARM:  # prime the analysis cache and the remembered check, then time a re-plan

@@ -78,7 +78,7 @@ def cli_seconds(
     refuses gives an empty dict)."""
     env = {"PLANNER_NO_CACHE": "1", **(env or {})}
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "cli.main", "plan", model, "--gpu", gpu, "--nodes", str(gpus // 8)]
+        cmd = [sys.executable, "-m", "planner.cli.main", "plan", model, "--gpu", gpu, "--nodes", str(gpus // 8)]
         cmd += ["--global-batch-size", str(batch), "--out", out, "--quiet"]
         for k, v in model_args.items():
             cmd += ["--model-arg", f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"]
@@ -117,7 +117,7 @@ def import_torch_seconds() -> float:
 
 def compile_planner() -> None:
     """The planner's bytecode, as an installed package has it (see the module docstring)."""
-    subprocess.run([sys.executable, "-m", "compileall", "-q", "planner", "cli", "sample_models"], cwd=ROOT,
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "planner", "sample_models"], cwd=ROOT,
                    check=True, stdout=subprocess.DEVNULL)
 
 

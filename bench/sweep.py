@@ -24,8 +24,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default="sweep_out")
     args = parser.parse_args()
-    cmd = [sys.executable, "-c", "from cli.main import main; main()", "sweep", str(ROOT / "sample_models" / "llama.py"),
-           "-a", "preset=llama3-70b", "--gpu", "a100-sxm-80gb,h100-sxm-80gb,h200", "--nodes", "4..128",
+    cmd = [sys.executable, "-c", "from planner.cli.main import main; main()", "sweep",
+           str(ROOT / "sample_models" / "llama.py"), "-a", "preset=llama3-70b",
+           "--gpu", "a100-sxm-80gb,h100-sxm-80gb,h200", "--nodes", "4..128",
            "--global-batch-size", "1024", "--tokens", "1e12", "--jobs", str(args.jobs), "--out", args.out]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=None)

@@ -3,7 +3,7 @@
 The Plan schema (`planner.plan`), the cost model and the search all take these names from here. Schedules
 and recomputation modes are defined once, in `planner.runtime.names` (the generated script runs a copy of
 the runtime where the planner is not installed), and re-exported here; the CLI's option enums
-(`cli/_options.py`) are built from them.
+(`planner/cli/_options.py`) are built from them.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from planner.cli.main import app
 from planner.model import cache
 from planner.pipeline import PlanRequest, analyse, plan_model
 

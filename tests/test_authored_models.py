@@ -13,7 +13,7 @@ import pytest
 import torch  # noqa: F401 - see tests/test_cli.py: torch's log handlers bind to the real stderr
 from typer.testing import CliRunner
 
-from cli.main import app
+from planner.cli.main import app
 
 AUTHORED = Path(__file__).resolve().parent / "fixtures" / "models" / "authored"
 CLUSTER = ["--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4", "--global-batch-size", "8"]

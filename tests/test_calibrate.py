@@ -11,7 +11,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from cli.main import app
+from planner.cli.main import app
 from planner.hardware.load import load_cluster, load_spec, specs_dir
 from planner.hardware.spec import Efficiencies
 from planner.measure.calibrate import (

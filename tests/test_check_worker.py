@@ -51,7 +51,7 @@ def _plan(
         **os.environ, "PYTHONPATH": str(ROOT), "PLANNER_NO_CACHE": "1", "TEST_PID": str(os.getpid()),
         "PLANNER_CHECK_WORKER": worker if isinstance(worker, str) else "wait" if worker else "0", **(probe or {}),
     }
-    cmd = [sys.executable, "-m", "cli.main", "--debug", "plan", str(model), *CPU4, "--out", str(out), *args]
+    cmd = [sys.executable, "-m", "planner.cli.main", "--debug", "plan", str(model), *CPU4, "--out", str(out), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -83,7 +83,8 @@ def test_with_the_progress_display_the_worker_is_forked_between_its_two_parts(tm
         **os.environ, "PYTHONPATH": str(ROOT), "PLANNER_NO_CACHE": "1", "PLANNER_CHECK_WORKER": "wait",
         "FORCE_COLOR": "1",
     }
-    cmd = [sys.executable, "-m", "cli.main", "--debug", "plan", str(TINY), *args, "--pp", "2", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "planner.cli.main", "--debug", "plan", str(TINY), *args, "--pp", "2",
+           "--out", str(tmp_path)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Solving stage partitions" in done.stderr  # the display ran

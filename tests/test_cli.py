@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from cli._options import DType, Recompute, Schedule, parse_model_args, plan_request
-from cli.main import app
-from cli.validate import read_metrics
+from planner.cli._options import DType, parse_model_args, plan_request
+from planner.cli.main import app
+from planner.cli.validate import read_metrics
 from planner.errors import ConfigError
 from planner.plan import load_plan
 
@@ -80,9 +80,9 @@ def planned(tmp_path_factory) -> Path:
 
 
 def test_importing_the_cli_does_not_import_torch():
-    code = "import sys, cli.main; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = "import sys, planner.cli.main; sys.exit(1 if 'torch' in sys.modules else 0)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, "importing cli.main imported torch: `planner --help` would be slow\n" + done.stderr
+    assert done.returncode == 0, "importing planner.cli.main imported torch: `planner --help` is slow\n" + done.stderr
 
 
 @pytest.mark.parametrize(
@@ -110,13 +110,13 @@ import atexit, sys
 marker = sys.argv.pop(1)
 atexit.register(lambda: open(marker, "w").write("ran"))
 sys.argv[0] = "planner"
-from cli.main import main
+from planner.cli.main import main
 main()
 """
 
 
 def test_the_process_ends_with_the_commands_status_its_output_flushed_and_atexit_run(planned, tmp_path):
-    """main() ends the process without the interpreter's teardown (cli.main.exit_now)."""
+    """main() ends the process without the interpreter's teardown (planner.cli.main.exit_now)."""
     marker = tmp_path / "atexit"
     done = subprocess.run([sys.executable, "-c", MAIN, str(marker), "report", str(planned), "--json"], cwd=ROOT,
                           capture_output=True, text=True)
@@ -133,8 +133,8 @@ def test_the_process_ends_with_the_commands_status_its_output_flushed_and_atexit
 def test_a_profiler_still_writes_its_results(planned, tmp_path):
     """Under a profiler the process exits as Python does, so that cProfile writes its file after main()."""
     out = tmp_path / "profile.out"
-    done = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(out), "-m", "cli.main", "report", str(planned),
-                           "--json"], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(out), "-m", "planner.cli.main", "report",
+                           str(planned), "--json"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert out.stat().st_size > 0
 
@@ -144,7 +144,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(planned, json_out):
     """`planner report out | head -1`: the pipe closes under rich's output, which exits with status 1; that is
     not the model file calling sys.exit (the message the CLI gives a SystemExit it did not expect). --json ends
     the same way (it said "Cannot write the report to standard output: Broken pipe", status 2)."""
-    cmd = [sys.executable, "-m", "cli.main", "report", str(planned), *(["--json"] if json_out else [])]
+    cmd = [sys.executable, "-m", "planner.cli.main", "report", str(planned), *(["--json"] if json_out else [])]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # before the report is written: its first write meets a closed pipe
@@ -295,8 +295,8 @@ def test_plan_request_maps_options_to_pins_and_defaults():
     assert request.time_limit == PlanRequest.model_fields["time_limit"].default  # unset: the library's default
     assert _request(time_limit=0.0).time_limit is None  # 0: no limit
     assert _request(time_limit=3.5).time_limit == 3.5
-    pinned = _request(dp=2, tp=1, pp=2, virtual_stages=2, micro_batch_size=1, schedule=Schedule("interleaved-1f1b"),
-                      zero_stage=0, recompute=Recompute("selective"), sequence_parallel=False, no_overlap=True)
+    pinned = _request(dp=2, tp=1, pp=2, virtual_stages=2, micro_batch_size=1, schedule="interleaved-1f1b",
+                      zero_stage=0, recompute="selective", sequence_parallel=False, no_overlap=True)
     assert pinned.pins == {
         "dp": 2, "tp": 1, "pp": 2, "virtual_stages": 2, "micro_batch_size": 1, "schedule": "interleaved-1f1b",
         "zero_stage": 0, "recompute": "selective", "sequence_parallel": False,
@@ -633,7 +633,7 @@ def test_validate_needs_the_scripts_and_two_steps(plan_copy, tmp_path):
 
 
 def test_read_metrics_rejects_malformed_files(tmp_path):
-    from cli.validate import RunError
+    from planner.cli.validate import RunError
 
     path = tmp_path / "metrics.json"
     for text in ("{", "[]", '{"steps": [{"loss": 1}]}', '{"steps": [{"loss": 1, "step_time_s": 0.1}]}'):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from cli.main import app
+from planner.cli.main import app
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = str(ROOT / "sample_models" / "gpt.py")
@@ -60,3 +60,34 @@ def test_config_file_mistakes_are_clear(tmp_path):
     assert result.exit_code == 2 and "cannot be read as YAML" in result.output
     result = invoke("dry-run", MODEL, "--config", str(tmp_path / "missing.yaml"))
     assert result.exit_code == 2 and "cannot be read" in result.output
+
+
+def test_shell_completion_completes_commands_and_choices():
+    """The script --install-completion installs asks the program itself (click's _PLANNER_COMPLETE protocol)."""
+
+    def complete(words: str) -> list[str]:
+        env = {"_PLANNER_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": str(len(words.split()) - 1)}
+        result = CliRunner().invoke(app, [], env=env, prog_name="planner")
+        assert result.exit_code == 0, result.output
+        return result.output.split()
+
+    assert complete("planner dry") == ["dry-run"]
+    assert complete("planner plan model.py --schedule z") == ["zero-bubble"]
+    assert complete("planner plan model.py --recompute s") == ["selective"]
+
+
+def test_config_file_sets_flags_and_choices(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "gpu: cpu\ngpus-per-node: 4\nglobal-batch-size: 8\nmodel-arg: [layers=2]\npp: 2\nschedule: gpipe\n"
+        "recompute: selective\nsequence-parallel: false\nno-overlap: true\ndtype: fp32\ntop-k: 1\njson: true\n"
+    )
+    result = invoke("dry-run", MODEL, "--config", str(config))
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["parallel"]["pp"] == 2 and plan["parallel"]["schedule"] == "gpipe"
+    assert plan["model"]["dtype"] == "fp32" and len(plan["alternatives"]) == 1
+    assert [stage["recompute"] for stage in plan["stages"]] == ["selective", "selective"]
+    config.write_text("gpu: cpu\nglobal-batch-size: 8\nschedule: gpipes\n")
+    result = invoke("dry-run", MODEL, "--config", str(config))
+    assert result.exit_code == 2 and "'gpipes' is not one of" in result.output

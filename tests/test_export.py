@@ -17,7 +17,7 @@ import pytest
 from e2e.plans import make_plan
 from typer.testing import CliRunner
 
-from cli.main import app
+from planner.cli.main import app
 from planner.errors import ExportError
 from planner.export import megatron, torchtitan
 from planner.plan import Plan

@@ -18,7 +18,7 @@ import pytest
 import torch  # noqa: F401 - see tests/test_cli.py: torch's log handlers bind to the real stderr
 from typer.testing import CliRunner
 
-from cli.main import app
+from planner.cli.main import app
 from planner.errors import ModelLoadError
 from planner.model.guard import user_code
 
@@ -144,7 +144,7 @@ def test_real_process_exit_is_a_user_error(tmp_path, code):
     """In a real `planner` process (not CliRunner) os._exit / sys.exit / a hang still give exit 2."""
     path = model_file(tmp_path, "at_import", code)
     proc = subprocess.run(
-        [sys.executable, "-m", "cli.main", "plan", str(path), *CLUSTER, "--out", str(tmp_path / "out"),
+        [sys.executable, "-m", "planner.cli.main", "plan", str(path), *CLUSTER, "--out", str(tmp_path / "out"),
          "--load-timeout", "2"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )

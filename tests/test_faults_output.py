@@ -17,8 +17,8 @@ import pytest
 import torch  # noqa: F401 - see tests/test_cli.py
 from typer.testing import CliRunner
 
-from cli.main import app
 from planner import io
+from planner.cli.main import app
 from planner.errors import ConfigError
 from planner.io import MANIFEST, PAUSE_ENV, OutputLockedError, output_lock, read_manifest, write_output_set
 
@@ -51,7 +51,7 @@ def _default_sigint() -> None:
 
 def _planner(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "cli.main", *args], cwd=ROOT, env={**os.environ, **(env or {})},
+        [sys.executable, "-m", "planner.cli.main", *args], cwd=ROOT, env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint,
     )
 

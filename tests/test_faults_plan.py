@@ -13,7 +13,7 @@ import torch  # noqa: F401 - see tests/test_cli.py
 import yaml
 from typer.testing import CliRunner
 
-from cli.main import app
+from planner.cli.main import app
 from planner.errors import PlanError, SpecError
 from planner.hardware.load import load_cluster, specs_dir
 from planner.plan import load_plan
@@ -76,7 +76,7 @@ def test_report_json_is_strict_json(planned):
 @pytest.mark.parametrize("extra", [[], ["--json"]])
 def test_report_to_a_full_device(planned, extra):
     with open("/dev/full", "w") as full:
-        proc = subprocess.run([sys.executable, "-m", "cli.main", "report", str(planned), *extra], cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-m", "planner.cli.main", "report", str(planned), *extra], cwd=ROOT,
                               stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert "No space left on device" in proc.stderr and "Traceback" not in proc.stderr

@@ -19,8 +19,8 @@ import yaml
 from e2e.plans import make_plan
 from typer.testing import CliRunner
 
-from cli._options import parse_model_args
-from cli.main import app
+from planner.cli._options import parse_model_args
+from planner.cli.main import app
 from planner.codegen.render import render, write_scripts
 from planner.errors import ConfigError, SpecError
 from planner.escape import py_str, py_text, shell_word
@@ -322,7 +322,7 @@ def test_json_stays_clean_in_a_real_process(tmp_path):
             "os.close(1)\nsys.exit = lambda *a: None\n"
             "atexit.register(lambda: (print('{at exit'), os.write(1, b'{fd at exit'), os._exit(7)))\n")
     model = write(tmp_path / "m.py", code + NET)
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "plan", str(model), *CLUSTER, "--out",
+    proc = subprocess.run([sys.executable, "-m", "planner.cli.main", "plan", str(model), *CLUSTER, "--out",
                            str(tmp_path / "out"), "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PLANNER_NO_CACHE": "1"})
     assert proc.returncode == 0, proc.stderr

@@ -72,8 +72,9 @@ def test_micro_batches_per_replica_are_capped():
 def test_batch_of_a_trillion_answers(tmp_path):
     """Issue 13 point 2: this used to enumerate 10**12 divisor candidates; now it ends with a verdict."""
     proc = subprocess.run(
-        [sys.executable, "-m", "cli.main", "plan", str(ROOT / "tests" / "fixtures" / "tiny_gpt.py"), "--gpu", "cpu",
-         "--gpus-per-node", "4", "--global-batch-size", str(10**12), "--out", str(tmp_path / "o"), "-q"],
+        [sys.executable, "-m", "planner.cli.main", "plan", str(ROOT / "tests" / "fixtures" / "tiny_gpt.py"),
+         "--gpu", "cpu", "--gpus-per-node", "4", "--global-batch-size", str(10**12),
+         "--out", str(tmp_path / "o"), "-q"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode in (0, 2), proc.stderr

@@ -7,7 +7,7 @@ import os
 import sys
 import textwrap
 
-from cli.validate import _alive, _run, first_error
+from planner.cli.validate import _alive, _run, first_error
 
 LOG = """\
 [rank1]: Traceback (most recent call last):

@@ -514,7 +514,7 @@ def test_memory_reserve_option_on_the_command_line():
 
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from planner.cli.main import app
 
     model = str(Path(__file__).resolve().parents[1] / "sample_models" / "mlp.py")
     base = ["dry-run", model, "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch-size", "4", "--json"]

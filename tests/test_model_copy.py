@@ -77,7 +77,7 @@ def test_emit_from_a_moved_plan_folder_uses_its_copy(tmp_path):
     """A plan folder moved to a machine without the original model file still re-emits."""
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from planner.cli.main import app
     from planner.codegen.render import write_scripts
 
     src = tmp_path / "laptop"
@@ -159,7 +159,7 @@ def test_files_the_model_read_keep_their_place_relative_to_it(tmp_path):
 def test_emit_carries_the_plan_folders_copy_with_its_edits(tmp_path):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from planner.cli.main import app
     from planner.codegen.render import write_scripts
 
     plan = make_plan("gpt")

@@ -508,7 +508,7 @@ def test_a_traced_graph_without_ep_still_names_the_experts_it_calls(layout, tmp_
     histc): plan.json and train.py name them. The model as written (dp4) needs no such list."""
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from planner.cli.main import app
     from planner.codegen.render import runtime_objects
     from planner.plan import load_plan
 

@@ -1,5 +1,5 @@
 """A plan that the generated script cannot run for its layout gives way to the next runner-up that runs
-(cli/plan.py best_that_runs): the chosen plan is the best ranked one that passes the plan-time check, and the
+(planner/cli/plan.py best_that_runs): the chosen plan is the best ranked one that passes the plan-time check, and the
 ones before it are listed under the rejected regions with the check's reason. When none runs, `planner plan`
 exits 2 and writes nothing. The check itself is replaced here by one that refuses chosen layouts, so the
 test sees the fallback and not the check (tests/test_runtime_check.py covers the check)."""
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import cli.plan
-from cli.main import app
+import planner.cli.plan
+from planner.cli.main import app
 from planner.errors import LayoutRefusedError, PlanError
 
 TINY = Path(__file__).resolve().parent / "fixtures" / "tiny_gpt.py"
@@ -36,7 +36,7 @@ def test_the_best_plan_that_runs_is_chosen_and_the_others_are_listed(tmp_path, m
             refused.append(_layout(plan))
             raise LayoutRefusedError("The plan cannot run: a weight is held twice on one pp rank (test).")
 
-    monkeypatch.setattr(cli.plan, "check_plan", refuse_the_first_two)
+    monkeypatch.setattr(planner.cli.plan, "check_plan", refuse_the_first_two)
     out = tmp_path / "fallback"
     result = CliRunner().invoke(app, [*ARGS, "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -53,7 +53,7 @@ def test_when_no_ranked_plan_runs_nothing_is_written(tmp_path, monkeypatch):
     def refuse(plan, worker=None) -> None:
         raise LayoutRefusedError("The plan cannot run: a stage sends a dict (test).")
 
-    monkeypatch.setattr(cli.plan, "check_plan", refuse)
+    monkeypatch.setattr(planner.cli.plan, "check_plan", refuse)
     out = tmp_path / "none"
     result = CliRunner().invoke(app, [*ARGS, "--top-k", "2", "--out", str(out)])
     assert result.exit_code == 2
@@ -76,7 +76,7 @@ def test_a_failure_of_the_model_itself_is_raised_at_once(tmp_path, monkeypatch):
         calls.append(plan)
         raise PlanError("The plan cannot run: the loss returns a vector (test).")
 
-    monkeypatch.setattr(cli.plan, "check_plan", refuse)
+    monkeypatch.setattr(planner.cli.plan, "check_plan", refuse)
     result = CliRunner().invoke(app, [*ARGS, "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "the loss returns a vector (test)" in result.output
     assert len(calls) == 1

@@ -352,7 +352,7 @@ CNNS = {"resnet", "sequential_cnn"}
 def _dry_run(model: str, *args: str):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from planner.cli.main import app
 
     return CliRunner().invoke(
         app,
@@ -528,7 +528,7 @@ def test_nanogpt_gpt3_175b_on_1024_a100_plans_tp8_x_pp_with_attention_sharded():
 
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from planner.cli.main import app
 
     result = CliRunner().invoke(
         app,

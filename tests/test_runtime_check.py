@@ -11,7 +11,7 @@ from e2e.plans import TINY, make_plan
 from torch import nn
 from typer.testing import CliRunner
 
-from cli.main import app
+from planner.cli.main import app
 from planner.codegen.check import check_plan_runs
 from planner.errors import LayoutRefusedError, PlanError
 

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from e2e.hf_plans import HF, hf_plan
 from typer.testing import CliRunner
 
-from cli.main import app
+from planner.cli.main import app
 from planner.codegen.render import write_scripts
 from planner.runtime.errors import RunError
 from planner.runtime.layout import ModelFile

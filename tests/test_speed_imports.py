@@ -1,8 +1,8 @@
 """Planning on the meta device does not import torch._dynamo (nor torch.distributed.pipelining, DTensor or
 FSDP): the meta kernels' lazy dynamo import is answered by planner.runtime.meta, the runtime's loop imports the
 pipeline code only when it trains, and the plan-time check takes the TP rules and checkpointing from modules
-that do not import torch.distributed's. The `planner` process runs no full garbage collection while it plans (cli.main's
-GC_THRESHOLDS). Pins the behaviour, not the time (the time is bench/search_speed.py's)."""
+that do not import torch.distributed's. The `planner` process runs no full garbage collection while it plans
+(planner.cli.main's GC_THRESHOLDS). Pins the behaviour, not the time (the time is bench/search_speed.py's)."""
 
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ full = []
 gc.callbacks.append(lambda phase, info: full.append(1) if phase == "stop" and info["generation"] == 2 else None)
 atexit.register(lambda: print("full collections", len(full)))
 sys.argv = ["planner", *sys.argv[1:]]
-from cli.main import main
+from planner.cli.main import main
 main()
 """
 

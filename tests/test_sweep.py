@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from planner.cli.main import app
 from planner.errors import ConfigError
 from planner.hardware.load import load_cluster
 from planner.report.sweep import SweepPoint, pareto, parse_nodes, parse_prices

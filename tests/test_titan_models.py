@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from planner.cli.main import app
 from planner.errors import ModelLoadError
 from planner.model.sources import compile_source
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from cli.main import app
+from planner.cli.main import app
 from planner.cost.candidate import Candidate
 from planner.hardware.load import load_cluster, load_spec, specs_dir
 from planner.hardware.spec import Efficiencies
@@ -228,7 +228,7 @@ def _plan_terms_for(plan_dir: Path, spec):
 def test_refit_table_is_printed():
     from rich.console import Console
 
-    from cli.validate import RefitResult
+    from planner.cli.validate import RefitResult
 
     base = Efficiencies(matmul=0.5)
     coef = {"matmul": 1.0, "attention": 0.0, "memory": 0.0, "network": 0.0}

@@ -99,7 +99,7 @@ def _resolve(name_or_path: str | os.PathLike[str]) -> tuple[Spec, Path]:
                 f"pass a known name instead: {', '.join(_known_names())}."
             )
         return _read(path), path
-    key = normalize_name(name_or_path)
+    key = normalize_name(os.fspath(name_or_path))
     index = _index()
     if key in index:
         path = index[key]
@@ -248,7 +248,7 @@ def _parse(path: str, data: bytes) -> Spec:
 class _SpecLoader(_SAFE_LOADER):  # type: ignore[misc,valid-type]
     """The safe loader, refusing a key given twice in one mapping (YAML's last-wins would hide a typo)."""
 
-    def construct_mapping(self, node, deep=False):
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
         if isinstance(node, yaml.MappingNode):
             seen: dict[Any, Any] = {}
             for key_node, _ in node.value:
@@ -262,7 +262,8 @@ class _SpecLoader(_SAFE_LOADER):  # type: ignore[misc,valid-type]
                         None, None, f"duplicate key {key!r} (first at line {first.start_mark.line + 1}); a key may "
                         "appear once in a mapping", key_node.start_mark,
                     )
-        return super().construct_mapping(node, deep=deep)
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)  # yaml has no type information
+        return mapping
 
 
 def _refuse_anchors(path: str, text: str) -> None:

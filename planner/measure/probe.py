@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 PROBE_ENV = "PLANNER_PROBE"
-WARMUP_STEPS = 1  # matches cli.validate: the first step pays for lazy init and connection set-up
+WARMUP_STEPS = 1  # matches planner.cli.validate: the first step pays for lazy init and connection set-up
 
 
 class _Clock:

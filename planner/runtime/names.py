@@ -2,7 +2,7 @@
 
 The planner and the generated script share them: `planner.names` re-exports them for the Plan schema, the
 cost model and the search; the runtime's Layout validates a plan's constants against them; the CLI builds its
-option enums from them (`cli/_options.py`). This module lives in the runtime because the generated train.py
+option enums from them (`planner/cli/_options.py`). This module lives in the runtime because the generated train.py
 runs a copy of the runtime where the planner is not installed.
 """
 

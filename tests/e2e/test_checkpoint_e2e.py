@@ -165,7 +165,7 @@ def test_replan_to_half_the_ranks_resumes_and_keeps_training(tmp_path, uninterru
     checkpoint under the new plan, on the old run's trajectory."""
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from planner.cli.main import app
     from planner.plan import load_plan
 
     old = tmp_path / "old"

@@ -12,7 +12,7 @@ from e2e.plans import TINY, ci_cases, make_plan, reference_of
 from e2e.test_train_e2e import STEPS, train
 from typer.testing import CliRunner
 
-from cli.main import app
+from planner.cli.main import app
 from planner.plan import Plan, load_plan
 
 pytestmark = pytest.mark.e2e

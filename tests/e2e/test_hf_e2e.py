@@ -27,7 +27,7 @@ from e2e.plans import ci_cases, reference_of
 from e2e.test_train_e2e import STEPS, run, train
 from typer.testing import CliRunner
 
-from cli.main import app
+from planner.cli.main import app
 from planner.plan import Plan, load_plan
 
 pytest.importorskip("transformers")

@@ -166,7 +166,7 @@ def test_sequence_parallel_where_the_mlps_region_is_the_block_trains_like_one_pr
     from e2e.plans import reference_of
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from planner.cli.main import app
     from planner.plan import load_plan
 
     out = tmp_path / "plan"

@@ -29,7 +29,7 @@ from typing import Annotated, Any
 
 import typer
 
-from cli._options import JsonOpt, QuietOpt, is_quiet, stderr_console, stdout_console
+from planner.cli._options import JsonOpt, QuietOpt, is_quiet, stderr_console, stdout_console
 from planner.errors import ConfigError, PlannerError
 
 VALIDATE_EXAMPLES = [
@@ -183,9 +183,9 @@ def validate(
         return
     from planner.report.tables import validation_table
 
-    out = stdout_console()
-    out.print(validation_table(plan, measured, ranks, memory_kind))
-    out.print(f"Loss: {losses[0]:.4f} at step 1, {losses[-1]:.4f} at step {len(losses)}. Metrics: {metrics_path}")
+    console = stdout_console()
+    console.print(validation_table(plan, measured, ranks, memory_kind))
+    console.print(f"Loss: {losses[0]:.4f} at step 1, {losses[-1]:.4f} at step {len(losses)}. Metrics: {metrics_path}")
 
 
 def _run(
@@ -211,7 +211,7 @@ def _run(
             raise
 
 
-def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
+def _stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
     """Stop the run's whole process tree: SIGTERM, then SIGKILL after `grace` s for whatever is left.
 
     torchrun's workers may sit in process groups (or sessions) of their own, so killpg on the launcher's

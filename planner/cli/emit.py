@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cli._options import (
+from planner.cli._options import (
     ForceOpt,
     InitFromOpt,
     PlanPathArg,
@@ -116,11 +116,11 @@ def write_outputs(out_dir: Path, files: Files, force: bool, inputs: list[Path] |
     `inputs`: the files the plan reads (model file, compiled source, its config, data files): an output that
     would replace one of them with other content is refused, with or without --force.
     """
-    from planner.io import OutputConflictError, write_output_set
+    from planner.io import Classified, OutputConflictError, write_output_set
 
     new_plan = files.get(PLAN_FILE, ("", False))[0]
 
-    def precheck(out: Path, c) -> None:
+    def precheck(out: Path, c: Classified) -> None:
         refuse_overwriting_inputs(out, files, inputs or [])
         if force or PLAN_FILE not in files:
             return

@@ -18,7 +18,7 @@ from typing import Annotated
 
 import typer
 
-from cli._options import ForceOpt, PlanPathArg, QuietOpt, is_quiet, stdout_console
+from planner.cli._options import ForceOpt, PlanPathArg, QuietOpt, is_quiet, stdout_console
 
 EXPORT_EXAMPLES = ["planner export plan_out --to torchtitan", "planner export plan_out --to megatron"]
 FILES = {"torchtitan": "torchtitan_plan.py", "megatron": "megatron_args.sh"}
@@ -52,7 +52,7 @@ def export(
     if to is Framework.torchtitan:
         from planner.export.torchtitan import render
     else:
-        from planner.export.megatron import render  # type: ignore[assignment]
+        from planner.export.megatron import render
     text = render(plan)
     folder = plan_path if plan_path.is_dir() else plan_path.parent
     target = out if out is not None else folder / FILES[to.value]

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cli._options import ForceOpt, PlanPathArg, QuietOpt, is_quiet, stdout_console
-from cli.emit import PLAN_FILE, model_beside, write_outputs
+from planner.cli._options import ForceOpt, PlanPathArg, QuietOpt, is_quiet, stdout_console
+from planner.cli.emit import PLAN_FILE, model_beside, write_outputs
 from planner.codegen.modelcopy import copy_in_plan_folder
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def replan(
     chosen. The global batch and micro-batch size stay the same, so the resumed run sees the batches the old one
     would have seen.
     """
-    from cli.plan import best_that_runs, render_outputs, run_search
+    from planner.cli.plan import best_that_runs, render_outputs, run_search
     from planner.codegen.render import resume_script
     from planner.errors import PlanError
     from planner.plan import load_plan

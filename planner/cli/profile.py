@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from cli._options import (
+from planner.cli._options import (
     BuildFnOpt,
     Device,
     DType,

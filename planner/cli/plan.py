@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cli._options import (
+from planner.cli._options import (
     BuildFnOpt,
     ConfigOpt,
     DataOpt,
@@ -70,7 +70,7 @@ from cli._options import (
     stderr_console,
     stdout_console,
 )
-from cli.emit import PLAN_FILE, Files, write_outputs
+from planner.cli.emit import PLAN_FILE, Files, write_outputs
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable

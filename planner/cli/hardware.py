@@ -19,7 +19,7 @@ from typing import Annotated, Any
 
 import typer
 
-from cli._options import JsonOpt, examples_epilog, stdout_console
+from planner.cli._options import JsonOpt, examples_epilog, stdout_console
 
 LIST_EXAMPLES = ["planner hardware list", "planner hardware list --json"]
 SHOW_EXAMPLES = ["planner hardware show h100-sxm5-80gb", "planner hardware show ./my_gpu.yaml --json"]

@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from planner.errors import ConfigError, ModelLoadError
-from planner.names import MAX_TOP_K, RECOMPUTE_MODES, SCHEDULES
+
+# Schedule and Recompute are the Literal types of the one list of names (planner.names, defined in
+# planner.runtime.names); typer offers a Literal's values as the option's choices, so a new schedule or
+# recomputation mode is an option value without an edit here.
+from planner.names import MAX_TOP_K, Recompute, Schedule
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -34,15 +38,6 @@ _TRAINING = "Generated training script"
 _OUTPUT = "Output"
 
 
-def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
-    """A str Enum for typer whose members are named and valued by `values` (Schedule["1f1b"].value == "1f1b")."""
-    return Enum(name, [(v, v) for v in values], type=str, module=__name__)
-
-
-# Built from the one list of names (planner.names, defined in planner.runtime.names): a new schedule or
-# recomputation mode is an option value without an edit here.
-Schedule = _choices("Schedule", SCHEDULES)
-Recompute = _choices("Recompute", RECOMPUTE_MODES)
 
 
 class DType(str, Enum):
@@ -451,8 +446,8 @@ def plan_request(
 
     pins: dict[str, Any] = {
         "dp": dp, "tp": tp, "pp": pp, "virtual_stages": virtual_stages, "micro_batch_size": micro_batch_size,
-        "schedule": schedule.value if schedule else None, "zero_stage": zero_stage,
-        "sequence_parallel": sequence_parallel, "recompute": recompute.value if recompute else None, "ep": ep,
+        "schedule": schedule, "zero_stage": zero_stage,
+        "sequence_parallel": sequence_parallel, "recompute": recompute, "ep": ep,
     }
     # An unset --time-limit leaves PlanRequest's default; 0 asks for none.
     limit: dict[str, Any] = {} if time_limit is None else {"time_limit": time_limit or None}

@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from cli._options import (
+from planner.cli._options import (
     DType,
     DTypeOpt,
     GlobalBatchOpt,

@@ -17,7 +17,7 @@ import sys
 
 import typer
 
-from cli._options import (
+from planner.cli._options import (
     BuildFnOpt,
     ConfigOpt,
     DataOpt,
@@ -58,7 +58,7 @@ from cli._options import (
     plan_request,
     stdout_console,
 )
-from cli.plan import run_search
+from planner.cli.plan import run_search
 
 DRY_RUN_EXAMPLES = [
     "planner dry-run sample_models/gpt.py -a preset=gpt3-175b --gpu dgx-h100 --nodes 16 --global-batch-size 1536",

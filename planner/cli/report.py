@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from cli._options import JsonOpt, PlanPathArg, stdout_console
+from planner.cli._options import JsonOpt, PlanPathArg, stdout_console
 from planner.errors import ConfigError
 
 REPORT_EXAMPLES = [

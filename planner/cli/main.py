@@ -21,19 +21,19 @@ from typing import Annotated, Any, NoReturn
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from cli._options import Settings, examples_epilog, settings
-from cli.calibrate import CALIBRATE_EXAMPLES, calibrate
-from cli.dry_run import DRY_RUN_EXAMPLES, dry_run
-from cli.emit import EMIT_EXAMPLES, emit
-from cli.export import EXPORT_EXAMPLES, export
-from cli.hardware import hardware_app
-from cli.plan import PLAN_EXAMPLES, plan
-from cli.profile import PROFILE_EXAMPLES, profile
-from cli.replan import REPLAN_EXAMPLES, replan
-from cli.report import REPORT_EXAMPLES, report
-from cli.sweep import SWEEP_EXAMPLES, sweep
-from cli.validate import VALIDATE_EXAMPLES, validate
 from planner import __version__
+from planner.cli._options import Settings, examples_epilog, settings
+from planner.cli.calibrate import CALIBRATE_EXAMPLES, calibrate
+from planner.cli.dry_run import DRY_RUN_EXAMPLES, dry_run
+from planner.cli.emit import EMIT_EXAMPLES, emit
+from planner.cli.export import EXPORT_EXAMPLES, export
+from planner.cli.hardware import hardware_app
+from planner.cli.plan import PLAN_EXAMPLES, plan
+from planner.cli.profile import PROFILE_EXAMPLES, profile
+from planner.cli.replan import REPLAN_EXAMPLES, replan
+from planner.cli.report import REPORT_EXAMPLES, report
+from planner.cli.sweep import SWEEP_EXAMPLES, sweep
+from planner.cli.validate import VALIDATE_EXAMPLES, validate
 from planner.errors import ModelLoadError, PlannerError
 
 USER_ERROR = 2
@@ -52,7 +52,9 @@ class _PlannerGroup(TyperGroup):
     Doing it here rather than around `app()` means the mapping also holds under typer's CliRunner.
     """
 
-    def invoke(self, ctx: typer.Context) -> Any:
+    # typer builds a typer.Context for every command; the base class annotates click's Context (vendored as
+    # typer._click since typer 0.2x), a private name to import.
+    def invoke(self, ctx: typer.Context) -> Any:  # type: ignore[override]
         try:
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort, typer.TyperException):
@@ -174,24 +176,24 @@ app.add_typer(hardware_app, name="hardware")
 
 
 def main() -> None:
-    """Console-script entry point (`planner = "cli.main:main"`)."""
+    """Console-script entry point (`planner = "planner.cli.main:main"`)."""
     gc.set_threshold(*GC_THRESHOLDS)
     try:
         app(prog_name="planner")
-        code: object = 0
+        code: str | int | None = 0
     except SystemExit as e:  # click ends every command with sys.exit
         code = e.code
     exit_now(code)
 
 
-def exit_now(code: object) -> NoReturn:
+def exit_now(code: str | int | None) -> NoReturn:
     """Exit with `code` as sys.exit would, without the interpreter's teardown.
 
     Everything a command writes is written (atomically) before it returns; what is left at exit is the
     atexit handlers (run here: temporary model-source folders, logging's flush) and the teardown of every
     module and object alive, which for a plan is torch, the traced graphs and the model: 0.7 s of a 3.4 s
     GPT-3 175B plan. So the process flushes its streams and ends (as mypy does, for the same reason), unless
-    a profiler or tracer runs it (`python -m cProfile -o out -m cli.main ...`, a debugger), which writes its
+    a profiler or tracer runs it (`python -m cProfile -o out -m planner.cli.main ...`, a debugger), which writes its
     results after the program returns."""
     import atexit
     import os

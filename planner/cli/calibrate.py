@@ -22,7 +22,7 @@ from typing import Annotated
 
 import typer
 
-from cli._options import (
+from planner.cli._options import (
     Device,
     DType,
     DTypeOpt,
