@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import ParamSpec
 
 from planner.cost.model import (
     Candidate,
@@ -55,7 +56,7 @@ from planner.search.reference import brute_force_reported, choices_count
 from planner.search.space import Pins, enumerate_space
 
 # Evaluated and simulate_evaluated are re-exported: planner.pipeline and the CLI import them from here.
-__all__ = ["Evaluated", "SearchResult", "evaluate", "search", "simulate_evaluated"]
+__all__ = ["Evaluated", "Search", "SearchResult", "evaluate", "search", "simulate_evaluated"]
 
 log = logging.getLogger(__name__)
 GiB = 2**30
@@ -158,21 +159,9 @@ class CostTable:
         return out
 
 
-def search(
-    graph: ModelGraph,
-    cluster: ClusterSpec,
-    global_batch: int,
-    pins: Pins = Pins(),
-    options: CostOptions = CostOptions(),
-    profile: Profile | None = None,
-    top_k: int = 5,
-    time_limit: float | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    max_nodes: int | None = 5000,
-    prefer_simulated: bool = True,
-    on_best: Callable[[Evaluated], None] | None = None,
-) -> SearchResult:
-    """Find the best configuration (and the next top_k).
+class Search:
+    """One search of the configurations of `graph` on `cluster` for `global_batch` (the pinned degrees `pins`):
+    its inputs, its queue of candidates and what it has found so far, with one method a step. `run()` does it.
 
     prefer_simulated (the default): rank by the iteration time the plan reports (`Evaluated.reported`,
     the simulated pipeline plus the tail) and prune only with bounds valid for it. Candidates of one
@@ -187,146 +176,293 @@ def search(
     on_best: called with each plan that becomes the best so far (the last call's is the result's best, where
     the search ends normally); the search itself does not depend on it.
     """
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
-        raise ConfigError(
-            f"top_k {top_k!r} is outside 0..{MAX_TOP_K}: each runner-up kept weakens the search's pruning, so the "
-            f"planner keeps at most {MAX_TOP_K}. Pass --top-k {MAX_TOP_K} or less."
-        )
-    t0 = time.perf_counter()
-    space = enumerate_space(graph, cluster, global_batch, pins)
-    rejected = Counter(space.rejected)
-    # the search's own rejections, one reason per candidate, grouped into regions at the end (`_regions`)
-    refused: dict[Candidate, str] = {}
 
-    def refuse(c: Candidate, why: str) -> None:
-        refused.setdefault(c, why)
+    def __init__(
+        self,
+        graph: ModelGraph,
+        cluster: ClusterSpec,
+        global_batch: int,
+        pins: Pins = Pins(),
+        options: CostOptions = CostOptions(),
+        profile: Profile | None = None,
+        top_k: int = 5,
+        time_limit: float | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        max_nodes: int | None = 5000,
+        prefer_simulated: bool = True,
+        on_best: Callable[[Evaluated], None] | None = None,
+    ) -> None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
+            raise ConfigError(
+                f"top_k {top_k!r} is outside 0..{MAX_TOP_K}: each runner-up kept weakens the search's pruning, so "
+                f"the planner keeps at most {MAX_TOP_K}. Pass --top-k {MAX_TOP_K} or less."
+            )
+        self.graph, self.cluster, self.pins, self.options = graph, cluster, pins, options
+        self.top_k, self.time_limit, self.max_nodes = top_k, time_limit, max_nodes
+        self.progress, self.on_best = progress, on_best
+        self.by_reported = prefer_simulated
+        self.t0 = time.perf_counter()
+        self.space = enumerate_space(graph, cluster, global_batch, pins)
+        self.rejected = Counter(self.space.rejected)
+        # the search's own rejections, one reason per candidate, grouped into regions at the end (`_regions`)
+        self.refused: dict[Candidate, str] = {}
+        self.table = CostTable(graph, cluster, profile)
+        self.modes = (pins.recompute,) if pins.recompute else search_modes(graph)
+        self.run_of_blocks = block_run(graph)
+        # Lazy bounding: every candidate gets the cheap simple bound; the tighter block bound is computed
+        # only for candidates that reach the front of the queue, which then go back in with it (QueueItem).
+        self.heap: list[QueueItem] = []
+        self.total = 0  # candidates queued with their simple bound (the progress display's total)
+        self.smallest_need: tuple[float, Candidate] | None = None
+        self.totals: dict[tuple[object, ...], Totals] = {}
+        self.shares: dict[tuple[object, ...], float] = {}
+        self.ranked: list[Evaluated] = []  # the best top_k + 1 so far, best first
+        self.gaps: list[float] = []
+        self.solved = 0
+        self.pruned = 0
+        self.status: SearchStatus = "optimal"
+        self.done = 0
+        self.revived = 0
+        # valid lower bounds on the reported figure of candidates not settled exactly for it
+        self.unresolved: list[float] = []
+        # candidates whose ILP plan is not proven the least reported figure: (valid bound, item), settled last
+        self.unsettled: list[tuple[float, QueueItem]] = []
+        # pipelined candidates pruned by their linear bound whose reported bound is lower: settled at the end
+        self.doubtful: list[QueueItem] = []
+        self.bb_left = SEARCH_BB_NODES
 
-    if not space.candidates:
-        # A candidate "dominated by" another is not why nothing fits (the other one was rejected for its own
-        # reason): those reasons go last.
-        order = sorted(rejected.items(), key=lambda kv: (kv[0][1].startswith("dominated by"), kv[0]))
-        reasons = "; ".join(f"{region}: {why} ({n})" for (region, why), n in order[:6])
-        raise InfeasibleError(
-            f"No configuration of {cluster.world_size} GPUs satisfies the constraints: {reasons or 'none'}. "
-            "Change the pinned degrees, the global batch size (make it divisible by the data-parallel degree) "
-            "or the GPU count."
-        )
-    by_reported = prefer_simulated
-    table = CostTable(graph, cluster, profile)
-    cap = cluster.gpu.memory_bytes
-    modes = (pins.recompute,) if pins.recompute else search_modes(graph)
-    run = block_run(graph)
-    n_units = len(graph.units)
-    # Lazy bounding: every candidate gets the cheap simple bound; the tighter block bound is computed
-    # only for candidates that reach the front of the queue, which then go back in with it (QueueItem).
-    heap: list[QueueItem] = []
-    smallest_need: tuple[float, Candidate] | None = None
-    totals: dict[tuple[object, ...], Totals] = {}
-    shares: dict[tuple[object, ...], float] = {}
+    def run(self) -> SearchResult:
+        """Bound every candidate, solve them in order of their bounds until the k-th plan's figure prunes the
+        rest, then settle the reported figure's bounds; InfeasibleError where nothing fits."""
+        if not self.space.candidates:
+            raise InfeasibleError(_no_candidate(self.cluster, self.rejected))
+        self.bound_all()
+        # The next ILP_WORKERS candidates in bound order are solved side by side (a fixed number, so that the
+        # counts reported do not depend on the machine): in forked processes where fork_allowed and two of them
+        # have several stages (the chain program and the branch and bound are Python, which threads run one at a
+        # time; one stage is a closed form, quicker than a fork), else in threads (CBC runs in its own process).
+        # Every candidate whose optimum could enter the top k is still solved exactly, so the ranking is that of
+        # one-by-one solving.
+        pool = ThreadPoolExecutor(max_workers=ILP_WORKERS)
+        forked = fork_allowed()
+        try:
+            while self.heap:
+                cutoff = self.cutoff_now()
+                batch, cutoff = self.next_batch(cutoff)
+                if not batch:
+                    self.pruned = len(self.heap)
+                    break
+                if self.progress is not None:
+                    self.progress(self.done, self.total)
+                self.done += len(batch)
+                share = self.bb_share()
+                if forked and sum(it.cand.stages > 1 for it in batch) > 1:  # Python solvers: processes, not threads
+                    results = map_forked(functools.partial(self.solve, cutoff=cutoff, nodes=share), batch)
+                else:
+                    results = list(pool.map(self.solve, batch, [cutoff] * len(batch), [share] * len(batch)))
+                self.solved += len(batch)
+                self.bb_left = max(0, self.bb_left - sum(r.nodes for r in results))
+                for item, res in zip(batch, results, strict=True):
+                    self.take(item, res, cutoff)
+            if self.by_reported:
+                self.settle_pruned()
+                self.settle_unsettled()
+        finally:
+            pool.shutdown()
+        return self.result()
 
-    def score(ev: Evaluated) -> float:
-        return ev.reported if by_reported else ev.objective
+    def refuse(self, c: Candidate, why: str) -> None:
+        self.refused.setdefault(c, why)
 
-    def reported_of(item: QueueItem, linear: float, comm: float = 0.0, path: bool = False) -> float:
-        if not by_reported:
+    def score(self, ev: Evaluated) -> float:
+        return ev.reported if self.by_reported else ev.objective
+
+    def costs_of(self, cand: Candidate) -> list[UnitCost]:
+        """The candidate's unit costs, each down to the pinned recomputation mode where one is pinned."""
+        costs = self.table.units(cand)
+        if self.pins.recompute:
+            costs = [_only(c, self.pins.recompute) for c in costs]
+        return costs
+
+    def bound_all(self) -> None:
+        """Every candidate into the queue with its simple bound (or refused where even that is out of memory)."""
+        for i, cand in enumerate(self.space.candidates):
+            modes = self.modes
+            cand_modes = tuple(m for m in modes if not (cand.schedule == "zero-bubble" and m == "selective")) or modes
+            self.enqueue(i, cand, self.costs_of(cand), cand_modes, 0.0)
+        heapq.heapify(self.heap)
+        self.total = len(self.heap)
+
+    def reported_of(self, item: QueueItem, linear: float, comm: float = 0.0, path: bool = False) -> float:
+        if not self.by_reported:
             return linear
         c = item.cand
         key = (*_totals_key(c, item.pb.modes), c.zero_stage == 3)
-        if key not in shares:
-            shares[key] = backward_share(item.pb.costs, c)
+        if key not in self.shares:
+            self.shares[key] = backward_share(item.pb.costs, c)
         extra = 0.0
         if path and c.schedule == "1f1b" and c.pp > 1:
-            extra = one_f_one_b_bound(item.pb.costs, c, shares[key])
-        return reported_bound(item.pb, linear, shares[key], comm, item.bounds, extra, item.tail)
+            extra = one_f_one_b_bound(item.pb.costs, c, self.shares[key])
+        return reported_bound(item.pb, linear, self.shares[key], comm, item.bounds, extra, item.tail)
 
-    def enqueue(i: int, cand: Candidate, costs: list[UnitCost], cand_modes: tuple[str, ...], floor: float) -> None:
-        nonlocal smallest_need
+    def enqueue(
+        self, i: int, cand: Candidate, costs: list[UnitCost], cand_modes: tuple[str, ...], floor: float
+    ) -> None:
+        cluster = self.cluster
         tkey = _totals_key(cand, cand_modes)
-        if tkey not in totals:
-            totals[tkey] = Totals.of(costs, cand_modes)
-        pb = PartitionProblem(graph, cluster, cand, costs, cand_modes, options, shared_totals=totals[tkey])
+        if tkey not in self.totals:
+            self.totals[tkey] = Totals.of(costs, cand_modes)
+        pb = PartitionProblem(
+            self.graph, cluster, cand, costs, cand_modes, self.options, shared_totals=self.totals[tkey]
+        )
         tail = tail_bound(pb)
         b = simple_bound(pb, tail)
         if b.memory > rank_capacity(cluster, cand):
             # beyond the GPU itself, or only beyond what the reserve (fixed and this plan's NCCL share) leaves
-            refuse(cand, OOM_BOUND if b.memory > cap + cluster.reserved_gib * GiB else RESERVE)
+            cap = cluster.gpu.memory_bytes
+            self.refuse(cand, OOM_BOUND if b.memory > cap + cluster.reserved_gib * GiB else RESERVE)
             short = b.memory - rank_capacity(cluster, cand)
-            if smallest_need is None or short < smallest_need[0] - rank_capacity(cluster, smallest_need[1]):
-                smallest_need = (b.memory, cand)
+            need = self.smallest_need
+            if need is None or short < need[0] - rank_capacity(cluster, need[1]):
+                self.smallest_need = (b.memory, cand)
             return
         item = QueueItem(max(b.time, floor), i, 0, pb, tail=tail)
-        item.reported = max(reported_of(item, b.time), floor)
-        heap.append(item)
+        item.reported = max(self.reported_of(item, b.time), floor)
+        self.heap.append(item)
 
-    for i, cand in enumerate(space.candidates):
-        costs = table.units(cand)
-        if pins.recompute:
-            costs = [_only(c, pins.recompute) for c in costs]
-        cand_modes = tuple(m for m in modes if not (cand.schedule == "zero-bubble" and m == "selective")) or modes
-        enqueue(i, cand, costs, cand_modes, 0.0)
-    heapq.heapify(heap)
-    total = len(heap)
-
-    ranked: list[Evaluated] = []
-    gaps: list[float] = []
-    solved = 0
-    pruned = 0
-    status: SearchStatus = "optimal"
-    done = 0
-    revived = 0
-    # valid lower bounds on the reported figure of candidates not settled exactly for it
-    unresolved: list[float] = []
-    # candidates whose ILP plan is not proven the least reported figure: (valid bound, item), settled last
-    unsettled: list[tuple[float, QueueItem]] = []
-    # pipelined candidates pruned by their linear bound whose reported bound is lower: settled at the end
-    doubtful: list[QueueItem] = []
-
-    bb_left = SEARCH_BB_NODES
-
-    def bb_share() -> int | None:
+    def bb_share(self) -> int | None:
         """One candidate's branch-and-bound nodes: what the search has left, split over a batch, and never
         more than ``max_nodes`` (the nodes of one candidate, whichever solver runs it)."""
-        if max_nodes is None:
+        if self.max_nodes is None:
             return None
-        return min(max_nodes, max(BB_NODES_MIN, min(BB_NODES_MAX, bb_left // ILP_WORKERS)))
+        return min(self.max_nodes, max(BB_NODES_MIN, min(BB_NODES_MAX, self.bb_left // ILP_WORKERS)))
 
-    def solve(item: QueueItem, cutoff: float | None, nodes: int | None) -> ILPResult:
+    def solve(self, item: QueueItem, cutoff: float | None, nodes: int | None) -> ILPResult:
+        """The item's ILP (a pure function of its arguments: `map_forked` runs it in a child)."""
         return solve_partition(
             item.pb,
-            time_limit=time_limit,
-            max_nodes=max_nodes,
+            time_limit=self.time_limit,
+            max_nodes=self.max_nodes,
             cutoff=cutoff,
             bounds=item.bounds,
             bb_nodes=nodes,
         )
 
-    def cutoff_now() -> float | None:
-        return score(ranked[top_k]) if len(ranked) >= top_k + 1 else None
+    def cutoff_now(self) -> float | None:
+        """The k-th best plan's figure (no later candidate whose bound reaches it can enter the top k)."""
+        return self.score(self.ranked[self.top_k]) if len(self.ranked) >= self.top_k + 1 else None
 
-    def add(ev: Evaluated) -> None:
-        nonlocal ranked
+    def add(self, ev: Evaluated) -> None:
         # a sorted list of at most top_k + 1 (bounded by MAX_TOP_K): one insertion, the worst dropped
-        bisect.insort(ranked, ev, key=lambda e: (score(e), _key(e.cand)))
-        del ranked[top_k + 1 :]
-        if on_best is not None and ranked[0] is ev:
-            on_best(ev)
+        bisect.insort(self.ranked, ev, key=lambda e: (self.score(e), _key(e.cand)))
+        del self.ranked[self.top_k + 1 :]
+        if self.on_best is not None and self.ranked[0] is ev:
+            self.on_best(ev)
 
-    def tighten(item: QueueItem) -> QueueItem | None:
+    def next_batch(self, cutoff: float | None) -> tuple[list[QueueItem], float | None]:
+        """The next ILP_WORKERS candidates to solve, taken from the queue, and the cutoff they are solved under;
+        on the way, candidates are tightened and put back, pruned, or settled by simulation."""
+        batch: list[QueueItem] = []
+        heap = self.heap
+        while heap and len(batch) < ILP_WORKERS:
+            item = heap[0]
+            if cutoff is not None and item.bound >= cutoff:
+                break
+            heapq.heappop(heap)
+            if item.level < 2 and item.cand.stages > 1:
+                nxt_item = self.tighten(item)
+                if nxt_item is None:
+                    self.done += 1
+                else:
+                    heapq.heappush(heap, nxt_item)
+                continue
+            if cutoff is not None and item.reported >= cutoff:
+                self.refuse(item.cand, NOT_TOP_K)
+                self.done += 1
+                continue
+            if self.small(item):
+                # simulate every partition: exact for the reported figure, and no ILP needed
+                self.done += 1
+                self.brute(item)
+                cutoff = self.cutoff_now()
+                continue
+            batch.append(item)
+        return batch, cutoff
+
+    def take(self, item: QueueItem, res: ILPResult, cutoff: float | None) -> None:
+        """What the item's ILP (solved under `cutoff`) found: a refusal, or its plan ranked."""
+        by_reported = self.by_reported
+        bound, cand = item.bound, item.cand
+        exact_linear = linear_bounds_reported(cand) or not by_reported
+        if res.status == "cutoff":
+            # the linear optimum is at least the cutoff: so is the reported figure where it bounds it
+            if not exact_linear and cutoff is not None and item.reported < cutoff:
+                self.doubtful.append(item)
+            self.refuse(cand, NOT_TOP_K)
+            return
+        if res.status == "not_solved":
+            self.status = "time_limit" if self.time_limit is not None else "node_limit"
+            self.refuse(cand, "the ILP stopped at its limit before finding a plan")
+            self.unresolved.append(item.reported)
+            if res.low is not None and cutoff is not None and res.low < cutoff:
+                # no plan found: the gap is the k-th plan's to the candidate's proven bound
+                self.gaps.append((cutoff - max(bound, res.low)) / cutoff)
+            return
+        if res.status == "infeasible" or res.partition is None:
+            self.refuse(cand, "out of memory: no stage partition fits every rank")
+            return
+        assert res.objective is not None and res.recompute is not None
+        if res.low is not None:
+            bound = max(bound, res.low)  # the solver's own proof, when it stopped early
+        if res.status in ("time_limit", "node_limit") and res.objective <= bound * (1 + 1e-9):
+            res.status = "optimal"  # stopped early, but the candidate's lower bound proves it
+        found: SearchStatus = "optimal"
+        if res.status == "time_limit" or res.status == "node_limit":
+            self.status = found = res.status
+            self.gaps.append((res.objective - bound) / res.objective if res.objective else 0.0)
+        ev = evaluate(item.pb, res.partition, res.recompute)
+        if (
+            by_reported
+            and cand.stages > 1
+            and res.start is not None
+            and (res.start[0], res.start[1]) != (res.partition, res.recompute)
+        ):
+            # The linear objective only approximates the schedule (it cannot see how 1F1B hides part
+            # of the fill, or how uneven stages of one rank stall each other): keep the balanced
+            # start when the reported figure says it is faster and it fits.
+            alt = evaluate(item.pb, res.start[0], res.start[1])
+            if alt.reported < ev.reported and max(alt.rank_memory.values()) <= rank_capacity(self.cluster, cand):
+                ev = alt
+        linear_low = res.objective if found == "optimal" else bound
+        if by_reported and cand.stages > 1:
+            # what is proven for the reported figure: the candidate's bound for it, and for GPipe
+            # the linear optimum (at most the reported figure of every partition)
+            low = max(item.reported, linear_low) if linear_bounds_reported(cand) else item.reported
+            if ev.reported > low * (1 + 1e-9):
+                self.unsettled.append((low, item))
+                log.debug("not settled: %s, plan %.6g, bound %.6g", cand.label(), ev.reported, low)
+        optimum = (res.partition, res.recompute) if found == "optimal" else None
+        self.settled_1f1b(cand, linear_low, ev.reported, item.index, optimum)
+        ev.status = found
+        self.add(ev)
+
+    def tighten(self, item: QueueItem) -> QueueItem | None:
         """The item with its next level of bounds; None (and the rejection counted) if nothing fits."""
         b = lower_bounds(item.pb, item.level == 1, item.tail)
         if not b.feasible:
-            refuse(item.cand, OOM_BOUND)
+            self.refuse(item.cand, OOM_BOUND)
             return None
-        nxt = item.level + 1 if run is not None else 2
+        nxt = item.level + 1 if self.run_of_blocks is not None else 2
         tight = b.block or b.interval
         out = QueueItem(max(item.bound, b.time), item.index, nxt, item.pb, tight, tail=item.tail)
         comm = 0.0
-        if by_reported and not linear_bounds_reported(item.cand):
-            comm = comm_bound(item.pb, run)
-        out.reported = max(item.reported, reported_of(out, out.bound, comm, path=True))
+        if self.by_reported and not linear_bounds_reported(item.cand):
+            comm = comm_bound(item.pb, self.run_of_blocks)
+        out.reported = max(item.reported, self.reported_of(out, out.bound, comm, path=True))
         return out
 
     def settled_1f1b(
+        self,
         cand: Candidate,
         linear_low: float,
         plan: float | None,
@@ -340,212 +476,144 @@ def search(
         `optimum`, 1F1B's proven linear optimum (partition, recomputation), also fits GPipe's memory: it is
         then GPipe's linear optimum too (same objective, fewer partitions fit), so it is evaluated as the
         twin's ILP would find it (the same linear optimum; its reported figure is checked against it)."""
-        nonlocal revived
-        if not by_reported or pins.schedule is not None or cand.schedule != "1f1b" or cand.pp == 1:
+        if not self.by_reported or self.pins.schedule is not None or cand.schedule != "1f1b" or cand.pp == 1:
             return
         if plan is None or plan <= linear_low * (1 + DOMINANCE_TOL):
             return
         twin = dataclasses.replace(cand, schedule="gpipe")
-        costs = table.units(twin)
-        if pins.recompute:
-            costs = [_only(c, pins.recompute) for c in costs]
+        costs = self.costs_of(twin)
         if optimum is not None:
-            ev = evaluate(PartitionProblem(graph, cluster, twin, costs, modes, options), optimum[0], optimum[1])
-            fits = max(ev.rank_memory.values()) <= rank_capacity(cluster, twin)
+            pb = PartitionProblem(self.graph, self.cluster, twin, costs, self.modes, self.options)
+            ev = evaluate(pb, optimum[0], optimum[1])
+            fits = max(ev.rank_memory.values()) <= rank_capacity(self.cluster, twin)
             if fits and ev.objective <= linear_low * (1 + DOMINANCE_TOL):
-                revived += 1
+                self.revived += 1
                 if ev.reported > linear_low * (1 + 1e-9):
-                    unresolved.append(linear_low)
-                add(ev)
+                    self.unresolved.append(linear_low)
+                self.add(ev)
                 return
-        before = len(heap)
-        enqueue(len(space.candidates) + index, twin, costs, modes, linear_low)
-        if len(heap) > before:
-            heapq.heapify(heap)
-            revived += 1
+        before = len(self.heap)
+        self.enqueue(len(self.space.candidates) + index, twin, costs, self.modes, linear_low)
+        if len(self.heap) > before:
+            heapq.heapify(self.heap)
+            self.revived += 1
 
-    def brute(item: QueueItem) -> None:
+    def brute(self, item: QueueItem) -> None:
+        """Settle the item by simulating every (partition, recomputation) choice (`small` items)."""
         res = brute_force_reported(item.pb)
         if res is None:
-            refuse(item.cand, "out of memory: no stage partition fits every rank")
+            self.refuse(item.cand, "out of memory: no stage partition fits every rank")
             return
         ev, least_linear = res
-        add(ev)
-        settled_1f1b(item.cand, least_linear, ev.reported, item.index)
+        self.add(ev)
+        self.settled_1f1b(item.cand, least_linear, ev.reported, item.index)
 
-    def path_raised(item: QueueItem, low: float) -> float:
+    def path_raised(self, item: QueueItem, low: float) -> float:
         """`low`, a valid bound on the item's reported figure, raised by the schedule's longest paths
         (`pathbound.pipeline_bound`, aiming at the choice's figure) plus the tail bound."""
-        target = score(ranked[0]) - item.tail
+        target = self.score(self.ranked[0]) - item.tail
         pipe = pipeline_bound(item.pb, item.bounds, target)
         return max(low, pipe + item.tail)
 
-    def small(item: QueueItem) -> bool:
-        return by_reported and item.cand.stages > 1 and choices_count(n_units, item.cand, item.pb.modes) <= REFINE_LIMIT
+    def small(self, item: QueueItem) -> bool:
+        """Whether the item is settled by simulating every choice (at most REFINE_LIMIT of them)."""
+        if not self.by_reported or item.cand.stages <= 1:
+            return False
+        return choices_count(len(self.graph.units), item.cand, item.pb.modes) <= REFINE_LIMIT
 
-    # The next ILP_WORKERS candidates in bound order are solved side by side (a fixed number, so that the counts
-    # reported do not depend on the machine): in forked processes where fork_allowed and two of them have several
-    # stages (the chain program and the branch and bound are Python, which threads run one at a time; one stage
-    # is a closed form, quicker than a fork), else in threads (CBC runs in its own process). Every candidate
-    # whose optimum could enter the top k is still solved exactly, so the ranking is that of one-by-one solving.
-    pool = ThreadPoolExecutor(max_workers=ILP_WORKERS)
-    forked = fork_allowed()
-    try:
-        while heap:
-            batch: list[QueueItem] = []
-            cutoff = cutoff_now()
-            while heap and len(batch) < ILP_WORKERS:
-                item = heap[0]
-                if cutoff is not None and item.bound >= cutoff:
-                    break
-                heapq.heappop(heap)
-                if item.level < 2 and item.cand.stages > 1:
-                    nxt_item = tighten(item)
-                    if nxt_item is None:
-                        done += 1
-                    else:
-                        heapq.heappush(heap, nxt_item)
-                    continue
-                if cutoff is not None and item.reported >= cutoff:
-                    refuse(item.cand, NOT_TOP_K)
-                    done += 1
-                    continue
-                if small(item):
-                    # simulate every partition: exact for the reported figure, and no ILP needed
-                    done += 1
-                    brute(item)
-                    cutoff = cutoff_now()
-                    continue
-                batch.append(item)
-            if not batch:
-                pruned = len(heap)
+    def settle_pruned(self) -> None:
+        """Candidates left in the queue have a linear bound at or above the k-th plan: pruned exactly where it
+        bounds the reported figure. The others are settled by simulation when small, else their reported bound
+        is tightened and, if still below the choice, counts in the gap.
+
+        The least bound first: small candidates below the choice are settled by simulating every partition. A
+        large one has its bound tightened to the last level, then raised by the schedule's longest paths, going
+        back each time; the first large one left below the choice with its bound final has the least bound of
+        those left and fixes the gap: then only small candidates are still worth settling."""
+        rest = [it for it in self.doubtful + self.heap if not linear_bounds_reported(it.cand)]
+        sweep = [(it.reported, it.index, it) for it in rest]
+        heapq.heapify(sweep)
+        gap_found = False
+        while sweep:
+            _, _, item = heapq.heappop(sweep)
+            if not self.ranked or item.reported >= self.score(self.ranked[0]):
                 break
-            if progress is not None:
-                progress(done, total)
-            done += len(batch)
-            share = bb_share()
-            if forked and sum(it.cand.stages > 1 for it in batch) > 1:  # Python solvers: processes, not threads
-                results = map_forked(functools.partial(solve, cutoff=cutoff, nodes=share), batch)
-            else:
-                results = list(pool.map(solve, batch, [cutoff] * len(batch), [share] * len(batch)))
-            solved += len(batch)
-            bb_left = max(0, bb_left - sum(r.nodes for r in results))
-            for item, res in zip(batch, results, strict=True):
-                bound, cand = item.bound, item.cand
-                exact_linear = linear_bounds_reported(cand) or not by_reported
-                if res.status == "cutoff":
-                    # the linear optimum is at least the cutoff: so is the reported figure where it bounds it
-                    if not exact_linear and cutoff is not None and item.reported < cutoff:
-                        doubtful.append(item)
-                    refuse(cand, NOT_TOP_K)
-                    continue
-                if res.status == "not_solved":
-                    status = "time_limit" if time_limit is not None else "node_limit"
-                    refuse(cand, "the ILP stopped at its limit before finding a plan")
-                    unresolved.append(item.reported)
-                    if res.low is not None and cutoff is not None and res.low < cutoff:
-                        # no plan found: the gap is the k-th plan's to the candidate's proven bound
-                        gaps.append((cutoff - max(bound, res.low)) / cutoff)
-                    continue
-                if res.status == "infeasible" or res.partition is None:
-                    refuse(cand, "out of memory: no stage partition fits every rank")
-                    continue
-                assert res.objective is not None and res.recompute is not None
-                if res.low is not None:
-                    bound = max(bound, res.low)  # the solver's own proof, when it stopped early
-                if res.status in ("time_limit", "node_limit") and res.objective <= bound * (1 + 1e-9):
-                    res.status = "optimal"  # stopped early, but the candidate's lower bound proves it
-                found: SearchStatus = "optimal"
-                if res.status == "time_limit" or res.status == "node_limit":
-                    status = found = res.status
-                    gaps.append((res.objective - bound) / res.objective if res.objective else 0.0)
-                ev = evaluate(item.pb, res.partition, res.recompute)
-                if (
-                    by_reported
-                    and cand.stages > 1
-                    and res.start is not None
-                    and (res.start[0], res.start[1]) != (res.partition, res.recompute)
-                ):
-                    # The linear objective only approximates the schedule (it cannot see how 1F1B hides part
-                    # of the fill, or how uneven stages of one rank stall each other): keep the balanced
-                    # start when the reported figure says it is faster and it fits.
-                    alt = evaluate(item.pb, res.start[0], res.start[1])
-                    if alt.reported < ev.reported and max(alt.rank_memory.values()) <= rank_capacity(cluster, cand):
-                        ev = alt
-                linear_low = res.objective if found == "optimal" else bound
-                if by_reported and cand.stages > 1:
-                    # what is proven for the reported figure: the candidate's bound for it, and for GPipe
-                    # the linear optimum (at most the reported figure of every partition)
-                    low = max(item.reported, linear_low) if linear_bounds_reported(cand) else item.reported
-                    if ev.reported > low * (1 + 1e-9):
-                        unsettled.append((low, item))
-                        log.debug("not settled: %s, plan %.6g, bound %.6g", cand.label(), ev.reported, low)
-                optimum = (res.partition, res.recompute) if found == "optimal" else None
-                settled_1f1b(cand, linear_low, ev.reported, item.index, optimum)
-                ev.status = found
-                add(ev)
-        if by_reported:
-            # Candidates left in the queue have a linear bound at or above the k-th plan: pruned exactly
-            # where it bounds the reported figure. The others are settled by simulation when small, else
-            # their reported bound is tightened and, if still below the choice, counts in the gap.
-            # The least bound first: small candidates below the choice are settled by simulating every
-            # partition. A large one has its bound tightened to the last level, then raised by the
-            # schedule's longest paths, going back each time; the first large one left below the choice
-            # with its bound final has the least bound of those left and fixes the gap: then only small
-            # candidates are still worth settling.
-            rest = [it for it in doubtful + heap if not linear_bounds_reported(it.cand)]
-            sweep = [(it.reported, it.index, it) for it in rest]
-            heapq.heapify(sweep)
-            gap_found = False
-            while sweep:
-                _, _, item = heapq.heappop(sweep)
-                if not ranked or item.reported >= score(ranked[0]):
-                    break
-                if small(item):
-                    brute(item)
-                    continue
-                if gap_found:
-                    continue
-                if item.level < 2:
-                    nxt_item = tighten(item)
-                    if nxt_item is not None:
-                        heapq.heappush(sweep, (nxt_item.reported, nxt_item.index, nxt_item))
-                    continue
-                if not item.paths:
-                    item.paths = True
-                    item.reported = path_raised(item, item.reported)
-                    heapq.heappush(sweep, (item.reported, item.index, item))
-                    continue
-                unresolved.append(item.reported)
-                gap_found = True
-                log.debug("reported gap set by %s: bound %.6g", item.cand.label(), item.reported)
-            # Solved candidates whose plan is not proven their least reported figure: their bounds raised
-            # by the longest paths, least first; one at or above the least bound so far cannot lower it.
-            for low, item in sorted(unsettled, key=lambda e: (e[0], e[1].index)):
-                if low >= min(unresolved, default=score(ranked[0])):
-                    break
-                low = path_raised(item, low)
-                if low < score(ranked[0]):
-                    unresolved.append(low)
-                    log.debug("not settled: %s, bound %.6g", item.cand.label(), low)
-    finally:
-        pool.shutdown()
-    if not ranked:
-        raise InfeasibleError(_nothing_fits(graph, cluster, smallest_need, space.candidates))
-    rejected.update(_regions(refused, ranked))
-    best_figure = score(ranked[0])
-    least = min(unresolved, default=best_figure)
-    return SearchResult(
-        best=ranked[0],
-        ranked=ranked,
-        rejected=rejected,
-        candidates=len(space.candidates) + revived,
-        pruned_by_bound=pruned,
-        ilps_solved=solved,
-        seconds=time.perf_counter() - t0,
-        status=status,
-        gap=max(gaps, default=0.0),
-        reported_gap=max(0.0, (best_figure - least) / best_figure) if best_figure > 0 else 0.0,
+            if self.small(item):
+                self.brute(item)
+                continue
+            if gap_found:
+                continue
+            if item.level < 2:
+                nxt_item = self.tighten(item)
+                if nxt_item is not None:
+                    heapq.heappush(sweep, (nxt_item.reported, nxt_item.index, nxt_item))
+                continue
+            if not item.paths:
+                item.paths = True
+                item.reported = self.path_raised(item, item.reported)
+                heapq.heappush(sweep, (item.reported, item.index, item))
+                continue
+            self.unresolved.append(item.reported)
+            gap_found = True
+            log.debug("reported gap set by %s: bound %.6g", item.cand.label(), item.reported)
+
+    def settle_unsettled(self) -> None:
+        """Solved candidates whose plan is not proven their least reported figure: their bounds raised by the
+        longest paths, least first; one at or above the least bound so far cannot lower it."""
+        for low, item in sorted(self.unsettled, key=lambda e: (e[0], e[1].index)):
+            if low >= min(self.unresolved, default=self.score(self.ranked[0])):
+                break
+            low = self.path_raised(item, low)
+            if low < self.score(self.ranked[0]):
+                self.unresolved.append(low)
+                log.debug("not settled: %s, bound %.6g", item.cand.label(), low)
+
+    def result(self) -> SearchResult:
+        ranked = self.ranked
+        if not ranked:
+            raise InfeasibleError(_nothing_fits(self.graph, self.cluster, self.smallest_need, self.space.candidates))
+        self.rejected.update(_regions(self.refused, ranked))
+        best_figure = self.score(ranked[0])
+        least = min(self.unresolved, default=best_figure)
+        return SearchResult(
+            best=ranked[0],
+            ranked=ranked,
+            rejected=self.rejected,
+            candidates=len(self.space.candidates) + self.revived,
+            pruned_by_bound=self.pruned,
+            ilps_solved=self.solved,
+            seconds=time.perf_counter() - self.t0,
+            status=self.status,
+            gap=max(self.gaps, default=0.0),
+            reported_gap=max(0.0, (best_figure - least) / best_figure) if best_figure > 0 else 0.0,
+        )
+
+
+_P = ParamSpec("_P")
+
+
+def _running(cls: Callable[_P, Search]) -> Callable[_P, SearchResult]:
+    """`cls(...).run()` as one call with the constructor's own parameters (declared once, on Search)."""
+
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> SearchResult:
+        return cls(*args, **kwargs).run()
+
+    run.__doc__ = f"Find the best configuration (and the next top_k): Search(...).run().\n\n{cls.__doc__}"
+    return run
+
+
+search = _running(Search)
+
+
+def _no_candidate(cluster: ClusterSpec, rejected: Counter[tuple[str, str]]) -> str:
+    # A candidate "dominated by" another is not why nothing fits (the other one was rejected for its own
+    # reason): those reasons go last.
+    order = sorted(rejected.items(), key=lambda kv: (kv[0][1].startswith("dominated by"), kv[0]))
+    reasons = "; ".join(f"{region}: {why} ({n})" for (region, why), n in order[:6])
+    return (
+        f"No configuration of {cluster.world_size} GPUs satisfies the constraints: {reasons or 'none'}. "
+        "Change the pinned degrees, the global batch size (make it divisible by the data-parallel degree) "
+        "or the GPU count."
     )
 
 
