@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from e2e.plans import make_plan
 
-from planner.codegen.check import CheckInputs, check_plan_runs
+from planner.codegen.check import CheckInputs, check_plan_runs, check_runs
 from planner.codegen.render import model_file
 from planner.codegen.worker import (
     Channel,
@@ -30,7 +30,7 @@ from planner.codegen.worker import (
 )
 from planner.errors import PlanError
 from planner.runtime import stages
-from planner.runtime.check import Cancelled, Prepared, cancellable
+from planner.runtime.check import Cancelled, Prepared
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "fixtures" / "tiny_gpt.py"
@@ -311,7 +311,7 @@ def test_the_answer_to_a_plan_sent_ahead_is_the_final_checks_and_a_dropped_one_i
 
 
 def test_a_check_stops_at_its_next_checkpoint_once_its_caller_says_so_and_leaves_nothing_behind():
-    """The worker stops the check of a plan sent ahead once a newer plan comes (runtime.check.cancellable): no
+    """The worker stops the check of a plan sent ahead once a newer plan comes (its `cancel` callback): no
     answer (not a refusal, which the check's own handlers would make of an error), and the next check runs as
     one from scratch."""
     plan = make_plan("gpt", tp=2, sequence_parallel=True, pp=2)
@@ -321,9 +321,8 @@ def test_a_check_stops_at_its_next_checkpoint_once_its_caller_says_so_and_leaves
         calls.append(1)
         return len(calls) >= 3
 
-    with pytest.raises(Cancelled), cancellable(stop_at_the_third):
-        check_plan_runs(plan)
+    with pytest.raises(Cancelled):
+        check_runs(CheckInputs.of(plan), cancel=stop_at_the_third)
     assert len(calls) == 3
-    with cancellable(lambda: False):
-        assert check_plan_runs(plan) == "fx"
+    assert check_runs(CheckInputs.of(plan), cancel=lambda: False) == "fx"
     assert check_plan_runs(plan) == "fx"

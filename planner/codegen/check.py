@@ -3,7 +3,7 @@ device, one process), its errors turned into PlanError so `planner plan` exits 2
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,14 +44,14 @@ def check_plan_runs(plan: Plan, prepared: Prepared | None = None) -> str:
     return check_runs(CheckInputs.of(plan), prepared)
 
 
-def check_runs(inputs: CheckInputs, prepared: Prepared | None = None) -> str:
-    """check_plan_runs for a plan's CheckInputs (under `planner.runtime.check.cancellable`, it may stop at a
-    checkpoint: Cancelled, which is no answer)."""
+def check_runs(inputs: CheckInputs, prepared: Prepared | None = None, cancel: Callable[[], bool] | None = None) -> str:
+    """check_plan_runs for a plan's CheckInputs. With `cancel`, it stops at its next checkpoint once `cancel()`
+    holds (planner.runtime.check.Cancelled, which is no answer)."""
     from planner.runtime.check import check_plan_runs as runtime_check  # imports torch
 
     with _as_plan_errors():
         return runtime_check(
-            inputs.layout, inputs.spec, inputs.training, device_type=inputs.device_type, prepared=prepared
+            inputs.layout, inputs.spec, inputs.training, inputs.device_type, prepared=prepared, cancel=cancel
         )
 
 

@@ -23,7 +23,6 @@ use it: a small model's search ends before it is).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import os
@@ -364,7 +363,7 @@ def _serve(
     from planner.codegen.check import check_runs
     from planner.codegen.render import model_file
     from planner.model.guard import user_code
-    from planner.runtime.check import Cancelled, Prepared, cancellable, warm_up
+    from planner.runtime.check import Cancelled, Prepared, warm_up
 
     torch.set_num_threads(1)  # a forked intra-op thread pool is not safe to use; the check runs on meta
     prepared: Prepared | None = None
@@ -399,10 +398,9 @@ def _serve(
         answer: tuple[str, Any]
         # A plan sent ahead stops at the check's next step once a newer request comes (the search found a better
         # plan): dropped, as one that never started.
-        stop = cancellable(channel.ready) if ahead else contextlib.nullcontext()
         try:
-            with user_code(model_path, "Checking that the plan runs", None), stop:
-                answer = ("ok", check_runs(inputs, prepared))
+            with user_code(model_path, "Checking that the plan runs", None):
+                answer = ("ok", check_runs(inputs, prepared, cancel=channel.ready if ahead else None))
         except Cancelled:
             answer = ("skipped", None)
         except PlannerError as e:

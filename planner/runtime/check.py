@@ -6,7 +6,9 @@ cluster. The checks are the ones the training run makes (the same functions), pl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,27 +44,35 @@ SMALL = 50_000_000  # parameters: a model this small is rerun on the CPU when th
 
 
 class Cancelled(BaseException):  # noqa: N818 - not an error: no `except Exception` of the check's may catch it
-    """A check stopped by its caller at one of its checkpoints (`cancellable`): it says nothing of the plan."""
+    """A check stopped by its caller at one of its checkpoints (`CheckCase.cancel`): it says nothing of the plan."""
 
 
-_cancel: Callable[[], bool] | None = None
+@dataclass(frozen=True)
+class CheckCase:
+    """What every step of one check reads: the plan's layout, the model file and training settings, the user's
+    module, one micro-batch (`example`, of which the model takes the first `n_inputs`) and the loss. `cancel`:
+    the caller's say, asked at each checkpoint between the check's steps; once it holds, the check stops
+    (raises Cancelled). The check worker stops the check of a plan sent ahead once a newer plan comes."""
 
+    layout: Layout
+    spec: ModelFile
+    training: Training
+    user: Any
+    example: tuple[torch.Tensor, ...]
+    n_inputs: int
+    loss_fn: Callable[..., torch.Tensor]
+    cancel: Callable[[], bool] | None = None
 
-@contextlib.contextmanager
-def cancellable(stop: Callable[[], bool]) -> Iterator[None]:
-    """Checks in this block stop (raise Cancelled) at their next checkpoint, between their steps, once `stop()`
-    holds: the check worker stops the check of a plan it was sent ahead once a newer plan comes."""
-    global _cancel
-    saved, _cancel = _cancel, stop
-    try:
-        yield
-    finally:
-        _cancel = saved
+    def checkpoint(self) -> None:
+        if self.cancel is not None and self.cancel():
+            raise Cancelled
 
-
-def _checkpoint() -> None:
-    if _cancel is not None and _cancel():
-        raise Cancelled
+    def loss_backward(self, model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Forward of the model's leading inputs, the loss on its output and all `inputs` (the example, on the
+        device the model is on), and backward."""
+        loss = self.loss_fn(model(*inputs[: self.n_inputs]), *inputs)
+        _check_loss(loss)
+        loss.backward()
 
 
 @contextlib.contextmanager
@@ -108,12 +118,17 @@ class Prepared:
 
 
 def check_plan_runs(
-    layout: Layout, spec: ModelFile, training: Training, device_type: str = "cuda", prepared: Prepared | None = None
+    layout: Layout,
+    spec: ModelFile,
+    training: Training,
+    device_type: str = "cuda",
+    prepared: Prepared | None = None,
+    cancel: Callable[[], bool] | None = None,
 ) -> str:
     """Raise RunError naming the stage, module or rule if the plan cannot run on `device_type` (the run's
     device: "cuda", or "cpu" for a CPU plan); else return how it would run ("module": the model as written,
     or the tracing method of the pipeline's graph). `prepared`: the model loaded, built and traced ahead, used
-    where it is this model's (`Prepared.take`)."""
+    where it is this model's (`Prepared.take`). `cancel`: see CheckCase (Cancelled once it holds)."""
     meta_without_dynamo()  # the check runs on meta: no torch._dynamo import for its elementwise kernels
     # (made for a traced pipeline: the model as written is built afresh, as its trace called its forward)
     ready = prepared.take(spec, training.seed) if prepared is not None and uses_graph(layout) else None
@@ -124,12 +139,12 @@ def check_plan_runs(
         meta_model = ready.meta_model
     else:
         meta_model = build_model(user, spec, training.seed, everything_on_meta=True)
-    n_inputs = input_count(meta_model, len(example))
+    case = CheckCase(layout, spec, training, user, example, input_count(meta_model, len(example)), loss_fn, cancel)
     if layout.tp_enabled:
         check_tp([meta_model], layout)
     traced = None
     if uses_graph(layout):
-        _checkpoint()
+        case.checkpoint()
         with _failing_as("Tracing the model"):
             try:
                 traced = trace_for_plan(
@@ -139,15 +154,14 @@ def check_plan_runs(
             except AsWritten:
                 traced = None  # the run takes the model as written (its head attributes divided by tp)
     if traced is None:
-        _run_model(user, spec, layout, training, meta_model, example, n_inputs, loss_fn)
+        _run_model(case, meta_model)
         if layout.tp_enabled:
-            small = sum(p.numel() for p in meta_model.parameters()) <= SMALL
-            _run_tp_shard(user, spec, layout, training, example, n_inputs, loss_fn, small)
+            _run_tp_shard(case, small=sum(p.numel() for p in meta_model.parameters()) <= SMALL)
         return "module"
     gm, values, method = traced
     with _failing_as("Tracing the model"):
         pieces = cut_into_pieces(gm, values, layout)
-    _checkpoint()
+    case.checkpoint()
     _copy_tied(layout, gm, pieces, meta_model)
     refused: RefusedLayout | None = None
     if layout.tp_enabled:
@@ -156,19 +170,19 @@ def check_plan_runs(
         # layout the model cannot take (the next runner-up may run).
         # (Zero-bubble's split backward is checked on the stages as written, below.)
         try:
-            ran = _run_tp_stages(layout, spec, gm, values, example, n_inputs, loss_fn, meta_model)
+            ran = _run_tp_stages(case, gm, values, meta_model)
         except RefusedLayout as e:
             refused, ran = e, False
         if ran and layout.schedule != "zero-bubble":
             return method
         meta_model = build_model(user, spec, training.seed, everything_on_meta=True)  # the shard changed it
     with MetaMemo():  # each distinct op runs its meta kernel once: repeated blocks cost one
-        stage_inputs = _run_stages(layout, spec, gm, pieces, meta_model, example, n_inputs, loss_fn)
+        stage_inputs = _run_stages(case, gm, pieces, meta_model)
     if refused is not None:
         raise refused
     if layout.schedule == "zero-bubble":
         try:
-            _split_backward(layout, gm, pieces, meta_model, stage_inputs, example, loss_fn)
+            _split_backward(case, gm, pieces, meta_model, stage_inputs)
         except RunError as e:
             raise RefusedLayout(str(e)) from e
     return method
@@ -228,14 +242,10 @@ def _stage_label(i: int, modules: Sequence[str]) -> str:
 
 
 def _run_stages(
-    layout: Layout,
-    spec: ModelFile,
+    case: CheckCase,
     gm: fx.GraphModule,
     pieces: list[Piece],
     meta_model: nn.Module,
-    example: tuple[torch.Tensor, ...],
-    n_inputs: int,
-    loss_fn: Callable[..., torch.Tensor],
     prepare: Callable[[StageModule], None] | None = None,
     label: str = "",
 ) -> list[Any]:
@@ -243,15 +253,16 @@ def _run_stages(
     checkpointed as planned), then the loss and backward; returns what each stage received. ``prepare``: applied
     to each piece before its checkpointing, as parallelize() applies TP first (``label`` then says so in
     errors)."""
+    layout, example = case.layout, case.example
     meta = torch.device("meta")
-    values: Any = tuple(t.to(meta) for t in example[:n_inputs])
+    values: Any = tuple(t.to(meta) for t in example[: case.n_inputs])
     stage_inputs: list[Any] = []  # what each stage received (zero-bubble's split backward is checked below)
     # A piece (one module's run of nodes) whose graph and modules are those of an earlier piece, given inputs
     # of the same shapes, computes outputs of the same shapes on meta: it reuses that piece's outputs (so the
     # backward runs through the earlier one) instead of running again. 96 identical blocks run one block.
     outputs: dict[Any, Any] = {}
     for i, stage in enumerate(layout.stages):
-        _checkpoint()
+        case.checkpoint()
         mine = [p for p in pieces if p.stage == i]
         what = _stage_label(i, stage.modules) + label
         stage_inputs.append(values)
@@ -274,21 +285,15 @@ def _run_stages(
                 f"{what} would send {type(values).__name__} to the next stage; a pipeline sends tensors."
             )
     inputs = tuple(t.to(meta) for t in example)
-    with _failing_as(f"The loss ({spec.loss_fn or 'default_loss'}) on the last stage's output{label}"):
-        loss = with_structure(loss_fn, pieces[-1].out_spec)(values, *inputs)
+    with _failing_as(f"The loss ({case.spec.loss_fn or 'default_loss'}) on the last stage's output{label}"):
+        loss = with_structure(case.loss_fn, pieces[-1].out_spec)(values, *inputs)
         _check_loss(loss)
         loss.backward()
     return stage_inputs
 
 
 def _split_backward(
-    layout: Layout,
-    gm: fx.GraphModule,
-    pieces: list[Piece],
-    meta_model: nn.Module,
-    stage_inputs: list[Any],
-    example: tuple[torch.Tensor, ...],
-    loss_fn: Callable[..., torch.Tensor],
+    case: CheckCase, gm: fx.GraphModule, pieces: list[Piece], meta_model: nn.Module, stage_inputs: list[Any]
 ) -> None:
     """Zero-bubble splits each stage's backward (but the first's) in two: the input gradients first, then, later,
     the weight gradients, one autograd call per group of weights. Where two groups share saved tensors (T5's
@@ -297,11 +302,12 @@ def _split_backward(
     torch's own two calls (torch.distributed.pipelining._backward), on detached inputs as a pipeline stage
     gets them: a stage that cannot be split is a refused layout (another schedule runs it)."""
     stage_backward_input, stage_backward_weight = _split_backward_functions()
+    layout = case.layout
     meta = torch.device("meta")
     last = len(layout.stages) - 1
     seen: set[Any] = set()
     for i, stage in enumerate(layout.stages):
-        _checkpoint()
+        case.checkpoint()
         if i == 0:
             continue  # the first stage runs one full backward (torch: its inputs need no gradient)
         mine = [p for p in pieces if p.stage == i]
@@ -321,7 +327,7 @@ def _split_backward(
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             for _, param in named:
                 param.grad = None
-            outputs, grads, args = _stage_run(module, stage_inputs[i], i == last, example, loss_fn, pieces)
+            outputs, grads, args = _stage_run(case, module, stage_inputs[i], i == last, pieces)
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             try:
                 _, groups = stage_backward_input(outputs, grads, tensors, module.parameters())
@@ -336,7 +342,7 @@ def _split_backward(
             # in that layout on the cluster though it does not here: a refusal that a runner-up replaces.)
             missing = [(n, p) for n, p in named if p.grad is None]
             if missing:
-                outputs, grads, _ = _stage_run(module, stage_inputs[i], i == last, example, loss_fn, pieces)
+                outputs, grads, _ = _stage_run(case, module, stage_inputs[i], i == last, pieces)
                 reach = torch.autograd.grad(outputs, [p for _, p in missing], grads, allow_unused=True)
                 lost = [n.split(".", 2)[-1] for (n, _), g in zip(missing, reach, strict=True) if g is not None]
                 if lost:
@@ -376,12 +382,7 @@ def _split_backward_functions() -> tuple[Callable[..., Any], Callable[..., Any]]
 
 
 def _stage_run(
-    module: StageModule,
-    received: Any,
-    is_last: bool,
-    example: tuple[torch.Tensor, ...],
-    loss_fn: Callable[..., torch.Tensor],
-    pieces: list[Piece],
+    case: CheckCase, module: StageModule, received: Any, is_last: bool, pieces: list[Piece]
 ) -> tuple[Any, list[torch.Tensor] | None, tuple[Any, ...]]:
     """A pipeline stage's forward on meta, on detached inputs as it receives them: its outputs that need a
     gradient (the loss, on the last stage), their gradients (none for the loss) and its inputs."""
@@ -390,8 +391,8 @@ def _stage_run(
     )
     out = module(*args)
     if is_last:
-        inputs = tuple(t.to("meta") for t in example)
-        return (with_structure(loss_fn, pieces[-1].out_spec)(out, *inputs),), None, args
+        inputs = tuple(t.to("meta") for t in case.example)
+        return (with_structure(case.loss_fn, pieces[-1].out_spec)(out, *inputs),), None, args
     outputs = tuple(t for t in out if isinstance(t, torch.Tensor) and t.requires_grad)
     return outputs, [torch.ones_like(t) for t in outputs], args
 
@@ -463,30 +464,21 @@ def value_key(values: Any) -> Any:
     return (type(values), repr(values))
 
 
-def _run_model(
-    user: Any,
-    spec: ModelFile,
-    layout: Layout,
-    training: Training,
-    meta_model: nn.Module,
-    example: tuple[torch.Tensor, ...],
-    n_inputs: int,
-    loss_fn: Callable[..., torch.Tensor],
-) -> None:
+def _run_model(case: CheckCase, meta_model: nn.Module) -> None:
     """Forward, loss and backward of the model as written: on meta, or on the CPU for a small model that the
     meta device cannot run (data-dependent code). Its units are checkpointed as the run checkpoints them."""
+    layout, training = case.layout, case.training
     recompute = layout.stages[0].recompute
     with_recompute(ModelStage(meta_model, list(layout.stages[0].modules)), recompute, layout.schedule)
     try:
         with MetaMemo():  # each distinct op runs its meta kernel once: repeated blocks cost one
-            meta = tuple(t.to("meta") for t in example)
-            _loss_backward(meta_model, meta, n_inputs, loss_fn)
+            case.loss_backward(meta_model, tuple(t.to("meta") for t in case.example))
         return
     except RunError:
         raise
     except Exception as e:  # noqa: BLE001 - retried for real below when small enough
         if sum(p.numel() for p in meta_model.parameters()) > SMALL:
-            if _runs_on_fake_tensors(meta_model, example, n_inputs, loss_fn, COMPUTE_DTYPES.get(training.dtype)):
+            if _runs_on_fake_tensors(case, meta_model):
                 return
             first = str(e).strip().splitlines()[0][:400] if str(e).strip() else ""
             raise RunError(
@@ -494,11 +486,11 @@ def _run_model(
                 f"({type(e).__name__}: {first}), where the planner checks large models. Make forward() free "
                 "of data-dependent Python (.item(), branches on values), or fix the model file."
             ) from e
-    model = build_model(user, spec, training.seed, everything_on_meta=False)
+    model = build_model(case.user, case.spec, training.seed, everything_on_meta=False)
     materialise(model, {n for n, _ in model.named_modules()}, torch.device("cpu"), training.seed)
     with_recompute(ModelStage(model, list(layout.stages[0].modules)), recompute, layout.schedule)
     with _failing_as(f"The model ({type(model).__name__}) with its loss"):
-        _loss_backward(model, example, n_inputs, loss_fn)
+        case.loss_backward(model, case.example)
 
 
 @contextlib.contextmanager
@@ -521,16 +513,7 @@ def _fake_tp_mesh(tp: int) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def _run_tp_stages(
-    layout: Layout,
-    spec: ModelFile,
-    gm: fx.GraphModule,
-    values: dict[fx.Node, Any],
-    example: tuple[torch.Tensor, ...],
-    n_inputs: int,
-    loss_fn: Callable[..., torch.Tensor],
-    model: nn.Module,
-) -> bool:
+def _run_tp_stages(case: CheckCase, gm: fx.GraphModule, values: dict[fx.Node, Any], model: nn.Module) -> bool:
     """The pipeline's stages as tp rank 0 runs them: the graph rewritten for sequence parallelism where the
     plan has it, cut again, each piece of the meta `model` (changed: its modules are sharded) sharded by the
     run's apply_tp over a fake process group, then forward, loss and backward on meta (each distinct piece
@@ -538,6 +521,7 @@ def _run_tp_stages(
     Returns False where it does not run (inside someone's process group, where the TP rules are checked)."""
     from .parallel import apply_tp, sequence_parallel, with_tied_styles
 
+    layout = case.layout
     with _fake_tp_mesh(layout.tp) as mesh:
         if mesh is None:
             return False
@@ -546,11 +530,11 @@ def _run_tp_stages(
                 layout = with_tied_styles(layout, gm)
                 localise_tp_sizes(gm, values, layout.tp_plan, layout.tp)
             with _failing_as(f"Sequence parallelism for tp {layout.tp}"):
-                sp_styles = sequence_parallel(gm, values, example, mesh, layout) if layout.sp_enabled else {}
-                _checkpoint()
+                sp_styles = sequence_parallel(gm, values, case.example, mesh, layout) if layout.sp_enabled else {}
+                case.checkpoint()
                 pieces = cut_into_pieces(gm, values, layout)
             _run_stages(
-                layout, spec, gm, pieces, model, example, n_inputs, loss_fn,
+                dataclasses.replace(case, layout=layout), gm, pieces, model,
                 prepare=lambda piece: apply_tp(piece, mesh, layout, sp_styles),
                 label=f", sharded for tp {layout.tp} (rank 0's shard, TP_PLAN applied)",
             )
@@ -559,16 +543,7 @@ def _run_tp_stages(
     return True
 
 
-def _run_tp_shard(
-    user: Any,
-    spec: ModelFile,
-    layout: Layout,
-    training: Training,
-    example: tuple[torch.Tensor, ...],
-    n_inputs: int,
-    loss_fn: Callable[..., torch.Tensor],
-    small: bool,
-) -> None:
+def _run_tp_shard(case: CheckCase, small: bool) -> None:
     """Forward, loss and backward of tp rank 0's shard of the model as written: the run's own apply_tp
     (parallelize_module, fused chunks, head attributes, Conv1D) over a fake process group of tp ranks.
     Shapes that the sharding leaves inconsistent (a projection sliced at fixed offsets, a head count that
@@ -576,77 +551,62 @@ def _run_tp_shard(
     the run's compute dtype, as the large-model check does; a `small` model (at most SMALL parameters) that
     fails there (code whose meta path differs from the CPU's, as transformers' grouped-mm experts) runs its
     shard on the CPU instead."""
-    what = f"The model sharded for tp {layout.tp} (rank 0's shard, TP_PLAN applied)"
-    with _fake_tp_mesh(layout.tp) as mesh:
+    what = f"The model sharded for tp {case.layout.tp} (rank 0's shard, TP_PLAN applied)"
+    with _fake_tp_mesh(case.layout.tp) as mesh:
         if mesh is None:
             return
         try:
             try:
-                _tp_shard_step(user, spec, layout, training, example, n_inputs, loss_fn, mesh, on_cpu=False)
+                _tp_shard_step(case, mesh, on_cpu=False)
             except RunError:
                 raise
             except Exception as e:  # noqa: BLE001 - retried on the CPU below when small enough
                 if not small:
                     raise _run_error(what, e) from e
                 with _failing_as(what):
-                    _tp_shard_step(user, spec, layout, training, example, n_inputs, loss_fn, mesh, on_cpu=True)
+                    _tp_shard_step(case, mesh, on_cpu=True)
         except RunError as e:
             raise RefusedLayout(str(e)) from e
 
 
-def _tp_shard_step(
-    user: Any,
-    spec: ModelFile,
-    layout: Layout,
-    training: Training,
-    example: tuple[torch.Tensor, ...],
-    n_inputs: int,
-    loss_fn: Callable[..., torch.Tensor],
-    mesh: Any,
-    on_cpu: bool,
-) -> None:
+def _tp_shard_step(case: CheckCase, mesh: Any, on_cpu: bool) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .parallel import apply_tp
 
-    model = build_model(user, spec, training.seed, everything_on_meta=not on_cpu)
+    layout, training = case.layout, case.training
+    model = build_model(case.user, case.spec, training.seed, everything_on_meta=not on_cpu)
     if on_cpu:
         materialise(model, {n for n, _ in model.named_modules()}, torch.device("cpu"), training.seed)
     apply_tp(ModelStage(model, list(layout.stages[0].modules)), mesh, layout, {})
     if on_cpu:
-        _loss_backward(model, example, n_inputs, loss_fn)
+        case.loss_backward(model, case.example)
         return
     compute_dtype = COMPUTE_DTYPES.get(training.dtype)
     if compute_dtype is not None:
         _cast_parameters(model, compute_dtype)
     with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
-        meta = tuple(t.to("meta") for t in example)
-        _loss_backward(model, meta, n_inputs, loss_fn)
+        case.loss_backward(model, tuple(t.to("meta") for t in case.example))
 
 
-def _runs_on_fake_tensors(
-    meta_model: nn.Module,
-    example: tuple[torch.Tensor, ...],
-    n_inputs: int,
-    loss_fn: Callable[..., torch.Tensor],
-    compute_dtype: torch.dtype | None = None,
-) -> bool:
+def _runs_on_fake_tensors(case: CheckCase, meta_model: nn.Module) -> bool:
     """Whether forward, loss and backward run under FakeTensorMode: a large model whose forward branches on
     values where it sees real tensors but skips that branch while tracing (Hugging Face's packed-sequence
     check calls .item() unless `is_tracing`) fails on plain meta tensors yet runs on the cluster. Fake tensors
     are what torch.export traces with, so this is the meta run with the model's own tracing paths.
 
-    `compute_dtype` (bf16/fp16 on GPUs): the parameters are cast to it first, as the run's mixed precision
-    casts them (FSDP2's param_dtype; buffers stay fp32). The meta device takes a model's GPU paths, and some
-    exist only in that dtype (torch._grouped_mm, which transformers' MoE experts call, takes bf16 alone)."""
+    The run's compute dtype (bf16/fp16 on GPUs, COMPUTE_DTYPES): the parameters are cast to it first, as the
+    run's mixed precision casts them (FSDP2's param_dtype; buffers stay fp32). The meta device takes a model's
+    GPU paths, and some exist only in that dtype (torch._grouped_mm, which transformers' MoE experts call,
+    takes bf16 alone)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    compute_dtype = COMPUTE_DTYPES.get(case.training.dtype)
     if compute_dtype is not None:
         _cast_parameters(meta_model, compute_dtype)
     try:
         with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), MetaMemo():
-            meta = tuple(t.to("meta") for t in example)
-            _loss_backward(meta_model, meta, n_inputs, loss_fn)
+            case.loss_backward(meta_model, tuple(t.to("meta") for t in case.example))
     except RunError:
         raise
     except Exception:  # noqa: BLE001 - the meta run's error is the one reported
@@ -684,15 +644,6 @@ def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
                 if id(p) not in cast:
                     cast[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
                 module._parameters[name] = cast[id(p)]
-
-
-def _loss_backward(
-    model: nn.Module, inputs: tuple[torch.Tensor, ...], n_inputs: int, loss_fn: Callable[..., torch.Tensor]
-) -> None:
-    """Forward of the model's leading inputs, the loss on its output and all inputs, and backward."""
-    loss = loss_fn(model(*inputs[:n_inputs]), *inputs)
-    _check_loss(loss)
-    loss.backward()
 
 
 def _check_loss(loss: Any) -> None:
