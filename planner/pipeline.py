@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner import __version__
+from planner.cost.memory import memory_report
 from planner.cost.model import CostOptions, Profile, rank_tail, rank_tail_parts
 from planner.cost.simulate import SimResult
 from planner.cost.terms import comm_reserve_bytes, moe_alltoall_time
@@ -193,13 +194,14 @@ def build_plan(
     stages = []
     for s in best.stages:
         units = [graph.units[u] for u in s.units]
+        report = memory_report(s, options)
         mem = MemoryBreakdown(
-            weights=int(s.weights),
-            gradients=int(s.gradients),
-            optimizer=int(s.optimizer),
-            activations=int(s.activations),
-            comm_buffers=int(s.comm_buffers),
-            workspace=int(options.workspace_bytes + options.fragmentation * (s.memory - s.workspace)),
+            weights=int(report.weights),
+            gradients=int(report.gradients),
+            optimizer=int(report.optimizer),
+            activations=int(report.activations),
+            comm_buffers=int(report.comm_buffers),
+            workspace=int(report.workspace),
         )
         stages.append(
             StagePlan(

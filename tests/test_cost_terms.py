@@ -173,3 +173,25 @@ def test_nccl_reserve_agrees_both_ways_and_counts_the_groups_of_more_than_one_ra
     # --memory-reserve is the whole reserve: no NCCL share on top of it
     fixed = spec.with_memory_reserve(1.0).within_reserve()
     assert terms.rank_capacity(fixed, c) == fixed.gpu.memory_bytes
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+@given(parts=st.lists(st.floats(0, 2**40, allow_nan=False), min_size=5, max_size=5))
+@settings(max_examples=40, deadline=None)
+def test_memory_report_is_the_peak_of_a_rank_of_one_stage(options, parts):
+    """memory_report, the one sum of a stage's memory (plan.json's breakdown), equals the peak the search
+    constrains (`terms.rank_peak_bytes`) for a rank holding that one stage, and its states are what the rank's
+    peak counts beside the activations."""
+    from types import SimpleNamespace
+
+    from planner.cost.memory import memory_report
+
+    weights, gradients, optimizer, activations, buffers = parts
+    stage = SimpleNamespace(
+        weights=weights, gradients=gradients, optimizer=optimizer, activations=activations, comm_buffers=buffers
+    )
+    report = memory_report(stage, options)
+    assert report.states == weights + gradients + optimizer + buffers
+    assert report.workspace >= options.workspace_bytes
+    peak = terms.rank_peak_bytes(report.states, activations, options)
+    assert report.total == pytest.approx(peak, rel=1e-12, abs=1e-3)

@@ -14,11 +14,16 @@ Sources:
   backends (flash, memory-efficient, cuDNN) a GPT block keeps 34*s*b*h bytes plus the log-sum-exp and the
   norms' statistics, Korthikanti's formula without its 5*a*s/h term; under the math backend the s x s
   probabilities (2*a*s*s*b bytes of the 5) come back, as `math_scores_per_sample`.
+- A stage's whole memory (`memory_report`, as Megatron's report_theoretical_memory): the sum of the above with
+  its communication buffers, plus the workspace and fragmentation share (`CostOptions`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+from planner.cost.candidate import CostOptions
 
 # Fraction of a transformer block's activations that tensor parallelism shards without sequence
 # parallelism: 24 of the 34 s*b*h terms (Korthikanti et al. 2022, Eq. 2).
@@ -87,3 +92,45 @@ def activation_bytes(
         if tp_sharded or sequence_parallel:
             core /= tp  # the attention maps live inside the TP region: split by heads
     return (rest + core) * micro_batch_size
+
+
+class StageBytes(Protocol):
+    """A stage's bytes by kind (planner.cost.model.StageCost): what `memory_report` sums."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    comm_buffers: float
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """One stage's bytes on its GPU by kind, and their sum: the numbers plan.json and the report print."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    comm_buffers: float
+    workspace: float  # the fixed workspace and the fragmentation share of everything else (`memory_report`)
+
+    @property
+    def states(self) -> float:
+        """What the stage holds whatever its micro-batches: model states and communication buffers."""
+        return self.weights + self.gradients + self.optimizer + self.comm_buffers
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.comm_buffers + self.workspace
+
+
+def memory_report(stage: StageBytes, options: CostOptions) -> MemoryReport:
+    """The stage's memory, the one place it is summed (Megatron-LM's report_theoretical_memory): its model
+    states, activations and communication buffers, plus `options.workspace_bytes` and `options.fragmentation`
+    of the rest (the allocator's share, as `terms.rank_peak_bytes` adds it to a rank's peak)."""
+    held = stage.weights + stage.gradients + stage.optimizer + stage.activations + stage.comm_buffers
+    workspace = options.workspace_bytes + options.fragmentation * held
+    return MemoryReport(
+        stage.weights, stage.gradients, stage.optimizer, stage.activations, stage.comm_buffers, workspace
+    )

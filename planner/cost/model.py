@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from planner.cost import collectives as coll
 from planner.cost.candidate import Candidate, CostOptions, GiB
-from planner.cost.memory import activation_bytes, model_state_bytes_per_param
+from planner.cost.memory import activation_bytes, memory_report, model_state_bytes_per_param
 from planner.cost.placement import stage_rank
 from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches
 from planner.cost.terms import (
@@ -263,7 +263,6 @@ class StageCost:
     optimizer: float
     activations: float
     comm_buffers: float
-    workspace: float
     params_local: float
     dp_sync: float
     zero3_gather: float
@@ -273,10 +272,6 @@ class StageCost:
     @property
     def compute(self) -> float:
         return self.fwd + self.bwd
-
-    @property
-    def memory(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.comm_buffers + self.workspace
 
 
 def stage_costs(
@@ -324,7 +319,6 @@ def stage_costs(
                 optimizer=trainable * state.optimizer + held * replica.optimizer,
                 activations=act,
                 comm_buffers=buffers,
-                workspace=0.0,
                 params_local=params,
                 dp_sync=sync,
                 zero3_gather=gather,
@@ -345,7 +339,7 @@ def rank_memory(stages: list[StageCost], cand: Candidate, options: CostOptions) 
     per_rank: dict[int, float] = {}
     for r in range(cand.pp):
         mine = [s for s in stages if s.rank == r]
-        states = sum(s.weights + s.gradients + s.optimizer + s.comm_buffers for s in mine)
+        states = sum(memory_report(s, options).states for s in mine)
         if cand.virtual_stages > 1:
             per_mb = max(
                 s.activations
