@@ -21,7 +21,7 @@ from planner.cost.simulate import SimResult
 from planner.cost.terms import comm_reserve_bytes, moe_alltoall_time
 from planner.errors import ConfigError, PlannerError
 from planner.hardware.spec import ClusterSpec
-from planner.model.graph import ModelGraph
+from planner.model.graph import ModelGraph, TPPlan
 from planner.plan import (
     Alternative,
     ClusterSummary,
@@ -142,7 +142,7 @@ def _kept_experts(ev: Evaluated, graph: ModelGraph) -> dict[str, int]:
     pipeline, or sequence parallelism: the experts then run their own code on the rank's device, not the
     path the model took when traced on meta), with their expert counts; else none."""
     c = ev.cand
-    heads = any(u.tp_head_attrs for u in graph.units)
+    heads = bool(graph.tp.head_attrs)
     if c.ep == 1 and not runs_traced_graph(c.pp, c.tp, c.sequence_parallel, heads):
         return {}
     return {name: n for u in graph.units for name, n in u.experts.items()}
@@ -219,19 +219,6 @@ def build_plan(
                 source=s.source,  # type: ignore[arg-type]
             )
         )
-    tp_plan: dict[str, str] = {}
-    head_attrs: dict[str, list[str]] = {}
-    fused: dict[str, int] = {}
-    transposed: set[str] = set()
-    refused: list[str] = []
-    if best.cand.tp > 1:
-        # One sharding decision: what the cost model divided by tp (Unit.tp_*) is what the script shards.
-        for u in graph.units:
-            tp_plan.update(u.tp_styles)
-            head_attrs.update(u.tp_head_attrs)
-            fused.update(u.tp_fused)
-            transposed.update(u.tp_transposed)
-            refused.extend(r for r in u.tp_refused if r not in refused)
     alternatives = []
     for ev in result.ranked[1:]:
         pred, _ = predicted_for(ev, graph, cluster, options, request.global_batch_size)
@@ -258,11 +245,8 @@ def build_plan(
             name=cluster.name, gpu=cluster.gpu.name, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node
         ),
         parallel=_parallel(best, request.global_batch_size),
-        tp_plan=dict(sorted(tp_plan.items())),  # type: ignore[arg-type]
-        tp_head_attrs=dict(sorted(head_attrs.items())),
-        tp_fused=dict(sorted(fused.items())),
-        tp_transposed=sorted(transposed),
-        tp_refused=refused,
+        # One sharding decision: what the cost model divided by tp (Unit.tp_*) is what the script shards.
+        tp=graph.tp if best.cand.tp > 1 else TPPlan(),
         structure=graph.structure,
         experts=_kept_experts(best, graph),
         source_spec=graph.source_spec,

@@ -10,10 +10,18 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from planner.errors import PlanError
-from planner.model.graph import ModelSource
+from planner.model.graph import ModelSource, TPPlan
 from planner.names import Recompute, Schedule, SearchStatus
 
 SCHEMA_VERSION = 1
@@ -25,9 +33,9 @@ SCHEMA_VERSION = 1
 SCHEMA_MINOR = 3
 
 Source = Literal["measured", "estimated"]
-# colwise_gather: a column-parallel Linear whose output is all-gathered (the vocab-parallel LM head);
-# norm_heads: a norm over each head's features (Qwen3's q_norm), its input split by heads, its weight whole.
-TPStyle = Literal["colwise", "rowwise", "colwise_gather", "norm_heads"]
+# plan.json's keys for the TPPlan's fields (the plan holds one TPPlan; its file keeps the flat keys it always had)
+TP_KEYS = {"tp_plan": "styles", "tp_head_attrs": "head_attrs", "tp_fused": "fused", "tp_transposed": "transposed",
+           "tp_refused": "refused"}
 
 
 class _Model(BaseModel):
@@ -200,22 +208,7 @@ class Plan(_Model):
     tokens_per_sample: int | None = None
     cluster: ClusterSummary
     parallel: ParallelConfig
-    tp_plan: dict[str, TPStyle] = Field(default_factory=dict, description="module name -> TP style")
-    tp_head_attrs: dict[str, list[str]] = Field(
-        default_factory=dict,
-        description="module -> integer attributes (head counts, split widths) each rank divides by tp before "
-        "sharding, because its forward reshapes by them (view(b, s, self.num_heads, -1))",
-    )
-    tp_fused: dict[str, int] = Field(
-        default_factory=dict, description="colwise module -> chunks of its fused output (q, k, v): each chunk "
-        "is sharded separately"
-    )
-    tp_transposed: list[str] = Field(
-        default_factory=list, description="TP modules whose weight is stored [in, out] (HF Conv1D)"
-    )
-    tp_refused: list[str] = Field(
-        default_factory=list, description="projections tensor parallelism leaves replicated, and why"
-    )
+    tp: TPPlan = Field(default_factory=TPPlan, description="which modules TP shards (plan.json: TP_KEYS)")
     experts: dict[str, int] = Field(
         default_factory=dict, description="MoE experts module -> its number of experts (what ep shards)"
     )
@@ -231,6 +224,26 @@ class Plan(_Model):
     training: TrainingConfig = TrainingConfig()
     search: SearchStats = SearchStats()
     created_at: str | None = Field(None, description="only when asked for (--timestamp)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tp_of_keys(cls, data: Any) -> Any:
+        """plan.json's flat tp_* keys (TP_KEYS) gathered into the one TPPlan."""
+        if isinstance(data, dict) and any(key in data for key in TP_KEYS):
+            data = dict(data)
+            if "tp" in data:
+                raise ValueError(f"a plan holds its TP decision as 'tp' or as {', '.join(TP_KEYS)}, not both")
+            data["tp"] = {field: data.pop(key) for key, field in TP_KEYS.items() if key in data}
+        return data
+
+    @model_serializer(mode="wrap")
+    def _tp_as_keys(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The TPPlan written under plan.json's flat keys (TP_KEYS), as plans always held it."""
+        out: dict[str, Any] = handler(self)
+        tp = out.pop("tp", None)
+        if isinstance(tp, dict):
+            out.update({key: tp[field] for key, field in TP_KEYS.items() if field in tp})
+        return out
 
     @model_validator(mode="after")
     def _stages_match(self) -> Plan:

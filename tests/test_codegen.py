@@ -94,10 +94,10 @@ def test_constants_carry_the_plan():
     expand = lambda names: [n for m in names for n in expand_names(m)]  # noqa: E731
     assert [(r, expand(m), rec) for r, m, rec in c["STAGES"]] == [(s.pp_rank, s.modules, "full") for s in plan.stages]
     assert c["STAGES"][0][1] == ["tok_emb", "pos_emb", "drop", "blocks.0", "blocks.1"]  # runs of 3+ are written short
-    assert {n: v for k, v in c["TP_PLAN"].items() for n in expand_names(k)} == plan.tp_plan
+    assert {n: v for k, v in c["TP_PLAN"].items() for n in expand_names(k)} == plan.tp.styles
     assert c["TP_PLAN"]["blocks.{0-3}.attn.o"] == "rowwise" and "blocks.3.attn.o" not in c["TP_PLAN"]
     layout, _, _ = runtime_objects(plan)
-    assert layout.tp_plan == plan.tp_plan
+    assert layout.tp_plan == plan.tp.styles
     assert c["MODEL_FILE"] == f"model/{Path(plan.model.path).name}" and c["MODEL_ARGS"] == plan.model.model_args
     assert (c["LOSS_FN"], c["BATCH_FN"], c["BUILD_FN"]) == ("loss_fn", None, "build_model")
     assert (c["SEED"], c["LR"], c["STEPS"], c["DTYPE"]) == (0, 0.01, 3, "fp32")
@@ -300,8 +300,8 @@ def _long_plan():
         return rename.setdefault(name, name.replace(".", "_") + "_x")
 
     stages = [s.model_copy(update={"modules": [unnumbered(m) for m in s.modules]}) for s in plan.stages]
-    tp_plan = {unnumbered(k): v for k, v in plan.tp_plan.items()}
-    return plan.model_copy(update={"stages": stages, "tp_plan": tp_plan})
+    tp_plan = {unnumbered(k): v for k, v in plan.tp.styles.items()}
+    return plan.model_copy(update={"stages": stages, "tp": plan.tp.model_copy(update={"styles": tp_plan})})
 
 
 def test_module_lists_too_long_for_train_py_go_to_layout_json(tmp_path):

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from planner.cli.main import app
 from planner.codegen.check import check_plan_runs
 from planner.errors import LayoutRefusedError, PlanError
+from planner.model.graph import TPPlan
 
 MODEL = '''
 import torch
@@ -71,7 +72,7 @@ def test_a_failing_model_is_not_taken_for_a_refused_tp_layout(tmp_path):
     def sharded(loss: str, tp_plan: dict[str, str]):
         plan = _plan(tmp_path, loss=loss, pp=2)
         return plan.model_copy(update={
-            "tp_plan": tp_plan,
+            "tp": plan.tp.model_copy(update={"styles": tp_plan}),
             "parallel": plan.parallel.model_copy(update={"tp": 2}),
             "cluster": plan.cluster.model_copy(update={"gpus_per_node": 4}),
         })
@@ -124,19 +125,19 @@ def test_tp_on_a_conv1d_the_plan_does_not_mark_transposed_is_refused_at_plan_tim
     plan = hf_plan("gpt2", tp=2, dp=2, tp_plan={"transformer.h.0.attn.c_attn": "colwise"})
     with pytest.raises(PlanError, match=r"transformer.h.0.attn.c_attn, a Conv1D, but the plan does not list it in "):
         check_plan_runs(plan)
-    plan = plan.model_copy(update={"tp_transposed": ["transformer.h.0.attn.c_attn"]})
-    plan = plan.model_copy(update={"tp_fused": {"transformer.h.0.attn.c_attn": 3}})
+    plan = plan.model_copy(update={"tp": plan.tp.model_copy(update={"transposed": ["transformer.h.0.attn.c_attn"]})})
+    plan = plan.model_copy(update={"tp": plan.tp.model_copy(update={"fused": {"transformer.h.0.attn.c_attn": 3}})})
     # Marked transposed and fused, c_attn alone still cannot run: GPT-2 splits its output at split_size and
     # c_proj expects all heads. The sharded run on meta (rank 0's shard) says so, as the launch would.
     with pytest.raises(PlanError, match=r"sharded for tp 2 .* fails on one micro-batch"):
         check_plan_runs(plan)
     # The whole pair, as `planner plan` writes it, runs.
     attn = "transformer.h.0.attn"
-    plan = plan.model_copy(update={
-        "tp_plan": {f"{attn}.c_attn": "colwise", f"{attn}.c_proj": "rowwise"},
-        "tp_transposed": [f"{attn}.c_attn", f"{attn}.c_proj"],
-        "tp_head_attrs": {attn: ["split_size"], f"{attn}.c_attn": ["nf"]},
-    })
+    plan = plan.model_copy(update={"tp": plan.tp.model_copy(update={
+        "styles": {f"{attn}.c_attn": "colwise", f"{attn}.c_proj": "rowwise"},
+        "transposed": [f"{attn}.c_attn", f"{attn}.c_proj"],
+        "head_attrs": {attn: ["split_size"], f"{attn}.c_attn": ["nf"]},
+    })})
     check_plan_runs(plan)
 
 
@@ -164,7 +165,9 @@ plan = make_plan("mlp", pp=1)
 plan = plan.model_copy(update={
     "model": plan.model.model_copy(update={"path": sys.argv[1], "loss_fn": "loss_fn"}),
     "parallel": plan.parallel.model_copy(update={"tp": 2}),
-    "tp_plan": {f"blocks.{i}.{m}": s for i in range(2) for m, s in (("qkv", "colwise"), ("o", "rowwise"))},
+    "tp": plan.tp.model_copy(update={"styles": {
+        f"blocks.{i}.{m}": s for i in range(2) for m, s in (("qkv", "colwise"), ("o", "rowwise"))
+    }}),
     "cluster": plan.cluster.model_copy(update={"gpus_per_node": 2}),
     "stages": [s.model_copy(update={"modules": ["blocks.0", "blocks.1"], "units": ["blocks.0", "blocks.1"]})
                for s in plan.stages],
@@ -211,7 +214,9 @@ def test_a_tp_plan_whose_shard_cannot_run_is_refused_and_leaves_no_process_group
     plan = plan.model_copy(update={
         "model": plan.model.model_copy(update={"path": str(path), "loss_fn": "loss_fn"}),
         "parallel": plan.parallel.model_copy(update={"tp": 2, "sequence_parallel": sp}),
-        "tp_plan": {f"blocks.{i}.{m}": style for i in range(2) for m, style in (("qkv", "colwise"), ("o", "rowwise"))},
+        "tp": plan.tp.model_copy(update={"styles": {
+            f"blocks.{i}.{m}": style for i in range(2) for m, style in (("qkv", "colwise"), ("o", "rowwise"))
+        }}),
         "cluster": plan.cluster.model_copy(update={"gpus_per_node": 2 * pp}),
     })
     split = [["blocks.0", "blocks.1"]] if pp == 1 else [["blocks.0"], ["blocks.1"]]
@@ -221,14 +226,14 @@ def test_a_tp_plan_whose_shard_cannot_run_is_refused_and_leaves_no_process_group
     with pytest.raises(LayoutRefusedError, match=r"sharded for tp 2 \(rank 0's shard, TP_PLAN applied\)"):
         check_plan_runs(plan)
     assert not dist.is_initialized()
-    o_only = plan.model_copy(update={"tp_plan": {f"blocks.{i}.o": "rowwise" for i in range(2)}})
+    o_only = plan.model_copy(update={"tp": TPPlan(styles={f"blocks.{i}.o": "rowwise" for i in range(2)})})
     # o alone row-parallel: its input is whole, not split (the sharded run fails); with sequence parallelism
     # qkv, no TP Linear now, runs on sequence slices, gathered where the heads' reshape cannot follow them, and
     # the sharded run fails the same way
     with pytest.raises(PlanError, match="sharded for tp 2"):
         check_plan_runs(o_only)
     assert not dist.is_initialized()
-    whole = plan.model_copy(update={"tp_plan": {}, "parallel": plan.parallel.model_copy(update={"tp": 1})})
+    whole = plan.model_copy(update={"tp": TPPlan(), "parallel": plan.parallel.model_copy(update={"tp": 1})})
     check_plan_runs(whole)
 
 

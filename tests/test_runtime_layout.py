@@ -71,6 +71,6 @@ def test_runtime_objects_of_a_plan():
     layout, model, training = runtime_objects(plan)
     assert (layout.pp, layout.dp, layout.tp, layout.zero_stage, layout.num_micro_batches) == (2, 2, 2, 1, 4)
     assert [list(s.modules) for s in layout.stages] == [s.modules for s in plan.stages]
-    assert layout.tp_plan == plan.tp_plan and layout.global_batch_size == plan.parallel.global_batch_size
+    assert layout.tp_plan == plan.tp.styles and layout.global_batch_size == plan.parallel.global_batch_size
     assert model.path == plan.model.path and model.loss_fn == "loss_fn" and model.model_args == plan.model.model_args
     assert (training.seed, training.lr, training.steps, training.dtype) == (0, 0.01, 3, "fp32")

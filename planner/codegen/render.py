@@ -139,8 +139,8 @@ def _layout_lists(plan: Plan) -> dict[str, Any]:
             (s.pp_rank, compress_names(list(s.modules)), s.recompute)
             for s in sorted(plan.stages, key=lambda s: s.index)
         ],
-        "TP_PLAN": compress_mapping(dict(plan.tp_plan)),
-        "TP_HEAD_ATTRS": compress_mapping({k: list(v) for k, v in plan.tp_head_attrs.items()}),
+        "TP_PLAN": compress_mapping(dict(plan.tp.styles)),
+        "TP_HEAD_ATTRS": compress_mapping({k: list(v) for k, v in plan.tp.head_attrs.items()}),
     }
 
 
@@ -179,8 +179,8 @@ def _constants(plan: Plan, layout_digest: str | None = None, model_path: str | N
         "LAYOUT_DIGEST": layout_digest,
         "EP": p.ep,
         "EXPERTS": compress_mapping(dict(plan.experts)),
-        "TP_FUSED": compress_mapping(dict(plan.tp_fused)),
-        "TP_TRANSPOSED": compress_names(list(plan.tp_transposed)),
+        "TP_FUSED": compress_mapping(dict(plan.tp.fused)),
+        "TP_TRANSPOSED": compress_names(list(plan.tp.transposed)),
         "SEED": t.seed,
         "LR": float(t.lr),
         "STEPS": t.steps,
@@ -220,9 +220,9 @@ def runtime_objects(plan: Plan) -> tuple[Layout, ModelFile, Training]:
         stages=tuple(
             Stage(s.pp_rank, tuple(s.modules), s.recompute) for s in sorted(plan.stages, key=lambda s: s.index)
         ),
-        tp_plan=dict(plan.tp_plan), tp_head_attrs={k: tuple(v) for k, v in plan.tp_head_attrs.items()},
+        tp_plan=dict(plan.tp.styles), tp_head_attrs={k: tuple(v) for k, v in plan.tp.head_attrs.items()},
         ep=p.ep, experts=dict(plan.experts),
-        tp_fused=dict(plan.tp_fused), tp_transposed=tuple(plan.tp_transposed),
+        tp_fused=dict(plan.tp.fused), tp_transposed=tuple(plan.tp.transposed),
     )
     return layout, model_file(m), Training(seed=t.seed, lr=float(t.lr), steps=t.steps, dtype=t.dtype)
 

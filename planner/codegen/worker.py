@@ -93,8 +93,8 @@ def prepared_serves(plan: Plan) -> bool:
     kept as calls) stands for the build and trace of this plan's check: a traced graph (a pipeline, sequence
     parallelism) from plain torch.fx, which holds no shape, or traced for a micro-batch of one."""
     p = plan.parallel
-    graph = runs_traced_graph(p.pp, p.tp, p.sequence_parallel, bool(plan.tp_head_attrs))
-    convs = p.tp > 1 and bool(plan.tp_transposed)  # kept as calls under tp: a trace of its own
+    graph = runs_traced_graph(p.pp, p.tp, p.sequence_parallel, bool(plan.tp.head_attrs))
+    convs = p.tp > 1 and bool(plan.tp.transposed)  # kept as calls under tp: a trace of its own
     return graph and not plan.experts and not convs and (plan.trace_method == "fx" or p.micro_batch_size == 1)
 
 

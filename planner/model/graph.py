@@ -11,6 +11,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 TrainDType = Literal["fp32", "bf16", "fp16"]
+# colwise_gather: a column-parallel Linear whose output is all-gathered (the vocab-parallel LM head);
+# norm_heads: a norm over each head's features (Qwen3's q_norm), its input split by heads, its weight whole.
+TPStyle = Literal["colwise", "rowwise", "colwise_gather", "norm_heads"]
 
 
 class _Model(BaseModel):
@@ -36,6 +39,54 @@ class TPPair(_Model):
     column: list[str] = Field(description="qualified names of the column-parallel Linears (q, k, v ...)")
     row: str = Field(description="qualified name of the row-parallel Linear")
     allreduce_bytes: int = Field(description="bytes all-reduced per sample in forward (row output)")
+
+
+class TPPlan(_Model):
+    """Which modules tensor parallelism shards, and how: the one home of that decision. Built once from the
+    analysis' units (`planner.model.tp.tp_plan`), carried by the Plan (plan.json keeps its five keys, tp_plan
+    ... tp_refused), and read by the report, the generated script's constants and the runtime's Layout."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    styles: dict[str, TPStyle] = Field(default_factory=dict, description="module name -> TP style")
+    head_attrs: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="module -> integer attributes (head counts, split widths) each rank divides by tp before "
+        "sharding, because its forward reshapes by them (view(b, s, self.num_heads, -1))",
+    )
+    fused: dict[str, int] = Field(
+        default_factory=dict, description="colwise module -> chunks of its fused output (q, k, v): each chunk "
+        "is sharded separately"
+    )
+    transposed: list[str] = Field(
+        default_factory=list, description="TP modules whose weight is stored [in, out] (HF Conv1D)"
+    )
+    refused: list[str] = Field(
+        default_factory=list, description="projections tensor parallelism leaves replicated, and why"
+    )
+
+    @classmethod
+    def of(cls, units: list[Unit]) -> TPPlan:
+        """The units' TP decisions (`Unit.tp_styles` ... `Unit.tp_refused`) as one plan: names sorted, the
+        reasons for a refusal in the order the units give them, each once."""
+        styles: dict[str, TPStyle] = {}
+        head_attrs: dict[str, list[str]] = {}
+        fused: dict[str, int] = {}
+        transposed: set[str] = set()
+        refused: list[str] = []
+        for u in units:
+            styles.update(u.tp_styles)
+            head_attrs.update(u.tp_head_attrs)
+            fused.update(u.tp_fused)
+            transposed.update(u.tp_transposed)
+            refused.extend(r for r in u.tp_refused if r not in refused)
+        return cls(
+            styles=dict(sorted(styles.items())),
+            head_attrs=dict(sorted(head_attrs.items())),
+            fused=dict(sorted(fused.items())),
+            transposed=sorted(transposed),
+            refused=refused,
+        )
 
 
 class Unit(_Model):
@@ -72,7 +123,7 @@ class Unit(_Model):
     tp_shardable_params: int = Field(0, description="parameters that tensor parallelism shards")
     tp_shardable_flops: float = Field(0.0, description="forward FLOPs per sample that TP divides")
     tp_gather_bytes: int = Field(0, description="bytes per sample all-gathered after a vocab-parallel head")
-    tp_styles: dict[str, Literal["colwise", "rowwise", "colwise_gather", "norm_heads"]] = Field(
+    tp_styles: dict[str, TPStyle] = Field(
         default_factory=dict, description="module name -> tensor-parallel style for this unit"
     )
     tp_granularity: int = Field(
@@ -144,6 +195,12 @@ class ModelGraph(_Model):
         "that the planner applies to the transformers models a model file builds"
     )
     dtype_bytes: int
+
+    @property
+    def tp(self) -> TPPlan:
+        """The model's TP decision under tp > 1: every unit's (what the cost model divided by tp is what the
+        script shards), merged in unit order (`TPPlan.of`)."""
+        return TPPlan.of(self.units)
 
     def unit(self, name: str) -> Unit:
         for u in self.units:

@@ -138,13 +138,13 @@ def summary_panel(plan: Plan, params: int | None = None, timeline: str | Path | 
         grid.add_row("Model settings", f"{settings} (transformers, set by the planner for training)")
     if plan.structure:
         grid.add_row("Units", "; ".join(plan.structure))
-    if plan.tp_head_attrs:
+    if plan.tp.head_attrs:
         # One line per module pattern (transformer.h.*.attn), not per block.
-        pattern = {re.sub(r"\.\d+(?=\.|$)", ".*", m): ", ".join(a) for m, a in plan.tp_head_attrs.items()}
+        pattern = {re.sub(r"\.\d+(?=\.|$)", ".*", m): ", ".join(a) for m, a in plan.tp.head_attrs.items()}
         grid.add_row("TP head attributes", "; ".join(f"{m}: {a} / tp" for m, a in pattern.items()))
-    if plan.tp_refused:
-        more = f" (+{len(plan.tp_refused) - 1} more in plan.json)" if len(plan.tp_refused) > 1 else ""
-        grid.add_row("TP not applied", plan.tp_refused[0] + more)
+    if plan.tp.refused:
+        more = f" (+{len(plan.tp.refused) - 1} more in plan.json)" if len(plan.tp.refused) > 1 else ""
+        grid.add_row("TP not applied", plan.tp.refused[0] + more)
     where = f"{c.nodes} node{'s' if c.nodes != 1 else ''} x {c.gpus_per_node} x {c.gpu}"
     if c.name != c.gpu:
         where += f" ({c.name})"

@@ -36,7 +36,7 @@ def lora_planned_tp2_dp2(out: Path) -> Plan:
     )
     assert result.exit_code == 0, result.output
     plan = load_plan(out)
-    assert plan.tp_plan["blocks.0.attn.q.lora_B.default"] == "colwise", plan.tp_plan
+    assert plan.tp.styles["blocks.0.attn.q.lora_B.default"] == "colwise", plan.tp.styles
     return plan
 
 

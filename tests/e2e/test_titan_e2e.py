@@ -62,9 +62,9 @@ def test_titan_llama3_trains_like_one_process(case, tmp_path):
     if plan.parallel.tp > 1:
         # What the cost model split is what the script shards: attention (the fused qkv, its heads kept
         # apart through the complex rotary table), the MLP, the vocabulary-parallel embedding and LM head.
-        assert not plan.tp_refused, plan.tp_refused
+        assert not plan.tp.refused, plan.tp.refused
         for name in ("tok_embeddings", "layers.0.attention.qkv_linear.wqkv", "layers.0.attention.wo", "lm_head"):
-            assert name in plan.tp_plan, (name, sorted(plan.tp_plan))
+            assert name in plan.tp.styles, (name, sorted(plan.tp.styles))
     run(["bash", str(out / "launch.sh"), "--steps", str(STEPS)], tmp_path)
     metrics = json.loads((out / "metrics.json").read_text())
     expected = train(reference_of(plan), tmp_path / "reference", 1)

@@ -137,11 +137,11 @@ def test_tensor_parallel_plan_trains_like_one_process(case, tmp_path, tmp_path_f
     assert result.exit_code == 0, result.output
     plan = load_plan(out)
     assert plan.parallel.tp == 2 and plan.parallel.world_size == 4
-    assert plan.tp_plan  # something really is sharded
+    assert plan.tp.styles  # something really is sharded
     if name == "gpt2":
-        assert plan.tp_transposed and plan.tp_fused  # Conv1D, and c_attn chunk by chunk
+        assert plan.tp.transposed and plan.tp.fused  # Conv1D, and c_attn chunk by chunk
     if name in ("headcount_gpt", "nanogpt"):
-        assert plan.tp_fused and plan.tp_head_attrs
+        assert plan.tp.fused and plan.tp.head_attrs
     run(["bash", str(out / "launch.sh"), "--steps", str(STEPS)], tmp_path)
     metrics = json.loads((out / "metrics.json").read_text())
     expected = reference_metrics(plan, tmp_path_factory)

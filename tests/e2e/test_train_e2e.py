@@ -176,7 +176,7 @@ def test_sequence_parallel_where_the_mlps_region_is_the_block_trains_like_one_pr
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     plan = load_plan(out)
-    assert plan.parallel.sequence_parallel and plan.parallel.tp == 2 and "blocks.0.fc2" in plan.tp_plan
+    assert plan.parallel.sequence_parallel and plan.parallel.tp == 2 and "blocks.0.fc2" in plan.tp.styles
     metrics = train(plan, tmp_path / "run", 2)
     expected = train(reference_of(plan), tmp_path / "reference", 1)
     assert [s["loss"] for s in metrics["steps"]] == pytest.approx(
