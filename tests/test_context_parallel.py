@@ -129,6 +129,9 @@ def test_cp_pin_is_planned_on_short_sequences_and_checked():
     [
         (sdpa_graph(seq=128, flash=False), Pins(cp=2), "does not call torch.nn.functional.scaled_dot"),
         (sdpa_graph(seq=132), Pins(cp=4), "must split into 2 x cp = 8 equal chunks"),
+        (sdpa_graph(seq=128).model_copy(update={"units": [u.model_copy(update={"sdpa_masked": True})
+                                                         for u in sdpa_graph(seq=128).units]}),
+         Pins(cp=2), "blocks.0 passes an attn_mask"),
         (sdpa_graph(seq=128, trace="fx-meta"), Pins(cp=2, pp=2), "fixes the sequence length"),
         (sdpa_graph(seq=128).model_copy(update={"sample_input_shapes": [[1, 128], [1, 128]]}), Pins(cp=2),
          "one [batch, seq] token tensor"),

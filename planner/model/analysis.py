@@ -172,6 +172,7 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                 attention_core_bytes=core,
                 sdpa_score_bytes=c.sdpa_scores,
                 sdpa_kv_bytes=c.sdpa_kv,
+                sdpa_masked=c.sdpa_masked,
                 input_bytes=in_bytes,
                 output_bytes=(
                     out_bytes if i < len(groups) - 1 else sum(tensor_bytes(t) for t in flatten_tensors(out)) // batch

@@ -24,7 +24,8 @@ position table, a rotary table) are the rank's rows. The loss is the mean over t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -38,6 +39,21 @@ from .loss import logits_of
 
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 IGNORE = -100  # cross_entropy's ignore_index: the label of a sequence's last token, which predicts nothing
+_ACTIVE: ContextParallel | None = None  # the mode of the step that runs (ContextParallel.step)
+
+
+def recomputed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a checkpointed unit's forward) run under the running step's ContextParallel mode where that mode is
+    not active, which is while autograd recomputes it in backward; unchanged without context parallelism."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        mode = _ACTIVE
+        if mode is None or any(m is mode for m in torch.overrides._get_current_function_mode_stack()):
+            return fn(*args, **kwargs)
+        with mode:
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def positions(seq: int, cp: int, rank: int) -> torch.Tensor:
@@ -112,16 +128,18 @@ class ContextParallel(TorchFunctionMode):
             dummy = torch.zeros(1, seq, device=device)
             self.torch_cp = context_parallel(mesh, buffers=[dummy], buffer_seq_dims=[1], no_restore_buffers={dummy})
 
-    def __enter__(self) -> ContextParallel:
-        if self.torch_cp is not None:
-            self.torch_cp.__enter__()
-        super().__enter__()  # type: ignore[no-untyped-call]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)  # type: ignore[no-untyped-call]
-        if self.torch_cp is not None:
-            self.torch_cp.__exit__(*exc)
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Active for one step's forward and backward: torch's context_parallel (GPUs) and this mode, which
+        `recomputed` enters again while a checkpointed unit's forward is recomputed (the autograd engine does not
+        carry a torch-function mode into the backward)."""
+        global _ACTIVE
+        with self.torch_cp if self.torch_cp is not None else contextlib.nullcontext(), self:
+            _ACTIVE = self
+            try:
+                yield
+            finally:
+                _ACTIVE = None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

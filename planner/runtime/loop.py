@@ -529,7 +529,7 @@ def run(
     def forward_backward(batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor | None:
         result: torch.Tensor | None
         scale_used[0] = loss_scale.scale
-        with context if context is not None else contextlib.nullcontext():
+        with context.step() if context is not None else contextlib.nullcontext():
             if schedule is None:
                 result = accumulate(stages[0], layout, batches, loss_fn, n_inputs, loss_scale.scale)
             else:

@@ -533,6 +533,13 @@ def context_refusal(graph: ModelGraph, cp: int, tp: int, pp: int) -> str | None:
             "the model's attention does not call torch.nn.functional.scaled_dot_product_attention, where context "
             "parallelism gathers the other ranks' keys and values; a hand-written attention would see only its own"
         )
+    masked = next((u.name for u in graph.units if u.sdpa_masked), None)
+    if masked:
+        return (
+            f"{masked} passes an attn_mask to scaled_dot_product_attention: a mask over the whole sequence's pairs, "
+            "which context parallelism cannot shard (only is_causal or no mask); build the model's attention with "
+            "is_causal=True"
+        )
     if seq % (2 * cp):
         return (
             f"the sequence ({seq}) must split into 2 x cp = {2 * cp} equal chunks (torch's load-balanced causal "

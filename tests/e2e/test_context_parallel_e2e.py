@@ -82,3 +82,15 @@ def test_cp2_tp2_trains_like_one_process(tmp_path):
     p = plan.parallel
     assert (p.dp, p.cp, p.tp, p.sequence_parallel) == (1, 2, 2, False)
     assert_same_training(metrics, expected)
+
+
+@pytest.mark.corpus
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_cp2_dp2_with_recomputation_trains_like_one_process(tmp_path, mode):
+    """The backward's recomputation runs the attention again, all-gathering keys and values inside backward (the
+    autograd engine does not carry the step's ContextParallel mode there: `context.recomputed` enters it)."""
+    plan, metrics, expected = plan_and_train(
+        tmp_path, ROOT / "sample_models" / "gpt.py", ["--dp", "2", "--zero-stage", "3", "--recompute", mode]
+    )
+    assert {s.recompute for s in plan.stages} == {mode} and plan.parallel.cp == 2
+    assert_same_training(metrics, expected)
