@@ -13,7 +13,7 @@ from e2e.plans import reference_of
 from e2e.test_train_e2e import STEPS, run, train
 from typer.testing import CliRunner
 
-from cli.main import app
+from planner.cli.main import app
 from planner.plan import load_plan
 
 pytestmark = pytest.mark.e2e
