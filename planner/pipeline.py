@@ -18,7 +18,7 @@ from planner import __version__
 from planner.cost.memory import memory_report
 from planner.cost.model import CostOptions, Profile, rank_tail, rank_tail_parts
 from planner.cost.simulate import SimResult
-from planner.cost.terms import comm_reserve_bytes, moe_alltoall_time
+from planner.cost.terms import comm_reserve_bytes, cp_kv_exchange_time, moe_alltoall_time
 from planner.errors import ConfigError, PlannerError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph, TPPlan
@@ -120,6 +120,7 @@ def predicted_for(
             data_parallel_s=dp_total,
             data_parallel_exposed_s=max(0.0, tail - _optimizer_only(ev, cluster, graph, options)),
             expert_parallel_s=_expert_comm(ev, graph, cluster),
+            context_parallel_s=_context_comm(ev, graph, cluster),
         ),
         source="measured" if all(s.source == "measured" for s in ev.stages) else "estimated",
     )
@@ -133,6 +134,17 @@ def _expert_comm(ev: Evaluated, graph: ModelGraph, cluster: ClusterSpec) -> floa
         for s in ev.stages
         for u in s.units
         if graph.units[u].experts
+    )
+    return per_mb * ev.cand.num_micro_batches / max(1, ev.cand.pp)
+
+
+def _context_comm(ev: Evaluated, graph: ModelGraph, cluster: ClusterSpec) -> float:
+    """Seconds per iteration of context parallelism's key/value exchange on a pp rank (all-gather forward,
+    reduce-scatter backward, every micro-batch); 0 without it."""
+    if ev.cand.cp <= 1:
+        return 0.0
+    per_mb = sum(
+        2.0 * cp_kv_exchange_time(graph.units[u].sdpa_kv_bytes, ev.cand, cluster) for s in ev.stages for u in s.units
     )
     return per_mb * ev.cand.num_micro_batches / max(1, ev.cand.pp)
 
@@ -183,6 +195,8 @@ def _parallel(ev: Evaluated, global_batch: int) -> ParallelConfig:
         zero_stage=c.zero_stage,
         sequence_parallel=c.sequence_parallel,
         ep=c.ep,
+        cp=c.cp,
+        mesh_dims=["pp", "dp", "cp", "tp"] if c.cp > 1 else ["pp", "dp", "tp"],
     )
 
 

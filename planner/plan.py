@@ -30,7 +30,11 @@ SCHEMA_VERSION = 1
 # 1: expert parallelism (parallel.ep, experts, predicted.comm.expert_parallel_s).
 # 2: the TP style norm_heads.
 # 3: trace_method "fx-meta" (symbolic tracing with meta values).
-SCHEMA_MINOR = 3
+# 4: context parallelism (parallel.cp, predicted.comm.context_parallel_s; written only where cp > 1, and only such
+#    a plan records minor 4, so plans without it stay as minor 3 wrote them).
+SCHEMA_MINOR = 4
+# The minor a plan without context parallelism records (nothing of minor 4 in it).
+_MINOR_WITHOUT_CP = 3
 
 Source = Literal["measured", "estimated"]
 # plan.json's keys for the TPPlan's fields (the plan holds one TPPlan; its file keeps the flat keys it always had)
@@ -62,6 +66,11 @@ class ParallelConfig(_Model):
     zero_stage: int = Field(0, ge=0, le=3, description="0: DDP, 1/2: sharded optimizer/grads, 3: FSDP")
     sequence_parallel: bool = False
     ep: int = Field(1, ge=1, description="expert parallelism: each MoE layer's experts sharded over ep dp ranks")
+    cp: int = Field(
+        1, ge=1, exclude_if=lambda v: v == 1,
+        description="context parallelism: each sample's sequence sharded over cp ranks holding the same weights "
+        "(world = dp x cp x tp x pp; gradients averaged over dp x cp); written only where > 1",
+    )
     mesh_dims: list[str] = Field(default_factory=lambda: ["pp", "dp", "tp"], description="outer to inner")
 
     @model_validator(mode="after")
@@ -73,6 +82,8 @@ class ParallelConfig(_Model):
             )
         if self.dp % self.ep:
             raise ValueError(f"ep ({self.ep}) must divide dp ({self.dp}): experts are sharded over dp ranks")
+        if sorted(self.mesh_dims) != sorted(["pp", "dp", "tp"] + (["cp"] if self.cp > 1 else [])):
+            raise ValueError(f"mesh_dims {self.mesh_dims} must order pp, dp, tp (and cp where cp > 1)")
         if self.schedule == "interleaved-1f1b" and self.virtual_stages < 2:
             raise ValueError("interleaved-1f1b needs virtual_stages >= 2")
         if self.schedule in ("gpipe", "1f1b") and self.virtual_stages != 1:
@@ -83,7 +94,7 @@ class ParallelConfig(_Model):
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def num_stages(self) -> int:
@@ -130,6 +141,10 @@ class CommBreakdown(_Model):
     data_parallel_s: Figure = 0.0
     data_parallel_exposed_s: Figure = 0.0
     expert_parallel_s: Figure = Field(0.0, description="MoE all-to-all dispatch and combine, forward and backward")
+    context_parallel_s: Figure = Field(
+        0.0, exclude_if=lambda v: v == 0, description="context parallelism's key/value all-gathers (forward) and "
+        "reduce-scatters of their gradients (backward); written only where > 0"
+    )
 
 
 class Predicted(_Model):
@@ -198,7 +213,7 @@ class SearchStats(_Model):
 
 class Plan(_Model):
     schema_version: int = SCHEMA_VERSION
-    schema_minor: int = Field(SCHEMA_MINOR, ge=0)
+    schema_minor: int = Field(_MINOR_WITHOUT_CP, ge=0, description="raised to 4 where a layout has cp > 1")
     planner_version: str
     inputs_digest: str = Field(description="sha256 of the model source, cluster and options")
     model: ModelSource
@@ -254,10 +269,13 @@ class Plan(_Model):
         layouts = [("parallel", p)] + [(f"alternatives.{i}", a.parallel) for i, a in enumerate(self.alternatives)]
         for what, par in layouts:
             if par.world_size != gpus:
+                cp = f" x cp {par.cp}" if par.cp > 1 else ""
                 raise ValueError(
-                    f"{what}: dp {par.dp} x tp {par.tp} x pp {par.pp} = {par.world_size}, but the cluster has "
+                    f"{what}: dp {par.dp}{cp} x tp {par.tp} x pp {par.pp} = {par.world_size}, but the cluster has "
                     f"{c.nodes} node(s) x {c.gpus_per_node} = {gpus} GPUs"
                 )
+        if any(par.cp > 1 for _, par in layouts):
+            self.schema_minor = max(self.schema_minor, 4)  # an older planner must refuse what it cannot read
         indices = sorted(s.index for s in self.stages)
         if indices != list(range(len(self.stages))):
             raise ValueError(f"stage indices {indices} are not 0..{len(self.stages) - 1}, each once")

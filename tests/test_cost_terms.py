@@ -42,6 +42,7 @@ def candidates(draw) -> Candidate:
         schedule=schedule,
         zero_stage=draw(st.integers(0, 3)),
         sequence_parallel=draw(st.booleans()) and tp > 1,
+        cp=draw(st.sampled_from([1, 1, 2, 4])),
     )
 
 
@@ -76,12 +77,13 @@ def test_time_terms_agree_on_floats_and_expressions(c, x, gpu, dtype):
     check(lambda p: terms.dp_sync_time(p, c, cl, dtype), x)
     check(lambda p: terms.zero3_gather_time(p, c, cl, dtype), x)
     check(lambda p: terms.optimizer_step_time(p, c, cl, dtype), x)
+    check(lambda kv: terms.cp_kv_exchange_time(kv, c, cl), x)
 
 
 @PROPS
 @given(c=candidates(), x=POSITIVE, o=st.sampled_from(OPTIONS), largest=st.floats(0, 1e10))
 def test_overlap_and_memory_terms_agree_on_floats_and_expressions(c, x, o, largest):
-    state = model_state_bytes_per_param("bf16", c.zero_stage, c.dp)
+    state = model_state_bytes_per_param("bf16", c.zero_stage, c.dp_shard)
     check(lambda t: terms.sync_overlap_window(t, c, o), x * 1e-12)
     check(lambda p: terms.model_state_bytes(p, state), x)
     check(lambda b: terms.comm_buffer_bytes(b, c, o, largest), x)
@@ -155,7 +157,7 @@ def test_optimizer_step_bytes_are_written_once():
 def test_nccl_reserve_agrees_both_ways_and_counts_the_groups_of_more_than_one_rank(c, ep, x, gpu):
     """NCCL's buffers per process group of more than one rank (dp, tp, pp, and with experts ep and the experts'
     replicas): the ILP's memory row, the bounds' budget (`rank_capacity`) and the plan's reserve read one term."""
-    c = dataclasses.replace(c, dp=c.dp * ep, ep=ep)
+    c = dataclasses.replace(c, dp=c.dp * ep, ep=ep, cp=1)
     check(lambda b: terms.comm_reserve_bytes(b, c), x + 1.0)
     groups = terms.group_sizes(c.dp, c.tp, c.pp, c.ep)
     expected = [n for n, k in (("dp", c.dp), ("tp", c.tp), ("pp", c.pp)) if k > 1]

@@ -342,7 +342,7 @@ def test_plan_round_trips_ep_and_old_plans_still_load(tmp_path):
     (tmp_path / "plan.json").write_text(moe.to_json())
     back = load_plan(tmp_path)
     assert back.parallel.ep == 2 and back.experts == {"blocks.0.mlp.experts": 4}
-    assert back.schema_minor == SCHEMA_MINOR and back.to_json() == moe.to_json()
+    assert back.schema_minor == moe.schema_minor <= SCHEMA_MINOR and back.to_json() == moe.to_json()
 
     old = json.loads(plan.to_json())
     del old["schema_minor"], old["parallel"]["ep"], old["experts"], old["predicted"]["comm"]["expert_parallel_s"]

@@ -204,6 +204,14 @@ EpOpt = Annotated[
         rich_help_panel=_PINS,
     ),
 ]
+CpOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--cp", min=1, help="Context-parallel degree: each sample's sequence sharded over cp ranks (attention "
+        "all-gathers keys and values); world = dp x cp x tp x pp.",
+        rich_help_panel=_PINS,
+    ),
+]
 TpOpt = Annotated[
     int | None, typer.Option("--tp", min=1, help="Tensor-parallel degree (inside a node).", rich_help_panel=_PINS)
 ]
@@ -408,7 +416,7 @@ def plan_request(
     sequence_parallel: bool | None, dtype: DType, build_fn: str, inputs_fn: str, loss_fn: str | None, top_k: int,
     time_limit: float | None, no_overlap: bool, seed: int, lr: float, steps: int, data: str | None = None,
     measure: bool | None = None, memory_reserve: float | None = None, hf_config: Path | None = None,
-    flavor: str | None = None, ep: int | None = None, revision: str | None = None,
+    flavor: str | None = None, ep: int | None = None, revision: str | None = None, cp: int | None = None,
 ) -> PlanRequest:
     """The library's PlanRequest from the options `plan` and `dry-run` share; unset pins are searched.
 
@@ -448,6 +456,7 @@ def plan_request(
         "dp": dp, "tp": tp, "pp": pp, "virtual_stages": virtual_stages, "micro_batch_size": micro_batch_size,
         "schedule": schedule, "zero_stage": zero_stage,
         "sequence_parallel": sequence_parallel, "recompute": recompute, "ep": ep,
+        "cp": cp,
     }
     # An unset --time-limit leaves PlanRequest's default; 0 asks for none.
     limit: dict[str, Any] = {} if time_limit is None else {"time_limit": time_limit or None}

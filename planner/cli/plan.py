@@ -26,6 +26,7 @@ import typer
 from planner.cli._options import (
     BuildFnOpt,
     ConfigOpt,
+    CpOpt,
     DataOpt,
     DpOpt,
     DType,
@@ -121,6 +122,7 @@ def plan(
     pp: PpOpt = None,
     dp: DpOpt = None,
     ep: EpOpt = None,
+    cp: CpOpt = None,
     virtual_stages: VirtualStagesOpt = None,
     micro_batch_size: MicroBatchOpt = None,
     schedule: ScheduleOpt = None,
@@ -163,7 +165,7 @@ def plan(
         global_batch_size=global_batch_size, dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages,
         micro_batch_size=micro_batch_size, schedule=schedule, zero_stage=zero_stage, recompute=recompute,
         sequence_parallel=sequence_parallel, dtype=dtype, build_fn=build_fn, inputs_fn=inputs_fn, loss_fn=loss_fn,
-        data=data, measure=measure, memory_reserve=memory_reserve, hf_config=hf_config, flavor=flavor, ep=ep,
+        data=data, measure=measure, memory_reserve=memory_reserve, hf_config=hf_config, flavor=flavor, ep=ep, cp=cp,
         revision=revision,
         top_k=top_k, time_limit=time_limit, no_overlap=no_overlap, seed=seed, lr=lr, steps=steps,
     )

@@ -19,16 +19,26 @@ class Candidate:
     zero_stage: int
     sequence_parallel: bool
     ep: int = 1  # expert parallelism: each MoE layer's experts sharded over ep of the dp ranks (ep divides dp)
+    # context parallelism: each sample's sequence sharded over cp ranks (world = dp x cp x tp x pp); the cp ranks
+    # hold replicated weights, so gradients sync (and ZeRO shards) over the dp x cp ranks (`dp_shard`)
+    cp: int = 1
 
     @property
     def stages(self) -> int:
         return self.pp * self.virtual_stages
 
+    @property
+    def dp_shard(self) -> int:
+        """The ranks holding the same weights, over which gradients are averaged and ZeRO shards states: dp x cp
+        (torchtitan's `dp_shard_cp` mesh dimension)."""
+        return self.dp * self.cp
+
     def label(self) -> str:
         sp = "+sp" if self.sequence_parallel else ""
         ep = f" ep{self.ep}" if self.ep > 1 else ""
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
         return (
-            f"dp{self.dp}{ep} tp{self.tp}{sp} pp{self.pp}"
+            f"dp{self.dp}{ep}{cp} tp{self.tp}{sp} pp{self.pp}"
             + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
             + f" mbs{self.micro_batch_size} m{self.num_micro_batches} {self.schedule} zero{self.zero_stage}"
         )

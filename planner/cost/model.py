@@ -19,6 +19,7 @@ from planner.cost.placement import stage_rank
 from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches
 from planner.cost.terms import (
     comm_buffer_bytes,
+    cp_kv_exchange_time,
     crosses_nodes,
     dp_link,
     dp_sync_time,
@@ -185,15 +186,22 @@ def unit_cost(
             core_c *= profile.efficiency_scale
     tf, tb = tp_comm_times(unit, cand.micro_batch_size, cand.tp, cand.sequence_parallel, cluster)
     a2a = moe_alltoall_time(unit.moe_dispatch_bytes, cand, cluster) if unit.experts else 0.0
+    kv = 0.0
+    if cand.cp > 1:
+        # Context parallelism: a rank runs 1/cp of each sample's tokens through every op (its queries against
+        # all keys: 1/cp of the attention too, causal or not, with torch's head-tail load balancing) and
+        # exchanges keys and values over the cp ranks (`terms.cp_kv_exchange_time`).
+        fwd_c, bwd_c, core_c, tf, tb = (t / cand.cp for t in (fwd_c, bwd_c, core_c, tf, tb))
+        kv = cp_kv_exchange_time(unit.sdpa_kv_bytes, cand, cluster)
     # Expert parallelism: dispatch + combine in forward, their gradients in backward.
-    fwd = fwd_c + tf + a2a
+    fwd = fwd_c + tf + a2a + kv
     scores = math_scores(unit, cluster)
     bwd = {
-        "none": bwd_c + tb + a2a,
+        "none": bwd_c + tb + a2a + kv,
         # selective: re-run the attention core (Korthikanti et al. 2022, sec. 4.1)
-        "selective": bwd_c + tb + a2a + (core_c if unit.attention_core_bytes + scores > 0 else 0.0),
+        "selective": bwd_c + tb + a2a + kv + (core_c if unit.attention_core_bytes + scores > 0 else 0.0),
         # full: re-run the whole forward, its TP and expert communication included
-        "full": bwd_c + tb + a2a + fwd,
+        "full": bwd_c + tb + a2a + kv + fwd,
     }
     tp_sharded = bool(unit.tp_pairs) or bool(unit.tp_styles)
     act: dict[str, float] = {
@@ -210,13 +218,19 @@ def unit_cost(
         )
         for mode in RECOMPUTE_MODES
     }
+    if cand.cp > 1:
+        # 1/cp of the tokens' activations; the attention keeps the gathered keys and values of the whole
+        # sequence for its backward, (cp-1)/cp of them on top of the rank's own share (not under full
+        # recomputation, which keeps only the unit's input).
+        gathered = unit.sdpa_kv_bytes * cand.micro_batch_size / cand.tp * (cand.cp - 1) / cand.cp
+        act = {mode: a / cand.cp + (gathered if mode != "full" else 0.0) for mode, a in act.items()}
     shard = unit.tp_shardable_params if cand.tp > 1 else 0
     experts = unit.expert_params  # not TP-sharded; ep divides them (`terms.expert_state_params`)
     dense = (unit.params - experts - shard) + shard / cand.tp
     # Frozen parameters (not experts) are taken as spread like the unit's other dense ones over the tp ranks.
     dense_all = unit.params - experts
     frozen = min(unit.frozen_params, dense_all) * (dense / dense_all) if dense_all else 0.0
-    state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
+    state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp_shard)
     params_local = dense - frozen + frozen_state_params(frozen, state) + expert_state_params(experts, cand, dtype)
     sync_params = dense + expert_sync_params(experts, cand) if experts and cand.ep > 1 else None
     return UnitCost(
@@ -285,7 +299,7 @@ def stage_costs(
 ) -> list[StageCost]:
     """Per-stage time and memory of a partition (memory per rank when a rank holds several stages)."""
     dtype = graph.source.dtype
-    state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
+    state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp_shard)
     # Experts under ep: E/ep per rank, their gradients and ZeRO shards over the dp/ep replicas of that slice.
     replica = model_state_bytes_per_param(dtype, cand.zero_stage, max(1, cand.dp // cand.ep))
     out: list[StageCost] = []

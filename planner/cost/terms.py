@@ -42,15 +42,17 @@ def weight_bytes_per_param(dtype: str) -> float:
 
 
 def crosses_nodes(cand: Candidate, cluster: ClusterSpec) -> tuple[bool, bool]:
-    """(dp groups cross nodes, some pair of consecutive pp ranks sits on different nodes) for mesh (pp, dp, tp).
+    """(dp groups cross nodes, some pair of consecutive pp ranks sits on different nodes) for mesh (pp, dp, tp),
+    or (pp, dp, cp, tp) with context parallelism.
 
-    pp rank r holds global ranks [r*dp*tp, (r+1)*dp*tp): when dp*tp is smaller than a node, several pp ranks
-    share one and the hop out of the node's last one crosses to the next node as soon as the pipeline spans
-    more than one node (dp*tp*pp > gpus per node). Every micro-batch passes every hop, so that slowest hop
-    is the pipeline's link.
+    pp rank r holds global ranks [r*dp*cp*tp, (r+1)*dp*cp*tp): when dp*cp*tp is smaller than a node, several pp
+    ranks share one and the hop out of the node's last one crosses to the next node as soon as the pipeline spans
+    more than one node (dp*cp*tp*pp > gpus per node). Every micro-batch passes every hop, so that slowest hop
+    is the pipeline's link. The gradient sync runs over the dp x cp ranks of a pp rank (`Candidate.dp_shard`).
     """
     g = cluster.gpus_per_node
-    return cand.dp * cand.tp > g, cand.pp > 1 and cand.dp * cand.tp * cand.pp > g
+    span = cand.dp * cand.cp * cand.tp
+    return span > g, cand.pp > 1 and span * cand.pp > g
 
 
 def _link(cluster: ClusterSpec, inter_node: bool) -> tuple[float, float]:
@@ -70,6 +72,12 @@ def ep_crosses_nodes(cand: Candidate, cluster: ClusterSpec) -> bool:
 def ep_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
     """(bandwidth, latency) of the expert-parallel group's all-to-all."""
     return _link(cluster, ep_crosses_nodes(cand, cluster))
+
+
+def cp_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
+    """(bandwidth, latency) of the context-parallel group: cp ranks of stride tp in the (pp, dp, cp, tp) mesh,
+    so cp * tp consecutive global ranks, inside a node while that is at most the GPUs per node."""
+    return _link(cluster, cand.cp * cand.tp > cluster.gpus_per_node)
 
 
 def p2p_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
@@ -93,7 +101,28 @@ def p2p_time(boundary_bytes: Affine, cand: Candidate, cluster: ClusterSpec) -> A
     """
     bw, lat = p2p_link(cand, cluster)
     nbytes = boundary_bytes * cand.micro_batch_size / (cand.tp if cand.sequence_parallel else 1)
+    if cand.cp > 1:  # each cp rank sends its share of the sequence to the same cp rank of the next stage
+        nbytes = nbytes / cand.cp
     return coll.p2p_time(nbytes, bw, lat)
+
+
+def cp_kv_exchange_time(kv_bytes: Affine, cand: Candidate, cluster: ClusterSpec) -> Affine:
+    """Context parallelism's key/value exchange of a unit per micro-batch, forward or backward (each pays it
+    once); 0 without context parallelism.
+
+    `kv_bytes` (per sample) are the keys and values the unit's scaled_dot_product_attention calls read over
+    the whole sequence (`Unit.sdpa_kv_bytes`), their heads split by tp. Each cp rank holds 1/cp of them and
+    all-gathers the rest before its attention (torch's context parallelism with
+    `set_rotate_method("allgather")`, torchtitan's default; Llama 3, Dubey et al. 2024, sec. 3.3.2: "all-gather
+    based context parallelism"): (cp-1)/cp of the bytes per rank, a ring all-gather; backward reduce-scatters
+    the keys' and values' gradients, the same volume. torch's all-gather variant does not overlap it with the
+    attention, so it is charged in full (the ring variant, `set_rotate_method("alltoall")`, would hide each
+    step behind one chunk's attention: Liu et al. 2023, Ring Attention).
+    """
+    if cand.cp <= 1:
+        return 0.0
+    bw, lat = cp_link(cand, cluster)
+    return coll.allgather_time(kv_bytes * cand.micro_batch_size / cand.tp, cand.cp, bw, lat)
 
 
 def alltoall_time(nbytes: Affine, n: int, bw: float, lat: float) -> Affine:
@@ -169,18 +198,18 @@ def dp_sync_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dtype: s
     the updated weights (same volume); ZeRO-2 keeps only a gradient shard, so with m micro-batches it
     reduce-scatters after each of them; ZeRO-3 reduce-scatters once (its gathers: `zero3_gather_time`).
     """
-    if cand.dp <= 1:
+    if cand.dp_shard <= 1:
         return 0.0
     bw, lat = dp_link(cand, cluster)
     grad_b = GRAD_BYTES_PER_PARAM * params
     w_b = weight_bytes_per_param(dtype) * params
     if cand.zero_stage == 0:
-        return coll.allreduce_time(grad_b, cand.dp, bw, lat)
-    sync = coll.reduce_scatter_time(grad_b, cand.dp, bw, lat)
+        return coll.allreduce_time(grad_b, cand.dp_shard, bw, lat)
+    sync = coll.reduce_scatter_time(grad_b, cand.dp_shard, bw, lat)
     if cand.zero_stage == 1:
-        return sync + coll.allgather_time(w_b, cand.dp, bw, lat)
+        return sync + coll.allgather_time(w_b, cand.dp_shard, bw, lat)
     if cand.zero_stage == 2:
-        return cand.num_micro_batches * sync + coll.allgather_time(w_b, cand.dp, bw, lat)
+        return cand.num_micro_batches * sync + coll.allgather_time(w_b, cand.dp_shard, bw, lat)
     return sync
 
 
@@ -188,16 +217,16 @@ def zero3_gather_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dty
     """Per-micro-batch ZeRO-3 (FSDP) weight gathers of a stage: all-gather for forward and again for
     backward (Rajbhandari et al. 2020, sec. 7); 0 without ZeRO-3 over more than one replica. `params` counts
     the experts by `expert_sync_params`."""
-    if cand.dp <= 1 or cand.zero_stage != 3:
+    if cand.dp_shard <= 1 or cand.zero_stage != 3:
         return 0.0
     bw, lat = dp_link(cand, cluster)
-    return 2.0 * coll.allgather_time(weight_bytes_per_param(dtype) * params, cand.dp, bw, lat)
+    return 2.0 * coll.allgather_time(weight_bytes_per_param(dtype) * params, cand.dp_shard, bw, lat)
 
 
 def optimizer_step_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dtype: str) -> Affine:
     """Adam step of `params` local parameters: a memory-bound pass over master weights, gradients and
     moments (`optimizer_step_bytes_per_param`), sharded across dp from ZeRO-1 on."""
-    n = params / (cand.dp if cand.zero_stage >= 1 else 1)
+    n = params / (cand.dp_shard if cand.zero_stage >= 1 else 1)
     return n * optimizer_step_bytes_per_param(dtype) / (cluster.gpu.memory_bandwidth * cluster.gpu.efficiency.memory)
 
 
@@ -210,7 +239,7 @@ def sync_overlap_window(first_stage_bwd: Affine, cand: Candidate, options: CostO
     window = first_stage_bwd if options.overlap_dp_comm else 0.0
     if cand.zero_stage == 2:
         window = window * cand.num_micro_batches  # not *=: it would scale the caller's array in place
-    if options.overlap_param_gather and cand.zero_stage in (1, 2) and cand.dp > 1:
+    if options.overlap_param_gather and cand.zero_stage in (1, 2) and cand.dp_shard > 1:
         # the weights' all-gather hides behind the next iteration's first forward of the stage, at least a
         # third of its backward (a backward is two forwards, three with full recomputation)
         window = window + first_stage_bwd / 3.0
@@ -252,22 +281,25 @@ def comm_buffer_bytes(
     """A stage's communication buffers: send and receive buffers of its outgoing boundary (activation
     and gradient); two DDP buckets in flight under ZeRO-0; under ZeRO-3 two unsharded units in flight
     (FSDP prefetch), bounded with the model's largest unit."""
-    buffers = 2.0 * boundary_bytes * cand.micro_batch_size * 2
-    if cand.dp > 1 and cand.zero_stage == 0:
+    buffers = 2.0 * boundary_bytes * cand.micro_batch_size * 2 / cand.cp
+    if cand.dp_shard > 1 and cand.zero_stage == 0:
         buffers += 2 * options.ddp_bucket_bytes
     if cand.zero_stage == 3:
         buffers += 2 * largest_param_bytes
     return buffers
 
 
-def group_sizes(dp: int, tp: int, pp: int, ep: int = 1) -> dict[str, int]:
+def group_sizes(dp: int, tp: int, pp: int, ep: int = 1, cp: int = 1) -> dict[str, int]:
     """The process groups of more than one rank that a rank of these degrees communicates in, with their
     sizes: data (dp), tensor (tp) and pipeline (pp) parallel, and under expert parallelism the all-to-all
     group (ep) and the experts' replicas (dp/ep), which sync the experts' gradients
-    (`planner.runtime.loop`: init_device_mesh over (pp, dp, tp), and (pp, dp/ep, ep, tp) with experts)."""
+    (`planner.runtime.loop`: init_device_mesh over (pp, dp, tp), and (pp, dp/ep, ep, tp) with experts); with
+    context parallelism the cp group (the K/V all-gathers) and the dp x cp group the gradients sync over."""
     sizes = {"dp": dp, "tp": tp, "pp": pp}
     if ep > 1:
         sizes |= {"ep": ep, "expert dp": dp // ep}
+    if cp > 1:
+        sizes |= {"cp": cp, "dp x cp": dp * cp}
     return {name: n for name, n in sizes.items() if n > 1}
 
 
@@ -275,7 +307,7 @@ def comm_reserve_bytes(per_group_bytes: Affine, cand: Candidate) -> Affine:
     """NCCL's own buffers, which the cost model's peak does not count: `per_group_bytes` (the spec's
     memory_reserve.nccl_gib_per_group, NCCL_BUFFSIZE per peer and channel) for each process group of more
     than one rank the candidate communicates in (`group_sizes`); a group of one rank moves nothing."""
-    return per_group_bytes * len(group_sizes(cand.dp, cand.tp, cand.pp, cand.ep))
+    return per_group_bytes * len(group_sizes(cand.dp, cand.tp, cand.pp, cand.ep, cand.cp))
 
 
 def rank_capacity(cluster: ClusterSpec, cand: Candidate) -> float:

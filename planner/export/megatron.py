@@ -31,6 +31,8 @@ def arguments(plan: Plan) -> list[str]:
         args += _pipeline_split(blocks, p.virtual_stages)
     if p.ep > 1:
         args += ["--expert-model-parallel-size", str(p.ep)]
+    if p.cp > 1:
+        args += ["--context-parallel-size", str(p.cp)]
     if p.sequence_parallel and p.tp > 1:
         args.append("--sequence-parallel")
     seq = seq_len(plan)

@@ -35,6 +35,8 @@ def settings(plan: Plan) -> dict[str, Any]:
         "parallelism.pipeline_parallel_degree": p.pp,
         "parallelism.expert_parallel_degree": p.ep,
     }
+    if p.cp > 1:
+        out["parallelism.context_parallel_degree"] = p.cp
     if p.pp > 1:
         out["parallelism.pipeline_parallel_schedule"] = SCHEDULES[p.schedule]
         out["parallelism.module_fqns_per_model_part"] = stage_modules(plan)

@@ -171,6 +171,8 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
                 activation_bytes=act,
                 attention_core_bytes=core,
                 sdpa_score_bytes=c.sdpa_scores,
+                sdpa_kv_bytes=c.sdpa_kv,
+                sdpa_masked=c.sdpa_masked,
                 input_bytes=in_bytes,
                 output_bytes=(
                     out_bytes if i < len(groups) - 1 else sum(tensor_bytes(t) for t in flatten_tensors(out)) // batch
@@ -253,6 +255,7 @@ def per_sample(c: Counts, batch: int) -> Counts:
         setattr(c, name, getattr(c, name) / batch)
     c.saved = {k: v // batch for k, v in c.saved.items()}
     c.sdpa_scores //= batch
+    c.sdpa_kv //= batch
     return c
 
 

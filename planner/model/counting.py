@@ -78,6 +78,10 @@ class Counts:
     # (b, heads, s_q, s_k) probabilities in the input dtype (planner.cost.memory.activation_bytes adds them
     # where the target's attention backend is "math")
     sdpa_scores: int = 0
+    # bytes of the keys and values the SDPA calls read (before a GQA repeat): what context parallelism
+    # all-gathers over the cp ranks (planner.cost.terms.cp_kv_exchange_time)
+    sdpa_kv: int = 0
+    sdpa_masked: bool = False  # some SDPA call got an attn_mask (which context parallelism cannot shard)
     # FLOPs of the ops that read a tagged storage (MoE expert weights, see planner.model.moe), per phase.
     tagged_fwd: float = 0.0
     tagged_bwd: float = 0.0
@@ -213,6 +217,9 @@ def _gpu_kernels_mode(counts: Counts):
             kwargs = kwargs or {}
             if func in sdpa:
                 q, k, v = args[:3]
+                counts.sdpa_kv += tensor_bytes(k) + tensor_bytes(v)
+                if kwargs.get("attn_mask") is not None or (len(args) > 3 and args[3] is not None):
+                    counts.sdpa_masked = True
                 if kwargs.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
                     rep = q.shape[-3] // k.shape[-3]
                     k = k.repeat_interleave(rep, dim=-3)

@@ -117,6 +117,14 @@ class Unit(_Model):
         0, description="bytes per sample scaled_dot_product_attention keeps on top of activation_bytes under the "
         "math backend (the s x s probabilities); the fused backends, which activation_bytes counts, keep none"
     )
+    sdpa_kv_bytes: int = Field(
+        0, description="bytes per sample of the keys and values its scaled_dot_product_attention calls read: what "
+        "context parallelism all-gathers over the cp ranks"
+    )
+    sdpa_masked: bool = Field(
+        False, description="some scaled_dot_product_attention call of the unit passes an attn_mask (pairs of the whole "
+        "sequence, which context parallelism cannot shard)"
+    )
     input_bytes: int = Field(description="bytes per sample entering the unit (what full recompute keeps)")
     output_bytes: int = Field(description="bytes per sample crossing to the next unit (pipeline p2p size)")
     tp_pairs: list[TPPair] = Field(default_factory=list)

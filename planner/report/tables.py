@@ -101,7 +101,8 @@ def stage_labels(plan: Plan) -> list[str]:
 def degrees(p: Any) -> str:
     """'dp 4 / tp 2 / pp 2 / v 1' for a ParallelConfig ('dp 8 (ep 4) / ...' with expert parallelism)."""
     ep = f" (ep {p.ep})" if getattr(p, "ep", 1) > 1 else ""
-    return f"dp {p.dp}{ep} / tp {p.tp} / pp {p.pp} / v {p.virtual_stages}"
+    cp = f" / cp {p.cp}" if getattr(p, "cp", 1) > 1 else ""
+    return f"dp {p.dp}{ep}{cp} / tp {p.tp} / pp {p.pp} / v {p.virtual_stages}"
 
 
 def _table(title: str, **kwargs: Any) -> Table:
@@ -171,7 +172,7 @@ def summary_panel(plan: Plan, params: int | None = None, timeline: str | Path | 
     grid.add_row("MFU", percent(pred.mfu))
     headroom = pred.memory_capacity_bytes - pred.memory_reserve_bytes - pred.peak_memory_bytes
     # the reserve holds NCCL buffers for each process group of more than one rank (`terms.comm_reserve_bytes`)
-    groups, reserve = group_sizes(p.dp, p.tp, p.pp, p.ep), pred.memory_reserve_bytes
+    groups, reserve = group_sizes(p.dp, p.tp, p.pp, p.ep, p.cp), pred.memory_reserve_bytes
     grid.add_row(
         "Peak memory",
         f"{gib(pred.peak_memory_bytes)} of {gib(pred.memory_capacity_bytes)} GiB per GPU, reserve "
@@ -240,6 +241,8 @@ def comm_table(plan: Plan) -> Table:
     )
     if comm.expert_parallel_s > 0:
         rows += (("expert parallel (MoE all-to-all)", comm.expert_parallel_s),)
+    if comm.context_parallel_s > 0:
+        rows += (("context parallel (K/V all-gather)", comm.context_parallel_s),)
     for kind, seconds in rows:
         share = seconds / pred.iteration_time_s if pred.iteration_time_s > 0 else 0.0
         t.add_row(kind, ms(seconds), percent(share))
@@ -253,7 +256,13 @@ def alternatives_table(plan: Plan) -> Table:
     # The ep column only where some layout has expert parallelism: dense models' reports stay as they were.
     with_ep = any(a.parallel.ep > 1 for a in plan.alternatives) or plan.parallel.ep > 1
     ep_col = ("ep",) if with_ep else ()
-    names = ("#", "dp/tp/pp/v", *ep_col, "schedule", "zero", "sp", "mbs x m", "recompute", "iteration", "diff", "GiB")
+    # likewise the cp column, only where some layout has context parallelism
+    with_cp = any(a.parallel.cp > 1 for a in plan.alternatives) or plan.parallel.cp > 1
+    cp_col = ("cp",) if with_cp else ()
+    names = (
+        "#", "dp/tp/pp/v", *ep_col, *cp_col, "schedule", "zero", "sp", "mbs x m", "recompute", "iteration", "diff",
+        "GiB",
+    )
     for name in names:
         if name == "recompute":  # a list of modes: the one column that wraps
             t.add_column(name, min_width=9, ratio=1)
@@ -261,7 +270,10 @@ def alternatives_table(plan: Plan) -> Table:
             t.add_column(name, justify="left" if name in ("dp/tp/pp/v", "schedule") else "right", no_wrap=True)
 
     def layout(p: Any) -> tuple[str, ...]:
-        return (f"{p.dp}/{p.tp}/{p.pp}/{p.virtual_stages}", *((str(p.ep),) if with_ep else ()))
+        return (
+            f"{p.dp}/{p.tp}/{p.pp}/{p.virtual_stages}", *((str(p.ep),) if with_ep else ()),
+            *((str(p.cp),) if with_cp else ()),
+        )
 
     p = plan.parallel
     t.add_row(

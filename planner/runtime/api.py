@@ -71,7 +71,7 @@ def read_plan(path: str | Path) -> tuple[Layout, ModelFile, Training]:
             tp_plan=dict(data.get("tp_plan", {})),
             tp_head_attrs={k: tuple(v) for k, v in data.get("tp_head_attrs", {}).items()},
             ep=p.get("ep", 1), experts=dict(data.get("experts", {})), tp_fused=dict(data.get("tp_fused", {})),
-            tp_transposed=tuple(data.get("tp_transposed", ())),
+            tp_transposed=tuple(data.get("tp_transposed", ())), cp=p.get("cp", 1),
         )
         spec = ModelFile(m["path"], m.get("build_fn", "build_model"), m.get("inputs_fn", "example_inputs"),
                          m.get("loss_fn"), m.get("batch_fn"), dict(m.get("model_args", {})))
@@ -160,6 +160,10 @@ def parallelize(
     layout, spec, training = read_plan(plan)
     if layout.ep_enabled:
         raise RunError("parallelize() does not apply expert parallelism yet: run the generated train.py for ep > 1.")
+    if layout.cp_enabled:
+        raise RunError(
+            "parallelize() does not apply context parallelism yet: run the generated train.py for cp > 1."
+        )
     if dist.is_initialized():
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if (
             device == "cuda" or (device == "auto" and torch.cuda.is_available())

@@ -111,7 +111,7 @@ class Training:
 
 @dataclass(frozen=True)
 class Layout:
-    """Degrees, batch layout, schedule and the stages of a plan. World size = pp * dp * tp."""
+    """Degrees, batch layout, schedule and the stages of a plan. World size = pp * dp * cp * tp."""
 
     pp: int
     dp: int
@@ -131,6 +131,7 @@ class Layout:
     experts: dict[str, int] = field(default_factory=dict)  # MoE experts module -> number of experts
     tp_fused: dict[str, int] = field(default_factory=dict)  # colwise module -> equal chunks of its output (q, k, v)
     tp_transposed: tuple[str, ...] = ()  # TP modules whose weight is stored [in, out] (HF Conv1D)
+    cp: int = 1  # context parallelism: each sample's sequence sharded over cp ranks (mesh dimension "cp")
 
     def __post_init__(self) -> None:
         # Stages may come as plain lists/tuples from the plan's constants.
@@ -148,11 +149,22 @@ class Layout:
         fused = {n: chunks for k, chunks in self.tp_fused.items() for n in expand_names(k)}
         object.__setattr__(self, "tp_fused", fused)
         object.__setattr__(self, "tp_transposed", tuple(n for k in self.tp_transposed for n in expand_names(k)))
-        for name in ("pp", "dp", "tp", "virtual_stages", "micro_batch_size", "num_micro_batches", "ep"):
+        for name in ("pp", "dp", "tp", "virtual_stages", "micro_batch_size", "num_micro_batches", "ep", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name.upper()} must be a positive integer, got {value!r}. {_FIX}")
-        if sorted(self.mesh_dims) != ["dp", "pp", "tp"]:
+        if self.cp > 1:
+            if sorted(self.mesh_dims) != ["cp", "dp", "pp", "tp"]:
+                raise LayoutError(
+                    f"With CP ({self.cp}) MESH_DIMS must order 'pp', 'dp', 'cp' and 'tp', got {list(self.mesh_dims)}. "
+                    f"{_FIX}"
+                )
+            if self.ep > 1 or self.sp_enabled or (self.pp > 1 and self.schedule == "zero-bubble"):
+                raise LayoutError(
+                    f"CP ({self.cp}) runs without expert parallelism, sequence parallelism and the zero-bubble "
+                    f"schedule (the planner refuses each, with the reason). {_FIX}"
+                )
+        elif sorted(self.mesh_dims) != ["dp", "pp", "tp"]:
             raise LayoutError(f"MESH_DIMS must order 'pp', 'dp' and 'tp', got {list(self.mesh_dims)}. {_FIX}")
         if self.schedule not in SCHEDULES:
             raise LayoutError(f"Unknown schedule {self.schedule!r}: expected one of {', '.join(SCHEDULES)}. {_FIX}")
@@ -236,7 +248,11 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def num_stages(self) -> int:
@@ -261,7 +277,7 @@ class Layout:
 
     @property
     def sizes(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "cp": self.cp}
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -288,6 +304,7 @@ class Layout:
             "zero_stage": self.zero_stage,
             "sequence_parallel": self.sequence_parallel,
             "ep": self.ep,
+            **({"cp": self.cp} if self.cp > 1 else {}),
             "micro_batch_size": self.micro_batch_size,
             "num_micro_batches": self.num_micro_batches,
             "global_batch_size": self.samples_per_step,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .checkpoint import Checkpointer, fused_params, latest
+from .context import ContextParallel, ContextParallelLoss, shard_batch, stage_buffers
 from .data import Samples, SavedDataset, TokenFile, check_same_data, is_saved_dataset
 from .errors import RunError
 from .experts import ExpertParallel, shard_experts
@@ -96,7 +98,8 @@ def init_distributed(layout: Layout, device_arg: str, script: str) -> tuple[torc
         dist.init_process_group("gloo")
     if dist.get_world_size() != world:
         raise RunError(
-            f"This plan needs exactly {world} processes (pp {layout.pp} x dp {layout.dp} x tp {layout.tp}) but "
+            f"This plan needs exactly {world} processes (pp {layout.pp} x dp {layout.dp}"
+            f"{f' x cp {layout.cp}' if layout.cp_enabled else ''} x tp {layout.tp}) but "
             f"{dist.get_world_size()} were started. Use launch.sh or re-plan for this world size."
         )
     # Size-1 dimensions are kept: every rank then has the same three coordinates and groups, and a
@@ -295,7 +298,8 @@ def pipeline_step(
     losses: list[torch.Tensor] = []
     inputs = tuple(torch.cat([b[j] for b in batches]) for j in range(n_inputs)) if has_first else ()
     # The micro-batch numbers as the target, see MicroBatchLoss.
-    target = torch.arange(layout.num_micro_batches) if has_last else None
+    # (not torch.arange: context parallelism's positions take an arange of the sequence's length)
+    target = torch.tensor(list(range(layout.num_micro_batches))) if has_last else None
     loss.unscaled = {}
     schedule.step(*inputs, target=target, losses=losses if has_last else None, return_outputs=False)
     # the losses before fp16's scale (the schedule's are scaled; an overflowing step's would read inf)
@@ -457,8 +461,28 @@ def run(
                 f"EXPERTS names {len(layout.experts)} experts module(s), the model has {len(sharded)} of them. "
                 "Re-plan (planner plan ...)."
             )
+    # Context parallelism: the weights are replicated over the cp ranks, so they sync (and ZeRO shards them) over
+    # the dp x cp ranks, as torchtitan's dp_shard_cp; the loss is the whole sequence's (ContextParallelLoss).
+    replicas = mesh["dp", "cp"]._flatten("dp_cp") if layout.cp_enabled else mesh["dp"]
+    cp_rank = mesh["cp"].get_local_rank() if layout.cp_enabled else 0
+    context = None
+    if layout.cp_enabled:
+        cp_group = mesh["cp"].get_group()
+        own = getattr(user, spec.loss_fn) if spec.loss_fn else None
+        cp_loss = ContextParallelLoss(own, cp_group, layout.cp, cp_rank)
+        if cp_loss.custom is not None:
+            log0(f"context parallelism: {spec.loss_fn} is not the next-token loss; it gets the whole sequence's logits")
+        loss_fn = with_structure(cp_loss, traced[1][-1].out_spec) if traced is not None else cp_loss
+        seq = example[0].shape[1] if example and example[0].dim() == 2 else 0
+        context = ContextParallel(
+            cp_group, layout.cp, cp_rank, seq, device, stage_buffers(stages),
+            mesh["cp"] if device.type == "cuda" else None,
+        )
     for i, stage in zip(local, stages, strict=True):
-        parallelize(stage, mesh, layout, layout.stages[i].recompute, device, sp_styles, training.dtype, ep_mesh)
+        parallelize(
+            stage, mesh, layout, layout.stages[i].recompute, device, sp_styles, training.dtype, ep_mesh,
+            replicas if layout.cp_enabled else None,
+        )
     if weights is not None and at_build is None:
         load_sharded(model, weights, {n for n, _ in model.named_modules()})
     if ep_mesh is not None:
@@ -480,7 +504,8 @@ def run(
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
     how = "the model as written" if method == "module" else f"traced with {method}"
     log0(
-        f"{how}; {layout.num_stages} stage(s), pp {layout.pp} x dp {layout.dp} x tp {layout.tp}, "
+        f"{how}; {layout.num_stages} stage(s), pp {layout.pp} x dp {layout.dp}"
+        f"{f' x cp {layout.cp}' if layout.cp_enabled else ''} x tp {layout.tp}, "
         f"schedule {layout.schedule}, ZeRO {layout.zero_stage}; rank 0 holds {held:,} parameter values"
     )
 
@@ -494,7 +519,7 @@ def run(
         ]
         schedule = build_schedule(layout, pipeline, loss)
     has_first, has_last = 0 in local, layout.num_stages - 1 in local
-    reports = has_last and dp_rank == 0 and tp_rank == 0
+    reports = has_last and dp_rank == 0 and tp_rank == 0 and cp_rank == 0
     is_tokens = not example[0].is_floating_point()
     n = layout.num_micro_batches
     tokens_per_step = layout.dp * n * example[0].numel() if is_tokens else None
@@ -504,11 +529,12 @@ def run(
     def forward_backward(batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor | None:
         result: torch.Tensor | None
         scale_used[0] = loss_scale.scale
-        if schedule is None:
-            result = accumulate(stages[0], layout, batches, loss_fn, n_inputs, loss_scale.scale)
-        else:
-            loss.scale = loss_scale.scale
-            result = pipeline_step(schedule, layout, loss, batches, has_first, has_last, n_inputs)
+        with context.step() if context is not None else contextlib.nullcontext():
+            if schedule is None:
+                result = accumulate(stages[0], layout, batches, loss_fn, n_inputs, loss_scale.scale)
+            else:
+                loss.scale = loss_scale.scale
+                result = pipeline_step(schedule, layout, loss, batches, has_first, has_last, n_inputs)
         if tied is not None:
             tied.sum_gradients()
         loss_scale.unscale_(params)  # fp16: gradients back to their size, an overflow on any rank found
@@ -538,6 +564,8 @@ def run(
             )
             for i in range(n)
         ]
+        if layout.cp_enabled:  # this cp rank's share of each sequence, its labels, and the whole tokens (the loss)
+            batches = [shard_batch(b, layout.cp, cp_rank) for b in batches]
         step_loss, norm = train_step(Step(
             step, batches, stages, optimizers, schedulers, forward_backward, norm_of_gradients, training.grad_clip,
             loss_scale, params,
@@ -548,9 +576,10 @@ def run(
             raise RunError("train_step returned no loss on a rank that holds the last stage: return the loss that "
                            "step.forward_backward() gave (train.py's train_step).")
         if step_loss is not None:
-            # The step's loss is the mean over the global batch: average the replicas' means.
-            dist.all_reduce(step_loss, group=mesh["dp"].get_group())
-            step_loss = step_loss / layout.dp
+            # The step's loss is the mean over the global batch: average the replicas' means (and, with context
+            # parallelism, the cp ranks' shares of the sequence, ContextParallelLoss).
+            dist.all_reduce(step_loss, group=replicas.get_group())
+            step_loss = step_loss / (layout.dp * layout.cp)
         done = step + 1
         if args.checkpoint_every and done % args.checkpoint_every == 0 and done < args.steps:
             # Inside the step's time: what a save blocks the training for (an asynchronous one, its copy to CPU).
@@ -598,6 +627,7 @@ def run(
         "pp": pp_rank,
         "dp": dp_rank,
         "tp": tp_rank,
+        **({"cp": cp_rank} if layout.cp_enabled else {}),
         "stages": local,
         "peak_memory_bytes": peak_memory_bytes(device),
         # what the caching allocator held at its peak: allocated plus its fragmentation (CUDA only)

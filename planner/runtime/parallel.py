@@ -664,13 +664,15 @@ def parallelize(
     sp_styles: dict[str, ParallelStyle],
     dtype: str,
     ep_mesh: DeviceMesh | None = None,
+    dp_mesh: DeviceMesh | None = None,
 ) -> None:
     """TP, then activation checkpointing, then (compile: not used) FSDP/replicate, as in torchtitan; the
     expert-parallel slices (already cut, `experts.shard_experts`) get their own FSDP over `ep_mesh`'s
-    dp_replica dimension first."""
+    dp_replica dimension first. `dp_mesh`: the ranks the weights are replicated or sharded over (default: the dp
+    dimension; with context parallelism the flattened dp x cp one, torchtitan's `dp_shard_cp`)."""
     if layout.tp_enabled:
         apply_tp(stage, mesh["tp"], layout, sp_styles)
     if recompute != "none":
         apply_ac(stage, recompute, layout.schedule)
     replica = ep_mesh["dp_replica"] if ep_mesh is not None else None
-    apply_data_parallel(stage, mesh["dp"], device, layout, dtype, replica)
+    apply_data_parallel(stage, mesh["dp"] if dp_mesh is None else dp_mesh, device, layout, dtype, replica)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .context import recomputed
 from .stages import LocalStage
 
 # Ops of the attention core (QK^T, softmax, AV): what selective recomputation recomputes in backward
@@ -39,7 +40,7 @@ def checkpoint_in_place(unit: nn.Module, selective: bool) -> None:
     `embeddings.patch_embeddings`) or checking its type keeps working, and parameter names do not change.
     (torch's composable checkpoint does the same with hooks, but cannot recompute twice, as zero-bubble's
     split backward does.) FSDP's hooks stay outside the checkpointed region, as with a wrapper module."""
-    inner = unit.forward  # the class's forward, bound
+    inner = recomputed(unit.forward)  # the class's forward, bound (context parallelism's mode when recomputed)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if selective:

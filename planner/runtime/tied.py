@@ -28,14 +28,14 @@ def pp_subgroup(mesh: DeviceMesh, layout: Layout, pp_ranks: list[int]) -> dist.P
     pp rank is not among them). Every rank must call it, with the same arguments, in the same order."""
     if len(pp_ranks) == layout.pp:
         return mesh["pp"].get_group()
-    grid = mesh.mesh.permute(*[layout.mesh_dims.index(d) for d in ("pp", "dp", "tp")])  # [pp, dp, tp]
+    dims = ("pp", "dp", "cp", "tp") if "cp" in layout.mesh_dims else ("pp", "dp", "tp")
+    grid = mesh.mesh.permute(*[layout.mesh_dims.index(d) for d in dims]).reshape(layout.pp, -1)  # [pp, dp x (cp x) tp]
     me, mine = dist.get_rank(), None
-    for d in range(layout.dp):
-        for t in range(layout.tp):
-            members = [int(grid[r, d, t]) for r in pp_ranks]
-            group = dist.new_group(members)
-            if me in members:
-                mine = group
+    for column in range(grid.shape[1]):
+        members = [int(grid[r, column]) for r in pp_ranks]
+        group = dist.new_group(members)
+        if me in members:
+            mine = group
     return mine
 
 

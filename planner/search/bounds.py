@@ -110,7 +110,7 @@ def simple_bound(pb: PartitionProblem, tail: float | None = None) -> Bounds:
     work = max(work, zero3_gather_time(tot.sync, cand, cluster, dtype))
     # the stage times sum to `work`; the largest stage is at least the mean, and so is the largest rank
     pipe = pipeline_time(cand, work, work / S, work / p, fwd / S, 0.0)
-    states = model_state_bytes(params, model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp))
+    states = model_state_bytes(params, model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp_shard))
     min_inflight = _min_in_flight(cand.schedule, p, m, cand.virtual_stages)
     acts = min_inflight * tot.act
     memory = rank_peak_bytes(states / p, acts / p, options)
@@ -584,7 +584,7 @@ def _block_bound(pb: PartitionProblem, joint: bool = True) -> BlockBounds | None
     S, p, m, v = cand.stages, cand.pp, cand.num_micro_batches, cand.virtual_stages
     blk = costs[start]
     dtype = pb.dtype
-    state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
+    state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp_shard)
     per_param = model_state_bytes(1.0, state)
     budget = memory_budget(rank_capacity(cluster, cand), options)
     stages = _stages(pb, run)
@@ -605,7 +605,7 @@ def _block_bound(pb: PartitionProblem, joint: bool = True) -> BlockBounds | None
         step."""
         params = ext_params + blocks * blk.params_local
         synced = ext_sync + blocks * blk.sync_params
-        sync = a_sync * synced + n_stages * c_sync if cand.dp > 1 else 0.0 * params
+        sync = a_sync * synced + n_stages * c_sync if cand.dp_shard > 1 else 0.0 * params
         n_first = np.minimum(np.maximum(0, blocks - others_min), first_cap)
         window = sync_overlap_window(ext_window + n_first * blk_window, cand, options)
         out: FloatArray = np.maximum(0.0, sync - window) + opt_rate * params

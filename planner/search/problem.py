@@ -112,7 +112,7 @@ class Totals:
 def gather_coefficients(cand: Candidate, cluster: ClusterSpec, dtype: str) -> tuple[float, float] | None:
     """(g, c): a stage's ZeRO-3 weight gathers per micro-batch take g * params + c, the linear form of
     `planner.cost.terms.zero3_gather_time`; None without ZeRO-3 over more than one replica."""
-    if cand.zero_stage != 3 or cand.dp <= 1:
+    if cand.zero_stage != 3 or cand.dp_shard <= 1:
         return None
     return linear_form(lambda x: zero3_gather_time(x, cand, cluster, dtype))
 
@@ -149,7 +149,7 @@ class IntervalTables:
         gather = gc[0] * synced + gc[1] if gc is not None else np.zeros_like(params)
         mem_ok: dict[tuple[int, str], BoolArray] = {}
         if cand.virtual_stages == 1:
-            state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp)
+            state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp_shard)
             budget = memory_budget(rank_capacity(cluster, cand), options)
             largest = max(c.largest_param_bytes for c in costs)
             out_bytes = np.array([0.0] + [u.output_bytes for u in graph.units])  # [j]: unit j-1's output

@@ -146,7 +146,9 @@ class CostTable:
         """The units' costs under the candidate (one shared list per (tp, mbs, sp): do not modify it)."""
         key: tuple[object, ...] = (cand.tp, cand.micro_batch_size, cand.sequence_parallel)
         if cand.ep > 1 or self.frozen:
-            key += (cand.ep, cand.dp, cand.zero_stage)
+            key += (cand.ep, cand.dp_shard, cand.zero_stage)
+        if cand.cp > 1:  # context parallelism: each rank's share of the sequence (and its K/V exchange)
+            key += ("cp", cand.cp)
         if key in self._lists:
             return self._lists[key]
         out: list[UnitCost] = []
@@ -648,12 +650,15 @@ def _totals_key(c: Candidate, modes: tuple[str, ...]) -> tuple[object, ...]:
     key: tuple[object, ...] = (c.tp, c.micro_batch_size, c.sequence_parallel, modes)
     if c.ep > 1:
         key += (c.ep, c.dp, c.zero_stage)
+    if c.cp > 1:
+        key += ("cp", c.cp)
     return key
 
 
 def _key(c: Candidate) -> tuple[object, ...]:
     return (
-        c.pp, c.tp, c.virtual_stages, -c.micro_batch_size, c.schedule, c.zero_stage, c.sequence_parallel, c.dp, c.ep
+        c.pp, c.tp, c.virtual_stages, -c.micro_batch_size, c.schedule, c.zero_stage, c.sequence_parallel, c.dp, c.ep,
+        c.cp,
     )
 
 
@@ -666,6 +671,8 @@ def _region(c: Candidate) -> str:
         out += f"x{c.virtual_stages}"
     if c.ep > 1:
         out += f" ep={c.ep}"
+    if c.cp > 1:
+        out += f" cp={c.cp}"
     if c.pp > 1:
         out += f" {c.schedule}"
     return out + f" zero={c.zero_stage}"

@@ -62,6 +62,7 @@ class Pins:
     sequence_parallel: bool | None = None
     recompute: str | None = None
     ep: int | None = None
+    cp: int | None = None
 
 
 @dataclass
@@ -181,7 +182,7 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
     rej = space.rejected
     if pins.schedule is not None and pins.schedule not in SCHEDULE_NAMES:
         raise ConfigError(f"Unknown schedule {pins.schedule!r}; use one of {', '.join(SCHEDULE_NAMES)}.")
-    for name, val in (("tp", pins.tp), ("pp", pins.pp), ("dp", pins.dp)):
+    for name, val in (("tp", pins.tp), ("pp", pins.pp), ("dp", pins.dp), ("cp", pins.cp)):
         if val is not None and (val < 1 or world % val):
             raise ConfigError(
                 f"--{name} {val} does not divide the {world} GPUs ({cluster.nodes} nodes x {gpn}). "
@@ -191,10 +192,11 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
     prod = 1
     for v in pinned:
         prod *= v
-    if len(pinned) == 3 and prod != world:
+    if len(pinned) == 3 and prod * (pins.cp or 1) != world:
+        cp_text = f" x --cp {pins.cp}" if pins.cp is not None else ""
         raise ConfigError(
-            f"--dp {pins.dp} x --tp {pins.tp} x --pp {pins.pp} = {prod}, but the cluster has {world} GPUs. "
-            "Make the product equal the GPU count or leave one degree free."
+            f"--dp {pins.dp} x --tp {pins.tp} x --pp {pins.pp}{cp_text} = {prod * (pins.cp or 1)}, but the cluster has "
+            f"{world} GPUs. Make the product equal the GPU count or leave one degree free."
         )
     check_ep_pin(graph, pins)
     max_tp = tp_limit(graph)
@@ -217,10 +219,12 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
         if tp > 1 and max_tp % tp:
             rej[(f"tp={tp}", f"the model's heads/hidden sizes split only into divisors of {max_tp}")] += 1
             continue
-        for pp in divisors(world // tp):
+        for pp, cp in ((p, c) for p in divisors(world // tp) for c in divisors(world // (tp * p))):
             if pins.pp is not None and pp != pins.pp:
                 continue
-            dp = world // (tp * pp)
+            if not context_parallel_searched(graph, cp, tp, pp, pins, rej):
+                continue
+            dp = world // (tp * pp * cp)
             if pins.dp is not None and dp != pins.dp:
                 continue
             if pp > n_units:
@@ -278,10 +282,13 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                         if why:
                             rej[(f"{schedule} pp={pp} m={m}", why)] += 1
                             continue
-                        for zero in range(4) if dp > 1 else [0]:
+                        if cp > 1 and pp > 1 and schedule == "zero-bubble":
+                            rej[(f"cp={cp} zero-bubble", CP_ZB_REFUSAL)] += 1
+                            continue
+                        for zero in range(4) if dp * cp > 1 else [0]:
                             if pins.zero_stage is not None and zero != pins.zero_stage:
                                 continue
-                            if pins.zero_stage is None and zero == 0 and dp > 1:
+                            if pins.zero_stage is None and zero == 0 and dp * cp > 1:
                                 rej[
                                     (
                                         f"dp={dp} zero=0",
@@ -306,6 +313,9 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                 if sp and no_sp:
                                     rej[(f"tp={tp} with sp", no_sp)] += 1
                                     continue
+                                if sp and cp > 1:
+                                    rej[(f"cp={cp} with sp", CP_SP_REFUSAL)] += 1
+                                    continue
                                 # The generated script must be able to run what is costed (issue 10): refuse
                                 # what its tensor parallelism cannot shard in a traced stage, with the reason.
                                 if tp > 1 and runs_traced_graph(pp, tp, sp, head_counts) and traced_tp_refusal:
@@ -317,7 +327,7 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                     continue
                                 if (
                                     pins.sequence_parallel is None and tp > 1 and not sp and not traced_tp_refusal
-                                    and not meta_traced and not no_sp
+                                    and not meta_traced and not no_sp and cp == 1
                                 ):
                                     rej[
                                         (
@@ -327,8 +337,10 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                         )
                                     ] += 1
                                     continue
-                                for ep in ep_degrees(graph, dp, tp, pp, sp, pins, rej, schedule):
-                                    space.candidates.append(Candidate(dp, tp, pp, v, mbs, m, schedule, zero, sp, ep))
+                                for ep in ep_degrees(graph, dp, tp, pp, sp, pins, rej, schedule, cp):
+                                    space.candidates.append(
+                                        Candidate(dp, tp, pp, v, mbs, m, schedule, zero, sp, ep, cp)
+                                    )
                                 if len(space.candidates) > MAX_CANDIDATES:
                                     raise ConfigError(
                                         f"The search space holds more than {MAX_CANDIDATES} candidates (global "
@@ -398,7 +410,7 @@ EP_ZB_REFUSAL = (
 
 def ep_degrees(
     graph: ModelGraph, dp: int, tp: int, pp: int, sp: bool, pins: Pins, rej: Counter[tuple[str, str]],
-    schedule: str = "1f1b",
+    schedule: str = "1f1b", cp: int = 1,
 ) -> list[int]:
     """Expert-parallel degrees for one (dp, tp, pp, sp): divisors of dp that divide every MoE layer's
     expert count (each rank of an ep group holds whole experts), where the generated script can run them:
@@ -415,6 +427,9 @@ def ep_degrees(
             continue
         if ep > 1 and pp > 1 and schedule == "zero-bubble":
             rej[(f"ep={ep} zero-bubble", EP_ZB_REFUSAL)] += 1
+            continue
+        if ep > 1 and cp > 1:
+            rej[(f"ep={ep} cp={cp}", EP_CP_REFUSAL)] += 1
             continue
         out.append(ep)
     return out
@@ -464,3 +479,95 @@ def runtime_traced_tp_refusal(graph: ModelGraph) -> str | None:
     if graph.trace_method == "export":
         return "only torch.export could trace the model, which fixes every shape in a traced stage's graph"
     return None
+
+
+# --------------------------------------------------------------------------------------- context parallelism
+
+# The free search tries context parallelism (cp > 1) only on sequences at least this long; shorter ones take
+# it when pinned (--cp). Below it the K/V all-gather and GEMMs of s/cp tokens lose to more data parallelism,
+# and real runs keep cp for long contexts (Llama 3: cp 2 from 8K tokens, cp 16 at 128K; torchtitan's
+# long-context recipes). It also keeps the search of every shorter model exactly as it was.
+CP_MIN_SEQ = 8192
+
+# Why cp > 1 is refused under the zero-bubble schedule.
+CP_ZB_REFUSAL = (
+    "zero-bubble splits each backward into an input-gradient and a weight-gradient pass; the key/value "
+    "all-gather of context parallelism (a collective inside autograd) belongs to both, and torch's split backward "
+    "frees its saved tensors after the first; use 1f1b or interleaved-1f1b with cp"
+)
+
+# Why cp > 1 is refused with sequence parallelism.
+CP_SP_REFUSAL = (
+    "sequence parallelism splits the sequence over the tp ranks by rewriting the traced graph's sizes, which the "
+    "cp ranks have already divided; the generated script does not combine the two (torchtitan does, through "
+    "DTensor); use cp with tp without sequence parallelism, or sp without cp"
+)
+
+# Why ep > 1 is refused with cp > 1.
+EP_CP_REFUSAL = (
+    "the experts' gradients would sync over the dp/ep x cp ranks holding the same experts (torchtitan's "
+    "`dp_shard_mod_ep` with cp), which neither the cost terms nor the generated script model; use ep or cp"
+)
+
+
+def context_refusal(graph: ModelGraph, cp: int, tp: int, pp: int) -> str | None:
+    """Why the model's attention cannot run over a sequence sharded across cp ranks; None if it can.
+
+    The generated script shards each sample's tokens (and labels) over the cp ranks in torch's head-tail
+    load-balanced order (2 x cp chunks, rank r holding chunks r and 2cp-1-r) and all-gathers keys and values
+    inside every scaled_dot_product_attention call (`planner.runtime.context`). That needs: integer tokens
+    [batch, seq] as the one input, activations that carry that sequence, every attention through SDPA (a
+    hand-written softmax(q k^T) would see only the rank's keys), the sequence divisible by 2 x cp, and shapes
+    taken from the tensors at run time where a traced graph runs (pp > 1: a graph traced with meta values or by
+    torch.export fixes them).
+    """
+    shapes = graph.sample_input_shapes
+    seq = shapes[0][1] if shapes and len(shapes[0]) == 2 else 0
+    if len(shapes) != 1 or not seq or graph.tokens_per_sample is None or not graph.has_sequence:
+        return (
+            "context parallelism shards a sequence of integer tokens: the model must take one [batch, seq] token "
+            f"tensor whose seq its activations carry (it takes {shapes})"
+        )
+    if not any(u.uses_flash_attention for u in graph.units):
+        return (
+            "the model's attention does not call torch.nn.functional.scaled_dot_product_attention, where context "
+            "parallelism gathers the other ranks' keys and values; a hand-written attention would see only its own"
+        )
+    masked = next((u.name for u in graph.units if u.sdpa_masked), None)
+    if masked:
+        return (
+            f"{masked} passes an attn_mask to scaled_dot_product_attention: a mask over the whole sequence's pairs, "
+            "which context parallelism cannot shard (only is_causal or no mask); build the model's attention with "
+            "is_causal=True"
+        )
+    if seq % (2 * cp):
+        return (
+            f"the sequence ({seq}) must split into 2 x cp = {2 * cp} equal chunks (torch's load-balanced causal "
+            "context parallelism gives each rank one chunk from each end)"
+        )
+    if pp > 1 and graph.trace_method != "fx":
+        return (
+            f"a pipeline runs the graph traced by {graph.trace_method}, which fixes the sequence length in its "
+            "shapes; each cp rank runs a shorter one"
+        )
+    return None
+
+
+def context_parallel_searched(
+    graph: ModelGraph, cp: int, tp: int, pp: int, pins: Pins, rej: Counter[tuple[str, str]]
+) -> bool:
+    """Whether the search takes context-parallel degree `cp` with (tp, pp): cp = 1 always where not pinned
+    otherwise; cp > 1 where pinned, or in the free search on sequences of `CP_MIN_SEQ` tokens or more, unless
+    `context_refusal` says why not (counted as a rejection)."""
+    if pins.cp is not None:
+        if cp != pins.cp:
+            return False
+    elif cp > 1 and (graph.tokens_per_sample or 0) < CP_MIN_SEQ:
+        return False
+    if cp == 1:
+        return True
+    why = context_refusal(graph, cp, tp, pp)
+    if why:
+        rej[(f"cp={cp}", why)] += 1
+        return False
+    return True

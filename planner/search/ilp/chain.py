@@ -94,8 +94,8 @@ def solve_chain(
     a_step, c_step = linear_form(lambda x: optimizer_step_time(x, cand, cluster, dtype))
     a_win, c_win = linear_form(lambda b: sync_overlap_window(b, cand, options))
     a_gat, c_gat = linear_form(lambda x: zero3_gather_time(x, cand, cluster, dtype))
-    sync = _on_floats(a_sync, c_sync, synced) if cand.dp > 1 else np.zeros_like(params)
-    gather = _on_floats(a_gat, c_gat, synced) if cand.zero_stage == 3 and cand.dp > 1 else np.zeros_like(params)
+    sync = _on_floats(a_sync, c_sync, synced) if cand.dp_shard > 1 else np.zeros_like(params)
+    gather = _on_floats(a_gat, c_gat, synced) if cand.zero_stage == 3 and cand.dp_shard > 1 else np.zeros_like(params)
     step = np.where(params > 0, a_step * params + c_step, 0.0)
     T: dict[str, FloatArray] = {}
     tau: dict[str, FloatArray] = {}

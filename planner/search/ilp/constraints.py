@@ -64,7 +64,7 @@ def add_stage_maxima(prob: pulp.LpProblem, ex: StageExprs, pb: PartitionProblem)
     """T_s >= tot_s, T_s >= gather_s (ZeRO-3), Z >= T_s, and the aggregate cut S Z >= sum_s T_s."""
     cand, cluster, dtype = pb.cand, pb.cluster, pb.dtype
     S = cand.stages
-    has_gather = cand.zero_stage == 3 and cand.dp > 1
+    has_gather = cand.zero_stage == 3 and cand.dp_shard > 1
     T = [pulp.LpVariable(f"T_{s}", lowBound=0) for s in range(S)]
     for s in range(S):
         prob += T[s] >= ex.tot[s]
@@ -181,7 +181,7 @@ def add_memory(prob: pulp.LpProblem, ex: StageExprs, pb: PartitionProblem) -> No
     candidate's process groups (`terms.comm_reserve_bytes`) <= capacity, with act the stage's activations (one
     stage per rank) or A_r >= act_s of each of the rank's stages (several)."""
     cand, cluster, options, ranks, costs = pb.cand, pb.cluster, pb.options, pb.ranks, pb.costs
-    state = model_state_bytes_per_param(pb.dtype, cand.zero_stage, cand.dp)
+    state = model_state_bytes_per_param(pb.dtype, cand.zero_stage, cand.dp_shard)
     S = cand.stages
     largest = max(c.largest_param_bytes for c in costs)
     cap = cluster.gpu.memory_bytes

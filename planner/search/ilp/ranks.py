@@ -210,17 +210,17 @@ class _Search:
         self.params = _span([c.params_local for c in costs])
         synced = _span([c.sync_params for c in costs])
         a_sync, c_sync = linear_form(lambda x: dp_sync_time(x, cand, cluster, dtype))
-        self.c_sync_low = min(0.0, c_sync) if cand.dp > 1 else 0.0
+        self.c_sync_low = min(0.0, c_sync) if cand.dp_shard > 1 else 0.0
         self.a_step, self.c_step = linear_form(lambda x: optimizer_step_time(x, cand, cluster, dtype))
         self.step_low = min(0.0, self.c_step)  # a_step P + step_low <= the step of any P >= 0 parameters
         a_win, c_win = linear_form(lambda b: sync_overlap_window(b, cand, options))
         self.a_win_up, self.c_win_up = max(0.0, a_win), max(0.0, c_win)  # a window is at most a_win_up b + c_win_up
         a_gat, c_gat = linear_form(lambda x: zero3_gather_time(x, cand, cluster, dtype))
-        self.sync = _on_floats(a_sync, c_sync, synced) if cand.dp > 1 else np.zeros_like(self.params)
-        self.gathers = cand.zero_stage == 3 and cand.dp > 1
+        self.sync = _on_floats(a_sync, c_sync, synced) if cand.dp_shard > 1 else np.zeros_like(self.params)
+        self.gathers = cand.zero_stage == 3 and cand.dp_shard > 1
         gather = _on_floats(a_gat, c_gat, synced) if self.gathers else 0.0 * self.params
         self.sums: list[tuple[FloatArray, float] | None] = [None] * len(modes)
-        self.states = model_state_bytes(self.params, model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp))
+        self.states = model_state_bytes(self.params, model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp_shard))
         self.budget = memory_budget(rank_capacity(cluster, cand), options)
         largest = max(c.largest_param_bytes for c in costs)
         out_bytes = np.array([0.0] + [float(u.output_bytes) for u in graph.units])  # [j]: unit j-1's output
@@ -240,14 +240,14 @@ class _Search:
         self.work_left: list[FloatArray] = []
         self.params_left = np.where(valid, self.params, 0.0)[:, U]
         # the syncs (without their latency) and optimizer steps of units j..U-1, linear in their parameters
-        sync_rate = a_sync if cand.dp > 1 else 0.0
+        sync_rate = a_sync if cand.dp_shard > 1 else 0.0
         self.tail_left = sync_rate * np.where(valid, synced, 0.0)[:, U] + self.a_step * self.params_left
         self.bwd_left: list[FloatArray] = []
         self.future_first = [[x for x in range(p) if self.first[x] > s] for s in range(S)]
         self.placed_first = [[x for x in range(p) if self.first[x] <= s] for s in range(S)]
         self.rank_stages = np.array([[st for st in range(S) if self.ranks[st] == r] for r in range(p)])
         self.placed_before = [np.array([self.first[x] < s for x in range(p)]) for s in range(S)]
-        self.has_sync = cand.dp > 1  # without data parallelism a rank's tail is its optimizer step
+        self.has_sync = cand.dp_shard > 1  # without data parallelism a rank's tail is its optimizer step
         no_send = np.zeros(U + 1)
         for q in modes:
             T = np.where(valid, np.maximum(tables.t[q], gather), INF)
