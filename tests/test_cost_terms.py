@@ -173,3 +173,19 @@ def test_nccl_reserve_agrees_both_ways_and_counts_the_groups_of_more_than_one_ra
     # --memory-reserve is the whole reserve: no NCCL share on top of it
     fixed = spec.with_memory_reserve(1.0).within_reserve()
     assert terms.rank_capacity(fixed, c) == fixed.gpu.memory_bytes
+
+
+@pytest.mark.parametrize("tp, rails", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_dp_ring_across_nodes_runs_on_one_rail_per_gpu_of_its_group_in_the_node(tp, rails):
+    """A data-parallel group spanning nodes holds 8/tp of its ranks on each node, each with its own NIC: NCCL's
+    rings cross nodes on all of them, so the ring's bandwidth is that many NICs' (up to NVLink); inside a node,
+    NVLink's."""
+    cl = CLUSTERS["h100-sxm-80gb"]
+    topo, eff = cl.topology, cl.gpu.efficiency.network
+    c = Candidate(dp=32 // tp, tp=tp, pp=1, virtual_stages=1, micro_batch_size=1, num_micro_batches=1,
+                  schedule="1f1b", zero_stage=3, sequence_parallel=False)
+    bw, lat = terms.dp_link(c, cl)
+    assert bw == pytest.approx(min(topo.intra_node_bandwidth, rails * topo.inter_node_bandwidth) * eff)
+    assert lat == topo.inter_node_latency
+    inside = dataclasses.replace(c, dp=8 // tp)
+    assert terms.dp_link(inside, cl) == (topo.intra_node_bandwidth * eff, topo.intra_node_latency)

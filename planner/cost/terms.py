@@ -78,8 +78,22 @@ def p2p_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
 
 
 def dp_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
-    """(bandwidth, latency) of the data-parallel group's ring."""
-    return _link(cluster, crosses_nodes(cand, cluster)[0])
+    """(bandwidth, latency) of the data-parallel group's ring.
+
+    A group that spans nodes holds k = gpus per node / tp of its ranks on each node, each with its own NIC
+    (one rail per GPU). NCCL runs one ring per channel and sends each channel's node-crossing hop through a
+    different NIC, so the k rails carry the ring in parallel and its bus bandwidth is k times one NIC's, up
+    to the NVLink bandwidth inside the node (NCCL's rail-local rings; nccl-tests' multi-node all-reduce bus
+    bandwidth on DGX A100, about 8 x 25 GB/s x 0.9, is the known case). With tp = gpus per node (k = 1) it
+    is one NIC's, as before.
+    """
+    inter = crosses_nodes(cand, cluster)[0]
+    bw, lat = _link(cluster, inter)
+    g = cluster.gpus_per_node
+    if inter and cand.tp <= g and g % cand.tp == 0:
+        rails = g // cand.tp
+        bw = min(cluster.topology.intra_node_bandwidth * cluster.gpu.efficiency.network, rails * bw)
+    return bw, lat
 
 
 # ----------------------------------------------------------------------------------------- time terms
