@@ -182,6 +182,7 @@ def _parallel(ev: Evaluated, global_batch: int) -> ParallelConfig:
         zero_stage=c.zero_stage,
         sequence_parallel=c.sequence_parallel,
         ep=c.ep,
+        tp_overlap=c.tp_overlap,
     )
 
 

@@ -10,7 +10,15 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from planner.errors import PlanError
 from planner.model.graph import ModelSource
@@ -55,6 +63,19 @@ class ParallelConfig(_Model):
     sequence_parallel: bool = False
     ep: int = Field(1, ge=1, description="expert parallelism: each MoE layer's experts sharded over ep dp ranks")
     mesh_dims: list[str] = Field(default_factory=lambda: ["pp", "dp", "tp"], description="outer to inner")
+    tp_overlap: bool = Field(
+        False, description="torch's async TP: sequence parallelism's collectives overlapped with the matmuls "
+        "(torch.compile, CUDA symmetric memory)"
+    )
+
+    @model_serializer(mode="wrap")
+    def _without_defaults_added_later(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Fields added after plan.json's layout settled are written only when set, so earlier plans' files
+        (and their digests) stay byte-identical."""
+        out: dict[str, Any] = handler(self)
+        if not self.tp_overlap:
+            out.pop("tp_overlap", None)
+        return out
 
     @model_validator(mode="after")
     def _consistent(self) -> ParallelConfig:
@@ -71,6 +92,8 @@ class ParallelConfig(_Model):
             raise ValueError(f"schedule {self.schedule} takes one stage per rank (virtual_stages=1)")
         if self.schedule == "zero-bubble" and self.virtual_stages != 2:
             raise ValueError("zero-bubble (ZBV) places two stages per rank in a V: virtual_stages must be 2")
+        if self.tp_overlap and not (self.tp > 1 and self.sequence_parallel):
+            raise ValueError("tp_overlap (async TP) needs tp > 1 with sequence_parallel")
         return self
 
     @property

@@ -178,6 +178,7 @@ def _constants(plan: Plan, layout_digest: str | None = None, model_path: str | N
         "LAYOUT_FILE": None if layout_digest is None else LAYOUT_FILE,
         "LAYOUT_DIGEST": layout_digest,
         "EP": p.ep,
+        "ASYNC_TP": p.tp_overlap,
         "EXPERTS": compress_mapping(dict(plan.experts)),
         "TP_FUSED": compress_mapping(dict(plan.tp_fused)),
         "TP_TRANSPOSED": compress_names(list(plan.tp_transposed)),
@@ -222,7 +223,7 @@ def runtime_objects(plan: Plan) -> tuple[Layout, ModelFile, Training]:
         ),
         tp_plan=dict(plan.tp_plan), tp_head_attrs={k: tuple(v) for k, v in plan.tp_head_attrs.items()},
         ep=p.ep, experts=dict(plan.experts),
-        tp_fused=dict(plan.tp_fused), tp_transposed=tuple(plan.tp_transposed),
+        tp_fused=dict(plan.tp_fused), tp_transposed=tuple(plan.tp_transposed), async_tp=p.tp_overlap,
     )
     return layout, model_file(m), Training(seed=t.seed, lr=float(t.lr), steps=t.steps, dtype=t.dtype)
 

@@ -19,13 +19,16 @@ class Candidate:
     zero_stage: int
     sequence_parallel: bool
     ep: int = 1  # expert parallelism: each MoE layer's experts sharded over ep of the dp ranks (ep divides dp)
+    # torch's async TP (sequence parallelism's all-gather -> matmul and matmul -> reduce-scatter decomposed and
+    # overlapped under torch.compile, CUDA symmetric memory); `model.async_tp_exposed`
+    tp_overlap: bool = False
 
     @property
     def stages(self) -> int:
         return self.pp * self.virtual_stages
 
     def label(self) -> str:
-        sp = "+sp" if self.sequence_parallel else ""
+        sp = ("+sp" if self.sequence_parallel else "") + ("+async" if self.tp_overlap else "")
         ep = f" ep{self.ep}" if self.ep > 1 else ""
         return (
             f"dp{self.dp}{ep} tp{self.tp}{sp} pp{self.pp}"

@@ -208,6 +208,27 @@ def zero3_gather_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dty
     return 2.0 * coll.allgather_time(weight_bytes_per_param(dtype) * params, cand.dp, bw, lat)
 
 
+def zero3_unit_exposed_time(
+    sync_params: float, held_params: float, compute: float, cand: Candidate, cluster: ClusterSpec, dtype: str
+) -> float:
+    """What one unit's ZeRO-3 (FSDP2) weight gather adds to its forward or backward of `compute` seconds.
+
+    FSDP2 prefetches one unit ahead on its own stream (Zhao et al. 2023, sec. 3.3; torch's fully_shard
+    implicit prefetching), so a unit's all-gather hides behind the unit before it: what is left is the gather's
+    excess over that compute (identical blocks: the unit's own), max(0, gather - compute). Its copy-out (the
+    all-gather buffer split into the unsharded parameters) runs on the compute stream: one read and one write
+    of the unit's `held_params` weights, memory-bound. 0 without ZeRO-3 over more than one replica. Not affine
+    (a maximum): it enters the unit costs, which every evaluation takes as given.
+    """
+    if cand.dp <= 1 or cand.zero_stage != 3:
+        return 0.0
+    gather = 0.5 * float(zero3_gather_time(sync_params, cand, cluster, dtype))  # one of the forward / backward pair
+    copy_out = 2.0 * weight_bytes_per_param(dtype) * held_params / (
+        cluster.gpu.memory_bandwidth * cluster.gpu.efficiency.memory
+    )
+    return max(0.0, gather - compute) + copy_out
+
+
 def optimizer_step_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dtype: str) -> Affine:
     """Adam step of `params` local parameters: a memory-bound pass over master weights, gradients and
     moments (`optimizer_step_bytes_per_param`), sharded across dp from ZeRO-1 on."""

@@ -35,6 +35,9 @@ def settings(plan: Plan) -> dict[str, Any]:
         "parallelism.pipeline_parallel_degree": p.pp,
         "parallelism.expert_parallel_degree": p.ep,
     }
+    if p.tp_overlap:  # torchtitan's async TP requires the model compiled
+        out["parallelism.enable_async_tensor_parallel"] = True
+        out["compile.enable"] = True
     if p.pp > 1:
         out["parallelism.pipeline_parallel_schedule"] = SCHEDULES[p.schedule]
         out["parallelism.module_fqns_per_model_part"] = stage_modules(plan)
