@@ -16,8 +16,8 @@ efficiencies per GPU, the spec's, each fitted on its GPU's calibration sources o
 `splits`: A100 on SC21 Table 1 here, H100 on the Megatron-LM README rows by bench/fit_published.py); the
 error distribution is printed for the validation rows apart from the fit rows, per GPU. Rows that use
 something the planner does not model (FP8, torch.compile) are flagged and left out of the distribution.
-Rows that overlap TP communication behind the GEMMs (tp_comm_overlap) are compared without the plan's
-predicted TP communication.
+Rows that overlap TP communication with the GEMMs (tp_comm_overlap) are planned with async TP pinned
+(Candidate.tp_overlap), whose exposed part the cost model counts.
 
 Throughput. For every GPT row of Narayanan et al., SC21, "Efficient Large-Scale Language Model Training on
 GPU Clusters Using Megatron-LM", Table 1 (weak scaling on DGX A100 80GB), the planner plans the sample GPT
@@ -568,7 +568,7 @@ def print_published(results: list[RunResult], runs: PublishedRuns) -> None:
         "time predicted vs published (published tokens/s or TFLOP/s converted with the batch and the publisher's\n"
         "FLOP formula). role: fit = its GPU's efficiencies were fitted on it; val = nothing was fitted on it.\n"
         "'!' marks runs using features the planner does not model (left out of the distributions); '~' runs that\n"
-        "overlap TP communication behind the GEMMs, compared without the plan's predicted TP communication.\n"
+        "overlap TP communication with the GEMMs, planned with async TP (its exposed part costed).\n"
     )
     head = (
         f"{'run':<36} {'role':<4} {'gpu':<15} {'GPUs':>5} {'t':>2} {'p':>3} {'dp':>4} {'v':>2} {'mbs':>3} "

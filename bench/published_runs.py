@@ -106,8 +106,8 @@ class Run(_Strict):
     memory: PublishedMemory | None = Field(None, description="published memory per GPU, where there is one")
     unsupported: str | None = Field(None, description="what the run used that the planner does not model")
     tp_comm_overlap: bool = Field(
-        False, description="TP communication hidden behind the GEMMs (Megatron --tp-comm-overlap): the prediction "
-        "it is compared with leaves out the plan's predicted TP communication (the overlap's best case)"
+        False, description="TP communication overlapped with the GEMMs (Megatron --tp-comm-overlap, torchtitan's "
+        "AsyncTP): planned with the planner's async TP pinned (Candidate.tp_overlap, its exposed part costed)"
     )
     assumed: list[str] = Field(default_factory=list, description="unpublished fields and how they were set")
 
@@ -179,6 +179,8 @@ class Run(_Strict):
             "sequence_parallel": lay.sp,
             "zero_stage": lay.zero,
         }
+        if lay.tp > 1 and lay.sp:  # pinned either way: the search would turn async TP on where it runs
+            pins["tp_overlap"] = self.tp_comm_overlap
         if lay.cp > 1:
             if not planner_has_cp():
                 raise NotExpressible(
@@ -297,10 +299,9 @@ def plan_run(
 
 
 def predicted_iteration_s(run: Run, plan: Plan) -> float:
-    """The plan's iteration time as comparable with the run's: without the TP communication a run that
-    overlaps it behind the GEMMs (tp_comm_overlap) does not wait for, since the cost model exposes it all."""
-    pred = plan.predicted
-    return pred.iteration_time_s - (pred.comm.tensor_parallel_s if run.tp_comm_overlap else 0.0)
+    """The plan's iteration time (a run that overlaps TP communication is planned with async TP, whose exposed
+    part the cost model counts)."""
+    return plan.predicted.iteration_time_s
 
 
 def rank0_memory_gib(plan: Plan) -> tuple[float, float]:
