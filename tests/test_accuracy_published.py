@@ -206,3 +206,15 @@ def test_memory_per_gpu_within_10_percent_of_korthikanti_figure_1(run_id):
     states, acts = rank0_memory_gib(plan_run(run)[0])
     assert states == pytest.approx(run.memory.states_gib, rel=0.10)
     assert acts == pytest.approx(run.memory.activations_gib, rel=0.10)
+
+
+def test_small_scale_fsdp_scales_flat_as_published():
+    """llm-foundry's MPT-13B on 8-64 H100 (FSDP, ZeRO-3, 2 nodes and more): the published iteration time is flat
+    with the GPU count (0.851-0.859 s). The predictions are flat too (within 3%) once the data-parallel ring
+    crosses nodes on all of a node's NICs (`terms.dp_link`); on one NIC they doubled from 16 GPUs on."""
+    ids = ["mpt-h100-13b-8", "mpt-h100-13b-16", "mpt-h100-13b-32", "mpt-h100-13b-64"]
+    runs = {r.id: r for r in RUNS.runs}
+    published = [runs[i].published_iteration_s for i in ids]
+    assert max(published) / min(published) < 1.01
+    predicted = [plan_run(runs[i], _GRAPHS)[0].predicted.iteration_time_s for i in ids]
+    assert max(predicted) / min(predicted) < 1.03
