@@ -26,7 +26,14 @@ import time
 from published_runs import Run, load_runs, plan_run, predicted_iteration_s, run_cluster
 
 from planner.hardware.spec import Efficiencies
-from planner.measure.refit import FITTED, Fit, Term, affine_in_inverse_efficiency, fit_efficiencies
+from planner.measure.refit import (
+    FITTED,
+    PHYSICAL_MAX,
+    Fit,
+    Term,
+    affine_in_inverse_efficiency,
+    fit_efficiencies,
+)
 
 MAX_ROUNDS = 8
 TOLERANCE = 0.002  # stop when no efficiency moves by more than this (absolute)
@@ -48,7 +55,7 @@ def fit_rows(
             Term(run.id, "iteration", run.published_iteration_s, 1, const, coef)
             for run, (const, coef) in zip(rows, affine, strict=True)
         ]
-        fit = fit_efficiencies(eff, terms, hold=hold)
+        fit = fit_efficiencies(eff, terms, hold=hold, upper=PHYSICAL_MAX)
         moved = max(abs(getattr(fit.efficiency, k) - getattr(eff, k)) for k in FITTED)
         log(
             f"round {round_}: "
@@ -93,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     errs.sort()
     print(f"calibration rows: median |err| {100 * errs[len(errs) // 2]:.1f}%, max {100 * errs[-1]:.1f}% "
           f"({time.perf_counter() - t0:.0f} s)")
+    if fit.at_bound:
+        print(f"\nAT A BOUND (absorbing other terms' error; hold them with --hold or fix the cost model): "
+              f"{', '.join(fit.at_bound)}")
     print("\nefficiency block (bench/fit_published.py):")
     for k in ("matmul", "gemm_half_dim", "attention", "memory", "network"):
         why = f"fitted on {len(rows)} rows" if k in fit.fitted else f"kept: {fit.kept.get(k, 'held fixed')}"

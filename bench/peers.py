@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass
 
 from accuracy import percentile
-from published_runs import Run, load_runs, plan_run, predicted_iteration_s, run_cluster
+from published_runs import NotExpressible, Run, load_runs, plan_run, predicted_iteration_s, run_cluster
 
 from planner.errors import InfeasibleError
 
@@ -135,8 +135,11 @@ def calculon_iteration_s(run: Run, checkout: str | None) -> tuple[float | None, 
         return None, f"no Calculon system file for {run.gpu}"
     if checkout not in sys.path:
         sys.path.insert(0, checkout)
-    import calculon  # type: ignore[import-not-found]
-    from calculon.llm import Llm  # type: ignore[import-not-found]
+    try:
+        import calculon  # type: ignore[import-not-found]
+        from calculon.llm import Llm  # type: ignore[import-not-found]
+    except ImportError as e:  # its own dependencies (pandas, ...)
+        return None, f"Calculon cannot be imported ({e.name} missing)"
 
     app = Llm.Application(
         {
@@ -192,6 +195,8 @@ def calculon_iteration_s(run: Run, checkout: str | None) -> tuple[float | None, 
 def planner_iteration_s(run: Run, graphs: dict) -> tuple[float | None, str]:
     try:
         plan, _ = plan_run(run, graphs)
+    except NotExpressible as e:
+        return None, str(e)
     except InfeasibleError as e:
         return None, "refused: " + str(e).split(". ")[0]
     return predicted_iteration_s(run, plan), ""

@@ -51,6 +51,7 @@ class ModelConfig(_Strict):
 
 class Layout(_Strict):
     tp: PositiveInt
+    cp: PositiveInt = Field(1, description="context parallelism: the sequence sharded over cp ranks (ring attention)")
     pp: PositiveInt
     v: PositiveInt = 1
     mbs: PositiveInt
@@ -68,7 +69,7 @@ class Layout(_Strict):
 class Published(_Strict):
     metric: Literal["iteration_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu"]
     value: float = Field(gt=0)
-    flops: Literal["megatron-hardware", "megatron-model"] | None = Field(
+    flops: Literal["megatron-hardware", "megatron-model", "model-6nd"] | None = Field(
         None, description="the publisher's FLOP count behind a tflops_per_gpu figure"
     )
 
@@ -105,16 +106,16 @@ class Run(_Strict):
     memory: PublishedMemory | None = Field(None, description="published memory per GPU, where there is one")
     unsupported: str | None = Field(None, description="what the run used that the planner does not model")
     tp_comm_overlap: bool = Field(
-        False, description="TP communication hidden behind the GEMMs (Megatron --tp-comm-overlap): the prediction "
-        "it is compared with leaves out the plan's predicted TP communication (the overlap's best case)"
+        False, description="TP communication overlapped with the GEMMs (Megatron --tp-comm-overlap, torchtitan's "
+        "AsyncTP): planned with the planner's async TP pinned (Candidate.tp_overlap, its exposed part costed)"
     )
     assumed: list[str] = Field(default_factory=list, description="unpublished fields and how they were set")
 
     @model_validator(mode="after")
     def _consistent(self) -> Run:
         lay = self.layout
-        if self.gpus % (lay.tp * lay.pp):
-            raise ValueError(f"{self.id}: {self.gpus} GPUs are not a multiple of tp*pp = {lay.tp * lay.pp}")
+        if self.gpus % (lay.tp * lay.cp * lay.pp):
+            raise ValueError(f"{self.id}: {self.gpus} GPUs are not a multiple of tp*cp*pp = {lay.tp * lay.cp * lay.pp}")
         if lay.global_batch % (self.dp * lay.mbs):
             raise ValueError(f"{self.id}: global batch {lay.global_batch} is not a multiple of dp*mbs")
         if self.model == "gpt" and self.config.kv_heads is not None:
@@ -123,16 +124,23 @@ class Run(_Strict):
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.layout.tp * self.layout.pp)
+        return self.gpus // (self.layout.tp * self.layout.cp * self.layout.pp)
 
     @property
     def tokens_per_iteration(self) -> int:
         return self.layout.global_batch * self.config.seq
 
     def publisher_flops(self) -> float:
-        """FLOPs per iteration as the publisher counts them (Narayanan et al. SC21 eq. 3 and its 72 form)."""
+        """FLOPs per iteration as the publisher counts them (Narayanan et al. SC21 eq. 3 and its 72 form; model-6nd:
+        6 N per token, N the blocks' weights and the output layer (Kaplan et al. 2020), plus 12 l s h per token for
+        attention's two matmuls, the same attention term as the 72 form's s/6h)."""
         c = self.config
         b, s, n, h, v = self.layout.global_batch, c.seq, c.layers, c.hidden, c.vocab
+        if self.published.flops == "model-6nd":
+            kv = (c.kv_heads or c.heads) * (h // c.heads)
+            mlp = (3 if self.model == "llama" else 2) * h * (c.ffn or 4 * h)
+            weights = n * (2 * h * h + 2 * h * kv + mlp) + v * h
+            return b * s * (6 * weights + 12 * n * s * h)
         if self.published.flops == "megatron-hardware":
             return 96 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
         return 72 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
@@ -171,6 +179,14 @@ class Run(_Strict):
             "sequence_parallel": lay.sp,
             "zero_stage": lay.zero,
         }
+        if lay.tp > 1 and lay.sp:  # pinned either way: the search would turn async TP on where it runs
+            pins["tp_overlap"] = self.tp_comm_overlap
+        if lay.cp > 1:
+            if not planner_has_cp():
+                raise NotExpressible(
+                    f"context parallelism (cp {lay.cp}): not expressible yet (no cp degree in the planner)"
+                )
+            pins["cp"] = lay.cp
         return PlanRequest(
             model_path=str(MODELS[self.model]),
             model_args=self.model_args_full(),
@@ -181,6 +197,17 @@ class Run(_Strict):
             top_k=0,
             overlap_dp_comm=lay.overlap_dp_comm,
         )
+
+
+class NotExpressible(Exception):
+    """A run's layout uses something the planner cannot express yet (the reason is the message)."""
+
+
+def planner_has_cp() -> bool:
+    """Whether this planner searches context parallelism (a `cp` degree on Candidate)."""
+    from planner.cost.candidate import Candidate
+
+    return "cp" in Candidate.__dataclass_fields__
 
 
 class Split(_Strict):
@@ -272,10 +299,9 @@ def plan_run(
 
 
 def predicted_iteration_s(run: Run, plan: Plan) -> float:
-    """The plan's iteration time as comparable with the run's: without the TP communication a run that
-    overlaps it behind the GEMMs (tp_comm_overlap) does not wait for, since the cost model exposes it all."""
-    pred = plan.predicted
-    return pred.iteration_time_s - (pred.comm.tensor_parallel_s if run.tp_comm_overlap else 0.0)
+    """The plan's iteration time (a run that overlaps TP communication is planned with async TP, whose exposed
+    part the cost model counts)."""
+    return plan.predicted.iteration_time_s
 
 
 def rank0_memory_gib(plan: Plan) -> tuple[float, float]:

@@ -197,6 +197,7 @@ def _parallel(ev: Evaluated, global_batch: int) -> ParallelConfig:
         ep=c.ep,
         cp=c.cp,
         mesh_dims=["pp", "dp", "cp", "tp"] if c.cp > 1 else ["pp", "dp", "tp"],
+        tp_overlap=c.tp_overlap,
     )
 
 

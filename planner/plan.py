@@ -72,6 +72,19 @@ class ParallelConfig(_Model):
         "(world = dp x cp x tp x pp; gradients averaged over dp x cp); written only where > 1",
     )
     mesh_dims: list[str] = Field(default_factory=lambda: ["pp", "dp", "tp"], description="outer to inner")
+    tp_overlap: bool = Field(
+        False, description="torch's async TP: sequence parallelism's collectives overlapped with the matmuls "
+        "(torch.compile, CUDA symmetric memory)"
+    )
+
+    @model_serializer(mode="wrap")
+    def _without_defaults_added_later(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Fields added after plan.json's layout settled are written only when set, so earlier plans' files
+        (and their digests) stay byte-identical."""
+        out: dict[str, Any] = handler(self)
+        if not self.tp_overlap:
+            out.pop("tp_overlap", None)
+        return out
 
     @model_validator(mode="after")
     def _consistent(self) -> ParallelConfig:
@@ -90,6 +103,8 @@ class ParallelConfig(_Model):
             raise ValueError(f"schedule {self.schedule} takes one stage per rank (virtual_stages=1)")
         if self.schedule == "zero-bubble" and self.virtual_stages != 2:
             raise ValueError("zero-bubble (ZBV) places two stages per rank in a V: virtual_stages must be 2")
+        if self.tp_overlap and not (self.tp > 1 and self.sequence_parallel):
+            raise ValueError("tp_overlap (async TP) needs tp > 1 with sequence_parallel")
         return self
 
     @property

@@ -3,6 +3,7 @@ published layout pinned (or, for the runs listed below, is refused by the cost m
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -14,7 +15,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from accuracy import ROWS, distribution, percentile, run_published  # noqa: E402
-from published_runs import RUNS_FILE, PublishedRuns, graph_key, load_runs, plan_run, rank0_memory_gib  # noqa: E402
+from published_runs import (  # noqa: E402
+    RUNS_FILE,
+    NotExpressible,
+    PublishedRuns,
+    graph_key,
+    load_runs,
+    plan_run,
+    planner_has_cp,
+    rank0_memory_gib,
+)
 
 from planner.errors import InfeasibleError  # noqa: E402
 
@@ -27,16 +37,25 @@ REFUSED = {
     # checkpointing, which keeps less, is not modelled: the cost model needs > 96 GiB
     "torchtitan-8b-fsdp-8": "does not fit",
     "torchtitan-8b-fsdp-128": "does not fit",
+    # Llama 3 405B at tp8 pp16 with selective recomputation: the sample Llama's eager activations (above) again
+    "llama3-405b-8192": "does not fit",
+    "llama3-405b-16384": "does not fit",
 }
+# Layouts the planner cannot express yet: listed by bench/accuracy.py as misses with this cause.
+NOT_EXPRESSIBLE = {} if planner_has_cp() else {"llama3-405b-16384-cp16": "context parallelism"}
 
 
 def test_enough_runs_from_enough_sources():
-    assert len(RUNS.runs) >= 25 and len({r.source for r in RUNS.runs}) >= 5
+    assert len(RUNS.runs) >= 60 and len({r.source for r in RUNS.runs}) >= 8
     # the H100 fit took the Megatron README's 9 rows out of validation (issue 11, item 4 leftovers)
     validation = [r for r in RUNS.runs if r.role == "validation"]
     assert len(validation) >= 20
     assert len({r.source for r in validation}) >= 4
     assert {r.gpu for r in validation} >= {"dgx-a100", "dgx-h100"}
+    # FSDP / ZeRO-3 at small scale (8-64 GPUs) on both GPUs, interleaving, and a context-parallel row
+    small_fsdp = {r.gpu for r in validation if r.layout.zero == 3 and r.gpus <= 64}
+    assert small_fsdp >= {"dgx-a100", "dgx-h100"}
+    assert any(r.layout.v > 1 for r in validation) and any(r.layout.cp > 1 for r in validation)
 
 
 def test_calibration_and_validation_are_split_by_source_per_gpu():
@@ -75,6 +94,25 @@ def test_h100_efficiencies_say_they_were_fitted_on_the_calibration_rows_only():
     keys = [line for line in block if line.strip() and not line.strip().startswith("#")]
     assert {line.split(":")[0].strip() for line in keys} >= {"matmul", "attention", "memory", "network"}
     assert all("# source:" in line for line in keys)
+    # each fitted efficiency names its calibration rows (all of them, and only fit rows of an H100 split);
+    # the others are held, and none sits at (or above) its physical bound
+    from planner.measure.refit import PHYSICAL_MAX
+
+    h100 = RUNS.splits["h100"]
+    fit_ids = {r.id for r in RUNS.runs if r.gpu in h100.gpus and r.role == "fit"}
+    val_ids = {r.id for r in RUNS.runs if r.role == "validation"}
+    for line in keys:
+        name = line.split(":")[0].strip()
+        if name == "gemm_half_dim":
+            continue
+        why = line.split("# source:", 1)[1]
+        if "fitted" in why:
+            sizes = set(re.findall(r"-([\d.]+b)\b", why))  # "megatron-h100-1.7b, -7.1b, ..." names each row
+            assert {i.removeprefix("megatron-h100-") for i in fit_ids} <= sizes, line
+            assert not any(v in why for v in val_ids), line
+        else:
+            assert "held" in why, line
+        assert getattr(spec.efficiency, name) < PHYSICAL_MAX[name], name
 
 
 def test_every_run_has_a_cited_source():
@@ -120,6 +158,10 @@ _GRAPHS: dict = {}
 
 @pytest.mark.parametrize("run", RUNS.runs, ids=[r.id for r in RUNS.runs])
 def test_run_plans_at_its_layout(run):
+    if run.id in NOT_EXPRESSIBLE:
+        with pytest.raises(NotExpressible, match=NOT_EXPRESSIBLE[run.id]):
+            plan_run(run, _GRAPHS)
+        return
     if run.id in REFUSED:
         with pytest.raises(InfeasibleError, match=REFUSED[run.id]):
             plan_run(run, _GRAPHS)
@@ -164,3 +206,15 @@ def test_memory_per_gpu_within_10_percent_of_korthikanti_figure_1(run_id):
     states, acts = rank0_memory_gib(plan_run(run)[0])
     assert states == pytest.approx(run.memory.states_gib, rel=0.10)
     assert acts == pytest.approx(run.memory.activations_gib, rel=0.10)
+
+
+def test_small_scale_fsdp_scales_flat_as_published():
+    """llm-foundry's MPT-13B on 8-64 H100 (FSDP, ZeRO-3, 2 nodes and more): the published iteration time is flat
+    with the GPU count (0.851-0.859 s). The predictions are flat too (within 3%) once the data-parallel ring
+    crosses nodes on all of a node's NICs (`terms.dp_link`); on one NIC they doubled from 16 GPUs on."""
+    ids = ["mpt-h100-13b-8", "mpt-h100-13b-16", "mpt-h100-13b-32", "mpt-h100-13b-64"]
+    runs = {r.id: r for r in RUNS.runs}
+    published = [runs[i].published_iteration_s for i in ids]
+    assert max(published) / min(published) < 1.01
+    predicted = [plan_run(runs[i], _GRAPHS)[0].predicted.iteration_time_s for i in ids]
+    assert max(predicted) / min(predicted) < 1.03

@@ -197,3 +197,32 @@ def test_memory_report_is_the_peak_of_a_rank_of_one_stage(options, parts):
     assert report.workspace >= options.workspace_bytes
     peak = terms.rank_peak_bytes(report.states, activations, options)
     assert report.total == pytest.approx(peak, rel=1e-12, abs=1e-3)
+@pytest.mark.parametrize("tp, rails", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_dp_ring_across_nodes_runs_on_one_rail_per_gpu_of_its_group_in_the_node(tp, rails):
+    """A data-parallel group spanning nodes holds 8/tp of its ranks on each node, each with its own NIC: NCCL's
+    rings cross nodes on all of them, so the ring's bandwidth is that many NICs' (up to NVLink); inside a node,
+    NVLink's."""
+    cl = CLUSTERS["h100-sxm-80gb"]
+    topo, eff = cl.topology, cl.gpu.efficiency.network
+    c = Candidate(dp=32 // tp, tp=tp, pp=1, virtual_stages=1, micro_batch_size=1, num_micro_batches=1,
+                  schedule="1f1b", zero_stage=3, sequence_parallel=False)
+    bw, lat = terms.dp_link(c, cl)
+    assert bw == pytest.approx(min(topo.intra_node_bandwidth, rails * topo.inter_node_bandwidth) * eff)
+    assert lat == topo.inter_node_latency
+    inside = dataclasses.replace(c, dp=8 // tp)
+    assert terms.dp_link(inside, cl) == (topo.intra_node_bandwidth * eff, topo.intra_node_latency)
+
+
+def test_zero3_unit_gather_shows_only_past_the_prefetch_and_its_copy_out():
+    """FSDP2 hides a unit's all-gather behind the unit before it: what is left is the excess over that compute,
+    plus the copy-out (one read and write of the unit's weights) on the compute stream; nothing without ZeRO-3."""
+    cl = CLUSTERS["h100-sxm-80gb"]
+    c = Candidate(dp=16, tp=1, pp=1, virtual_stages=1, micro_batch_size=1, num_micro_batches=1,
+                  schedule="1f1b", zero_stage=3, sequence_parallel=False)
+    params = 1e9
+    gather = terms.zero3_gather_time(params, c, cl, "bf16") / 2
+    copy = 2 * 2 * params / (cl.gpu.memory_bandwidth * cl.gpu.efficiency.memory)
+    assert terms.zero3_unit_exposed_time(params, params, 10.0, c, cl, "bf16") == pytest.approx(copy)
+    assert terms.zero3_unit_exposed_time(params, params, 0.0, c, cl, "bf16") == pytest.approx(gather + copy)
+    for other in (dataclasses.replace(c, zero_stage=2), dataclasses.replace(c, dp=1)):
+        assert terms.zero3_unit_exposed_time(params, params, 0.0, other, cl, "bf16") == 0.0

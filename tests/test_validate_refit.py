@@ -240,3 +240,18 @@ def test_refit_table_is_printed():
     for needle in ("stage 0 forward", "predicted ms", "measured ms", "refit error", "perf_counter, median of 6",
                    "re-run on the run's group", "matmul 0.5 -> 0.25", "rms error 50.0% -> 0.0%", "wrote r.yaml"):
         assert needle in text, needle
+
+
+def test_physical_bounds_cap_a_fit_and_say_which_efficiency_sits_on_its_bound():
+    """bench/fit_published.py fits within PHYSICAL_MAX: a measurement faster than any physical efficiency
+    allows leaves the efficiency on its bound, listed in `at_bound` (it absorbs another term's error)."""
+    from planner.measure.refit import PHYSICAL_MAX
+
+    term = Term("stage 0 forward", "forward", 0.5, 3, 0.0, {"matmul": 1.0, "attention": 0.0, "memory": 0.0,
+                                                             "network": 0.0})
+    fit = fit_efficiencies(Efficiencies(matmul=0.5), [term], upper=PHYSICAL_MAX)
+    assert fit.efficiency.matmul == PHYSICAL_MAX["matmul"] and fit.at_bound == ["matmul"]
+    inside = Term("stage 0 forward", "forward", 1.25, 3, 0.0, {"matmul": 0.5, "attention": 0.0, "memory": 0.0,
+                                                                "network": 0.0})
+    fit = fit_efficiencies(Efficiencies(matmul=0.5), [inside], upper=PHYSICAL_MAX)
+    assert fit.efficiency.matmul == pytest.approx(0.4) and fit.at_bound == []

@@ -239,6 +239,12 @@ SequenceParallelOpt = Annotated[
     typer.Option("--sequence-parallel/--no-sequence-parallel", help="Shard norms and dropout over the sequence "
                  "with tensor parallelism (default: searched).", show_default=False, rich_help_panel=_PINS),
 ]
+AsyncTpOpt = Annotated[
+    bool | None,
+    typer.Option("--async-tp/--no-async-tp", help="torch's async TP: sequence parallelism's collectives "
+                 "overlapped with the matmuls (torch.compile, NVIDIA GPUs; default: on where it runs).",
+                 show_default=False, rich_help_panel=_PINS),
+]
 
 # --- search -----------------------------------------------------------------------------------------------
 
@@ -417,6 +423,7 @@ def plan_request(
     time_limit: float | None, no_overlap: bool, seed: int, lr: float, steps: int, data: str | None = None,
     measure: bool | None = None, memory_reserve: float | None = None, hf_config: Path | None = None,
     flavor: str | None = None, ep: int | None = None, revision: str | None = None, cp: int | None = None,
+    async_tp: bool | None = None,
 ) -> PlanRequest:
     """The library's PlanRequest from the options `plan` and `dry-run` share; unset pins are searched.
 
@@ -458,6 +465,8 @@ def plan_request(
         "sequence_parallel": sequence_parallel, "recompute": recompute, "ep": ep,
         "cp": cp,
     }
+    if async_tp is not None:  # only when given: a request's pins are part of what earlier plans recorded
+        pins["tp_overlap"] = async_tp
     # An unset --time-limit leaves PlanRequest's default; 0 asks for none.
     limit: dict[str, Any] = {} if time_limit is None else {"time_limit": time_limit or None}
     return PlanRequest(

@@ -18,6 +18,7 @@ import sys
 import typer
 
 from planner.cli._options import (
+    AsyncTpOpt,
     BuildFnOpt,
     ConfigOpt,
     CpOpt,
@@ -91,6 +92,7 @@ def dry_run(
     zero_stage: ZeroStageOpt = None,
     recompute: RecomputeOpt = None,
     sequence_parallel: SequenceParallelOpt = None,
+    async_tp: AsyncTpOpt = None,
     dtype: DTypeOpt = DType.bf16,
     build_fn: BuildFnOpt = "build_model",
     inputs_fn: InputsFnOpt = "example_inputs",
@@ -117,7 +119,7 @@ def dry_run(
         micro_batch_size=micro_batch_size, schedule=schedule, zero_stage=zero_stage, recompute=recompute,
         sequence_parallel=sequence_parallel, dtype=dtype, build_fn=build_fn, inputs_fn=inputs_fn, loss_fn=loss_fn,
         data=data, measure=measure, memory_reserve=memory_reserve, hf_config=hf_config, flavor=flavor, ep=ep, cp=cp,
-        revision=revision,
+        revision=revision, async_tp=async_tp,
         top_k=top_k, time_limit=time_limit, no_overlap=no_overlap, seed=seed, lr=lr, steps=steps,
     )
     quiet = is_quiet(ctx, quiet)

@@ -375,7 +375,8 @@ class RefitSession:
             )
         par = plan.parallel
         cand = Candidate(par.dp, par.tp, par.pp, par.virtual_stages, par.micro_batch_size, par.num_micro_batches,
-                         par.schedule, par.zero_stage, par.sequence_parallel)
+                         par.schedule, par.zero_stage, par.sequence_parallel, ep=par.ep, cp=par.cp,
+                         tp_overlap=par.tp_overlap)
         partition = [[index[u] for u in s.units] for s in plan.stages]
         expected = plan_terms(graph, cluster, cand, partition, [s.recompute for s in plan.stages])
         out = out if out is not None else plan_dir / f"{spec.name}-refit.yaml"

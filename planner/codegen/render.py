@@ -179,6 +179,7 @@ def _constants(plan: Plan, layout_digest: str | None = None, model_path: str | N
         "LAYOUT_DIGEST": layout_digest,
         "EP": p.ep,
         "CP": p.cp,
+        "ASYNC_TP": p.tp_overlap,
         "EXPERTS": compress_mapping(dict(plan.experts)),
         "TP_FUSED": compress_mapping(dict(plan.tp.fused)),
         "TP_TRANSPOSED": compress_names(list(plan.tp.transposed)),
@@ -223,7 +224,7 @@ def runtime_objects(plan: Plan) -> tuple[Layout, ModelFile, Training]:
         ),
         tp_plan=dict(plan.tp.styles), tp_head_attrs={k: tuple(v) for k, v in plan.tp.head_attrs.items()},
         ep=p.ep, experts=dict(plan.experts), cp=p.cp,
-        tp_fused=dict(plan.tp.fused), tp_transposed=tuple(plan.tp.transposed),
+        tp_fused=dict(plan.tp.fused), tp_transposed=tuple(plan.tp.transposed), async_tp=p.tp_overlap,
     )
     return layout, model_file(m), Training(seed=t.seed, lr=float(t.lr), steps=t.steps, dtype=t.dtype)
 

@@ -22,6 +22,9 @@ class Candidate:
     # context parallelism: each sample's sequence sharded over cp ranks (world = dp x cp x tp x pp); the cp ranks
     # hold replicated weights, so gradients sync (and ZeRO shards) over the dp x cp ranks (`dp_shard`)
     cp: int = 1
+    # torch's async TP (sequence parallelism's all-gather -> matmul and matmul -> reduce-scatter decomposed and
+    # overlapped under torch.compile, CUDA symmetric memory); `model.async_tp_exposed`
+    tp_overlap: bool = False
 
     @property
     def stages(self) -> int:
@@ -34,7 +37,7 @@ class Candidate:
         return self.dp * self.cp
 
     def label(self) -> str:
-        sp = "+sp" if self.sequence_parallel else ""
+        sp = ("+sp" if self.sequence_parallel else "") + ("+async" if self.tp_overlap else "")
         ep = f" ep{self.ep}" if self.ep > 1 else ""
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         return (

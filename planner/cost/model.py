@@ -34,6 +34,7 @@ from planner.cost.terms import (
     rank_peak_bytes,
     sync_overlap_window,
     zero3_gather_time,
+    zero3_unit_exposed_time,
 )
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph, Unit
@@ -163,6 +164,45 @@ def tp_comm_times(unit: Unit, mbs: int, tp: int, sp: bool, cluster: ClusterSpec)
     return fwd, bwd
 
 
+def async_tp_exposed(
+    unit: Unit, comm_fwd: float, comm_bwd: float, cand: Candidate, cluster: ClusterSpec, dtype: str
+) -> tuple[float, float]:
+    """The tensor-parallel communication a unit still waits for under torch's async TP (forward, backward).
+
+    Async TP (Wang et al. 2022, "Overlap Communication with Dependent Computation via Decomposition";
+    torch's micro-pipeline TP under torch.compile, torchtitan's enable_async_tensor_parallel) splits each
+    sequence-parallel all-gather -> matmul and matmul -> reduce-scatter into tp steps over symmetric memory:
+    step i's transfer runs during step i-1's matmul chunk, so the first (last) chunk's transfer, 1/tp of the
+    collective, is exposed and the rest hides behind the sharded matmuls up to their time. The copies run on
+    the copy engines, not the SMs. Communication outside the column/row pairs (a vocab-parallel embedding's
+    all-reduce, a head's logit gather) stays exposed.
+    """
+    tp = cand.tp
+    pairs_f = pairs_b = 0.0
+    topo = cluster.topology
+    bw, lat = topo.intra_node_bandwidth * cluster.gpu.efficiency.network, topo.intra_node_latency
+    for pair in unit.tp_pairs:
+        nbytes = pair.allreduce_bytes * cand.micro_batch_size
+        t = coll.reduce_scatter_time(nbytes, tp, bw, lat) + coll.allgather_time(nbytes, tp, bw, lat)
+        pairs_f += t
+        pairs_b += t
+    rest_f, rest_b = comm_fwd - pairs_f, comm_bwd - pairs_b
+    gpu = cluster.gpu
+    sharded = (
+        min(1.0, max(0.0, (unit.tp_shardable_flops - unit.attention_flops) / unit.matmul_flops))
+        if unit.matmul_flops > 0 else 0.0
+    )
+    dim = min(unit.gemm_dim, max(1, unit.gemm_dim // tp))
+    rate = gpu.peak_flops(dtype) * gemm_efficiency(cluster, dim)
+    mm_f = unit.matmul_flops * sharded / tp / rate * cand.micro_batch_size
+    mm_b = unit.bwd_matmul_flops * sharded / tp / rate * cand.micro_batch_size
+
+    def exposed(comm: float, mm: float) -> float:
+        return comm / tp + max(0.0, comm * (tp - 1) / tp - mm)
+
+    return rest_f + exposed(pairs_f, mm_f), rest_b + exposed(pairs_b, mm_b)
+
+
 def math_scores(unit: Unit, cluster: ClusterSpec) -> float:
     """Bytes per sample a unit's SDPA calls keep beyond the fused kernels on this GPU: the s x s probabilities
     where its attention backend (`GPUSpec.attention_backend`) is math, else 0."""
@@ -185,6 +225,8 @@ def unit_cost(
             bwd_c *= profile.efficiency_scale
             core_c *= profile.efficiency_scale
     tf, tb = tp_comm_times(unit, cand.micro_batch_size, cand.tp, cand.sequence_parallel, cluster)
+    if cand.tp_overlap and cand.tp > 1 and cand.sequence_parallel:
+        tf, tb = async_tp_exposed(unit, tf, tb, cand, cluster, dtype)
     a2a = moe_alltoall_time(unit.moe_dispatch_bytes, cand, cluster) if unit.experts else 0.0
     kv = 0.0
     if cand.cp > 1:
@@ -233,6 +275,14 @@ def unit_cost(
     state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp_shard)
     params_local = dense - frozen + frozen_state_params(frozen, state) + expert_state_params(experts, cand, dtype)
     sync_params = dense + expert_sync_params(experts, cand) if experts and cand.ep > 1 else None
+    if cand.zero_stage == 3 and cand.dp > 1:
+        # FSDP2's per-unit gathers: the part the one-ahead prefetch cannot hide, and the copy-out (the recomputed
+        # forward of full recomputation shares the backward's gather)
+        # (the ring counts the parameters as the stage's gather term does: `UnitCost.sync_params`)
+        ring = params_local if sync_params is None else sync_params
+        held = dense + experts / cand.ep
+        fwd += zero3_unit_exposed_time(ring, held, fwd_c, cand, cluster, dtype)
+        bwd = {mode: t + zero3_unit_exposed_time(ring, held, bwd_c, cand, cluster, dtype) for mode, t in bwd.items()}
     return UnitCost(
         fwd=fwd,
         bwd=bwd,

@@ -86,8 +86,22 @@ def p2p_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
 
 
 def dp_link(cand: Candidate, cluster: ClusterSpec) -> tuple[float, float]:
-    """(bandwidth, latency) of the data-parallel group's ring."""
-    return _link(cluster, crosses_nodes(cand, cluster)[0])
+    """(bandwidth, latency) of the data-parallel group's ring.
+
+    A group that spans nodes holds k = gpus per node / tp of its ranks on each node, each with its own NIC
+    (one rail per GPU). NCCL runs one ring per channel and sends each channel's node-crossing hop through a
+    different NIC, so the k rails carry the ring in parallel and its bus bandwidth is k times one NIC's, up
+    to the NVLink bandwidth inside the node (NCCL's rail-local rings; nccl-tests' multi-node all-reduce bus
+    bandwidth on DGX A100, about 8 x 25 GB/s x 0.9, is the known case). With tp = gpus per node (k = 1) it
+    is one NIC's, as before.
+    """
+    inter = crosses_nodes(cand, cluster)[0]
+    bw, lat = _link(cluster, inter)
+    g = cluster.gpus_per_node
+    if inter and cand.tp <= g and g % cand.tp == 0:
+        rails = g // cand.tp
+        bw = min(cluster.topology.intra_node_bandwidth * cluster.gpu.efficiency.network, rails * bw)
+    return bw, lat
 
 
 # ----------------------------------------------------------------------------------------- time terms
@@ -221,6 +235,27 @@ def zero3_gather_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dty
         return 0.0
     bw, lat = dp_link(cand, cluster)
     return 2.0 * coll.allgather_time(weight_bytes_per_param(dtype) * params, cand.dp_shard, bw, lat)
+
+
+def zero3_unit_exposed_time(
+    sync_params: float, held_params: float, compute: float, cand: Candidate, cluster: ClusterSpec, dtype: str
+) -> float:
+    """What one unit's ZeRO-3 (FSDP2) weight gather adds to its forward or backward of `compute` seconds.
+
+    FSDP2 prefetches one unit ahead on its own stream (Zhao et al. 2023, sec. 3.3; torch's fully_shard
+    implicit prefetching), so a unit's all-gather hides behind the unit before it: what is left is the gather's
+    excess over that compute (identical blocks: the unit's own), max(0, gather - compute). Its copy-out (the
+    all-gather buffer split into the unsharded parameters) runs on the compute stream: one read and one write
+    of the unit's `held_params` weights, memory-bound. 0 without ZeRO-3 over more than one replica. Not affine
+    (a maximum): it enters the unit costs, which every evaluation takes as given.
+    """
+    if cand.dp <= 1 or cand.zero_stage != 3:
+        return 0.0
+    gather = 0.5 * float(zero3_gather_time(sync_params, cand, cluster, dtype))  # one of the forward / backward pair
+    copy_out = 2.0 * weight_bytes_per_param(dtype) * held_params / (
+        cluster.gpu.memory_bandwidth * cluster.gpu.efficiency.memory
+    )
+    return max(0.0, gather - compute) + copy_out
 
 
 def optimizer_step_time(params: Affine, cand: Candidate, cluster: ClusterSpec, dtype: str) -> Affine:

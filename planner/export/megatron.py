@@ -35,6 +35,8 @@ def arguments(plan: Plan) -> list[str]:
         args += ["--context-parallel-size", str(p.cp)]
     if p.sequence_parallel and p.tp > 1:
         args.append("--sequence-parallel")
+    if p.tp_overlap:  # Megatron's own overlap of the same collectives (Transformer Engine userbuffers)
+        args.append("--tp-comm-overlap")
     seq = seq_len(plan)
     if seq is not None:
         args += ["--seq-length", str(seq)]

@@ -37,6 +37,9 @@ def settings(plan: Plan) -> dict[str, Any]:
     }
     if p.cp > 1:
         out["parallelism.context_parallel_degree"] = p.cp
+    if p.tp_overlap:  # torchtitan's async TP requires the model compiled
+        out["parallelism.enable_async_tensor_parallel"] = True
+        out["compile.enable"] = True
     if p.pp > 1:
         out["parallelism.pipeline_parallel_schedule"] = SCHEDULES[p.schedule]
         out["parallelism.module_fqns_per_model_part"] = stage_modules(plan)

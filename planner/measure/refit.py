@@ -28,6 +28,14 @@ from planner.measure.calibrate import rewrite_spec_yaml
 FITTED = ("matmul", "attention", "memory", "network")
 MIN_SHARE = 0.05  # an efficiency is fitted only if it explains >= 5% of some measured term's prediction
 EFF_FLOOR = 1e-4  # eff in [EFF_FLOOR, 1]: x = 1/eff in [1, 1/EFF_FLOOR]
+# What a kernel of each class reaches at best on a data-centre GPU (A100, H100), for fits that must stay
+# physical (bench/fit_published.py): a fitted value above these would be absorbing another term's error.
+PHYSICAL_MAX = {
+    "matmul": 0.90,  # cuBLAS bf16 GEMMs at large sizes: ~280 of 312 TFLOP/s on A100, ~800 of 989 on H100 SXM
+    "attention": 0.75,  # FlashAttention-3 (Shah et al. 2024): up to 740 of 989 TFLOP/s bf16 forward on H100
+    "memory": 0.92,  # streaming kernels (BabelStream copy/triad) reach ~90% of HBM peak bandwidth
+    "network": 0.92,  # nccl-tests bus bandwidth: ~90% of the NVLink / InfiniBand link rate at large messages
+}
 
 
 @dataclass
@@ -104,6 +112,7 @@ class Fit:
     terms: list[Term]
     fitted: dict[str, int] = field(default_factory=dict)  # efficiency -> measured terms it was fitted on
     kept: dict[str, str] = field(default_factory=dict)  # efficiency -> why it kept the spec's value
+    at_bound: list[str] = field(default_factory=list)  # fitted efficiencies that ended on a bound of their box
 
     def error(self, eff: Efficiencies) -> float:
         """Root-mean-square relative error of the terms' predictions under ``eff``."""
@@ -112,10 +121,15 @@ class Fit:
 
 
 def fit_efficiencies(
-    base: Efficiencies, terms: list[Term], min_share: float = MIN_SHARE, hold: dict[str, str] | None = None
+    base: Efficiencies,
+    terms: list[Term],
+    min_share: float = MIN_SHARE,
+    hold: dict[str, str] | None = None,
+    upper: dict[str, float] | None = None,
 ) -> Fit:
-    """Least squares in relative error over the terms, eff bounded to [EFF_FLOOR, 1]; ``hold``: efficiencies
-    kept at the base's value whatever the terms say, each with the reason."""
+    """Least squares in relative error over the terms, eff bounded to [EFF_FLOOR, 1] (or to ``upper``'s value,
+    e.g. `PHYSICAL_MAX`); ``hold``: efficiencies kept at the base's value whatever the terms say, each with the
+    reason. A fitted value that ends on its bound is listed in `Fit.at_bound`: it absorbs other terms' error."""
     terms = [t for t in terms if t.measured_s > 0 and math.isfinite(t.measured_s)]
     fit = Fit(base, base, terms)
     if not terms:
@@ -139,8 +153,10 @@ def fit_efficiencies(
     a = np.array([[t.coef.get(k, 0.0) / t.measured_s for k in free] for t in terms])
     rhs = np.array([1.0 - sum(t.coef.get(k, 0.0) / getattr(base, k) for k in fit.kept) / t.measured_s
                     - t.const / t.measured_s for t in terms])
-    x = box_least_squares(a, rhs, np.ones(len(free)), np.full(len(free), 1.0 / EFF_FLOOR))
-    values = {k: float(min(1.0, max(EFF_FLOOR, 1.0 / xi))) for k, xi in zip(free, x, strict=True)}
+    top = {k: min(1.0, (upper or {}).get(k, 1.0)) for k in free}
+    x = box_least_squares(a, rhs, np.array([1.0 / top[k] for k in free]), np.full(len(free), 1.0 / EFF_FLOOR))
+    values = {k: float(min(top[k], max(EFF_FLOOR, 1.0 / xi))) for k, xi in zip(free, x, strict=True)}
+    fit.at_bound = [k for k, v in values.items() if v >= top[k] - 1e-6 or v <= EFF_FLOOR + 1e-9]
     fit.efficiency = base.model_copy(update={k: round(v, 4) or EFF_FLOOR for k, v in values.items()})
     return fit
 

@@ -159,6 +159,8 @@ def summary_panel(plan: Plan, params: int | None = None, timeline: str | Path | 
     grid.add_row("Schedule", p.schedule if p.pp > 1 else f"{p.schedule} (no pipeline: gradient accumulation)")
     grid.add_row("ZeRO stage", _ZERO.get(p.zero_stage, str(p.zero_stage)))
     grid.add_row("Sequence parallel", "yes" if p.sequence_parallel else "no")
+    if p.tp_overlap:
+        grid.add_row("Async TP", "yes (collectives overlapped with the matmuls; torch.compile)")
     modes = sorted({s.recompute for s in plan.stages})
     grid.add_row("Recompute", ", ".join(modes))
     grid.add_row("Iteration time", duration(pred.iteration_time_s))

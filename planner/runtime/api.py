@@ -72,6 +72,7 @@ def read_plan(path: str | Path) -> tuple[Layout, ModelFile, Training]:
             tp_head_attrs={k: tuple(v) for k, v in data.get("tp_head_attrs", {}).items()},
             ep=p.get("ep", 1), experts=dict(data.get("experts", {})), tp_fused=dict(data.get("tp_fused", {})),
             tp_transposed=tuple(data.get("tp_transposed", ())), cp=p.get("cp", 1),
+            async_tp=p.get("tp_overlap", False),
         )
         spec = ModelFile(m["path"], m.get("build_fn", "build_model"), m.get("inputs_fn", "example_inputs"),
                          m.get("loss_fn"), m.get("batch_fn"), dict(m.get("model_args", {})))

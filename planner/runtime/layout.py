@@ -132,6 +132,7 @@ class Layout:
     tp_fused: dict[str, int] = field(default_factory=dict)  # colwise module -> equal chunks of its output (q, k, v)
     tp_transposed: tuple[str, ...] = ()  # TP modules whose weight is stored [in, out] (HF Conv1D)
     cp: int = 1  # context parallelism: each sample's sequence sharded over cp ranks (mesh dimension "cp")
+    async_tp: bool = False  # torch's async TP: SP's collectives overlapped with the matmuls (compile, CUDA)
 
     def __post_init__(self) -> None:
         # Stages may come as plain lists/tuples from the plan's constants.
@@ -170,6 +171,11 @@ class Layout:
             raise LayoutError(f"Unknown schedule {self.schedule!r}: expected one of {', '.join(SCHEDULES)}. {_FIX}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise LayoutError(f"ZERO_STAGE must be 0, 1, 2 or 3, got {self.zero_stage!r}. {_FIX}")
+        if self.async_tp and not (self.tp > 1 and self.sequence_parallel):
+            raise LayoutError(
+                f"ASYNC_TP overlaps sequence parallelism's collectives with the matmuls: it needs TP > 1 (got "
+                f"{self.tp}) and SEQUENCE_PARALLEL = True (got {self.sequence_parallel}). {_FIX}"
+            )
         if self.pp == 1 and self.virtual_stages != 1:
             raise LayoutError(
                 f"Without a pipeline (PP = 1) there is one stage: VIRTUAL_STAGES must be 1, got "

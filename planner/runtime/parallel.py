@@ -666,7 +666,7 @@ def parallelize(
     ep_mesh: DeviceMesh | None = None,
     dp_mesh: DeviceMesh | None = None,
 ) -> None:
-    """TP, then activation checkpointing, then (compile: not used) FSDP/replicate, as in torchtitan; the
+    """TP, then activation checkpointing, then compile (async TP only), then FSDP/replicate, as in torchtitan; the
     expert-parallel slices (already cut, `experts.shard_experts`) get their own FSDP over `ep_mesh`'s
     dp_replica dimension first. `dp_mesh`: the ranks the weights are replicated or sharded over (default: the dp
     dimension; with context parallelism the flattened dp x cp one, torchtitan's `dp_shard_cp`)."""
@@ -674,5 +674,36 @@ def parallelize(
         apply_tp(stage, mesh["tp"], layout, sp_styles)
     if recompute != "none":
         apply_ac(stage, recompute, layout.schedule)
+    if layout.async_tp:
+        apply_async_tp(stage, mesh["tp"], device)
     replica = ep_mesh["dp_replica"] if ep_mesh is not None else None
     apply_data_parallel(stage, mesh["dp"] if dp_mesh is None else dp_mesh, device, layout, dtype, replica)
+
+
+ASYNC_TP_DEVICE = (
+    "ASYNC_TP (torch's async tensor parallelism) runs on CUDA symmetric memory and this rank's device is {device}. "
+    "Run on NVIDIA GPUs, or re-plan without it (planner plan ... --no-async-tp) and set ASYNC_TP = False."
+)
+
+
+def apply_async_tp(stage: LocalStage, tp_mesh: DeviceMesh, device: torch.device) -> None:
+    """torch's async TP, as torchtitan's maybe_enable_async_tp: inductor's micro-pipeline TP pass (which
+    decomposes sequence parallelism's all-gather -> matmul and matmul -> reduce-scatter into overlapped steps)
+    on, the TP group on symmetric memory, and each unit of the stage compiled in place (after TP and
+    checkpointing, before FSDP, torchtitan's order). CUDA only: refused on other devices with why."""
+    if device.type != "cuda":
+        raise RunError(ASYNC_TP_DEVICE.format(device=device.type))
+    import warnings
+
+    import torch._inductor.config as inductor_config
+
+    inductor_config._micro_pipeline_tp = True
+    from torch.distributed import _symmetric_memory
+
+    enable = getattr(_symmetric_memory, "enable_symm_mem_for_group", None)
+    if enable is not None:  # torch < 2.10 needs it; later versions deprecate it as a no-op need
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(tp_mesh.get_group().group_name)
+    for unit in stage.units():
+        unit.compile()

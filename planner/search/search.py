@@ -144,7 +144,7 @@ class CostTable:
 
     def units(self, cand: Candidate) -> list[UnitCost]:
         """The units' costs under the candidate (one shared list per (tp, mbs, sp): do not modify it)."""
-        key: tuple[object, ...] = (cand.tp, cand.micro_batch_size, cand.sequence_parallel)
+        key = _cost_key(cand)
         if cand.ep > 1 or self.frozen:
             key += (cand.ep, cand.dp_shard, cand.zero_stage)
         if cand.cp > 1:  # context parallelism: each rank's share of the sequence (and its K/V exchange)
@@ -644,10 +644,21 @@ def _only(c: UnitCost, mode: str) -> UnitCost:
     )
 
 
+def _cost_key(c: Candidate) -> tuple[object, ...]:
+    """What the unit costs depend on besides the model and cluster: (tp, mbs, sp), async TP where on, and the
+    dp degree under ZeRO-3 (its per-unit gathers, `terms.zero3_unit_exposed_time`)."""
+    key: tuple[object, ...] = (c.tp, c.micro_batch_size, c.sequence_parallel)
+    if c.tp_overlap:
+        key += ("async-tp",)
+    if c.zero_stage == 3 and c.dp > 1:
+        key += ("zero3", c.dp)
+    return key
+
+
 def _totals_key(c: Candidate, modes: tuple[str, ...]) -> tuple[object, ...]:
     """The key of a candidate's unit-cost totals: (tp, mbs, sp, modes), and under expert parallelism
     (ep, dp, zero) too, since the unit costs differ per (ep, dp, zero) then (CostTable)."""
-    key: tuple[object, ...] = (c.tp, c.micro_batch_size, c.sequence_parallel, modes)
+    key: tuple[object, ...] = (*_cost_key(c), modes)
     if c.ep > 1:
         key += (c.ep, c.dp, c.zero_stage)
     if c.cp > 1:

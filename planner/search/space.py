@@ -63,6 +63,7 @@ class Pins:
     recompute: str | None = None
     ep: int | None = None
     cp: int | None = None
+    tp_overlap: bool | None = None  # torch's async TP (`async_tp_refusal`)
 
 
 @dataclass
@@ -337,10 +338,13 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                         )
                                     ] += 1
                                     continue
-                                for ep in ep_degrees(graph, dp, tp, pp, sp, pins, rej, schedule, cp):
-                                    space.candidates.append(
-                                        Candidate(dp, tp, pp, v, mbs, m, schedule, zero, sp, ep, cp)
-                                    )
+                                overlaps = tp_overlaps(cluster, tp, sp, pins, rej)
+                                eps = ep_degrees(graph, dp, tp, pp, sp, pins, rej, schedule, cp) if overlaps else []
+                                for ep in eps:
+                                    for ov in overlaps:
+                                        space.candidates.append(
+                                            Candidate(dp, tp, pp, v, mbs, m, schedule, zero, sp, ep, cp, ov)
+                                        )
                                 if len(space.candidates) > MAX_CANDIDATES:
                                     raise ConfigError(
                                         f"The search space holds more than {MAX_CANDIDATES} candidates (global "
@@ -358,6 +362,45 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
             "micro-batch size must divide the batch per replica). Drop or change one of them."
         )
     return space
+
+
+ASYNC_TP_DOMINATED = (
+    "dominated by torch's async TP: the same all-gathers and reduce-scatters, hidden behind the matmuls they "
+    "feed (torch.compile with torch._inductor.config._micro_pipeline_tp); pin --no-async-tp for eager TP"
+)
+
+
+def async_tp_refusal(cluster: ClusterSpec, tp: int, sp: bool) -> str | None:
+    """Why torch's async TP cannot run here, if it cannot."""
+    if tp <= 1:
+        return "async TP overlaps tensor-parallel communication: it needs tp > 1"
+    if not sp:
+        return (
+            "torch's async TP decomposes sequence parallelism's all-gather -> matmul and matmul -> reduce-scatter: "
+            "it needs sequence parallelism (--sequence-parallel)"
+        )
+    if cluster.gpu.vendor != "NVIDIA":
+        return (
+            f"torch's async TP runs on CUDA symmetric memory, which {cluster.gpu.display_name} "
+            f"({cluster.gpu.vendor}) does not have"
+        )
+    return None
+
+
+def tp_overlaps(cluster: ClusterSpec, tp: int, sp: bool, pins: Pins, rej: Counter[tuple[str, str]]) -> list[bool]:
+    """The async-TP settings searched for (tp, sp): on where it runs (eager TP is dominated: counted), else
+    off; a pin keeps its own value, or nothing where async TP is pinned but cannot run (counted with why)."""
+    why = async_tp_refusal(cluster, tp, sp)
+    if pins.tp_overlap is False:
+        return [False]
+    if why:
+        if pins.tp_overlap:
+            rej[(f"tp={tp}{'+sp' if sp else ''} with async TP", why)] += 1
+            return []
+        return [False]
+    if pins.tp_overlap is None:
+        rej[(f"tp={tp}+sp without async TP", ASYNC_TP_DOMINATED)] += 1
+    return [True]
 
 
 def ep_granularity(graph: ModelGraph) -> int:
