@@ -100,12 +100,13 @@ def test_a_block_called_with_other_shapes_is_traced() -> None:
     assert _nodes(meta_trace(model, (x,))) == _nodes(meta_trace(model, (x,), repeats=True))
 
 
-# Corpus models: fx, fx-meta and torch.export traces, encoder-decoders, MoE, leaves in a ModuleList (the
-# recommender's embedding tables), a ModuleDict, nested stages (ResNet), sliding-window layers (Gemma-2).
+# Corpus models: fx and fx-meta traces, an encoder-decoder, MoE, leaves in a ModuleList (the
+# recommender's embedding tables), a ModuleDict, a top-level Sequential, sliding-window layers (Gemma-2).
 CORPUS = [
     (MODELS / "hf_tiny.py", {"arch": "llama"}),
-    (MODELS / "hf_tiny.py", {"arch": "t5"}),
-    (MODELS / "hf_tiny.py", {"arch": "resnet"}),
+    (MODELS / "hf_tiny.py", {"arch": "bart"}),
+    (MODELS / "hf_tiny.py", {"arch": "vit"}),
+    (MODELS / "sequential_cnn.py", {}),
     (MODELS / "hf_zoo.py", {"arch": "gemma2"}),
     (MODELS / "moduledict_llama.py", {}),
     (MODELS / "deepseek_moe.py", {}),
@@ -120,10 +121,21 @@ def test_analysis_with_replayed_blocks_equals_the_full_analysis(
 ) -> None:
     if "hf_" in path.stem:
         pytest.importorskip("transformers")
+    import planner.runtime.tracers as tracers
+
+    replays: list[str] = []
+    replay = tracers._Recording.replay
+
+    def counted(self, tracer, path, args_, kwargs):  # type: ignore[no-untyped-def]
+        replays.append(path)
+        return replay(self, tracer, path, args_, kwargs)
+
+    monkeypatch.setattr(tracers._Recording, "replay", counted)
     graphs = []
     for repeats in (False, True):
         monkeypatch.setattr(model_trace, "REPLAY_REPEATED_BLOCKS", repeats)
         graphs.append(analyse_model(load_model_file(path, args, dtype="fp32")).model_dump())
+    assert replays  # blocks were replayed (the planner's own input-check hooks do not prevent it)
     full, replayed = graphs
     assert full.keys() == replayed.keys()
     for field in full:

@@ -22,8 +22,10 @@ pay for one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import operator
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -376,6 +378,10 @@ def _plain_key(v: Any) -> Any:
     raise _Unkeyable
 
 
+# Set (True) on a forward hook that does nothing when called on fx proxies (the planner's one-shot input checks):
+# a block holding it can still be replayed. Any other hook makes its block traced.
+TRACE_NEUTRAL = "planner_trace_neutral"
+
 # Integer attributes that hold a block's own index (transformers' `layer_idx`, used to index a KV cache that
 # training does not keep): left out of a block's description where they equal its position in its container.
 _INDEX_NAMES = ("idx", "index", "layer_id")
@@ -421,7 +427,8 @@ def describe_block(
     index is left out where it equals `position` (the block's index in its container; None: any value)."""
     items: list[Any] = [repr(block)]
     for name, sub in block.named_modules():
-        if sub._forward_hooks or sub._forward_pre_hooks or getattr(sub, "_forward_hooks_with_kwargs", None):
+        hooks = (*sub._forward_hooks.values(), *sub._forward_pre_hooks.values())
+        if not all(getattr(h, TRACE_NEUTRAL, False) for h in hooks):
             raise _Unkeyable  # a hook may record each call (the replay would not run it)
         attrs: list[tuple[Any, ...]] = []
         for k, v in vars(sub).items():
@@ -429,13 +436,7 @@ def describe_block(
                 continue
             if type(v) is int and position in (None, v) and any(w in k.lower() for w in _INDEX_NAMES):
                 continue
-            try:
-                attrs.append((k, _plain_key(v)))
-            except _Unkeyable:
-                if isinstance(v, (tuple, list)):
-                    attrs.append((k, type(v), tuple(_plain_or_id(x) for x in v)))
-                else:
-                    attrs.append((k, _plain_or_id(v)))
+            attrs.append((k, _attribute_key(v)))
         tensors: list[tuple[Any, ...]] = [
             (n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in sub.named_parameters(recurse=False)
         ]
@@ -445,11 +446,22 @@ def describe_block(
     return tuple(items)
 
 
-def _plain_or_id(v: Any) -> Any:
+def _attribute_key(v: Any) -> Any:
+    """A block's attribute: plain values by value, containers by their items, a partial function (transformers'
+    GELUTanh makes its own `partial(gelu, approximate="tanh")`) by its function and arguments, a method of one
+    of the block's modules by its function, anything else by identity."""
     try:
         return _plain_key(v)
     except _Unkeyable:
-        return ("object", type(v), id(v))
+        pass
+    if isinstance(v, (tuple, list)):
+        return (type(v), tuple(_attribute_key(x) for x in v))
+    if isinstance(v, functools.partial):
+        keywords = tuple(sorted((k, _attribute_key(x)) for k, x in v.keywords.items()))
+        return ("partial", _attribute_key(v.func), tuple(_attribute_key(x) for x in v.args), keywords)
+    if isinstance(v, types.MethodType) and isinstance(v.__self__, nn.Module):
+        return ("method", type(v.__self__), v.__func__)
+    return ("object", type(v), id(v))
 
 
 class _Recording:
