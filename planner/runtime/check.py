@@ -68,10 +68,19 @@ class CheckCase:
         if self.cancel is not None and self.cancel():
             raise Cancelled
 
-    def loss_backward(self, model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+    def loss_backward(
+        self, model: nn.Module, inputs: tuple[torch.Tensor, ...], compute_dtype: torch.dtype | None = None
+    ) -> None:
         """Forward of the model's leading inputs, the loss on its output and all `inputs` (the example, on the
-        device the model is on), and backward."""
-        loss = self.loss_fn(model(*inputs[: self.n_inputs]), *inputs)
+        device the model is on), and backward. With `compute_dtype` (parameters cast to it), the model's
+        floating-point inputs are cast to it too, as FSDP2's mixed precision casts a sharded module's inputs
+        (MixedPrecisionPolicy.cast_forward_inputs): Whisper's mel features reach its first convolution in bf16
+        on the cluster; the loss still gets them as they are."""
+        forward = tuple(
+            t.to(compute_dtype) if compute_dtype is not None and t.is_floating_point() else t
+            for t in inputs[: self.n_inputs]
+        )
+        loss = self.loss_fn(model(*forward), *inputs)
         _check_loss(loss)
         loss.backward()
 
@@ -682,7 +691,7 @@ def _tp_shard_step(case: CheckCase, mesh: Any, on_cpu: bool) -> None:
     if compute_dtype is not None:
         _cast_parameters(model, compute_dtype)
     with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), blocks_once(stage):
-        case.loss_backward(model, tuple(t.to("meta") for t in case.example))
+        case.loss_backward(model, tuple(t.to("meta") for t in case.example), compute_dtype)
 
 
 def _runs_on_fake_tensors(case: CheckCase, stage: ModelStage) -> bool:
@@ -703,7 +712,7 @@ def _runs_on_fake_tensors(case: CheckCase, stage: ModelStage) -> bool:
         _cast_parameters(meta_model, compute_dtype)
     try:
         with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), MetaMemo(), blocks_once(stage):
-            case.loss_backward(meta_model, tuple(t.to("meta") for t in case.example))
+            case.loss_backward(meta_model, tuple(t.to("meta") for t in case.example), compute_dtype)
     except RunError:
         raise
     except Exception:  # noqa: BLE001 - the meta run's error is the one reported
