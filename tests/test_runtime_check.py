@@ -489,3 +489,25 @@ def test_a_large_model_is_checked_in_the_dtype_the_gpus_compute_in(tmp_path, dty
     else:
         with pytest.raises(PlanError, match="fails on the meta device"):
             check_plan_runs(plan)
+
+
+def test_fake_run_casts_the_models_float_inputs_as_fsdp_mixed_precision_does() -> None:
+    """bf16 weights and an fp32 input into a convolution (Whisper's mel features): FSDP2 casts the forward's
+    inputs to bf16, so the check's fake run does too (it failed: input float, bias bf16)."""
+    from typing import Any, cast
+
+    from planner.runtime.check import CheckCase, _runs_on_fake_tensors
+    from planner.runtime.layout import Training
+    from planner.runtime.stages import ModelStage
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv1d(4, 8, 3, padding=1), nn.GELU())
+    example = (torch.randn(2, 4, 16), torch.randn(2, 8, 16))
+
+    def loss(out: torch.Tensor, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out.float() - target).pow(2).mean()
+
+    stage = ModelStage(model, ["0", "1"])
+    none = cast(Any, None)  # what the fake run does not read
+    case = CheckCase(none, none, Training(dtype="bf16"), None, example, 1, loss)
+    assert _runs_on_fake_tensors(case, stage)

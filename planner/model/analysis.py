@@ -285,6 +285,8 @@ def _batch_norm_inputs(model):
             x = args[0] if args else None
             if isinstance(x, torch.Tensor) and not isinstance(x, torch.fx.Proxy) and x.dim() >= 2:
                 seen[name] = min(seen.get(name, x[0, 0].numel()), x[0, 0].numel())
+
+        record.planner_trace_neutral = True  # type: ignore[attr-defined]  # nothing on proxies (tracers.py)
         return record
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules()

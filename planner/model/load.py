@@ -322,6 +322,8 @@ def _check_input_dtypes(model: torch.nn.Module, loaded: LoadedModel) -> None:
                     f"{loaded.source.inputs_fn}() for that input (or pass token ids through an nn.Embedding "
                     "first)."
                 )
+
+        check.planner_trace_neutral = True  # type: ignore[attr-defined]  # returns at once on proxies (tracers.py)
         return check
 
     for name, module in model.named_modules():

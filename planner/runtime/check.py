@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .errors import RefusedLayout, RunError
 from .layout import Layout, ModelFile, Training
@@ -67,10 +68,19 @@ class CheckCase:
         if self.cancel is not None and self.cancel():
             raise Cancelled
 
-    def loss_backward(self, model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+    def loss_backward(
+        self, model: nn.Module, inputs: tuple[torch.Tensor, ...], compute_dtype: torch.dtype | None = None
+    ) -> None:
         """Forward of the model's leading inputs, the loss on its output and all `inputs` (the example, on the
-        device the model is on), and backward."""
-        loss = self.loss_fn(model(*inputs[: self.n_inputs]), *inputs)
+        device the model is on), and backward. With `compute_dtype` (parameters cast to it), the model's
+        floating-point inputs are cast to it too, as FSDP2's mixed precision casts a sharded module's inputs
+        (MixedPrecisionPolicy.cast_forward_inputs): Whisper's mel features reach its first convolution in bf16
+        on the cluster; the loss still gets them as they are."""
+        forward = tuple(
+            t.to(compute_dtype) if compute_dtype is not None and t.is_floating_point() else t
+            for t in inputs[: self.n_inputs]
+        )
+        loss = self.loss_fn(model(*forward), *inputs)
         _check_loss(loss)
         loss.backward()
 
@@ -464,21 +474,115 @@ def value_key(values: Any) -> Any:
     return (type(values), repr(values))
 
 
+class _Unkeyable(Exception):
+    """A call's input or output that `blocks_once` cannot describe or hand out again: the unit runs."""
+
+
+def _call_key(v: Any) -> Any:
+    """An exact description of a unit's call argument as far as a meta run can see it: tensors by metadata, plain
+    values by value, containers by their items. Anything else (a cache object, a tensor subclass) is unkeyable."""
+    kind = type(v)
+    if kind is torch.Tensor or kind is nn.Parameter or kind is FakeTensor:
+        return ("tensor", tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.device.type, v.requires_grad)
+    if v is None or kind in (int, bool, str, torch.dtype, torch.device):
+        return (kind, v)
+    if kind is float:
+        return (kind, repr(v))
+    if kind in (tuple, list):
+        return (kind, tuple(_call_key(x) for x in v))
+    if kind is dict:
+        return (kind, tuple((k, _call_key(x)) for k, x in v.items()))
+    raise _Unkeyable
+
+
+def _handed_out(v: Any) -> Any:
+    """A unit's recorded output handed to a repeat: each tensor cloned (a fresh tensor whose gradient flows to the
+    recorded one; the model may write into what a block returns, which must not write into the first block's
+    saved output), plain values and containers as they are; anything else is unkeyable."""
+    kind = type(v)
+    if kind is torch.Tensor or kind is FakeTensor:
+        return v.clone()
+    if v is None or kind in (int, bool, str, float):
+        return v
+    if kind in (tuple, list):
+        return kind(_handed_out(x) for x in v)
+    if kind is dict:
+        return {k: _handed_out(x) for k, x in v.items()}
+    raise _Unkeyable
+
+
+@contextlib.contextmanager
+def blocks_once(stage: ModelStage) -> Iterator[None]:
+    """Within the block, each of the stage's units (its checkpoint/FSDP units: the model's blocks) runs once per
+    distinct (module, call arguments' metadata); a repeat (the 79 later decoder layers of Llama-3-70B, given
+    the same shapes) returns clones of the first's outputs, so forward, recomputation and backward run through
+    one block of each kind, as `_run_stages` runs a pipeline's pieces. On meta a unit computes shapes only, and
+    two units described alike (`_describe`, and the analysis' `describe_block`: attributes too, but an index)
+    compute the same shapes from inputs of the same metadata. For meta and fake runs only: a run on real values
+    must run every block."""
+    from .tracers import describe_block
+
+    units = stage.units()
+    counts: dict[Any, int] = {}
+    described: dict[int, Any] = {}
+    for u in units:
+        try:  # what the analysis' tracing tells blocks apart by (attributes, hooks too), and the training state
+            described[id(u)] = (_describe(u), describe_block(u, None))
+        except Exception:  # noqa: BLE001 - a block with a hook, or one that cannot be described: it runs
+            described[id(u)] = id(u)
+    for key in described.values():
+        counts[key] = counts.get(key, 0) + 1
+    outputs: dict[Any, Any] = {}
+    patched: list[tuple[nn.Module, bool, Any]] = []
+    for unit in units:
+        if counts[described[id(unit)]] < 2:
+            continue  # one of a kind: nothing to reuse
+
+        def forward(*args: Any, _unit: nn.Module = unit, _inner: Any = unit.forward, **kwargs: Any) -> Any:
+            try:
+                key = (described[id(_unit)], _call_key(args), _call_key(kwargs))
+            except _Unkeyable:
+                return _inner(*args, **kwargs)
+            if key in outputs:
+                return _handed_out(outputs[key])
+            out = _inner(*args, **kwargs)
+            try:
+                _handed_out(out)  # only what can be handed out again is recorded
+            except _Unkeyable:
+                return out
+            outputs[key] = out
+            return out
+
+        had = "forward" in unit.__dict__  # an instance forward of its own (checkpoint_in_place's), put back after
+        patched.append((unit, had, unit.__dict__.get("forward")))
+        unit.forward = forward
+    try:
+        yield
+    finally:
+        for unit, had, inner in patched:
+            if had:
+                unit.forward = inner
+            else:
+                del unit.forward
+
+
 def _run_model(case: CheckCase, meta_model: nn.Module) -> None:
     """Forward, loss and backward of the model as written: on meta, or on the CPU for a small model that the
     meta device cannot run (data-dependent code). Its units are checkpointed as the run checkpoints them."""
     layout, training = case.layout, case.training
     recompute = layout.stages[0].recompute
-    with_recompute(ModelStage(meta_model, list(layout.stages[0].modules)), recompute, layout.schedule)
+    stage = ModelStage(meta_model, list(layout.stages[0].modules))
+    with_recompute(stage, recompute, layout.schedule)
     try:
-        with MetaMemo():  # each distinct op runs its meta kernel once: repeated blocks cost one
+        # Each distinct op runs its meta kernel once, each distinct block once: repeated blocks cost one.
+        with MetaMemo(), blocks_once(stage):
             case.loss_backward(meta_model, tuple(t.to("meta") for t in case.example))
         return
     except RunError:
         raise
     except Exception as e:  # noqa: BLE001 - retried for real below when small enough
         if sum(p.numel() for p in meta_model.parameters()) > SMALL:
-            if _runs_on_fake_tensors(case, meta_model):
+            if _runs_on_fake_tensors(case, stage):
                 return
             first = str(e).strip().splitlines()[0][:400] if str(e).strip() else ""
             raise RunError(
@@ -578,18 +682,19 @@ def _tp_shard_step(case: CheckCase, mesh: Any, on_cpu: bool) -> None:
     model = build_model(case.user, case.spec, training.seed, everything_on_meta=not on_cpu)
     if on_cpu:
         materialise(model, {n for n, _ in model.named_modules()}, torch.device("cpu"), training.seed)
-    apply_tp(ModelStage(model, list(layout.stages[0].modules)), mesh, layout, {})
+    stage = ModelStage(model, list(layout.stages[0].modules))
+    apply_tp(stage, mesh, layout, {})
     if on_cpu:
         case.loss_backward(model, case.example)
         return
     compute_dtype = COMPUTE_DTYPES.get(training.dtype)
     if compute_dtype is not None:
         _cast_parameters(model, compute_dtype)
-    with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
-        case.loss_backward(model, tuple(t.to("meta") for t in case.example))
+    with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), blocks_once(stage):
+        case.loss_backward(model, tuple(t.to("meta") for t in case.example), compute_dtype)
 
 
-def _runs_on_fake_tensors(case: CheckCase, meta_model: nn.Module) -> bool:
+def _runs_on_fake_tensors(case: CheckCase, stage: ModelStage) -> bool:
     """Whether forward, loss and backward run under FakeTensorMode: a large model whose forward branches on
     values where it sees real tensors but skips that branch while tracing (Hugging Face's packed-sequence
     check calls .item() unless `is_tracing`) fails on plain meta tensors yet runs on the cluster. Fake tensors
@@ -601,12 +706,13 @@ def _runs_on_fake_tensors(case: CheckCase, meta_model: nn.Module) -> bool:
     takes bf16 alone)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    meta_model = stage.model
     compute_dtype = COMPUTE_DTYPES.get(case.training.dtype)
     if compute_dtype is not None:
         _cast_parameters(meta_model, compute_dtype)
     try:
-        with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), MetaMemo():
-            case.loss_backward(meta_model, tuple(t.to("meta") for t in case.example))
+        with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), MetaMemo(), blocks_once(stage):
+            case.loss_backward(meta_model, tuple(t.to("meta") for t in case.example), compute_dtype)
     except RunError:
         raise
     except Exception:  # noqa: BLE001 - the meta run's error is the one reported

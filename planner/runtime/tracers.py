@@ -22,8 +22,10 @@ pay for one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import operator
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -75,9 +77,11 @@ class BufferTracer(fx.Tracer):
 
     proxy_buffer_attributes = True
 
-    def __init__(self, leaves: frozenset[str] = frozenset()) -> None:
+    def __init__(self, leaves: frozenset[str] = frozenset(), repeats: bool = False) -> None:
         super().__init__()
         self.leaves = leaves  # qualified names of modules kept as one call (expert-parallel experts)
+        self.repeats = repeats  # trace each kind of repeated block once and replay it (RepeatedBlocks)
+        self._blocks: RepeatedBlocks | None = None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaves:
@@ -95,7 +99,51 @@ class BufferTracer(fx.Tracer):
                 self._names.setdefault(id(b), n)
             for n, p in root.named_parameters():
                 self._names.setdefault(id(p), n)
+        self._blocks = RepeatedBlocks(root, self.leaves) if self.repeats and isinstance(root, nn.Module) else None
         return super().trace(root, concrete_args)
+
+    def call_module(
+        self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        blocks = self._blocks
+        kind = blocks.kinds.get(id(m)) if blocks is not None else None
+        if blocks is None or kind is None:
+            return super().call_module(m, forward, args, kwargs)
+        path = self.path_of_module(m)
+        try:
+            key = (kind, self._call_key(args, kwargs))
+        except _Unkeyable:
+            return super().call_module(m, forward, args, kwargs)
+        if self.num_calls.get(path, 0) != 0:  # a block called again: its module stack keys differ
+            return super().call_module(m, forward, args, kwargs)
+        recorded = blocks.recorded.get(key)
+        if recorded is not None:
+            return recorded.replay(self, path, args, kwargs)
+        before, calls, depth = len(self.graph.nodes), dict(self.num_calls), len(self.module_stack)
+        out = super().call_module(m, forward, args, kwargs)
+        with contextlib.suppress(_Unkeyable):
+            recording = _Recording(self, path, args, kwargs, out, len(self.graph.nodes) - before, calls, depth)
+            blocks.recorded[key] = recording
+        return out
+
+    def _call_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What a block's tracing depends on in its call arguments: their structure, plain values by value,
+        which arguments are the same proxy, and (MetaTracer) each proxy's meta value."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        first: dict[fx.Node, int] = {}
+        key: list[Any] = [repr(spec)]
+        for leaf in leaves:
+            if isinstance(leaf, fx.Proxy):
+                key.append(("proxy", first.setdefault(leaf.node, len(first)), self._proxy_key(leaf)))
+            elif isinstance(leaf, torch.Tensor):
+                key.append(("tensor", id(leaf)))  # a model's own tensor, read by name (create_arg)
+            else:
+                key.append(_plain_key(leaf))
+        return tuple(key)
+
+    def _proxy_key(self, proxy: fx.Proxy) -> Any:
+        """A plain symbolic trace cannot depend on a proxy's value (asking for it fails the trace)."""
+        return None
 
     def create_arg(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):
@@ -188,6 +236,17 @@ class MetaTracer(BufferTracer):
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return MetaProxy(node, self)
+
+    def _proxy_key(self, proxy: fx.Proxy) -> Any:
+        """The meta value a block's Python may read (shapes, dtypes, devices): tensors by metadata."""
+        value = getattr(proxy, "value", None)
+        if isinstance(value, torch.Tensor):
+            if type(value) is not torch.Tensor and type(value) is not nn.Parameter:
+                raise _Unkeyable
+            return ("tensor", tuple(value.shape), value.stride(), value.dtype, value.device.type, value.requires_grad)
+        if isinstance(value, (tuple, list)):
+            return (type(value), tuple(_plain_key(v) for v in value))
+        return _plain_key(value)
 
     def call_module(
         self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -284,10 +343,14 @@ def _recorded_factories(tracer: MetaTracer) -> Iterator[None]:
             setattr(torch, n, fn)
 
 
-def meta_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...], leaves: frozenset[str] = frozenset()) -> fx.Graph:
+def meta_trace(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], leaves: frozenset[str] = frozenset(), repeats: bool = False
+) -> fx.Graph:
     """The graph of ``model(*inputs)`` (meta tensors), traced with meta values; raises (MetaTraceError, or the
-    error of the op whose meta value cannot be computed) where it cannot follow the model."""
+    error of the op whose meta value cannot be computed) where it cannot follow the model. `repeats`: each kind
+    of repeated block traced once and replayed for the others (RepeatedBlocks)."""
     tracer = MetaTracer(tuple(inputs), leaves)
+    tracer.repeats = repeats
     with MetaMemo(), _recorded_factories(tracer):
         graph = tracer.trace(model)
     # A weight read only for its metadata (`self.wo.weight.dtype`, answered from its meta value) left a
@@ -298,3 +361,190 @@ def meta_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...], leaves: froze
         in_spec = pytree.tree_structure(tuple(range(len(tracer.names))))
         graph._codegen = _PyTreeCodeGen(_PyTreeInfo(list(tracer.names), in_spec, tracer.out_spec))
     return graph
+
+
+class _Unkeyable(Exception):
+    """A call argument or output a block's replay cannot describe or rebuild: the block is traced."""
+
+
+_PLAIN = (int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _plain_key(v: Any) -> Any:
+    if type(v) in _PLAIN:
+        return (type(v), v)
+    if type(v) is float:
+        return (float, repr(v))
+    raise _Unkeyable
+
+
+# Set (True) on a forward hook that does nothing when called on fx proxies (the planner's one-shot input checks):
+# a block holding it can still be replayed. Any other hook makes its block traced.
+TRACE_NEUTRAL = "planner_trace_neutral"
+
+# Integer attributes that hold a block's own index (transformers' `layer_idx`, used to index a KV cache that
+# training does not keep): left out of a block's description where they equal its position in its container.
+_INDEX_NAMES = ("idx", "index", "layer_id")
+
+
+class RepeatedBlocks:
+    """The analysis' tracing of repeated blocks (the 80 decoder layers of Llama-3-70B): each block of a container
+    (ModuleList, Sequential, ModuleDict) whose siblings include one described alike is a candidate. The first
+    call of each kind with given arguments is traced, and its nodes recorded; a later block of the same kind
+    called with arguments of the same structure, plain values, proxy identities and meta values replays them:
+    the same nodes, its own parameters and modules as targets, its own module stack, in the order a trace would
+    create them (so the node names are a trace's too). Tracing a block depends on the block's code, its
+    attributes and its arguments' metadata, which is what the description and the key hold, with one assumption:
+    an integer attribute named like an index that equals the block's position (transformers' `layer_idx`) is
+    not read by forward (it indexes a KV cache, off in training). Where it is (GPT-2 with
+    scale_attn_by_inverse_layer_idx scales by it), the replayed graph carries the first block's constant, which
+    changes no count. Used for the planner's analysis only: the runtime traces every block."""
+
+    def __init__(self, root: nn.Module, leaves: frozenset[str]) -> None:
+        self.kinds: dict[int, Any] = {}  # id(block) -> its description
+        self.recorded: dict[Any, _Recording] = {}
+        containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+        for name, mod in root.named_modules():
+            if not isinstance(mod, containers):
+                continue
+            described: dict[int, Any] = {}
+            for position, (child_name, child) in enumerate(mod.named_children()):
+                prefix = f"{name}.{child_name}" if name else child_name
+                with contextlib.suppress(Exception):  # a module whose repr or attributes fail: traced
+                    described[id(child)] = describe_block(child, position, prefix, leaves)
+            counts: dict[Any, int] = {}
+            for d in described.values():
+                counts[d] = counts.get(d, 0) + 1
+            self.kinds.update((i, d) for i, d in described.items() if counts[d] > 1)
+
+
+def describe_block(
+    block: nn.Module, position: int | None, prefix: str = "", leaves: frozenset[str] = frozenset()
+) -> Any:
+    """What tracing a block depends on besides its arguments: every submodule's type, attributes (plain values by
+    value, other objects by identity: a config shared by all blocks is one object), parameters and buffers
+    (shapes, dtypes, whether trained), hooks, and which are kept as calls. An integer attribute named like an
+    index is left out where it equals `position` (the block's index in its container; None: any value)."""
+    items: list[Any] = [repr(block)]
+    for name, sub in block.named_modules():
+        hooks = (*sub._forward_hooks.values(), *sub._forward_pre_hooks.values())
+        if not all(getattr(h, TRACE_NEUTRAL, False) for h in hooks):
+            raise _Unkeyable  # a hook may record each call (the replay would not run it)
+        attrs: list[tuple[Any, ...]] = []
+        for k, v in vars(sub).items():
+            if k.startswith("_") or k == "forward":  # an instance forward: activation checkpointing's wrapper
+                continue
+            if type(v) is int and position in (None, v) and any(w in k.lower() for w in _INDEX_NAMES):
+                continue
+            attrs.append((k, _attribute_key(v)))
+        tensors: list[tuple[Any, ...]] = [
+            (n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in sub.named_parameters(recurse=False)
+        ]
+        tensors += [(n, tuple(t.shape), t.dtype) for n, t in sub.named_buffers(recurse=False)]
+        kept = (f"{prefix}.{name}" if name else prefix) in leaves  # kept as one call
+        items.append((name, type(sub), tuple(attrs), tuple(tensors), kept))
+    return tuple(items)
+
+
+def _attribute_key(v: Any) -> Any:
+    """A block's attribute: plain values by value, containers by their items, a partial function (transformers'
+    GELUTanh makes its own `partial(gelu, approximate="tanh")`) by its function and arguments, a method of one
+    of the block's modules by its function, anything else by identity."""
+    try:
+        return _plain_key(v)
+    except _Unkeyable:
+        pass
+    if isinstance(v, (tuple, list)):
+        return (type(v), tuple(_attribute_key(x) for x in v))
+    if isinstance(v, functools.partial):
+        keywords = tuple(sorted((k, _attribute_key(x)) for k, x in v.keywords.items()))
+        return ("partial", _attribute_key(v.func), tuple(_attribute_key(x) for x in v.args), keywords)
+    if isinstance(v, types.MethodType) and isinstance(v.__self__, nn.Module):
+        return ("method", type(v.__self__), v.__func__)
+    return ("object", type(v), id(v))
+
+
+class _Recording:
+    """The nodes one block's traced call created, what they read from its arguments, and what it returned."""
+
+    def __init__(
+        self,
+        tracer: BufferTracer,
+        path: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        count: int,
+        calls_before: dict[str, int],
+        depth: int,
+    ) -> None:
+        self.path, self.depth = path, depth
+        flat = pytree.tree_flatten((args, kwargs))[0]
+        self.arguments = [leaf.node if isinstance(leaf, fx.Proxy) else None for leaf in flat]
+        nodes: list[fx.Node] = []
+        for node in reversed(tracer.graph.nodes):
+            if len(nodes) == count:
+                break
+            nodes.append(node)
+        self.nodes = nodes[::-1]
+        leaves, self.out_spec = pytree.tree_flatten(out)
+        self.out: list[tuple[str, Any, Any]] = []  # ("node", node, meta value) or ("value", value, None)
+        for leaf in leaves:
+            if isinstance(leaf, fx.Proxy):
+                self.out.append(("node", leaf.node, getattr(leaf, "value", None)))
+            else:
+                _plain_key(leaf)  # only plain values besides proxies
+                self.out.append(("value", leaf, None))
+        called = {k: n - calls_before.get(k, 0) for k, n in tracer.num_calls.items() if n != calls_before.get(k, 0)}
+        if any(not (k == path or k.startswith(path + ".")) for k in called):
+            raise _Unkeyable  # it called a module of the model's outside itself: a replay would not count that call
+        self.calls = {k[len(path) :]: n for k, n in called.items()}
+
+    def replay(self, tracer: BufferTracer, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The recorded nodes again for the block at `path` called with `args` and `kwargs` (same key)."""
+        old = self.path
+
+        def rename(name: str) -> str:
+            inside = name == old or name.startswith((old + ".", old + "@"))
+            return path + name[len(old) :] if inside else name
+
+        outer = list(tracer.module_stack.items())  # the modules this call is made in (the recording's may differ)
+
+        env: dict[fx.Node, fx.Node] = {}
+        for node, leaf in zip(self.arguments, pytree.tree_flatten((args, kwargs))[0], strict=True):
+            if node is not None:
+                env[node] = leaf.node
+        graph = tracer.graph
+        for node in self.nodes:
+            target = node.target
+            if isinstance(target, str) and node.op in ("get_attr", "call_module"):
+                target = rename(target)
+            new = graph.create_node(
+                node.op,
+                target,
+                fx.node.map_arg(node.args, lambda a: env.get(a, a)),
+                fx.node.map_arg(node.kwargs, lambda a: env.get(a, a)),
+                None,
+                node.type,
+            )
+            stack = node.meta.get("nn_module_stack")
+            if stack is not None:
+                new.meta["nn_module_stack"] = type(stack)(
+                    outer + [(rename(k), (rename(q), t)) for k, (q, t) in list(stack.items())[self.depth :]]
+                )
+            scope = tracer.node_name_to_scope.get(node.name)
+            if scope is not None:
+                tracer.node_name_to_scope[new.name] = (rename(scope[0]), scope[1])
+            env[node] = new
+        for rel, n in self.calls.items():
+            tracer.num_calls[path + rel] = tracer.num_calls.get(path + rel, 0) + n
+        leaves = []
+        for kind, v, value in self.out:
+            if kind == "value":
+                leaves.append(v)
+                continue
+            proxy = tracer.proxy(env.get(v, v))
+            if value is not None:
+                proxy.value = value  # type: ignore[attr-defined]
+            leaves.append(proxy)
+        return pytree.tree_unflatten(leaves, self.out_spec)

@@ -1,0 +1,190 @@
+"""Each distinct block once (issue 27): the analysis traces one block of each kind and replays its nodes for the
+others (planner.runtime.tracers.RepeatedBlocks), and the plan-time check runs one block of each kind on meta
+(planner.runtime.check.blocks_once). The replayed graph and the analysis must equal the full ones, field by
+field; a block that differs (an attribute its forward reads, another input shape) is traced."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import planner.model.trace as model_trace
+from planner.model.analysis import analyse_model
+from planner.model.load import load_model_file
+from planner.runtime.check import blocks_once
+from planner.runtime.stages import ModelStage
+from planner.runtime.tracers import BufferTracer, meta_trace
+
+MODELS = Path(__file__).resolve().parent / "fixtures" / "models"
+SAMPLES = Path(__file__).resolve().parents[1] / "sample_models"
+
+
+def _nodes(graph: torch.fx.Graph) -> list[tuple]:
+    """Everything the analysis and the runtime read from a node."""
+    return [
+        (n.name, n.op, str(n.target), str(n.args), str(n.kwargs), str(dict(n.meta.get("nn_module_stack", {}))))
+        for n in graph.nodes
+    ]
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, layer_idx: int, scale: float = 1.0) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx  # an index (transformers' KV-cache slot): not part of what the block is
+        self.scale = scale  # read by forward: blocks with another scale trace differently
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.fc(self.norm(x))) * self.scale
+
+
+class Stack(nn.Module):
+    def __init__(self, scales: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 8)
+        self.blocks = nn.ModuleList([Block(8, i, s) for i, s in enumerate(scales)])
+        self.head = nn.Linear(8, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("scales", [(1.0, 1.0, 1.0, 1.0), (1.0, 2.0, 1.0, 2.0)])
+@pytest.mark.parametrize("tracer", ["fx", "fx-meta"])
+def test_replayed_graph_equals_the_full_trace(tracer: str, scales: tuple[float, ...]) -> None:
+    with torch.device("meta"):
+        model = Stack(scales)
+    ids = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    graphs, replayed = [], []
+    for repeats in (False, True):
+        if tracer == "fx":
+            t = BufferTracer(repeats=repeats)
+            graphs.append(t.trace(model))
+        else:
+            graphs.append(meta_trace(model, (ids,), repeats=repeats))
+    assert _nodes(graphs[0]) == _nodes(graphs[1])
+    assert graphs[0].python_code("self").src == graphs[1].python_code("self").src
+    # The blocks are recognised as two kinds at most, however many there are (layer_idx differs in each).
+    t = BufferTracer(repeats=True)
+    t.trace(model)
+    assert t._blocks is not None
+    replayed = sorted({kind for kind in t._blocks.kinds.values()}, key=repr)
+    assert len(replayed) == len(set(scales))
+    assert len(t._blocks.recorded) == len(set(scales))
+
+
+def test_a_block_called_with_other_shapes_is_traced() -> None:
+    """The meta trace bakes shapes into the graph: a block called on another shape is not a replay."""
+
+    class Pyramid(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(8, i) for i in range(3)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for i, block in enumerate(self.blocks):
+                x = block(x[:, : x.shape[1] - i])
+            return x.sum()
+
+    with torch.device("meta"):
+        model = Pyramid()
+    x = torch.empty(2, 6, 8, device="meta")
+    assert _nodes(meta_trace(model, (x,))) == _nodes(meta_trace(model, (x,), repeats=True))
+
+
+# Corpus models: fx and fx-meta traces, an encoder-decoder, MoE, leaves in a ModuleList (the
+# recommender's embedding tables), a ModuleDict, a top-level Sequential, sliding-window layers (Gemma-2).
+CORPUS = [
+    (MODELS / "hf_tiny.py", {"arch": "llama"}),
+    (MODELS / "hf_tiny.py", {"arch": "bart"}),
+    (MODELS / "hf_tiny.py", {"arch": "vit"}),
+    (MODELS / "sequential_cnn.py", {}),
+    (MODELS / "hf_zoo.py", {"arch": "gemma2"}),
+    (MODELS / "moduledict_llama.py", {}),
+    (MODELS / "deepseek_moe.py", {}),
+    (MODELS / "authored" / "recommender.py", {}),
+    (SAMPLES / "gpt.py", {}),
+]
+
+
+@pytest.mark.parametrize(("path", "args"), CORPUS, ids=lambda v: v.stem if isinstance(v, Path) else str(v))
+def test_analysis_with_replayed_blocks_equals_the_full_analysis(
+    path: Path, args: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if "hf_" in path.stem:
+        pytest.importorskip("transformers")
+    import planner.runtime.tracers as tracers
+
+    replays: list[str] = []
+    replay = tracers._Recording.replay
+
+    def counted(self, tracer, path, args_, kwargs):  # type: ignore[no-untyped-def]
+        replays.append(path)
+        return replay(self, tracer, path, args_, kwargs)
+
+    monkeypatch.setattr(tracers._Recording, "replay", counted)
+    graphs = []
+    for repeats in (False, True):
+        monkeypatch.setattr(model_trace, "REPLAY_REPEATED_BLOCKS", repeats)
+        graphs.append(analyse_model(load_model_file(path, args, dtype="fp32")).model_dump())
+    assert replays  # blocks were replayed (the planner's own input-check hooks do not prevent it)
+    full, replayed = graphs
+    assert full.keys() == replayed.keys()
+    for field in full:
+        assert full[field] == replayed[field], field
+
+
+def test_the_check_runs_each_kind_of_block_once() -> None:
+    """Forward, recomputation and backward through one block of each kind, with the shapes of the full run."""
+    with torch.device("meta"):
+        model = Stack((1.0, 1.0, 2.0, 1.0))
+    calls: list[int] = []
+    for block in model.blocks:
+        inner = block.forward
+        block.forward = lambda x, _inner=inner, _i=block.layer_idx: (calls.append(_i), _inner(x))[1]
+    stage = ModelStage(model, ["emb", *(f"blocks.{i}" for i in range(4)), "head"])
+    ids = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    with blocks_once(stage):
+        out = model(ids)
+        out.float().sum().backward()
+    assert calls == [0, 2]  # blocks 1 and 3 repeat block 0 (same kind, same input); block 2 has its own scale
+    assert out.shape == (2, 5, 32)
+    assert model.emb.weight.grad is not None and model.emb.weight.grad.shape == (32, 8)
+    # Afterwards every block runs again.
+    calls.clear()
+    model(ids)
+    assert calls == [0, 1, 2, 3]
+
+
+def test_the_check_runs_a_block_whose_input_it_cannot_describe() -> None:
+    class Opaque:
+        pass
+
+    class Takes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, extra: object = None) -> torch.Tensor:
+            return self.fc(x)
+
+    with torch.device("meta"):
+        model = nn.Sequential(Takes(), Takes())
+    calls: list[int] = []
+    for i, block in enumerate(model):
+        inner = block.forward
+        block.forward = lambda x, extra=None, _inner=inner, _i=i: (calls.append(_i), _inner(x, extra))[1]
+    stage = ModelStage(model, ["0", "1"])
+    x = torch.empty(2, 4, device="meta")
+    with blocks_once(stage):
+        model[0](x, Opaque())
+        model[1](x, Opaque())
+    assert calls == [0, 1]
