@@ -18,6 +18,7 @@ from planner.model.grouping import (
     structure_key,
     unit_name,
 )
+from planner.model.kernels import fused_kernels
 from planner.model.load import DTYPE_BYTES, LoadedModel, build_meta_model, meta_inputs, torch_dtype
 from planner.model.moe import correct_counts, ep_granularity, expert_storages, unit_moe_layers
 from planner.model.tp import ModuleNames, TPInfo, constant_inputs, renamer, tp_info
@@ -26,13 +27,20 @@ from planner.model.trace import lazy_graph_modules, trace_model
 
 def analyse_model(loaded: LoadedModel) -> ModelGraph:
     """Build on meta, trace, group into units and analyse each distinct unit once."""
-    import torch
-    from torch.fx.passes.split_module import split_module
 
     from planner.runtime.meta import meta_without_dynamo
 
     meta_without_dynamo()  # meta elementwise kernels would import torch._dynamo (planner.runtime.meta)
     model = build_meta_model(loaded)
+    # Mamba mixers run as their fused GPU kernels while traced and counted (planner.model.kernels)
+    with fused_kernels(model):
+        return _analyse(loaded, model)
+
+
+def _analyse(loaded: LoadedModel, model) -> ModelGraph:
+    import torch
+    from torch.fx.passes.split_module import split_module
+
     batch = trace_batch(model)
     compute = torch_dtype(loaded.source.dtype)
     inputs = meta_inputs(loaded, batch)

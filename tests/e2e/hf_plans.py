@@ -42,6 +42,16 @@ ZOO_ARCHS = (
     "convnext", "deit",
 )
 ZOO: dict[str, tuple[Path, list[str]]] = {a: (MODELS / "hf_zoo.py", ["--model-arg", f"arch={a!r}"]) for a in ZOO_ARCHS}
+# Models as their authors publish them (issue 27): tests/fixtures/models/authored/ and the nanoGPT and attention
+# fixtures, for bench/corpus_train.py --authored (CI plans each in tests/test_authored_models.py).
+AUTHORED_DIR = MODELS / "authored"
+AUTHORED: dict[str, tuple[Path, list[str]]] = {
+    **{p.stem: (p, []) for p in sorted(AUTHORED_DIR.glob("*.py"))},
+    "nanogpt": (MODELS / "nanogpt.py", []),
+    "deepseek_moe": (MODELS / "deepseek_moe.py", []),
+    **{f"attention_{v}": (MODELS / "attention_variants.py", ["--model-arg", f"variant={v!r}"])
+       for v in ("sliced_qkv", "head_scale")},
+}
 # Layouts for 4 CPU ranks; the global batch (8 = 4 micro-batches of 2) is the same for every layout, so one
 # single-process reference per model serves them all. tp2xdp2: trained by test_tp_e2e.py, by the bench here.
 LAYOUTS: dict[str, list[str]] = {"dp4": ["--dp", "4"], "pp2xdp2": ["--pp", "2", "--dp", "2", "--schedule", "1f1b"]}
@@ -57,7 +67,7 @@ GLOBAL_BATCH, MICRO_BATCH = 8, 2
 
 def corpus_plan_args(name: str, layout: str, out: Path) -> list[str]:
     """`planner plan` arguments for a corpus (or zoo) model and layout (4 CPU ranks), writing into `out`."""
-    path, args = {**CORPUS, **ZOO}[name]
+    path, args = {**CORPUS, **ZOO, **AUTHORED}[name]
     pins = {**LAYOUTS, **TP_LAYOUT, **INTERLEAVED_LAYOUT}[layout]
     return [
         "plan", str(path), *args, "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4", "--global-batch-size",
