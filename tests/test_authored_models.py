@@ -284,3 +284,28 @@ def test_the_scan_rule_and_the_check_run_each_distinct_mixer_once():
         type(model.layers[0].mixer).selective_scan = original
     assert len(calls) == 1  # four identical mixers, one run of the scan
     assert all(p.grad is not None for p in model.parameters())
+
+
+# --- a hybrid SSM / attention / MoE stack ---------------------------------------------------------------------
+
+
+def test_hybrid_moe_is_recognised_without_pins_and_its_experts_fall_as_one_over_ep():
+    """Jamba's stack (Mamba and attention layers, a mixture of experts in every other layer): the experts are
+    found without --ep in their layers (units at the layers' boundaries: no two layers alike), and the weights a rank holds lose exactly (1 - 1/ep) of the
+    experts' bytes (without ZeRO and with ZeRO-1, where the weights are whole on each replica)."""
+    from planner.model.analysis import analyse_model
+    from planner.model.load import load_model_file
+
+    graph = analyse_model(load_model_file(AUTHORED / "hf_jamba.py"))
+    experts = sum(u.expert_params for u in graph.units)
+    assert experts == 2 * 4 * 3 * 32 * 64  # two MoE layers of 4 experts (gate, up, down)
+    assert [u.name for u in graph.units if u.experts] == ["model.layers.1", "model.layers.3"]
+    assert {u.ep_granularity for u in graph.units if u.experts} == {4}
+    for zero in ("0", "1"):
+        weights = {}
+        for ep in (1, 2, 4):
+            p = planned(dry_run(AUTHORED / "hf_jamba.py", "--dp", "4", "--ep", str(ep), "--zero-stage", zero))
+            weights[ep] = sum(s["memory"]["weights"] for s in p["stages"])
+        per_param = weights[1] / graph.total_params
+        for ep in (2, 4):
+            assert weights[1] - weights[ep] == pytest.approx(experts * per_param * (1 - 1 / ep))
