@@ -217,6 +217,7 @@ REFUSED = {
     # Mamba-1's x_proj reduces over the inner channels in_proj would shard: no column/row pair in a block
     ("hf_mamba", "tp2xdp2"): "no Linear pairs",
     ("mamba_minimal", "tp2xdp2"): "no Linear pairs",
+    ("lstm_lm", "tp2xdp2"): "no Linear pairs",  # the recurrence is one nn.LSTM; the decoder has no partner
 }
 
 
@@ -291,8 +292,9 @@ def test_the_scan_rule_and_the_check_run_each_distinct_mixer_once():
 
 def test_hybrid_moe_is_recognised_without_pins_and_its_experts_fall_as_one_over_ep():
     """Jamba's stack (Mamba and attention layers, a mixture of experts in every other layer): the experts are
-    found without --ep in their layers (units at the layers' boundaries: no two layers alike), and the weights a rank holds lose exactly (1 - 1/ep) of the
-    experts' bytes (without ZeRO and with ZeRO-1, where the weights are whole on each replica)."""
+    found without --ep in their layers (units at the layers' boundaries: no two layers alike), and the weights a
+    rank holds lose exactly (1 - 1/ep) of the experts' bytes (without ZeRO and with ZeRO-1, where the weights are
+    whole on each replica)."""
     from planner.model.analysis import analyse_model
     from planner.model.load import load_model_file
 

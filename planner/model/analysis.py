@@ -101,7 +101,10 @@ def _analyse(loaded: LoadedModel, model) -> ModelGraph:
     names = ModuleNames.of(model)
     root_attrs: dict[int, list[str]] = {}
     for n, u in node_unit.items():
-        if n.op == "get_attr" and str(n.target) in params_by_name:
+        # (a read that no unit uses, of a parameter a unit's module holds, is that unit's: Jamba's mixer norms,
+        # read beside the mixer kept as one call, would be counted twice)
+        used = any(x in node_unit for x in n.users)
+        if n.op == "get_attr" and str(n.target) in params_by_name and (used or not _under(str(n.target), groups)):
             root_attrs.setdefault(u, []).append(str(n.target))
     units: list[Unit] = []
     analysed: dict[str, Counts] = {}
@@ -302,6 +305,11 @@ def _batch_norm_inputs(model):
     finally:
         for h in handles:
             h.remove()
+
+
+def _under(name: str, groups: list[list[str]]) -> bool:
+    """Whether a parameter's qualified name lies under one of the units' root modules."""
+    return any(name.startswith(r + ".") for g in groups for r in g if r)
 
 
 def _rename_text(rename, first: list[str], group: list[str], text: str) -> str:
