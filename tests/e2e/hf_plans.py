@@ -56,6 +56,9 @@ AUTHORED: dict[str, tuple[Path, list[str]]] = {
 # single-process reference per model serves them all. tp2xdp2: trained by test_tp_e2e.py, by the bench here.
 LAYOUTS: dict[str, list[str]] = {"dp4": ["--dp", "4"], "pp2xdp2": ["--pp", "2", "--dp", "2", "--schedule", "1f1b"]}
 TP_LAYOUT = {"tp2xdp2": ["--tp", "2", "--dp", "2"]}
+# Expert parallelism for the MoE models of the authored corpus (bench/corpus_train.py --authored).
+EP_LAYOUT = {"dp4ep2": ["--dp", "4", "--ep", "2"]}
+AUTHORED_MOE = ("hf_jamba", "hf_mixtral_default", "deepseek_moe")
 # Bench only (bench/corpus_train.py --layouts): two stages per pp rank, where tied embeddings meet on one rank
 # (T5's and BART's under interleaving; the two ends of the V, GPT-2's and Gemma's, under zero-bubble).
 INTERLEAVED_LAYOUT = {
@@ -68,7 +71,7 @@ GLOBAL_BATCH, MICRO_BATCH = 8, 2
 def corpus_plan_args(name: str, layout: str, out: Path) -> list[str]:
     """`planner plan` arguments for a corpus (or zoo) model and layout (4 CPU ranks), writing into `out`."""
     path, args = {**CORPUS, **ZOO, **AUTHORED}[name]
-    pins = {**LAYOUTS, **TP_LAYOUT, **INTERLEAVED_LAYOUT}[layout]
+    pins = {**LAYOUTS, **TP_LAYOUT, **INTERLEAVED_LAYOUT, **EP_LAYOUT}[layout]
     return [
         "plan", str(path), *args, "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4", "--global-batch-size",
         str(GLOBAL_BATCH), "--micro-batch-size", str(MICRO_BATCH), *pins, "--lr", "1e-3", "--out", str(out), "--quiet",
