@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.runtime.tracers import is_ssm_mixer
+from planner.runtime.scans import is_ssm_mixer
 
 # The scan kernel keeps its fp32 state in SRAM and writes it to HBM once per chunk of this many time steps (the
 # checkpoints its backward restarts from: selective_scan_fwd_kernel.cuh, kChunkSize = kNThreads * kNItems).
@@ -45,7 +45,10 @@ def selective_scan(
 
 
 @selective_scan.register_fake
-def _(u, delta, a_log, b, c, d, z, delta_bias):
+def _(
+    u: torch.Tensor, delta: torch.Tensor, a_log: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
+    z: torch.Tensor, delta_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     chunks = math.ceil(u.shape[-1] / SCAN_CHUNK)
     states = u.new_empty((u.shape[0], u.shape[1], chunks, 2 * a_log.shape[-1]), dtype=torch.float32)
     return torch.empty_like(u), states
@@ -61,7 +64,8 @@ def selective_scan_backward(
 
 
 @selective_scan_backward.register_fake
-def _(grad, u, delta, a_log, b, c, d, z, delta_bias, states, out):
+def _(grad: torch.Tensor, u: torch.Tensor, *rest: torch.Tensor) -> list[torch.Tensor]:
+    delta, a_log, b, c, d, z, delta_bias = rest[:7]
     return [torch.empty_like(t) for t in (u, delta, a_log, b, c, d, z, delta_bias)]
 
 
@@ -85,7 +89,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> 
 
 
 @causal_conv1d.register_fake
-def _(x, weight, bias):
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -98,7 +102,7 @@ def causal_conv1d_backward(
 
 
 @causal_conv1d_backward.register_fake
-def _(grad, x, weight, bias):
+def _(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> list[torch.Tensor]:
     return [torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias)]
 
 
@@ -154,7 +158,7 @@ KERNEL_COSTS: dict[str, Callable[[tuple[Any, ...], Any], tuple[float, float]]] =
 }
 
 
-def _mamba_inner(m: nn.Module, hidden_states: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+def _mamba_inner(m: Any, hidden_states: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
     """A Mamba-1 mixer as mamba_ssm's fused training path (``mamba_inner_fn``) computes it."""
     xz = F.linear(hidden_states, m.in_proj.weight, m.in_proj.bias).transpose(1, 2)  # (batch, 2 d_inner, seq)
     d_inner = m.conv1d.in_channels
@@ -172,7 +176,7 @@ def _mamba_inner(m: nn.Module, hidden_states: torch.Tensor, *_: Any, **__: Any) 
     return F.linear(y.transpose(1, 2), m.out_proj.weight, m.out_proj.bias)
 
 
-def fused_mixer(m: nn.Module) -> Callable[..., torch.Tensor] | None:
+def fused_mixer(m: Any) -> Callable[..., torch.Tensor] | None:
     """The fused stand-in for ``m``'s forward, or None where ``m`` is no Mamba-1 mixer whose layout the fused
     path knows (in_proj to x and z, x_proj to dt, B and C, dt_proj; A_log of (d_inner, d_state))."""
     if not is_ssm_mixer(m) or m.A_log.dim() != 2:
@@ -206,7 +210,7 @@ def fused_kernels(model: nn.Module) -> Iterator[int]:
     for m in model.modules():
         forward = fused_mixer(m)
         if forward is not None:
-            m.forward = forward  # type: ignore[method-assign]
+            m.forward = forward
             replaced.append(m)
     try:
         yield len(replaced)
