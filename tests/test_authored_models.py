@@ -214,6 +214,10 @@ def test_transformer_encoder_is_traced_as_a_container():
 REFUSED = {
     ("batchnorm_mlp", "tp2xdp2"): "no Linear pairs",  # each Linear feeds a batch norm, not a partner Linear
     ("clip_two_tower", "tp2xdp2"): "no Linear pairs",  # residual MLP blocks of one Linear each
+    # Mamba-1's x_proj reduces over the inner channels in_proj would shard: no column/row pair in a block
+    ("hf_mamba", "tp2xdp2"): "no Linear pairs",
+    ("mamba_minimal", "tp2xdp2"): "no Linear pairs",
+    ("lstm_lm", "tp2xdp2"): "no Linear pairs",  # the recurrence is one nn.LSTM; the decoder has no partner
 }
 
 
@@ -227,3 +231,83 @@ def test_each_authored_model_plans_or_is_refused_with_a_physical_reason(name, la
     plan = planned(result)
     wanted = {"dp4": (4, 1, 1), "pp2xdp2": (2, 1, 2), "tp2xdp2": (2, 2, 1)}[layout]
     assert (plan["parallel"]["dp"], plan["parallel"]["tp"], plan["parallel"]["pp"]) == wanted
+
+
+# --- state-space models ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["mamba_minimal", "hf_mamba"])
+def test_mamba_is_costed_as_its_fused_kernels(name):
+    """Mamba's reference scan loops over time steps in Python: each mixer is one call in the trace (the rule of
+    planner.runtime.scans) and is counted as mamba_ssm's fused path: the projections' matmuls plus the selective
+    scan's 9 B L D N + 2 B L D FLOPs, not the loop's ops. At seq 2048 this takes about as long as at 16."""
+    import time
+
+    from planner.model.analysis import analyse_model
+    from planner.model.load import load_model_file
+
+    start = time.perf_counter()
+    graph = analyse_model(load_model_file(AUTHORED / f"{name}.py", dtype="bf16", model_args={"seq": 2048}))
+    took = time.perf_counter() - start
+    block = next(u for u in graph.units if u.kind == "block")
+    d_model, d_inner, n, rank, width, seq = 32, 64, 8 if name == "hf_mamba" else 16, 2, 4, 2048
+    matmul = 2 * (d_model * 2 * d_inner + d_inner * (rank + 2 * n) + rank * d_inner + d_inner * d_model)
+    scan = 9 * d_inner * n + 2 * d_inner
+    conv = 2 * d_inner * width
+    assert block.matmul_flops == pytest.approx(matmul * seq, rel=1e-6)
+    assert block.fwd_flops == pytest.approx((matmul + scan + conv) * seq, rel=0.01)
+    embed, layer = 96 * 32, 32 + 32 * 128 + 64 * 5 + 64 * (rank + 2 * n) + 3 * 64 + 64 * n + 64 + 64 * 32
+    assert graph.total_params == embed + 4 * layer + 32  # every parameter once (A_log and D too), the head tied
+    assert took < 20, took
+
+
+def test_the_scan_rule_and_the_check_run_each_distinct_mixer_once():
+    from planner.runtime.scans import each_scan_once, is_ssm_mixer
+    from planner.runtime.tracers import BufferTracer
+
+    spec = __import__("importlib.util").util.spec_from_file_location("mm", AUTHORED / "mamba_minimal.py")
+    mod = __import__("importlib.util").util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with torch.device("meta"):
+        model = mod.build_model()
+    mixers = [n for n, m in model.named_modules() if is_ssm_mixer(m)]
+    assert mixers == [f"layers.{i}.mixer" for i in range(4)]
+    graph = BufferTracer().trace(model)
+    assert [n.target for n in graph.nodes if n.op == "call_module" and n.target.endswith("mixer")] == mixers
+    calls = []
+    original = type(model.layers[0].mixer).selective_scan
+    type(model.layers[0].mixer).selective_scan = lambda self, *a: calls.append(1) or original(self, *a)
+    try:
+        ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+        with each_scan_once():
+            model(ids).float().sum().backward()
+    finally:
+        type(model.layers[0].mixer).selective_scan = original
+    assert len(calls) == 1  # four identical mixers, one run of the scan
+    assert all(p.grad is not None for p in model.parameters())
+
+
+# --- a hybrid SSM / attention / MoE stack ---------------------------------------------------------------------
+
+
+def test_hybrid_moe_is_recognised_without_pins_and_its_experts_fall_as_one_over_ep():
+    """Jamba's stack (Mamba and attention layers, a mixture of experts in every other layer): the experts are
+    found without --ep in their layers (units at the layers' boundaries: no two layers alike), and the weights a
+    rank holds lose exactly (1 - 1/ep) of the experts' bytes (without ZeRO and with ZeRO-1, where the weights are
+    whole on each replica)."""
+    from planner.model.analysis import analyse_model
+    from planner.model.load import load_model_file
+
+    graph = analyse_model(load_model_file(AUTHORED / "hf_jamba.py"))
+    experts = sum(u.expert_params for u in graph.units)
+    assert experts == 2 * 4 * 3 * 32 * 64  # two MoE layers of 4 experts (gate, up, down)
+    assert [u.name for u in graph.units if u.experts] == ["model.layers.1", "model.layers.3"]
+    assert {u.ep_granularity for u in graph.units if u.experts} == {4}
+    for zero in ("0", "1"):
+        weights = {}
+        for ep in (1, 2, 4):
+            p = planned(dry_run(AUTHORED / "hf_jamba.py", "--dp", "4", "--ep", str(ep), "--zero-stage", zero))
+            weights[ep] = sum(s["memory"]["weights"] for s in p["stages"])
+        per_param = weights[1] / graph.total_params
+        for ep in (2, 4):
+            assert weights[1] - weights[ep] == pytest.approx(experts * per_param * (1 - 1 / ep))

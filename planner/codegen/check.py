@@ -48,8 +48,9 @@ def check_runs(inputs: CheckInputs, prepared: Prepared | None = None, cancel: Ca
     """check_plan_runs for a plan's CheckInputs. With `cancel`, it stops at its next checkpoint once `cancel()`
     holds (planner.runtime.check.Cancelled, which is no answer)."""
     from planner.runtime.check import check_plan_runs as runtime_check  # imports torch
+    from planner.runtime.scans import each_scan_once
 
-    with _as_plan_errors():
+    with _as_plan_errors(), each_scan_once():  # Mamba's reference scan: each distinct mixer once on meta
         return runtime_check(
             inputs.layout, inputs.spec, inputs.training, inputs.device_type, prepared=prepared, cancel=cancel
         )

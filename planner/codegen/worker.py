@@ -364,12 +364,13 @@ def _serve(
     from planner.codegen.render import model_file
     from planner.model.guard import user_code
     from planner.runtime.check import Cancelled, Prepared, warm_up
+    from planner.runtime.scans import each_scan_once
 
     torch.set_num_threads(1)  # a forked intra-op thread pool is not safe to use; the check runs on meta
     prepared: Prepared | None = None
     try:
         warm_up()
-        with user_code(model_path, "Checking that the plan runs", None):
+        with user_code(model_path, "Checking that the plan runs", None), each_scan_once():
             prepared = Prepared(model_file(source), seed)
     except Exception as e:  # noqa: BLE001 - an optimisation: each check starts from scratch without it
         log.debug("plan-time check: worker could not prepare (%s)", e)

@@ -18,6 +18,7 @@ from planner.model.grouping import (
     structure_key,
     unit_name,
 )
+from planner.model.kernels import fused_kernels
 from planner.model.load import DTYPE_BYTES, LoadedModel, build_meta_model, meta_inputs, torch_dtype
 from planner.model.moe import correct_counts, ep_granularity, expert_storages, unit_moe_layers
 from planner.model.tp import ModuleNames, TPInfo, constant_inputs, renamer, tp_info
@@ -26,13 +27,20 @@ from planner.model.trace import lazy_graph_modules, trace_model
 
 def analyse_model(loaded: LoadedModel) -> ModelGraph:
     """Build on meta, trace, group into units and analyse each distinct unit once."""
-    import torch
-    from torch.fx.passes.split_module import split_module
 
     from planner.runtime.meta import meta_without_dynamo
 
     meta_without_dynamo()  # meta elementwise kernels would import torch._dynamo (planner.runtime.meta)
     model = build_meta_model(loaded)
+    # Mamba mixers run as their fused GPU kernels while traced and counted (planner.model.kernels)
+    with fused_kernels(model):
+        return _analyse(loaded, model)
+
+
+def _analyse(loaded: LoadedModel, model) -> ModelGraph:
+    import torch
+    from torch.fx.passes.split_module import split_module
+
     batch = trace_batch(model)
     compute = torch_dtype(loaded.source.dtype)
     inputs = meta_inputs(loaded, batch)
@@ -93,7 +101,10 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
     names = ModuleNames.of(model)
     root_attrs: dict[int, list[str]] = {}
     for n, u in node_unit.items():
-        if n.op == "get_attr" and str(n.target) in params_by_name:
+        # (a read that no unit uses, of a parameter a unit's module holds, is that unit's: Jamba's mixer norms,
+        # read beside the mixer kept as one call, would be counted twice)
+        used = any(x in node_unit for x in n.users)
+        if n.op == "get_attr" and str(n.target) in params_by_name and (used or not _under(str(n.target), groups)):
             root_attrs.setdefault(u, []).append(str(n.target))
     units: list[Unit] = []
     analysed: dict[str, Counts] = {}
@@ -296,6 +307,11 @@ def _batch_norm_inputs(model):
     finally:
         for h in handles:
             h.remove()
+
+
+def _under(name: str, groups: list[list[str]]) -> bool:
+    """Whether a parameter's qualified name lies under one of the units' root modules."""
+    return any(name.startswith(r + ".") for g in groups for r in g if r)
 
 
 def _rename_text(rename, first: list[str], group: list[str], text: str) -> str:

@@ -97,6 +97,8 @@ def _make_counter(counts: Counts, tagged: frozenset[int] = frozenset()):
     from torch.utils._pytree import tree_flatten
     from torch.utils.flop_counter import flop_registry
 
+    from planner.model.kernels import KERNEL_COSTS
+
     class OpCounter(TorchDispatchMode):
         """Counts FLOPs (torch's formulas) and memory-bound bytes per op class, forward or backward."""
 
@@ -107,6 +109,16 @@ def _make_counter(counts: Counts, tagged: frozenset[int] = frozenset()):
             out = func(*args, **kwargs)
             packet = func._overloadpacket
             name = packet.__name__
+            kernel = KERNEL_COSTS.get(name) if packet.__module__ == "torch._ops.planner" else None
+            if kernel is not None:  # a fused kernel's stand-in (planner.model.kernels): its own FLOPs and bytes
+                flops, nbytes = kernel(args, out)
+                if self.phase == "fwd":
+                    counts.fwd_flops += flops
+                    counts.fwd_mem_bytes += nbytes
+                else:
+                    counts.bwd_flops += flops
+                    counts.bwd_mem_bytes += nbytes
+                return out
             flops = 0.0
             if packet in flop_registry:
                 flops = float(flop_registry[packet](*args, **kwargs, out_val=out))

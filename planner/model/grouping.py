@@ -204,11 +204,13 @@ def group_units(
         else:
             groups.append([r])
         end = max(end, last[r])
-    # Consecutive non-block groups (embeddings + dropout, final norm + head) become one unit.
+    # Consecutive non-block groups (embeddings + dropout, final norm + head) become one unit. A model without
+    # repeated blocks (an LSTM LM, a hybrid stack of different layers) keeps one unit per module boundary, as
+    # its structure reports them: the places a pipeline can cut.
     merged: list[list[str]] = []
     for g in groups:
         is_block = len(g) == 1 and g[0] in blocks
-        if merged and not is_block and not (len(merged[-1]) == 1 and merged[-1][0] in blocks):
+        if blocks and merged and not is_block and not (len(merged[-1]) == 1 and merged[-1][0] in blocks):
             merged[-1].extend(g)
         else:
             merged.append(list(g))

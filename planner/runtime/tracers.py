@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._device import _device_constructors
 
 from .memo import MetaMemo
+from .scans import is_ssm_mixer
 
 # Tensor metadata a proxy answers from its meta value (attributes, and methods called with their arguments).
 _META_ATTRS = frozenset(
@@ -90,6 +91,8 @@ class BufferTracer(fx.Tracer):
         # (units to cut between) and Linears (tensor-parallel pairs), so they are traced through.
         if isinstance(m, TRACED_THROUGH):
             return False
+        if is_ssm_mixer(m):
+            return True
         return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:

@@ -42,10 +42,23 @@ ZOO_ARCHS = (
     "convnext", "deit",
 )
 ZOO: dict[str, tuple[Path, list[str]]] = {a: (MODELS / "hf_zoo.py", ["--model-arg", f"arch={a!r}"]) for a in ZOO_ARCHS}
+# Models as their authors publish them (issue 27): tests/fixtures/models/authored/ and the nanoGPT and attention
+# fixtures, for bench/corpus_train.py --authored (CI plans each in tests/test_authored_models.py).
+AUTHORED_DIR = MODELS / "authored"
+AUTHORED: dict[str, tuple[Path, list[str]]] = {
+    **{p.stem: (p, []) for p in sorted(AUTHORED_DIR.glob("*.py"))},
+    "nanogpt": (MODELS / "nanogpt.py", []),
+    "deepseek_moe": (MODELS / "deepseek_moe.py", []),
+    **{f"attention_{v}": (MODELS / "attention_variants.py", ["--model-arg", f"variant={v!r}"])
+       for v in ("sliced_qkv", "head_scale")},
+}
 # Layouts for 4 CPU ranks; the global batch (8 = 4 micro-batches of 2) is the same for every layout, so one
 # single-process reference per model serves them all. tp2xdp2: trained by test_tp_e2e.py, by the bench here.
 LAYOUTS: dict[str, list[str]] = {"dp4": ["--dp", "4"], "pp2xdp2": ["--pp", "2", "--dp", "2", "--schedule", "1f1b"]}
 TP_LAYOUT = {"tp2xdp2": ["--tp", "2", "--dp", "2"]}
+# Expert parallelism for the MoE models of the authored corpus (bench/corpus_train.py --authored).
+EP_LAYOUT = {"dp4ep2": ["--dp", "4", "--ep", "2"]}
+AUTHORED_MOE = ("hf_jamba", "hf_mixtral_default", "deepseek_moe")
 # Bench only (bench/corpus_train.py --layouts): two stages per pp rank, where tied embeddings meet on one rank
 # (T5's and BART's under interleaving; the two ends of the V, GPT-2's and Gemma's, under zero-bubble).
 INTERLEAVED_LAYOUT = {
@@ -57,8 +70,8 @@ GLOBAL_BATCH, MICRO_BATCH = 8, 2
 
 def corpus_plan_args(name: str, layout: str, out: Path) -> list[str]:
     """`planner plan` arguments for a corpus (or zoo) model and layout (4 CPU ranks), writing into `out`."""
-    path, args = {**CORPUS, **ZOO}[name]
-    pins = {**LAYOUTS, **TP_LAYOUT, **INTERLEAVED_LAYOUT}[layout]
+    path, args = {**CORPUS, **ZOO, **AUTHORED}[name]
+    pins = {**LAYOUTS, **TP_LAYOUT, **INTERLEAVED_LAYOUT, **EP_LAYOUT}[layout]
     return [
         "plan", str(path), *args, "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4", "--global-batch-size",
         str(GLOBAL_BATCH), "--micro-batch-size", str(MICRO_BATCH), *pins, "--lr", "1e-3", "--out", str(out), "--quiet",
