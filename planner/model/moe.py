@@ -24,6 +24,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
+    from planner.model.counting import Counts
 
 # Names a MoE block gives its router (HF Mixtral and DeepSeek: `gate`; torchtitan: `router`) and its experts
 # (HF: `experts`; torchtitan: `routed_experts`, whose grouped weights sit in its child `inner_experts`).
@@ -54,7 +61,7 @@ class MoELayer:
         return tokens * self.top_k * self.hidden * dtype_bytes
 
 
-def experts_count(mod) -> int:
+def experts_count(mod: nn.Module) -> int:
     """Number of experts an experts module holds: a container's children, or the leading dimension of
     stacked 3-D expert weights (Mixtral's MixtralExperts; torchtitan's GroupedExperts, under its
     RoutedExperts' `inner_experts`), else 0."""
@@ -72,21 +79,21 @@ def experts_count(mod) -> int:
     return dims.pop() if len(dims) == 1 else 0
 
 
-def experts_module(mod):
+def experts_module(mod: nn.Module) -> tuple[str, nn.Module] | None:
     """(attribute, module) of a block's experts (`experts`, or torchtitan's `routed_experts`), or None."""
     import torch.nn as nn
 
     return next(((a, m) for a in _EXPERTS_NAMES if isinstance(m := getattr(mod, a, None), nn.Module)), None)
 
 
-def router_of(mod):
+def router_of(mod: nn.Module) -> nn.Module | None:
     """The router child of a MoE block, or None."""
     return next(
         (c for n, c in mod.named_children() if n in _ROUTER_NAMES or "Router" in type(c).__name__), None
     )
 
 
-def top_k_of(mod) -> int | None:
+def top_k_of(mod: nn.Module) -> int | None:
     router = router_of(mod)
     for src in (mod, router):
         if src is None:
@@ -98,7 +105,7 @@ def top_k_of(mod) -> int | None:
     return None
 
 
-def _matrices(mod) -> list:
+def _matrices(mod: nn.Module) -> list[torch.Tensor]:
     """The 2-D weights of one expert (3-D stacked weights: one expert's slice each). Beside stacked weights a
     2-D parameter [E, out] is the experts' biases (gpt_oss), not a matrix."""
     params = list(mod.parameters())
@@ -112,7 +119,7 @@ def _matrices(mod) -> list:
     return out
 
 
-def _hidden_of(mod, experts) -> int:
+def _hidden_of(mod: nn.Module, experts: nn.Module) -> int:
     """Width of the tokens a MoE block routes: the router's input features, else the experts' input."""
     router = router_of(mod)
     if router is not None:
@@ -124,7 +131,7 @@ def _hidden_of(mod, experts) -> int:
     return int(mats[0].shape[-1]) if mats else 0
 
 
-def find_moe_layers(model, prefix: str = "") -> list[MoELayer]:
+def find_moe_layers(model: nn.Module, prefix: str = "") -> list[MoELayer]:
     """Every MoE block under `model` (a block holds an `experts` or `routed_experts` module and a top-k), in
     definition order."""
     import torch.nn as nn
@@ -159,7 +166,7 @@ def find_moe_layers(model, prefix: str = "") -> list[MoELayer]:
     return layers
 
 
-def unit_moe_layers(model, roots: list[str]) -> list[MoELayer]:
+def unit_moe_layers(model: nn.Module, roots: list[str]) -> list[MoELayer]:
     """The MoE blocks inside a unit's root modules."""
     found: list[MoELayer] = []
     for r in roots:
@@ -167,7 +174,7 @@ def unit_moe_layers(model, roots: list[str]) -> list[MoELayer]:
     return found
 
 
-def expert_storages(model, layers: list[MoELayer]) -> set[int]:
+def expert_storages(model: nn.Module, layers: list[MoELayer]) -> set[int]:
     """Storage keys of the expert weights: the op counter attributes ops that read them to the experts."""
     keys: set[int] = set()
     for layer in layers:
@@ -176,7 +183,7 @@ def expert_storages(model, layers: list[MoELayer]) -> set[int]:
     return keys
 
 
-def correct_counts(counts, layers: list[MoELayer], tokens: int) -> None:
+def correct_counts(counts: Counts, layers: list[MoELayer], tokens: int) -> None:
     """Replace the expert matmul FLOPs the meta run counted by the routed count, in place.
 
     The counter tagged the ops that read an expert weight (`Counts.tagged_fwd`, `tagged_bwd`): forward
