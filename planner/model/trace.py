@@ -14,11 +14,17 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from planner.errors import ModelLoadError, PlannerError, TraceError
 from planner.model.load import _user_frame
+
+if TYPE_CHECKING:
+    import torch.fx
+    import torch.nn as nn
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +36,13 @@ REPLAY_REPEATED_BLOCKS = True
 
 @dataclass
 class Traced:
-    gm: object  # torch.fx.GraphModule
-    method: str  # "fx" | "fx-meta" | "export"
+    gm: torch.fx.GraphModule
+    method: Literal["fx", "fx-meta", "export"]
     fx_error: str | None = None
-    checked: object = None
+    checked: Any = None  # what trace_model's `check` returned
 
 
-def symbolic_trace(model):
+def symbolic_trace(model: nn.Module) -> torch.fx.GraphModule:
     """torch.fx.symbolic_trace with a tensor-name cache.
 
     The stock tracer looks up every tensor attribute it meets (a rotary table read in each block) by
@@ -50,7 +56,7 @@ def symbolic_trace(model):
         return _make_graph_module(tracer.root, graph, model.__class__.__name__)
 
 
-def _make_graph_module(root, graph, name):
+def _make_graph_module(root: nn.Module, graph: torch.fx.Graph, name: str) -> torch.fx.GraphModule:
     """A GraphModule, lazy inside lazy_graph_modules() where torch has them."""
     import torch.fx
 
@@ -61,7 +67,7 @@ def _make_graph_module(root, graph, name):
     return make(root, graph, name)
 
 
-def lazy_graph_modules():
+def lazy_graph_modules() -> contextlib.AbstractContextManager[None]:
     """Graph modules made inside compile their Python code on first use, not when made (torch's lazy graph
     modules): split_module makes one per unit (and compiles each twice) where only the distinct units run, and
     torch.export recompiles the whole graph after several of its passes. GPT-3 175B's split: 0.15 s -> 0.04 s;
@@ -73,14 +79,19 @@ def lazy_graph_modules():
     return _use_lazy_graph_module(True)
 
 
-def _shape_check(gm, inputs) -> object:
+def _shape_check(gm: torch.fx.GraphModule, inputs: tuple[Any, ...]) -> object:
     """Run the traced graph on meta inputs: a symbolic trace can succeed yet bake in a wrong shape path."""
     from torch.fx.passes.shape_prop import ShapeProp
 
     return ShapeProp(gm).propagate(*inputs)
 
 
-def trace_model(model, inputs: tuple, model_path: str, check=None) -> Traced:
+def trace_model(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    model_path: str,
+    check: Callable[[torch.fx.GraphModule], Any] | None = None,
+) -> Traced:
     """Trace ``model`` called on ``inputs`` (meta tensors). Raises TraceError naming the offending line.
 
     ``check(gm)`` runs the traced graph on the meta inputs (by default all of it; the unit analysis
@@ -168,7 +179,7 @@ def trace_model(model, inputs: tuple, model_path: str, check=None) -> Traced:
         ) from e
 
 
-def _model_error(model, inputs: tuple, model_path: str) -> TraceError | None:
+def _model_error(model: nn.Module, inputs: tuple[Any, ...], model_path: str) -> TraceError | None:
     """The model's own error, when running it as written on the example inputs (meta tensors, no tracer) raises:
     then the tracers failed because the model does, and the message quotes the model rather than guessing at
     control flow. None when the model runs (the tracers' limits are the cause)."""
