@@ -7,9 +7,15 @@ A unit is the smallest piece a pipeline stage takes whole: each repeated block o
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 from planner.errors import TraceError
+
+if TYPE_CHECKING:
+    import torch.fx
+    import torch.nn as nn
 
 
 @dataclass
@@ -26,15 +32,15 @@ class Structure:
 _PARALLEL_CONTAINERS = ("experts",)
 
 
-def _is_container(mod) -> bool:
+def _is_container(mod: nn.Module) -> bool:
     import torch.nn as nn
 
     return isinstance(mod, (nn.ModuleList, nn.ModuleDict, nn.Sequential))
 
 
-def _repeated_runs(mod) -> list[list[tuple[str, object]]]:
+def _repeated_runs(mod: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     """Maximal runs of two or more consecutive children of a container that share a type."""
-    runs: list[list[tuple[str, object]]] = []
+    runs: list[list[tuple[str, nn.Module]]] = []
     for name, child in mod.named_children():
         if runs and type(runs[-1][-1][1]) is type(child):
             runs[-1].append((name, child))
@@ -43,7 +49,7 @@ def _repeated_runs(mod) -> list[list[tuple[str, object]]]:
     return [r for r in runs if len(r) >= 2]
 
 
-def _holds_blocks(mod) -> bool:
+def _holds_blocks(mod: nn.Module) -> bool:
     """Whether a module contains (below itself) a container of repeated, sequential blocks: runs of
     composite modules (a Sequential of two Linears inside an MLP is not a stack of blocks)."""
     for name, sub in mod.named_modules():
@@ -53,7 +59,7 @@ def _holds_blocks(mod) -> bool:
     return False
 
 
-def discover_structure(model) -> Structure:
+def discover_structure(model: nn.Module) -> Structure:
     """Find the repeated blocks however the model holds them and make the rest units at module boundaries.
 
     Blocks are the members of runs of same-type children of a ModuleList, ModuleDict or Sequential
@@ -73,7 +79,7 @@ def discover_structure(model) -> Structure:
             parts[len(outer.split(".")) if outer else 0] = "*"
         return ".".join(parts) or "(the model)"
 
-    def visit(mod, prefix: str, nested: list[str], inside_block: bool) -> None:
+    def visit(mod: nn.Module, prefix: str, nested: list[str], inside_block: bool) -> None:
         def name_of(n: str) -> str:
             return f"{prefix}.{n}" if prefix else n
 
@@ -117,7 +123,7 @@ def discover_structure(model) -> Structure:
     return Structure(roots, blocks, found, stateless)
 
 
-def _open_single_child(model) -> list[str]:
+def _open_single_child(model: nn.Module) -> list[str]:
     """Top-level children as units; a child holding nearly all parameters is opened into its children."""
     roots = [n for n, _ in model.named_children()]
     total = sum(p.numel() for p in model.parameters())
@@ -129,14 +135,14 @@ def _open_single_child(model) -> list[str]:
         roots[i : i + 1] = [f"{big[0]}.{n}" for n, _ in model.get_submodule(big[0]).named_children()]
 
 
-def node_module_paths(node) -> list[str]:
+def node_module_paths(node: torch.fx.Node) -> list[str]:
     """Module paths (outer to inner) that a graph node executes under (the generated script's rule)."""
     from planner.runtime.stages import module_paths
 
     return module_paths(node)
 
 
-def assign_nodes(gm, roots: list[str]) -> dict:
+def assign_nodes(gm: torch.fx.GraphModule, roots: list[str]) -> dict[torch.fx.Node, str | None]:
     """Map each compute node of the graph to the unit root that owns it (None before any module).
 
     Rule (shared with the generated train.py): a node belongs to the outermost unit root on its module
@@ -146,8 +152,8 @@ def assign_nodes(gm, roots: list[str]) -> dict:
     from planner.runtime.stages import owner_of
 
     root_set = set(roots)
-    owner: dict = {}
-    current = None
+    owner: dict[torch.fx.Node, str | None] = {}
+    current: str | None = None
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
@@ -159,7 +165,9 @@ def assign_nodes(gm, roots: list[str]) -> dict:
     return owner
 
 
-def _spans(gm, owner: dict) -> tuple[list, dict[str, int], dict[str, int]]:
+def _spans(
+    gm: torch.fx.GraphModule, owner: dict[torch.fx.Node, str | None]
+) -> tuple[list[torch.fx.Node], dict[str, int], dict[str, int]]:
     order = [n for n in gm.graph.nodes if n in owner]
     first: dict[str, int] = {}
     last: dict[str, int] = {}
@@ -173,8 +181,8 @@ def _spans(gm, owner: dict) -> tuple[list, dict[str, int], dict[str, int]]:
 
 
 def group_units(
-    gm, roots: list[str], blocks: set[str], stateless: frozenset[str] = frozenset()
-) -> tuple[list[list[str]], dict]:
+    gm: torch.fx.GraphModule, roots: list[str], blocks: set[str], stateless: frozenset[str] = frozenset()
+) -> tuple[list[list[str]], dict[torch.fx.Node, int]]:
     """Merge roots into contiguous units in execution order; returns (unit root lists, node -> unit index).
 
     A ``stateless`` root (no parameters, no buffers: a shared dropout or activation) that is called again
@@ -215,10 +223,10 @@ def group_units(
         else:
             merged.append(list(g))
     index = {r: i for i, g in enumerate(merged) for r in g}
-    node_unit: dict = {}
+    node_unit: dict[torch.fx.Node, int] = {}
     for n in order:
-        r = owner[n]
-        node_unit[n] = index[r] if r is not None else 0
+        root = owner[n]
+        node_unit[n] = index[root] if root is not None else 0
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             users = [node_unit[u] for u in n.users if u in node_unit]
@@ -230,14 +238,14 @@ def unit_name(group: list[str]) -> str:
     return group[0] if len(group) == 1 else "+".join(group)
 
 
-def structure_key(model, group: list[str], blocks: set[str]) -> str:
+def structure_key(model: nn.Module, group: list[str], blocks: set[str]) -> str:
     """Structural identity of a unit: equal for repeated identical blocks, unique otherwise."""
     if all(r in blocks for r in group):
         return "|".join(f"{type(model.get_submodule(r)).__name__}:{model.get_submodule(r)!r}" for r in group)
     return "|".join(group)
 
 
-def meta_like(x):
+def meta_like(x: Any) -> Any:
     """A fresh meta tensor of x's shape and dtype (pytrees mapped), to stand in for a repeated output."""
     import torch
     from torch.utils._pytree import tree_map
@@ -247,7 +255,7 @@ def meta_like(x):
     )
 
 
-def returned_nodes(graph) -> object:
+def returned_nodes(graph: torch.fx.Graph) -> str:
     """What a unit's graph returns, as positions of its nodes (the output's structure kept): equal for two
     units that return the same values."""
     import torch
@@ -257,7 +265,9 @@ def returned_nodes(graph) -> object:
     return repr(torch.fx.graph.map_arg(out.args[0], lambda n: index[n]))
 
 
-def run_units_once(parts, inputs: tuple, keys: dict[int, str]):
+def run_units_once(
+    parts: torch.fx.GraphModule, inputs: tuple[Any, ...], keys: dict[int, str]
+) -> tuple[Any, dict[int, tuple[Any, ...]], dict[int, str]]:
     """Run the split model on meta, executing each distinct (unit structure, input shapes) only once.
 
     Returns (model output, inputs captured per unit index, the unit index -> signature map). Identical
@@ -266,25 +276,26 @@ def run_units_once(parts, inputs: tuple, keys: dict[int, str]):
     import torch
     from torch.utils._pytree import tree_flatten
 
-    env: dict = {}
-    captured: dict[int, tuple] = {}
+    env: dict[torch.fx.Node, Any] = {}
+    captured: dict[int, tuple[Any, ...]] = {}
     sigs: dict[int, str] = {}
-    cache: dict[tuple[str, object], object] = {}
+    cache: dict[tuple[str, str], Any] = {}
     it = iter(inputs)
-    out = None
+    out: Any = None
     with torch.no_grad():
         for node in parts.graph.nodes:
             if node.op == "placeholder":
                 env[node] = next(it)
             elif node.op == "call_module":
-                idx = int(node.target.split("_")[1])
+                target = cast(str, node.target)  # a call_module's target is the submodule's name
+                idx = int(target.split("_")[1])
                 args = tuple(env[a] if isinstance(a, torch.fx.Node) else a for a in node.args)
                 flat, _ = tree_flatten(args)
                 shapes = tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t) for t in flat)
                 sig = hashlib.sha256(repr((keys[idx], shapes)).encode()).hexdigest()[:16]
                 sigs[idx] = sig
                 captured[idx] = args
-                part = getattr(parts, node.target)
+                part = getattr(parts, target)
                 # Identical blocks can differ in what they return: a value made in one block and read by the
                 # later ones (torch.export traces DeepSeek-V2's `position_embeddings.to(device)`, which returns
                 # its input, as made in the first block) is passed on by every block but the last.
@@ -294,7 +305,7 @@ def run_units_once(parts, inputs: tuple, keys: dict[int, str]):
                 env[node] = meta_like(cache[run])
             elif node.op == "call_function":
                 args = tuple(env[a] if isinstance(a, torch.fx.Node) else a for a in node.args)
-                env[node] = node.target(*args)
+                env[node] = cast(Callable[..., Any], node.target)(*args)
             elif node.op == "get_attr":
                 obj = parts
                 for atom in str(node.target).split("."):
@@ -305,7 +316,7 @@ def run_units_once(parts, inputs: tuple, keys: dict[int, str]):
     return out, captured, sigs
 
 
-def model_input_count(model, available: int) -> int:
+def model_input_count(model: nn.Module, available: int) -> int:
     """How many leading example inputs the model's forward takes (the rest go to the loss only): the
     generated script's rule."""
     from planner.runtime.model import input_count
@@ -313,7 +324,7 @@ def model_input_count(model, available: int) -> int:
     return input_count(model, available)
 
 
-def _moe_blocks(model, blocks: set[str]) -> list[str]:
+def _moe_blocks(model: nn.Module, blocks: set[str]) -> list[str]:
     """Mixture-of-experts layers in the first block of each type that has them (DeepSeek's first layers are
     dense blocks of the same type): experts, top-k and router, one line each (recognised by
     planner.model.moe's rules)."""

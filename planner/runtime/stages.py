@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any, TypeAlias
 
 import torch
@@ -269,7 +269,7 @@ def module_paths(node: fx.Node) -> list[str]:
     return paths
 
 
-def owner_of(path: str, stage_of_module: dict[str, int]) -> str | None:
+def owner_of(path: str, stage_of_module: Container[str]) -> str | None:
     """The outermost module of the plan's stages that `path` is or lies under."""
     parts = path.split(".")
     for i in range(1, len(parts) + 1):
