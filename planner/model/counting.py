@@ -14,7 +14,15 @@ one-byte mask, not the composite path's mask in the input's dtype) and ``rms_nor
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    import torch.fx
+    from torch.overrides import TorchFunctionMode
 
 # aten ops that only re-describe memory: they move no bytes.
 _VIEW_OPS = {
@@ -87,11 +95,21 @@ class Counts:
     tagged_bwd: float = 0.0
 
 
-def tensor_bytes(t) -> int:
+def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _make_counter(counts: Counts, tagged: frozenset[int] = frozenset()):
+class _PhasedCounter(Protocol):
+    """The op counter _make_counter returns: a dispatch mode whose `phase` ("fwd" | "bwd") says where FLOPs go."""
+
+    phase: str
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any, /) -> Any: ...
+
+
+def _make_counter(counts: Counts, tagged: frozenset[int] = frozenset()) -> _PhasedCounter:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -104,7 +122,7 @@ def _make_counter(counts: Counts, tagged: frozenset[int] = frozenset()):
 
         phase = "fwd"
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
             packet = func._overloadpacket
@@ -157,17 +175,17 @@ def _make_counter(counts: Counts, tagged: frozenset[int] = frozenset()):
     from planner.runtime.meta import meta_without_dynamo
 
     meta_without_dynamo(OpCounter.__torch_dispatch__)  # torch wraps a mode's dispatch to import torch._dynamo
-    return OpCounter()
+    return OpCounter()  # type: ignore[no-untyped-call]
 
 
-def _reads(args, storages: frozenset[int]) -> bool:
+def _reads(args: Iterable[object], storages: frozenset[int]) -> bool:
     """Whether an op's arguments include a view of one of the given storages."""
     import torch
 
     return any(isinstance(a, torch.Tensor) and _storage_key(a) in storages for a in args)
 
 
-def _gpu_kernels_mode(counts: Counts):
+def _gpu_kernels_mode(counts: Counts) -> TorchFunctionMode:
     """Run SDPA, dropout and rms_norm as stand-ins that save for backward what their GPU kernels save.
 
     - SDPA: the fused kernels (flash, Dao et al. 2022; memory-efficient, Rabe & Staats 2021 / xFormers;
@@ -188,7 +206,7 @@ def _gpu_kernels_mode(counts: Counts):
 
     class _Flash(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v):
+        def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if q.dim() >= 3:  # (..., heads, s, d) viewed from a (..., s, heads, d) buffer, as the kernels do
                 shape = q.shape[:-3] + (q.shape[-2], q.shape[-3], v.shape[-1])
                 out = torch.empty(shape, dtype=q.dtype, device=q.device).transpose(-2, -3)
@@ -199,7 +217,7 @@ def _gpu_kernels_mode(counts: Counts):
             return out
 
         @staticmethod
-        def backward(ctx, grad):
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             q, k, v, _, _ = ctx.saved_tensors
             flops = 8.0 * q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.shape[-1]
             counts.bwd_attention += flops
@@ -208,13 +226,13 @@ def _gpu_kernels_mode(counts: Counts):
 
     class _FusedRMSNorm(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, weight, dims: int, eps: float):
+        def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, dims: int, eps: float) -> torch.Tensor:
             rstd = torch.empty(x.shape[: x.dim() - dims] + (1,) * dims, dtype=torch.float32, device=x.device)
             ctx.save_for_backward(x, rstd, weight)
             return torch.empty_like(x)
 
         @staticmethod
-        def backward(ctx, grad):
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None]:
             x, _, weight = ctx.saved_tensors
             # elementwise passes over the input and the gradient, as the kernel's backward reads them
             return torch.empty_like(x), None if weight is None else torch.empty_like(weight), None, None
@@ -225,7 +243,7 @@ def _gpu_kernels_mode(counts: Counts):
     rms_norm = (F.rms_norm, torch.ops.aten.rms_norm.default)
 
     class GpuKernelsMode(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
             if func in sdpa:
                 q, k, v = args[:3]
@@ -241,7 +259,7 @@ def _gpu_kernels_mode(counts: Counts):
                 counts.fwd_flops += flops
                 counts.flash = True
                 counts.sdpa_scores += q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.element_size()
-                return _Flash.apply(q, k, v)
+                return _Flash.apply(q, k, v)  # type: ignore[no-untyped-call]
             if func in dropout:
                 x = args[0]
                 p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
@@ -258,20 +276,20 @@ def _gpu_kernels_mode(counts: Counts):
                     # same FLOPs-free memory-bound pass as the op: read x, write y
                     counts.fwd_mem_bytes += 2 * tensor_bytes(x)
                     counts.bwd_mem_bytes += 3 * tensor_bytes(x)
-                    return _FusedRMSNorm.apply(x, weight, dims, 1e-6 if eps is None else float(eps))
+                    return _FusedRMSNorm.apply(  # type: ignore[no-untyped-call]
+                        x, weight, dims, 1e-6 if eps is None else float(eps)
+                    )
             return func(*args, **kwargs)
 
     return GpuKernelsMode()
 
 
-def mixed_precision_mode(dtype):
+def mixed_precision_mode(dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
     """While active, matmuls and convolutions take their fp32 floating inputs in ``dtype`` (bf16/fp16), as
     torch.autocast and FSDP2's mixed precision (its input cast) give them on a GPU: a model that computes a value
     in fp32 on purpose (a diffusion UNet's sinusoidal timestep embedding, `.float()`) and feeds it to a Linear
     holding bf16 weights runs here as in the run, instead of failing on mixed dtypes. The cast is an op like any
     other (counted). A null context for fp32."""
-    import contextlib
-
     import torch
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
@@ -282,13 +300,13 @@ def mixed_precision_mode(dtype):
            F.conv_transpose3d, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.Tensor.matmul,
            torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.bmm, torch.einsum}
 
-    def cast(a):
+    def cast(a: Any) -> Any:
         if isinstance(a, torch.Tensor) and not isinstance(a, torch.fx.Proxy) and a.dtype == torch.float32:
             return a.to(dtype)
         return a
 
     class MixedPrecisionMode(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
             if func in ops:
                 tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -300,12 +318,18 @@ def mixed_precision_mode(dtype):
     return MixedPrecisionMode()
 
 
-def _storage_key(t) -> int:
-    return t.untyped_storage()._cdata
+def _storage_key(t: torch.Tensor) -> int:
+    key: int = t.untyped_storage()._cdata
+    return key
 
 
 def analyse_callable(
-    fn, inputs: tuple, params: list, seq_len: int | None, buffers: tuple = (), tagged: frozenset[int] = frozenset()
+    fn: Callable[..., Any],
+    inputs: tuple[Any, ...],
+    params: Sequence[torch.Tensor],
+    seq_len: int | None,
+    buffers: tuple[torch.Tensor, ...] = (),
+    tagged: frozenset[int] = frozenset(),
 ) -> Counts:
     """Run fn(*inputs) forward and backward on meta tensors, counting FLOPs, bytes and saved activations.
 
@@ -333,9 +357,9 @@ def analyse_callable(
     sizes: dict[int, int] = {}
     # Every saved tensor is held until the count ends: a storage freed on the way (a branch whose graph autograd
     # drops) would leave its address to a later one, and two storages would count as one, by chance.
-    held: list = []
+    held: list[torch.Tensor] = []
 
-    def pack(t):
+    def pack(t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
         held.append(t)
         if key not in param_keys:
@@ -356,7 +380,7 @@ def analyse_callable(
     return counts
 
 
-def flatten_tensors(x) -> list:
+def flatten_tensors(x: Any) -> list[torch.Tensor]:
     import torch
     from torch.utils._pytree import tree_flatten
 
@@ -364,14 +388,14 @@ def flatten_tensors(x) -> list:
     return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
-def val_meta(node):
+def val_meta(node: torch.fx.Node) -> Any:
     tm = node.meta.get("tensor_meta")
     if tm is not None:
         return tm
     return node.meta.get("val")
 
 
-def nbytes_of_meta(m) -> int:
+def nbytes_of_meta(m: Any) -> int:
     import torch
 
     if m is None:
