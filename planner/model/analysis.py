@@ -7,6 +7,8 @@ and activations, tp.py its tensor-parallel pairs; grouping.py decides what the u
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 from planner.model.counting import Counts, analyse_callable, flatten_tensors, mixed_precision_mode, tensor_bytes
 from planner.model.graph import ModelGraph, TPPair, Unit
@@ -24,6 +26,18 @@ from planner.model.moe import correct_counts, ep_granularity, expert_storages, u
 from planner.model.tp import ModuleNames, TPInfo, constant_inputs, renamer, tp_info
 from planner.model.trace import lazy_graph_modules, trace_model
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import torch.fx
+    import torch.nn as nn
+
+    # What split_and_run returns (Traced.checked): unit root lists, node -> unit index, the split graph, the
+    # model's output, the inputs captured per unit index and the unit index -> signature map.
+    _Split: TypeAlias = tuple[
+        list[list[str]], dict[torch.fx.Node, int], torch.fx.GraphModule, Any, dict[int, tuple[Any, ...]], dict[int, str]
+    ]
+
 
 def analyse_model(loaded: LoadedModel) -> ModelGraph:
     """Build on meta, trace, group into units and analyse each distinct unit once."""
@@ -37,7 +51,7 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
         return _analyse(loaded, model)
 
 
-def _analyse(loaded: LoadedModel, model) -> ModelGraph:
+def _analyse(loaded: LoadedModel, model: nn.Module) -> ModelGraph:
     import torch
     from torch.fx.passes.split_module import split_module
 
@@ -48,7 +62,7 @@ def _analyse(loaded: LoadedModel, model) -> ModelGraph:
     structure = discover_structure(model)
     roots, blocks = structure.roots, structure.blocks
 
-    def split_and_run(gm):
+    def split_and_run(gm: torch.fx.GraphModule) -> _Split:
         groups, node_unit = group_units(gm, roots, blocks, structure.stateless)
         with lazy_graph_modules():
             parts = split_module(gm, model, lambda n: node_unit[n], keep_original_order=True)
@@ -59,7 +73,8 @@ def _analyse(loaded: LoadedModel, model) -> ModelGraph:
 
     with _batch_norm_inputs(model) as norm_inputs:
         traced = trace_model(model, inputs[:n_in], loaded.source.path, check=split_and_run)
-    groups, node_unit, parts, out, captured, unit_sig = traced.checked
+    checked: _Split = traced.checked
+    groups, node_unit, parts, out, captured, unit_sig = checked
     # A batch norm that sees one value per channel in a sample (BatchNorm1d on [batch, features]) refuses a
     # batch of one in training: the smallest micro-batch the model accepts is then 2.
     min_micro_batch = 2 if any(values == 1 for values in norm_inputs.values()) else 1
@@ -71,25 +86,27 @@ def _analyse(loaded: LoadedModel, model) -> ModelGraph:
         tokens = int(first.shape[1])
 
     # Bytes live across each cut: values produced at or before unit i and used after it.
-    produced: dict = {}
-    last_use: dict = {}
-    sizes: dict = {}
+    produced: dict[object, int] = {}
+    last_use: dict[object, int] = {}
+    sizes: dict[object, int] = {}
     for node in parts.graph.nodes:
+        target = cast(str, node.target)  # a call_module's target is the submodule's name
         if node.op == "placeholder":
             produced[node] = -1
-        elif node.op == "call_module" and node.target.startswith("submod_"):
-            produced[node] = int(node.target.split("_")[1])
+        elif node.op == "call_module" and target.startswith("submod_"):
+            produced[node] = int(target.split("_")[1])
         elif node.op == "call_function":  # getitem of a submodule's tuple output
             src = node.args[0]
             produced[node] = produced.get(src, -1)
         for arg in node.all_input_nodes:
-            if node.op == "call_module" and node.target.startswith("submod_"):
-                last_use[arg] = max(last_use.get(arg, -1), int(node.target.split("_")[1]))
+            if node.op == "call_module" and target.startswith("submod_"):
+                last_use[arg] = max(last_use.get(arg, -1), int(target.split("_")[1]))
             elif node.op == "output":
                 last_use[arg] = len(groups)
     for node in parts.graph.nodes:
-        if node.op == "call_module" and node.target.startswith("submod_"):
-            idx = int(node.target.split("_")[1])
+        target = cast(str, node.target)
+        if node.op == "call_module" and target.startswith("submod_"):
+            idx = int(target.split("_")[1])
             for arg, val in zip(node.args, captured.get(idx, ())):
                 if isinstance(val, torch.Tensor):
                     sizes[arg] = tensor_bytes(val)
@@ -112,14 +129,14 @@ def _analyse(loaded: LoadedModel, model) -> ModelGraph:
     seq = tokens
     for i, group in enumerate(groups):
         sub = getattr(parts, f"submod_{i}", None)
-        unit_params = {}
+        unit_params: dict[str, nn.Parameter] = {}
         for r in group:
             for pn, p in model.get_submodule(r).named_parameters(prefix=r):
                 unit_params[pn] = p
         for name in root_attrs.get(i, ()):  # root-level parameters fetched by get_attr
             unit_params.setdefault(name, params_by_name[name])
         # A weight held under two names (T5's shared embedding is also encoder.embed_tokens) counts once.
-        by_id: dict = {}
+        by_id: dict[int, tuple[str, nn.Parameter]] = {}
         for pn, p in unit_params.items():
             by_id.setdefault(id(p), (pn, p))
         unit_params = dict(by_id.values())
@@ -211,7 +228,7 @@ def _analyse(loaded: LoadedModel, model) -> ModelGraph:
     return ModelGraph(
         source=loaded.source,
         model_class=type(model).__name__,
-        trace_method=traced.method,  # type: ignore[arg-type]
+        trace_method=traced.method,
         units=units,
         total_params=sum(p.numel() for p in model.parameters()),
         tokens_per_sample=tokens,
@@ -226,7 +243,8 @@ def _analyse(loaded: LoadedModel, model) -> ModelGraph:
     )
 
 
-def has_sequence(inputs: tuple, captured: dict[int, tuple], out, state_ids: set[int]) -> bool:
+def has_sequence(
+    inputs: tuple[Any, ...], captured: dict[int, tuple[Any, ...]], out: Any, state_ids: set[int]) -> bool:
     """Whether the model has a sequence for sequence parallelism to split: dimension 1 of the first input, carried
     by the activations between units (or the output) as their dimension 1 with features after it ([batch, seq,
     hidden]), as the generated script's rewrite expects. False where nothing does: a recommender's [batch, 13]
@@ -246,7 +264,7 @@ def has_sequence(inputs: tuple, captured: dict[int, tuple], out, state_ids: set[
     return found
 
 
-def trace_batch(model) -> int:
+def trace_batch(model: nn.Module) -> int:
     """Samples in the batch the analysis traces and counts (its figures are then divided back to one sample):
     2 where the model holds a batch norm in training mode, whose statistics are over the batch (one sample can
     give one value per channel, which it refuses), else 1."""
@@ -283,7 +301,7 @@ def tp_per_sample(info: TPInfo, batch: int) -> TPInfo:
 
 
 @contextlib.contextmanager
-def _batch_norm_inputs(model):
+def _batch_norm_inputs(model: nn.Module) -> Iterator[dict[str, int]]:
     """Record, for each batch norm in training mode the analysis runs, the values per channel in one sample of its
     input (the product of the sizes after the channel dimension): {module name: values}."""
     import torch
@@ -291,8 +309,8 @@ def _batch_norm_inputs(model):
 
     seen: dict[str, int] = {}
 
-    def hook(name):
-        def record(module, args):
+    def hook(name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def record(module: nn.Module, args: tuple[Any, ...]) -> None:
             x = args[0] if args else None
             if isinstance(x, torch.Tensor) and not isinstance(x, torch.fx.Proxy) and x.dim() >= 2:
                 seen[name] = min(seen.get(name, x[0, 0].numel()), x[0, 0].numel())
@@ -314,7 +332,7 @@ def _under(name: str, groups: list[list[str]]) -> bool:
     return any(name.startswith(r + ".") for g in groups for r in g if r)
 
 
-def _rename_text(rename, first: list[str], group: list[str], text: str) -> str:
+def _rename_text(rename: Callable[[str], str], first: list[str], group: list[str], text: str) -> str:
     """A reason written for a unit's first instance, with this instance's module names."""
     for a, b in sorted(zip(first, group), key=lambda p: -len(p[0])):
         if a != b:
