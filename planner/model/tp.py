@@ -6,12 +6,20 @@ each Linear's output through elementwise, view and attention ops to the one Line
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from math import gcd
+from typing import TYPE_CHECKING, Any, cast
 
 from planner.model.counting import nbytes_of_meta, val_meta
 from planner.model.graph import TPPair
 from planner.runtime.tp_rules import NORM_HEADS_DIM
+
+if TYPE_CHECKING:
+    import torch
+    import torch.fx
+    import torch.nn as nn
+    from torch.fx.node import Argument
 
 _MIXING = (
     "layer_norm",
@@ -45,18 +53,19 @@ class ModuleNames:
 
     modules: dict[int, str]
     params: dict[int, list[str]]  # every name of a parameter: tied weights have several (wte, lm_head)
-    by_name: dict[str, object] = field(default_factory=dict)  # qualified name -> module
-    inputs: dict = field(default_factory=dict)  # placeholder node -> the tensor a unit graph received
+    by_name: dict[str, nn.Module] = field(default_factory=dict)  # qualified name -> module
+    # placeholder node -> the tensor a unit graph received
+    inputs: dict[torch.fx.Node, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, model) -> ModuleNames:
+    def of(cls, model: nn.Module) -> ModuleNames:
         params: dict[int, list[str]] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
             params.setdefault(id(p), []).append(n)
         by_name = dict(model.named_modules(remove_duplicate=False))
         return cls({id(m): n for n, m in model.named_modules()}, params, by_name)
 
-    def owner(self, param, kind) -> str | None:
+    def owner(self, param: object, kind: Callable[[object], bool]) -> str | None:
         """Name of the module ``kind(module)`` accepts that holds ``param`` as its ``weight``, or None."""
         for full in self.params.get(id(param), ()):
             if full.endswith(".weight"):
@@ -66,17 +75,24 @@ class ModuleNames:
         return None
 
 
-def _applied_module(node, gm, names: ModuleNames, kind, aten_ops, weight_arg: int) -> str | None:
+def _applied_module(
+    node: torch.fx.Node,
+    gm: torch.fx.GraphModule,
+    names: ModuleNames,
+    kind: Callable[[object], bool],
+    aten_ops: tuple[object, ...],
+    weight_arg: int,
+) -> str | None:
     """Qualified name of the module of type `kind` a node applies (fx call_module, or an aten op on its
     weight for graphs from torch.export)."""
     if node.op == "call_module":
         try:
-            mod = gm.get_submodule(node.target)
+            mod = gm.get_submodule(cast(str, node.target))  # a call_module's target is the module's name
         except AttributeError:
             return None
         return names.modules.get(id(mod)) if kind(mod) else None
     if node.op == "call_function" and node.target in aten_ops and len(node.args) > weight_arg:
-        w = node.args[weight_arg]
+        w: Any = node.args[weight_arg]  # a Node where op says so
         op = getattr(w, "op", None)
         if op in ("get_attr", "placeholder"):
             if op == "placeholder":  # a weight split_module passed in from the parent graph
@@ -89,26 +105,26 @@ def _applied_module(node, gm, names: ModuleNames, kind, aten_ops, weight_arg: in
     return None
 
 
-def is_conv1d(mod) -> bool:
+def is_conv1d(mod: object) -> bool:
     """Hugging Face's Conv1D (GPT-2): a Linear whose weight is stored [in, out], applied with addmm."""
     w = getattr(mod, "weight", None)
     return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and w is not None and w.dim() == 2
 
 
-def projection_dims(mod) -> tuple[int, int]:
+def projection_dims(mod: Any) -> tuple[int, int]:
     """(input features, output features) of an nn.Linear or a Conv1D."""
     if is_conv1d(mod):
         return int(mod.weight.shape[0]), int(mod.weight.shape[1])
     return int(mod.in_features), int(mod.out_features)
 
 
-def _linear_module(node, gm, names: ModuleNames) -> str | None:
+def _linear_module(node: torch.fx.Node, gm: torch.fx.GraphModule, names: ModuleNames) -> str | None:
     """Qualified name of the projection (nn.Linear, or HF Conv1D) a node applies. A router or other module
     that calls F.linear on its own weight is not one: tensor parallelism leaves it replicated."""
     import torch
     import torch.nn as nn
 
-    def is_linear(m) -> bool:
+    def is_linear(m: object) -> bool:
         return isinstance(m, nn.Linear)
 
     lin = _applied_module(node, gm, names, is_linear, (torch.ops.aten.linear.default, torch.nn.functional.linear), 1)
@@ -117,11 +133,11 @@ def _linear_module(node, gm, names: ModuleNames) -> str | None:
     return lin
 
 
-def _embedding_module(node, gm, names: ModuleNames) -> str | None:
+def _embedding_module(node: torch.fx.Node, gm: torch.fx.GraphModule, names: ModuleNames) -> str | None:
     import torch
     import torch.nn as nn
 
-    def is_embedding(m) -> bool:
+    def is_embedding(m: object) -> bool:
         return isinstance(m, nn.Embedding)
 
     # aten.embedding(weight, indices) from torch.export; F.embedding(indices, weight) where fx traces into an
@@ -131,20 +147,20 @@ def _embedding_module(node, gm, names: ModuleNames) -> str | None:
     )
 
 
-def _is_tensor_node(node) -> bool:
+def _is_tensor_node(node: torch.fx.Node) -> bool:
     import torch
 
     m = val_meta(node)
     return isinstance(m, torch.Tensor) or (hasattr(m, "shape") and hasattr(m, "dtype"))
 
 
-def _holds_tensors(node) -> bool:
+def _holds_tensors(node: torch.fx.Node) -> bool:
     """A node whose value is a tuple or list of tensors (what split returns, before getitem picks one)."""
     m = val_meta(node)
     return isinstance(m, (list, tuple)) and any(hasattr(t, "shape") and hasattr(t, "dtype") for t in m)
 
 
-def _is_mixing(node) -> bool:
+def _is_mixing(node: torch.fx.Node) -> bool:
     name = getattr(node.target, "__name__", str(node.target))
     if node.op == "call_module":
         return True  # a non-Linear module (norm, activation module) is checked by its type below
@@ -154,10 +170,10 @@ def _is_mixing(node) -> bool:
     return any(base == m or base.startswith(m + "_") for m in _MIXING)
 
 
-def _ancestor_placeholders(nodes) -> set:
+def _ancestor_placeholders(nodes: Iterable[torch.fx.Node]) -> set[torch.fx.Node]:
     """The unit inputs (placeholder nodes) that ``nodes`` are computed from."""
-    found: set = set()
-    seen: set = set()
+    found: set[torch.fx.Node] = set()
+    seen: set[torch.fx.Node] = set()
     stack = list(nodes)
     while stack:
         n = stack.pop()
@@ -175,7 +191,7 @@ _VIEWS = {"slice", "select", "narrow", "view", "as_strided", "unsqueeze", "squee
           "expand", "getitem", "unflatten", "diagonal", "t", "alias"}
 
 
-def _in_place_writes(graph) -> dict:
+def _in_place_writes(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]:
     """node -> the in-place ops that write into it or into a view of it (DeepSeek-V2 builds its keys as
     `k = x.new_empty(...); k[..., :d].copy_(k_nope); k[..., d:].copy_(k_rot)`): the values they write are
     part of the node's value, though no edge of the graph leads from them to its users."""
@@ -183,7 +199,7 @@ def _in_place_writes(graph) -> dict:
 
     import torch.fx
 
-    writes: dict = {}
+    writes: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for n in graph.nodes:
         if n.op not in ("call_function", "call_method") or not n.args or not isinstance(n.args[0], torch.fx.Node):
             continue
@@ -197,25 +213,26 @@ def _in_place_writes(graph) -> dict:
     return writes
 
 
-def _shape(node) -> tuple | None:
+def _shape(node: torch.fx.Node) -> tuple[int, ...] | None:
     m = val_meta(node) if hasattr(node, "meta") else None
     return tuple(int(d) for d in m.shape) if m is not None and hasattr(m, "shape") else None
 
 
-def _op_name(node) -> str:
+def _op_name(node: torch.fx.Node) -> str:
     if node.op == "call_method":
         return str(node.target)
-    return getattr(node.target, "__name__", str(node.target)).split(".")[0].lstrip("_")
+    name: str = getattr(node.target, "__name__", str(node.target))
+    return name.split(".")[0].lstrip("_")
 
 
-def _prod(xs) -> int:
+def _prod(xs: Iterable[int]) -> int:
     out = 1
     for x in xs:
         out *= x
     return out
 
 
-def _reshaped_dim(src: tuple, out: tuple, pos: int) -> int | None:
+def _reshaped_dim(src: tuple[int, ...], out: tuple[int, ...], pos: int) -> int | None:
     """Where dimension ``pos`` of ``src`` is sharded after a reshape to ``out``: contiguous sharding splits
     the outermost output dimension that overlaps its span (the heads of (heads, head_dim))."""
     inner = _prod(src[pos + 1 :])
@@ -227,7 +244,7 @@ def _reshaped_dim(src: tuple, out: tuple, pos: int) -> int | None:
     return None
 
 
-def _norm_dim(d, rank: int) -> int | None:
+def _norm_dim(d: object, rank: int) -> int | None:
     return d + rank if isinstance(d, int) and d < 0 else (d if isinstance(d, int) else None)
 
 
@@ -247,17 +264,18 @@ _SAFE_MODULES = ("GELU", "ReLU", "SiLU", "Dropout", "Tanh", "Sigmoid", "Identity
 class _Walk:
     """What following one column's output found: the row Linears reached and what sharding needs."""
 
-    ends: set = field(default_factory=set)
+    ends: set[torch.fx.Node] = field(default_factory=set)
     failure: str = ""
-    literals: list = field(default_factory=list)  # (node, value): absolute sizes on the sharded dimension
+    # (node, value): absolute sizes on the sharded dimension
+    literals: list[tuple[torch.fx.Node, int]] = field(default_factory=list)
     fused: int = 0  # chunks the column's width is split into before its heads (fused q/k/v)
     attention: bool = False
     groups: int = 0  # how many pieces the sharded dimension holds where heads are split off (the head count)
     reported: bool = False  # a failure tp_refused lists (a fixed-offset slice, a weight on the sharded values)
-    norms: set = field(default_factory=set)  # norms over each head it passes (norm_heads: Qwen3's q_norm)
+    norms: set[str] = field(default_factory=set)  # norms over each head it passes (norm_heads: Qwen3's q_norm)
 
 
-def _size_args(node) -> list:
+def _size_args(node: torch.fx.Node) -> list[Any]:
     args = list(node.args[1:])
     if len(args) == 1 and isinstance(args[0], (list, tuple)):
         return list(args[0])
@@ -265,7 +283,12 @@ def _size_args(node) -> list:
 
 
 def _walk_column(
-    col, linears: dict, activation_arg: dict, sub, from_columns: set, weights: dict | None = None
+    col: torch.fx.Node,
+    linears: dict[torch.fx.Node, str],
+    activation_arg: dict[torch.fx.Node, Argument],
+    sub: torch.fx.GraphModule,
+    from_columns: set[torch.fx.Node],
+    weights: dict[torch.fx.Node, tuple[str, str | None]] | None = None,
 ) -> _Walk:
     """Follow a column Linear's output, tracking which dimension of each tensor is sharded (its width,
     then its heads), to the row Linears it feeds; fail where an op would mix the sharded dimension, or
@@ -276,7 +299,7 @@ def _walk_column(
     w = _Walk()
     weights = weights or {}
     stack = [(u, col, len(_shape(col) or ()) - 1) for u in col.users]
-    seen: set = set()
+    seen: set[tuple[torch.fx.Node, torch.fx.Node, int]] = set()
     while stack and not w.failure:
         n, src, pos = stack.pop()
         if (n, src, pos) in seen:
@@ -299,8 +322,9 @@ def _walk_column(
             continue  # x.device / x.dtype carry no values: what is built from them is not sharded
         new: int | None = pos
         if n.op == "call_module":
-            if type(sub.get_submodule(n.target)).__name__ not in _SAFE_MODULES:
-                w.failure = f"{type(sub.get_submodule(n.target)).__name__} is applied to it"
+            target = cast(str, n.target)  # a call_module's target is the module's name
+            if type(sub.get_submodule(target)).__name__ not in _SAFE_MODULES:
+                w.failure = f"{type(sub.get_submodule(target)).__name__} is applied to it"
         elif name == "getitem":
             src_meta = val_meta(src)
             # fx's TensorMetadata is a NamedTuple: a tuple of values is one without a shape
@@ -401,11 +425,11 @@ def _walk_column(
                 )
                 w.reported = True
         if not w.failure:
-            stack.extend((u, n, new) for u in n.users)
+            stack.extend((u, n, cast(int, new)) for u in n.users)  # not None: a lost dimension is a failure
     return w
 
 
-def _matching_dim(src: tuple, out: tuple, pos: int) -> int | None:
+def _matching_dim(src: tuple[int, ...], out: tuple[int, ...], pos: int) -> int | None:
     """After indexing, the output dimension that keeps the sharded one: same place from the right, or the
     only dimension of that size."""
     back = len(src) - pos
@@ -415,7 +439,9 @@ def _matching_dim(src: tuple, out: tuple, pos: int) -> int | None:
     return same[0] if len(same) == 1 else None
 
 
-def _side_input_conflict(n, src, out: tuple, new: int | None, from_columns: set) -> str:
+def _side_input_conflict(
+    n: torch.fx.Node, src: torch.fx.Node, out: tuple[int, ...], new: int | None, from_columns: set[torch.fx.Node]
+) -> str:
     """A tensor combined elementwise with the sharded one must broadcast along the sharded dimension (a
     mask, a rotary table) or be sharded itself; a side input holding every head (T5's position bias) is not."""
     if new is None:
@@ -436,8 +462,8 @@ def _side_input_conflict(n, src, out: tuple, new: int | None, from_columns: set)
     return ""
 
 
-def _descendants(nodes) -> set:
-    found: set = set()
+def _descendants(nodes: Iterable[torch.fx.Node]) -> set[torch.fx.Node]:
+    found: set[torch.fx.Node] = set()
     stack = list(nodes)
     while stack:
         n = stack.pop()
@@ -454,15 +480,15 @@ class FoundPair:
 
     columns: list[str]
     row: str
-    row_node: object
-    literals: list  # (node, value): absolute sizes on the sharded dimension (see tp_info)
+    row_node: torch.fx.Node
+    literals: list[tuple[torch.fx.Node, int]]  # (node, value): absolute sizes on the sharded dimension (see tp_info)
     fused: dict[str, int]  # column -> chunks of a fused projection (q, k, v in one Linear)
     attention: bool  # the pair's path runs attention (its FLOPs are split by heads too)
     groups: int  # gcd of the pieces TP splits (head counts, else widths): tp must divide it
-    norms: set = field(default_factory=set)  # norms over each head between the columns and attention
+    norms: set[str] = field(default_factory=set)  # norms over each head between the columns and attention
 
 
-def _embedding_indices_inside(node, name: str) -> str:
+def _embedding_indices_inside(node: torch.fx.Node, name: str) -> str:
     """Why a vocab-parallel split cannot apply to this embedding lookup: torch's RowwiseParallel masks the
     indices the module is called with, so indices the module computes in its own forward (BART's learned
     positions: `super().forward(arange(...) + offset)`) would meet a sharded weight unmasked. "" if it can."""
@@ -472,14 +498,14 @@ def _embedding_indices_inside(node, name: str) -> str:
 
     if node.op != "call_function" or len(node.args) < 2:
         return ""  # an fx call_module: the module is called with its indices
-    indices = node.args[0] if node.target is torch.nn.functional.embedding else node.args[1]
+    indices: Any = node.args[0] if node.target is torch.nn.functional.embedding else node.args[1]
     paths = node_module_paths(indices) if hasattr(indices, "op") else []
     if indices.op != "placeholder" and any(p == name or p.startswith(name + ".") for p in paths):
         return "it computes its indices in its own forward (positions), so its calls' inputs are not the indices"
     return ""
 
 
-def _activation_input(node):
+def _activation_input(node: torch.fx.Node) -> Argument:
     """The graph node a projection node reads its input features from."""
     import torch
 
@@ -488,7 +514,9 @@ def _activation_input(node):
     return node.args[0] if node.args else None
 
 
-def detect_tp_pairs(sub, names: ModuleNames, constants: frozenset = frozenset()):
+def detect_tp_pairs(
+    sub: torch.fx.GraphModule, names: ModuleNames, constants: frozenset[str] = frozenset()
+) -> tuple[list[FoundPair], list[str], list[str]]:
     """Column/row pairs inside one unit's graph: a projection (nn.Linear or HF Conv1D) whose output
     reaches, through elementwise, view and attention ops that keep its sharded dimension apart, exactly
     one other projection, which takes its input from those columns only; plus the unit's embeddings
@@ -498,7 +526,7 @@ def detect_tp_pairs(sub, names: ModuleNames, constants: frozenset = frozenset())
     nodes = [n for n in sub.graph.nodes if n.op not in ("get_attr", "placeholder", "output")]
     linears = {n: name for n in nodes if (name := _linear_module(n, sub, names))}
     activation_arg = {n: _activation_input(n) for n in linears}
-    embeddings = []
+    embeddings: list[str] = []
     refused: list[str] = []
     for n in nodes:
         name = _embedding_module(n, sub, names)
@@ -511,7 +539,7 @@ def detect_tp_pairs(sub, names: ModuleNames, constants: frozenset = frozenset())
             embeddings.append(name)
     from_columns = _descendants(linears) | set(linears)  # the columns too: gelu(x) reads x twice
     weights = _trainable_weights(sub, names)
-    walks: dict = {}
+    walks: dict[torch.fx.Node, _Walk] = {}
     for a in linears:
         w = _walk_column(a, linears, activation_arg, sub, from_columns, weights)
         if not w.failure and len(w.ends) == 1:
@@ -520,8 +548,8 @@ def detect_tp_pairs(sub, names: ModuleNames, constants: frozenset = frozenset())
             refused.append(f"{linears[a]} is not sharded: {w.failure}")
     terminal = {a: next(iter(w.ends)) for a, w in walks.items()}
     writes = _in_place_writes(sub.graph)
-    pairs = []
-    by_row: dict = {}
+    pairs: list[FoundPair] = []
+    by_row: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for a, r in terminal.items():
         by_row.setdefault(r, []).append(a)
     for r, cols in by_row.items():
@@ -534,7 +562,7 @@ def detect_tp_pairs(sub, names: ModuleNames, constants: frozenset = frozenset())
         streams = _ancestor_placeholders(cols)
         ok = True
         stack = list(r.all_input_nodes)
-        seen = set()
+        seen: set[torch.fx.Node] = set()
         while stack:
             n = stack.pop()
             if n in seen:
@@ -560,8 +588,8 @@ def detect_tp_pairs(sub, names: ModuleNames, constants: frozenset = frozenset())
                 ok = False
                 break
             stack.extend(n.all_input_nodes)
-            for w in writes.get(n, ()):
-                stack.extend(w.all_input_nodes)
+            for writer in writes.get(n, ()):
+                stack.extend(writer.all_input_nodes)
         if not ok:
             continue
         groups = 0
@@ -672,7 +700,14 @@ def _head_attrs(pair: FoundPair, names: ModuleNames, method: str) -> tuple[dict[
     return {k: sorted(v) for k, v in sorted(found.items())}, ""
 
 
-def tp_info(sub, args: tuple, model, names: ModuleNames, constants: frozenset, method: str = "fx") -> TPInfo:
+def tp_info(
+    sub: torch.fx.GraphModule,
+    args: tuple[Any, ...],
+    model: nn.Module,
+    names: ModuleNames,
+    constants: frozenset[str],
+    method: str = "fx",
+) -> TPInfo:
     """Shape-propagate one unit's graph on meta and find its column/row pairs and embeddings."""
     from torch.fx.passes.shape_prop import ShapeProp
 
@@ -697,7 +732,7 @@ def tp_info(sub, args: tuple, model, names: ModuleNames, constants: frozenset, m
         for name in [*pair.columns, pair.row]:
             # A module applied several times (ALBERT's one shared layer, run 12 times) is one pair per call:
             # each call's FLOPs and all-reduce count, its parameters once.
-            lin = model.get_submodule(name)
+            lin: Any = model.get_submodule(name)  # an nn.Linear or a Conv1D
             if name not in info.styles:
                 if is_conv1d(lin):
                     info.transposed.append(name)
@@ -711,10 +746,10 @@ def tp_info(sub, args: tuple, model, names: ModuleNames, constants: frozenset, m
         info.granularity = gcd(info.granularity, pair.groups)
     for name, node in _output_linears(sub, names):
         # A Linear whose output leaves the model unmixed (the LM head): vocab-parallel, output gathered.
-        lin = model.get_submodule(name)
-        if is_conv1d(lin):
+        head: Any = model.get_submodule(name)  # an nn.Linear or a Conv1D
+        if is_conv1d(head):
             continue
-        fin, fout = projection_dims(lin)
+        fin, fout = projection_dims(head)
         if fout <= fin:
             # A head narrower than its input (a classifier, a regression output) costs less than the block
             # before it: sharding saves little, its all-gather costs, and a few outputs cannot give every
@@ -722,36 +757,37 @@ def tp_info(sub, args: tuple, model, names: ModuleNames, constants: frozenset, m
             continue
         info.styles[name] = "colwise_gather"
         info.gather_bytes += nbytes_of_meta(val_meta(node))
-        info.shard_params += lin.weight.numel() + (lin.bias.numel() if lin.bias is not None else 0)
+        info.shard_params += head.weight.numel() + (head.bias.numel() if head.bias is not None else 0)
         out_bytes = nbytes_of_meta(val_meta(node))
         tokens = max(1, out_bytes // max(1, fout * _elem(node)))
         info.shard_flops += 2.0 * fin * fout * tokens
     for node in sub.graph.nodes:
         if node.op not in ("call_function", "call_module"):
             continue
-        name = _linear_module(node, sub, names)
+        linear = _linear_module(node, sub, names)
         weight = _param_weight(node, sub, names)
-        if name in info.styles or (name is None and weight is None):
+        if linear in info.styles or (linear is None and weight is None):
             continue
         # Unsharded matmuls on parameters: unpaired Linears, routers (F.linear on their own weight).
-        fin, fout = projection_dims(model.get_submodule(name)) if name else (weight.shape[-1], weight.shape[0])
+        matrix = cast("torch.Tensor", weight)  # not None where linear is None (skipped above)
+        fin, fout = projection_dims(model.get_submodule(linear)) if linear else (matrix.shape[-1], matrix.shape[0])
         out_b = nbytes_of_meta(val_meta(node))
         tok = max(1, out_b // max(1, fout * _elem(node)))
         info.unpaired_flops += 2.0 * fin * fout * tok
     for name in embeddings:
         info.styles[name] = "rowwise"
-        info.shard_params += model.get_submodule(name).weight.numel()
+        info.shard_params += cast("nn.Embedding", model.get_submodule(name)).weight.numel()
     info.transposed.sort()
     return info
 
 
-def _trainable_weights(sub, names: ModuleNames) -> dict:
+def _trainable_weights(sub: torch.fx.GraphModule, names: ModuleNames) -> dict[torch.fx.Node, tuple[str, str | None]]:
     """The unit graph's nodes that are trainable parameters (fx get_attr, or torch.export's lifted weights
     that split_module passes in as placeholders), by node: their qualified names, and the module holding
     them where it is a norm (its class name says Norm), else None."""
     import torch
 
-    found = {}
+    found: dict[torch.fx.Node, tuple[str, str | None]] = {}
     for n in sub.graph.nodes:
         if n.op == "placeholder":
             obj = names.inputs.get(n)
@@ -769,13 +805,13 @@ def _trainable_weights(sub, names: ModuleNames) -> dict:
     return found
 
 
-def _param_weight(node, gm, names: ModuleNames):
+def _param_weight(node: torch.fx.Node, gm: torch.fx.GraphModule, names: ModuleNames) -> torch.Tensor | None:
     """The 2-D parameter an F.linear node multiplies by, when it is one (a router's weight), else None."""
     import torch
 
     if node.op != "call_function" or node.target not in (torch.ops.aten.linear.default, torch.nn.functional.linear):
         return None
-    w = node.args[1] if len(node.args) > 1 else None
+    w: Any = node.args[1] if len(node.args) > 1 else None  # a Node where op says so
     op = getattr(w, "op", None)
     if op == "placeholder":
         obj = names.inputs.get(w)
@@ -788,10 +824,10 @@ def _param_weight(node, gm, names: ModuleNames):
     return obj if id(obj) in names.params and getattr(obj, "dim", lambda: 0)() == 2 else None
 
 
-def _output_linears(sub, names: ModuleNames) -> list:
+def _output_linears(sub: torch.fx.GraphModule, names: ModuleNames) -> list[tuple[str, torch.fx.Node]]:
     """Linears whose output reaches the unit's output through shape-preserving ops only, when the unit
     is the model's last (its output is the model output)."""
-    out = []
+    out: list[tuple[str, torch.fx.Node]] = []
     for node in sub.graph.nodes:
         name = _linear_module(node, sub, names)
         if not name:
@@ -802,7 +838,7 @@ def _output_linears(sub, names: ModuleNames) -> list:
     return out
 
 
-def constant_inputs(parts, index: int) -> frozenset:
+def constant_inputs(parts: torch.fx.GraphModule, index: int) -> frozenset[str]:
     """Names of unit `index`'s inputs that are buffers or constants of the model (get_attr upstream)."""
     sub = getattr(parts, f"submod_{index}")
     call = next(n for n in parts.graph.nodes if n.op == "call_module" and n.target == f"submod_{index}")
@@ -810,14 +846,14 @@ def constant_inputs(parts, index: int) -> frozenset:
     return frozenset(ph.name for ph, arg in zip(placeholders, call.args) if getattr(arg, "op", None) == "get_attr")
 
 
-def _elem(node) -> int:
+def _elem(node: torch.fx.Node) -> int:
     import torch
 
     m = val_meta(node)
     return torch.empty((), dtype=m.dtype).element_size() if m is not None else 1
 
 
-def renamer(first: list[str], group: list[str]):
+def renamer(first: list[str], group: list[str]) -> Callable[[str], str]:
     """Map module names of a unit's first instance to another instance (blocks.0.x -> blocks.7.x)."""
     pairs = sorted(zip(first, group), key=lambda p: -len(p[0]))
 
@@ -830,7 +866,7 @@ def renamer(first: list[str], group: list[str]):
     return rename
 
 
-def _gemm_dim_of(sub) -> int:
+def _gemm_dim_of(sub: nn.Module) -> int:
     """FLOP-weighted mean of min(in, out) over the unit's Linears: how large its GEMMs are."""
     import torch.nn as nn
 
