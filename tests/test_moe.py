@@ -147,13 +147,13 @@ def test_expert_states_are_divided_by_ep_and_sharded_over_the_replicas():
 
 
 def test_expert_gradients_reduce_over_the_dp_over_ep_replicas_only():
-    """Hand computation, one node of 8 H100 (NVLink 450 GB/s, 2 us): dp 8, ep 4, so each expert shard has
-    r = 2 replicas. A stage of 1e9 dense and 8e9 expert parameters (2e9 on each rank) syncs the dense ones
-    over 8 ranks and the experts over 2; the ring's latency is the dense ring's."""
+    """Hand computation, one node of 8 H100 (NVLink 450 GB/s at the spec's network efficiency, 2 us): dp 8,
+    ep 4, so each expert shard has r = 2 replicas. A stage of 1e9 dense and 8e9 expert parameters (2e9 on each
+    rank) syncs the dense ones over 8 ranks and the experts over 2; the ring's latency is the dense ring's."""
     from planner.cost.model import dp_comm_time
 
     cluster = load_cluster("h100-sxm5-80gb", 1)
-    bw, lat = 450e9, 2e-6
+    bw, lat = 450e9 * cluster.gpu.efficiency.network, 2e-6  # NVLink at the spec's (held, not fitted) efficiency
     dense, experts = 1e9, 8e9
     local = experts / 4  # this rank's experts
     for zero in range(4):
@@ -309,21 +309,22 @@ def test_ep_pin_is_checked_with_the_rule_and_the_fix():
 def test_search_chooses_expert_parallelism_for_mixtral_8x7b_on_64_h100():
     """Without ep every rank holds all 8 experts of each layer: 45B expert parameters fit 80 GB only under
     ZeRO-3, whose weight gathers of all experts over 64 ranks every micro-batch cost more than the compute.
-    With ep = 8 inside a node each rank holds one expert per layer, whose gradients reduce (and ZeRO-3
-    shards gather) over its 8 replicas only: ZeRO-3's gathers (0.52 s a micro-batch) then about match the
-    compute (0.50 s) they overlap with, and its one reduce-scatter beats ZeRO-1's reduce-scatter +
-    all-gather (2.29 s vs 2.95 s an iteration)."""
+    With ep = 8 inside a node each rank holds one expert per layer, whose gradients reduce (and ZeRO shards
+    gather) over its 8 replicas only, and the weights fit without ZeRO-3: sharding gradients and optimizer
+    states (ZeRO-2) then beats ZeRO-3, whose per-unit gathers FSDP's prefetch does not wholly hide."""
     from planner.search.search import search
 
     graph = mixtral_8x7b_graph()
     cluster = load_cluster("h100-sxm5-80gb", 8)
     result = search(graph, cluster, 256, Pins(tp=1, pp=1, micro_batch_size=1), top_k=3)
     best = result.best.cand
-    assert (best.dp, best.ep, best.zero_stage) == (64, 8, 3), best.label()
+    assert (best.dp, best.ep, best.zero_stage) == (64, 8, 2), best.label()
     assert any("ep=" not in region and "out of memory" in why for region, why in result.rejected)
     no_ep = search(graph, cluster, 256, Pins(tp=1, pp=1, micro_batch_size=1, ep=1), top_k=1)
     assert no_ep.best.cand.zero_stage == 3
-    assert result.best.objective < no_ep.best.objective / 2
+    # 2.19 s vs 3.19 s: the ring over 64 ranks crosses nodes on all 8 rails (terms.dp_link), so without ep the
+    # gathers of every expert are costly but not prohibitive (was 2x before the rail-parallel rings)
+    assert result.best.objective < 0.75 * no_ep.best.objective
 
 
 # ------------------------------------------------------------------------------ plan and runtime
