@@ -35,9 +35,10 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from planner.errors import ConfigError
 
@@ -218,7 +219,7 @@ def check_names(files: Files) -> None:
 
 def write_output_set(
     out_dir: str | Path, files: Files, force: bool, keep_edited: bool = True, always: frozenset[str] = frozenset(),
-    precheck=None,
+    precheck: Callable[[Path, Classified], None] | None = None,
 ) -> OutputSet:
     """Write `files` into out_dir as one unit under its lock; see the module docstring.
 
@@ -382,7 +383,7 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
-def _renameat2():
+def _renameat2() -> Any:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.renameat2
@@ -452,7 +453,7 @@ def _cleanup_on_signal() -> Iterator[None]:
         yield
         return
 
-    def on_term(signum, frame):
+    def on_term(signum: int, frame: Any) -> None:
         raise _Terminated
 
     previous = signal.signal(signal.SIGTERM, on_term)

@@ -135,7 +135,7 @@ def _expert_comm(ev: Evaluated, graph: ModelGraph, cluster: ClusterSpec) -> floa
         for u in s.units
         if graph.units[u].experts
     )
-    return per_mb * ev.cand.num_micro_batches / max(1, ev.cand.pp)
+    return float(per_mb * ev.cand.num_micro_batches / max(1, ev.cand.pp))
 
 
 def _context_comm(ev: Evaluated, graph: ModelGraph, cluster: ClusterSpec) -> float:
@@ -146,7 +146,7 @@ def _context_comm(ev: Evaluated, graph: ModelGraph, cluster: ClusterSpec) -> flo
     per_mb = sum(
         2.0 * cp_kv_exchange_time(graph.units[u].sdpa_kv_bytes, ev.cand, cluster) for s in ev.stages for u in s.units
     )
-    return per_mb * ev.cand.num_micro_batches / max(1, ev.cand.pp)
+    return float(per_mb * ev.cand.num_micro_batches / max(1, ev.cand.pp))
 
 
 def _kept_experts(ev: Evaluated, graph: ModelGraph) -> dict[str, int]:
@@ -231,7 +231,7 @@ def build_plan(
                 compute_time_s=s.compute,
                 memory_bytes=mem.total,
                 memory=mem,
-                source=s.source,  # type: ignore[arg-type]
+                source=s.source,
             )
         )
     alternatives = []
@@ -274,7 +274,7 @@ def build_plan(
             seed=request.seed,
             lr=request.lr,
             steps=request.steps,
-            dtype="fp32" if cluster.gpu.name == "cpu" else src.dtype,  # type: ignore[arg-type]
+            dtype="fp32" if cluster.gpu.name == "cpu" else src.dtype,
         ),
         search=SearchStats(
             candidates=result.candidates,
@@ -374,7 +374,7 @@ def plan_model(
     request: PlanRequest,
     graph: ModelGraph | None = None,
     profile: Profile | None = None,
-    progress=None,
+    progress: Callable[[int, int], None] | None = None,
     ahead: Callable[[Plan], None] | None = None,
 ) -> tuple[Plan, ModelGraph, SearchResult]:
     """Plan a model file for a cluster: trace and analyse (unless given), search, build the Plan. `ahead`:

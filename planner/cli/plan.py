@@ -396,10 +396,10 @@ def render_outputs(
     model read while planned (copied with it); `model`: a plan folder's copy to carry instead."""
     from planner.codegen.modelcopy import copied_model
     from planner.codegen.render import render
-    from planner.pipeline import simulate_evaluated
     from planner.report.tables import degrees, stage_labels
     from planner.report.timeline import timeline_svg
     from planner.report.trace import chrome_trace
+    from planner.search.search import simulate_evaluated
 
     c = plan.cluster
     title = f"{plan.model_class} on {c.nodes} x {c.gpus_per_node} {c.gpu}: {degrees(plan.parallel)}"

@@ -33,6 +33,7 @@ import runpy
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,7 @@ class Probe:
 
         base.backward_one_chunk = backward_one_chunk  # type: ignore[method-assign]
 
-        original_tensor_backward = torch.Tensor.backward
+        original_tensor_backward: Callable[..., Any] = torch.Tensor.backward
 
         def tensor_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
             start = probe.clock.now() if probe.clock else None

@@ -19,11 +19,17 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from planner.hardware.spec import ClusterSpec, Efficiencies
 from planner.measure.calibrate import rewrite_spec_yaml
+
+if TYPE_CHECKING:
+    from planner.cost.candidate import Candidate
+    from planner.cost.model import StageCost
+    from planner.model.graph import ModelGraph
 
 FITTED = ("matmul", "attention", "memory", "network")
 MIN_SHARE = 0.05  # an efficiency is fitted only if it explains >= 5% of some measured term's prediction
@@ -51,7 +57,7 @@ class Term:
     stage: int | None = None
 
     def predicted(self, eff: Efficiencies) -> float:
-        return self.const + sum(c / getattr(eff, k) for k, c in self.coef.items())
+        return float(self.const + sum(c / getattr(eff, k) for k, c in self.coef.items()))
 
 
 def with_efficiency(cluster: ClusterSpec, eff: Efficiencies) -> ClusterSpec:
@@ -100,7 +106,8 @@ def box_least_squares(a: np.ndarray, b: np.ndarray, lower: np.ndarray, upper: np
         if best is None or cost < best[0] - 1e-15:
             best = (cost, x)
     assert best is not None  # every variable at a bound is always feasible
-    return np.clip(best[1], lower, upper)
+    clipped: np.ndarray = np.clip(best[1], lower, upper)
+    return clipped
 
 
 @dataclass
@@ -199,10 +206,12 @@ class Expected:
     stage: int | None
     const: float
     coef: dict[str, float]
-    probe: dict | None = None  # a collective the probe runs: op, dim, bytes (, src, dst)
+    probe: dict[str, Any] | None = None  # a collective the probe runs: op, dim, bytes (, src, dst)
 
 
-def plan_terms(graph, cluster: ClusterSpec, cand, partition: list[list[int]], recompute: list[str]) -> list[Expected]:
+def plan_terms(
+    graph: ModelGraph, cluster: ClusterSpec, cand: Candidate, partition: list[list[int]], recompute: list[str]
+) -> list[Expected]:
     """Per stage forward and backward per micro-batch, each pipeline hop's send and each stage's
     data-parallel collectives, as the cost model predicts them for this partition (affine in 1/eff)."""
     from planner.cost import collectives as coll
@@ -219,7 +228,7 @@ def plan_terms(graph, cluster: ClusterSpec, cand, partition: list[list[int]], re
         for s in range(n_stages - 1)
     ]
 
-    def stages(eff: Efficiencies):
+    def stages(eff: Efficiencies) -> tuple[ClusterSpec, list[StageCost]]:
         cl = with_efficiency(cluster, eff)
         costs = [unit_cost(u, cand, cl, dtype) for u in graph.units]
         return cl, stage_costs(graph, cl, cand, partition, recompute, costs, CostOptions())
@@ -257,8 +266,9 @@ def plan_terms(graph, cluster: ClusterSpec, cand, partition: list[list[int]], re
         expected.append(Expected(f"stage {s} backward", "backward", s, cb, kb))
     i = 2 * n_stages
     for s, src, dst in hops:
-        nbytes = graph.units[partition[s][-1]].output_bytes * cand.micro_batch_size
-        nbytes /= cand.tp if cand.sequence_parallel else 1
+        nbytes = graph.units[partition[s][-1]].output_bytes * cand.micro_batch_size / (
+            cand.tp if cand.sequence_parallel else 1
+        )
         const, coef = affine[i]
         i += 1
         expected.append(Expected(
@@ -279,13 +289,13 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.3g} MiB"
 
 
-def probe_config(expected: list[Expected], out: str, pipeline: bool, repeats: int = 5) -> dict:
+def probe_config(expected: list[Expected], out: str, pipeline: bool, repeats: int = 5) -> dict[str, Any]:
     """What the probe inside the run needs: where to write, whether a pipeline runs, which collectives."""
     collectives = [{**e.probe, "name": e.name} for e in expected if e.probe is not None]
     return {"out": out, "pipeline": pipeline, "repeats": repeats, "collectives": collectives}
 
 
-def measured_terms(expected: list[Expected], rank_docs: list[dict]) -> list[Term]:
+def measured_terms(expected: list[Expected], rank_docs: list[dict[str, Any]]) -> list[Term]:
     """The expected terms with the run's measurements: medians over every rank (and micro-batch) that ran
     the term; a term nothing measured is left out."""
     import statistics

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 from planner.errors import ConfigError, PlannerError
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from planner.model.graph import ModelGraph
     from planner.pipeline import PlanRequest
 
@@ -291,7 +293,7 @@ def sweep_png(points: list[SweepPoint], title: str) -> bytes | None:
 
 
 
-def sweep_table(points: list[SweepPoint], title: str):
+def sweep_table(points: list[SweepPoint], title: str) -> Table:
     """The sweep as a rich table, one row per cluster, the Pareto front starred."""
     from rich.table import Table
 

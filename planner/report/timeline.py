@@ -63,8 +63,8 @@ def _tick_step(span_ms: float) -> float:
     base = 10 ** math.floor(math.log10(raw))
     for mult in (1, 2, 5, 10):
         if base * mult >= raw:
-            return base * mult
-    return base * 10
+            return float(base * mult)
+    return float(base * 10)
 
 
 def _tick_label(value_ms: float, step_ms: float) -> str:
