@@ -440,7 +440,8 @@ def _efficiency_block(cal: Calibration) -> list[str]:
     block = [f"efficiency:  # measured by planner calibrate on {cal.device_name}"]
     for key in ("matmul", "gemm_half_dim", "attention", "memory", "network"):
         value = getattr(eff, key)
-        text = f"{value:.1f}" if key == "gemm_half_dim" else f"{value:.4f}"
+        # 4 decimals, or 4 significant digits below 0.001 (a slow, loaded CPU): 0.0000 would not be a valid spec
+        text = f"{value:.1f}" if key == "gemm_half_dim" else f"{value:.4f}" if value >= 1e-3 else f"{value:.4e}"
         block.append(f"  {key}: {text}  # source: {cal.notes[key]}")
     return block
 
