@@ -74,6 +74,17 @@ def test_written_spec_loads_with_the_measured_efficiencies(tmp_path):
     assert load_cluster(path, 2).gpu.efficiency.attention == pytest.approx(0.42)
 
 
+def test_a_tiny_measured_efficiency_is_written_as_a_valid_spec(tmp_path):
+    """A slow, loaded CPU measures efficiencies below 0.00005: four decimals would write 0.0000, which no spec
+    accepts (efficiencies are > 0); they keep four significant digits instead."""
+    base = (specs_dir() / "h100-sxm5-80gb.yaml").read_text()
+    cal = _calibration(matmul=4.12e-5, gemm_half_dim=0.0, attention=2e-6, memory=0.9, network=0.66)
+    path = tmp_path / "slow.yaml"
+    path.write_text(calibrated_yaml(cal, base, "slow"))
+    eff = load_spec(path).efficiency
+    assert eff.matmul == pytest.approx(4.12e-5) and eff.attention == pytest.approx(2e-6) and eff.memory == 0.9
+
+
 def test_model_gemm_shapes_are_the_models_linears():
     shapes = model_gemm_shapes([(str(ROOT / "sample_models" / "gpt.py"), {"hidden": 96, "seq": 32})], "bf16")
     # tokens of one sample x (in, out): attention projections, the MLP and the head
