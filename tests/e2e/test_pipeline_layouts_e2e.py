@@ -5,49 +5,23 @@ process doing gradient accumulation over the same micro-batches within 2e-5."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from e2e.plans import reference_of
-from e2e.test_train_e2e import STEPS, run, train
-from typer.testing import CliRunner
-
-from planner.cli.main import app
-from planner.plan import load_plan
+from e2e.test_train_e2e import assert_same_training
+from e2e.test_train_e2e import plan_and_train as planned_and_trained
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
-TOL = 2e-5
 
 
 def plan_and_train(tmp_path: Path, layers: int, v: int) -> tuple[object, dict, dict]:
-    out = tmp_path / "plan"
-    result = CliRunner().invoke(
-        app,
-        [
-            "plan", str(ROOT / "sample_models" / "gpt.py"), "--model-arg", f"layers={layers}",
-            "--model-arg", "hidden=32", "--model-arg", "heads=2", "--model-arg", "seq=16", "--model-arg", "vocab=64",
-            "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "8", "--pp", "2",
-            "--virtual-stages", str(v), "--micro-batch-size", "2", "--schedule", "interleaved-1f1b",
-            "--lr", "3e-3", "--out", str(out), "--quiet",
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    plan = load_plan(out)
-    run(["bash", str(out / "launch.sh"), "--steps", str(STEPS)], tmp_path)
-    metrics = json.loads((out / "metrics.json").read_text())
-    expected = train(reference_of(plan), tmp_path / "reference", 1)
-    return plan, metrics, expected
-
-
-def assert_same_training(metrics: dict, expected: dict) -> None:
-    got, want = metrics["steps"], expected["steps"]
-    assert len(got) == STEPS
-    for g, w in zip(got, want, strict=True):
-        assert abs(g["loss"] - w["loss"]) <= TOL, (got, want)
-        assert abs(g["grad_norm"] - w["grad_norm"]) <= TOL * max(1.0, w["grad_norm"]), (got, want)
-    assert got[-1]["loss"] < got[0]["loss"]  # it really trains
+    return planned_and_trained(tmp_path, [
+        str(ROOT / "sample_models" / "gpt.py"), "--model-arg", f"layers={layers}",
+        "--model-arg", "hidden=32", "--model-arg", "heads=2", "--model-arg", "seq=16", "--model-arg", "vocab=64",
+        "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "8", "--pp", "2",
+        "--virtual-stages", str(v), "--micro-batch-size", "2", "--schedule", "interleaved-1f1b", "--lr", "3e-3",
+    ])
 
 
 def test_uneven_interleaved_pp2_v3_trains_like_one_process(tmp_path):

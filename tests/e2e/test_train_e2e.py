@@ -98,6 +98,34 @@ def train(plan: Plan, where: Path, processes: int) -> dict:
     return json.loads((where / "metrics.json").read_text())
 
 
+def plan_and_train(tmp_path: Path, plan_args: list[str]) -> tuple[Plan, dict, dict]:
+    """`planner plan ARGS --out tmp/plan --quiet`, its launch.sh trained STEPS steps, and one process doing gradient
+    accumulation over the same micro-batches: (plan, the run's metrics, the reference's)."""
+    from typer.testing import CliRunner
+
+    from planner.cli.main import app
+    from planner.plan import load_plan
+
+    out = tmp_path / "plan"
+    result = CliRunner().invoke(app, ["plan", *plan_args, "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    run(["bash", str(out / "launch.sh"), "--steps", str(STEPS)], tmp_path)
+    metrics = json.loads((out / "metrics.json").read_text())
+    return plan, metrics, train(reference_of(plan), tmp_path / "reference", 1)
+
+
+def assert_same_training(metrics: dict, expected: dict, tol: float = 2e-5) -> None:
+    """Every step's loss and gradient norm within `tol` of the reference's (the norm relative above 1), and it
+    really trains."""
+    got, want = metrics["steps"], expected["steps"]
+    assert len(got) == STEPS
+    for g, w in zip(got, want, strict=True):
+        assert abs(g["loss"] - w["loss"]) <= tol, (got, want)
+        assert abs(g["grad_norm"] - w["grad_norm"]) <= tol * max(1.0, w["grad_norm"]), (got, want)
+    assert got[-1]["loss"] < got[0]["loss"]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Single-process runs, one per distinct (model, batch layout): several cases share one."""
