@@ -9,6 +9,8 @@ Usage:
 
 Published runs. bench/published_runs.yaml holds runs from SC21, the Megatron-LM README (H100), MosaicML
 llm-foundry (MPT with FSDP on A100 and H100), torchtitan (Llama 3.1 on H100), BLOOM-176B and MT-NLG 530B,
+and mixture-of-experts runs on H100 (Qwen3-235B-A22B from Megatron-MoE-ModelZoo, GPT-OSS 120B from
+Megatron-Bridge, built from their Hugging Face configs with the published expert-parallel degree pinned),
 each with its citation, model configuration, layout and published figure (bench/published_runs.py has the
 schema). Each is planned with its layout pinned and the predicted iteration time is set against the
 published one (converted from tokens/s or TFLOP/s where that is what was published). One set of
@@ -571,7 +573,7 @@ def print_published(results: list[RunResult], runs: PublishedRuns) -> None:
         "overlap TP communication with the GEMMs, planned with async TP (its exposed part costed).\n"
     )
     head = (
-        f"{'run':<36} {'role':<4} {'gpu':<15} {'GPUs':>5} {'t':>2} {'p':>3} {'dp':>4} {'v':>2} {'mbs':>3} "
+        f"{'run':<36} {'role':<4} {'gpu':<15} {'GPUs':>5} {'t':>2} {'p':>3} {'dp':>4} {'ep':>2} {'v':>2} {'mbs':>3} "
         f"{'rec':<4} {'sp':<2} {'z':>1} {'pred s':>8} {'publ s':>8} {'err %':>7} {'GiB':>5}"
     )
     print(head)
@@ -583,8 +585,8 @@ def print_published(results: list[RunResult], runs: PublishedRuns) -> None:
         mem = "-" if r.peak_gib is None else f"{r.peak_gib:5.1f}"
         print(
             f"{run.id:<36} {'fit' if run.role == 'fit' else 'val':<4} {run.gpu:<15} {run.gpus:>5} {lay.tp:>2} "
-            f"{lay.pp:>3} {run.dp:>4} {lay.v:>2} {lay.mbs:>3} {lay.recompute[:4]:<4} {'y' if lay.sp else 'n':<2} "
-            f"{lay.zero:>1} {pred:>8} {run.published_iteration_s:>8.3f} {err:>7} {mem:>5}"
+            f"{lay.pp:>3} {run.dp:>4} {lay.ep:>2} {lay.v:>2} {lay.mbs:>3} {lay.recompute[:4]:<4} "
+            f"{'y' if lay.sp else 'n':<2} {lay.zero:>1} {pred:>8} {run.published_iteration_s:>8.3f} {err:>7} {mem:>5}"
             + (" !" if run.unsupported else "")
             + (" ~" if run.tp_comm_overlap and lay.tp > 1 else "")
         )

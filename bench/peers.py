@@ -66,6 +66,8 @@ def llm_analysis_iteration_s(run: Run) -> tuple[float | None, str]:
         from llm_analysis.analysis import train
     except ImportError as e:  # optional peer
         return None, f"llm-analysis not installed ({e.name}); pip install llm-analysis"
+    if run.config is None:
+        return None, "mixture of experts: bench/peers.py does not pass llm-analysis its expert options"
     lay, c = run.layout, run.config
     if lay.v > 1:
         return None, "interleaved schedule: llm-analysis has no virtual stages"
@@ -126,8 +128,8 @@ def calculon_iteration_s(run: Run, checkout: str | None) -> tuple[float | None, 
     if checkout is None:
         return None, "Calculon not run: pass --calculon DIR (a checkout of github:calculon-ai/calculon)"
     lay, c = run.layout, run.config
-    if run.model != "gpt":
-        return None, "Calculon has no grouped-query attention or SwiGLU"
+    if run.model != "gpt" or c is None:
+        return None, "Calculon has no grouped-query attention, SwiGLU or mixture of experts"
     if lay.zero >= 2:
         return None, f"ZeRO-{lay.zero}: Calculon shards the optimizer only (ZeRO-1)"
     system = CALCULON_SYSTEM.get(run.gpu)

@@ -1,7 +1,9 @@
 """Published training runs (bench/published_runs.yaml): their schema, and each one planned at its layout.
 
 Every run is planned with its published layout pinned (t, p, dp, virtual stages, micro-batch, schedule,
-recomputation, sequence parallelism, ZeRO stage), the sample GPT or Llama built on the meta device at the
+recomputation, sequence parallelism, ZeRO stage, and for a mixture-of-experts model the expert-parallel
+degree), the sample GPT or Llama, or a Hugging Face model from its config (`model: hf`: transformers' class
+for the config's model_type, as `planner plan hf:NAME --hf-config` builds it), on the meta device at the
 published configuration, on the run's GPU spec with the spec's own efficiencies. The published figure is
 turned into an iteration time (tokens/s from the batch, TFLOP/s through the publisher's FLOP formula), so
 the error does not depend on how either side counts FLOPs.
@@ -9,9 +11,12 @@ the error does not depend on how either side counts FLOPs.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import tempfile
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
@@ -49,11 +54,30 @@ class ModelConfig(_Strict):
     seq: PositiveInt
 
 
+class HFModel(_Strict):
+    """A Hugging Face model planned from its config (the `hf:` model source), for models the sample files do
+    not cover (mixture-of-experts: Qwen3-MoE, GPT-OSS, ...)."""
+
+    name: str = Field(description="the model's Hub id, for the report (nothing is downloaded)")
+    seq: PositiveInt
+    config: dict[str, Any] = Field(description="config.json's fields: model_type, architectures, published sizes")
+
+    @model_validator(mode="after")
+    def _names_its_class(self) -> HFModel:
+        arch = self.config.get("architectures")
+        if not isinstance(self.config.get("model_type"), str):
+            raise ValueError(f"hf {self.name}: config.model_type is required (the transformers config class)")
+        if not (isinstance(arch, list) and len(arch) == 1 and isinstance(arch[0], str)):
+            raise ValueError(f"hf {self.name}: config.architectures must name one transformers model class")
+        return self
+
+
 class Layout(_Strict):
     tp: PositiveInt
     cp: PositiveInt = Field(1, description="context parallelism: the sequence sharded over cp ranks (ring attention)")
     pp: PositiveInt
     v: PositiveInt = 1
+    ep: PositiveInt = Field(1, description="expert parallelism (MoE): each layer's experts over ep ranks")
     mbs: PositiveInt
     global_batch: PositiveInt
     recompute: Recompute
@@ -93,14 +117,15 @@ class Run(_Strict):
     source: str
     role: Literal["fit", "validation"]
     cite: str
-    model: Literal["gpt", "llama"]
+    model: Literal["gpt", "llama", "hf"]
     model_args: dict[str, float | int | str] = Field(default_factory=dict, description="extra sample-model arguments")
     gpu: str = Field(description="GPU spec or cluster preset name")
     gpus: PositiveInt
     cluster_overrides: dict[Literal["memory_gib", "memory_bandwidth_gbps", "inter_node_bandwidth_gbps"], float] = Field(
         default_factory=dict, description="published facts of the run's machine that differ from the spec"
     )
-    config: ModelConfig
+    config: ModelConfig | None = Field(None, description="the sample GPT's or Llama's configuration")
+    hf: HFModel | None = Field(None, description="model: hf, the Hugging Face config it is built from")
     layout: Layout
     published: Published
     memory: PublishedMemory | None = Field(None, description="published memory per GPU, where there is one")
@@ -118,8 +143,16 @@ class Run(_Strict):
             raise ValueError(f"{self.id}: {self.gpus} GPUs are not a multiple of tp*cp*pp = {lay.tp * lay.cp * lay.pp}")
         if lay.global_batch % (self.dp * lay.mbs):
             raise ValueError(f"{self.id}: global batch {lay.global_batch} is not a multiple of dp*mbs")
-        if self.model == "gpt" and self.config.kv_heads is not None:
+        if (self.model == "hf") != (self.hf is not None) or (self.config is None) != (self.hf is not None):
+            raise ValueError(f"{self.id}: model hf takes `hf` (a Hugging Face config), gpt and llama take `config`")
+        if self.config is not None and self.model == "gpt" and self.config.kv_heads is not None:
             raise ValueError(f"{self.id}: kv_heads is for the llama model only")
+        if self.hf is not None and self.published.metric == "tflops_per_gpu":
+            raise ValueError(f"{self.id}: tflops_per_gpu needs the publisher's FLOP formula (gpt and llama only)")
+        if self.hf is not None and self.model_args:
+            raise ValueError(f"{self.id}: model_args are the sample models'; an hf model takes its config's fields")
+        if lay.ep > 1 and self.hf is None:
+            raise ValueError(f"{self.id}: ep {lay.ep} needs a mixture-of-experts model (model: hf)")
         return self
 
     @property
@@ -127,14 +160,24 @@ class Run(_Strict):
         return self.gpus // (self.layout.tp * self.layout.cp * self.layout.pp)
 
     @property
+    def seq(self) -> int:
+        return self.hf.seq if self.hf is not None else self.dense_config.seq
+
+    @property
+    def dense_config(self) -> ModelConfig:
+        if self.config is None:
+            raise ValueError(f"{self.id}: an hf model has no sample-model config")
+        return self.config
+
+    @property
     def tokens_per_iteration(self) -> int:
-        return self.layout.global_batch * self.config.seq
+        return self.layout.global_batch * self.seq
 
     def publisher_flops(self) -> float:
         """FLOPs per iteration as the publisher counts them (Narayanan et al. SC21 eq. 3 and its 72 form; model-6nd:
         6 N per token, N the blocks' weights and the output layer (Kaplan et al. 2020), plus 12 l s h per token for
         attention's two matmuls, the same attention term as the 72 form's s/6h)."""
-        c = self.config
+        c = self.dense_config
         b, s, n, h, v = self.layout.global_batch, c.seq, c.layers, c.hidden, c.vocab
         if self.published.flops == "model-6nd":
             kv = (c.kv_heads or c.heads) * (h // c.heads)
@@ -158,7 +201,9 @@ class Run(_Strict):
         return self.publisher_flops() / (pub.value * 1e12 * self.gpus)
 
     def model_args_full(self) -> dict:
-        c = self.config
+        if self.hf is not None:
+            return {"seq": self.hf.seq}
+        c = self.dense_config
         args = {"layers": c.layers, "hidden": c.hidden, "heads": c.heads, "vocab": c.vocab, "seq": c.seq}
         if c.ffn is not None:
             args["ffn"] = c.ffn
@@ -181,6 +226,14 @@ class Run(_Strict):
         }
         if lay.tp > 1 and lay.sp:  # pinned either way: the search would turn async TP on where it runs
             pins["tp_overlap"] = self.tp_comm_overlap
+        if self.hf is not None:
+            if self.dp % lay.ep:
+                raise NotExpressible(
+                    f"expert parallelism over more ranks than data parallelism (ep {lay.ep}, dp {self.dp}: Megatron's "
+                    f"MoE parallel folding, the experts over tp x dp ranks): the planner shards experts over ep of the "
+                    "dp ranks only (ep divides dp)" + (f", and with tp = 1 only (tp {lay.tp})" if lay.tp > 1 else "")
+                )
+            pins["ep"] = lay.ep
         if lay.cp > 1:
             if not planner_has_cp():
                 raise NotExpressible(
@@ -188,7 +241,7 @@ class Run(_Strict):
                 )
             pins["cp"] = lay.cp
         return PlanRequest(
-            model_path=str(MODELS[self.model]),
+            model_path=str(MODELS[self.model] if self.hf is None else hf_model_file(self.hf)),
             model_args=self.model_args_full(),
             gpu=self.gpu,
             nodes=self.gpus // gpus_per_node,
@@ -197,6 +250,21 @@ class Run(_Strict):
             top_k=0,
             overlap_dp_comm=lay.overlap_dp_comm,
         )
+
+
+def hf_model_file(hf: HFModel) -> Path:
+    """The model file `planner plan hf:NAME --hf-config` compiles for the config, in a folder named by the
+    config's digest (the same config, the same file and path: the analysis cache and the plans stay the same)."""
+    from planner.model.sources import CONFIG_FILE, compile_source
+
+    text = json.dumps(hf.config, indent=1, sort_keys=True) + "\n"
+    digest = hashlib.sha256(f"{hf.seq}\n{text}".encode()).hexdigest()[:16]
+    where = Path(tempfile.gettempdir()) / "planner-published-runs" / digest
+    config = where / CONFIG_FILE
+    where.mkdir(parents=True, exist_ok=True)
+    if not config.is_file() or config.read_text() != text:
+        config.write_text(text)
+    return compile_source(f"hf:{hf.name}", where, hf_config=config, seq=hf.seq)
 
 
 class NotExpressible(Exception):
@@ -267,6 +335,8 @@ def run_cluster(run: Run, efficiency: Efficiencies | None = None) -> ClusterSpec
 
 
 def graph_key(run: Run) -> tuple:
+    if run.hf is not None:
+        return (run.model, run.hf.name, json.dumps(run.hf.config, sort_keys=True), run.hf.seq)
     return (run.model, tuple(sorted(run.model_args_full().items())))
 
 

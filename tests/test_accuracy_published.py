@@ -129,7 +129,8 @@ def test_sc21_fit_rows_match_the_table_in_accuracy_py():
     assert len(fit) == len(ROWS)
     for row in ROWS:
         run = fit[f"sc21-{row.name.lower()}"]
-        assert (run.config.layers, run.config.hidden, run.config.heads) == (row.layers, row.hidden, row.heads)
+        c = run.dense_config
+        assert (c.layers, c.hidden, c.heads) == (row.layers, row.hidden, row.heads)
         assert (run.layout.tp, run.layout.pp, run.gpus, run.layout.global_batch) == (row.t, row.p, row.gpus, row.batch)
         assert (run.layout.mbs, run.layout.v, run.published.value) == (row.mbs, row.v, row.published)
         assert run.layout.overlap_dp_comm == (row.ddp == "torch")
@@ -159,7 +160,10 @@ def test_published_figures_become_iteration_times():
 _GRAPHS: dict = {}
 
 
-@pytest.mark.parametrize("run", RUNS.runs, ids=[r.id for r in RUNS.runs])
+DENSE = [r for r in RUNS.runs if r.hf is None]  # the MoE (hf) rows: test_moe_* below, one planned
+
+
+@pytest.mark.parametrize("run", DENSE, ids=[r.id for r in DENSE])
 def test_run_plans_at_its_layout(run):
     if run.id in NOT_EXPRESSIBLE:
         with pytest.raises(NotExpressible, match=NOT_EXPRESSIBLE[run.id]):
@@ -177,7 +181,7 @@ def test_run_plans_at_its_layout(run):
     assert par.sequence_parallel == lay.sp
     assert plan.cluster.nodes * plan.cluster.gpus_per_node == run.gpus
     # at its real size: the traced parameter count is the published configuration's, not a toy's
-    c = run.config
+    c = run.dense_config
     ffn = c.ffn or 4 * c.hidden
     kv_dim = (c.kv_heads or c.heads) * (c.hidden // c.heads)
     per_layer = 2 * c.hidden * (c.hidden + kv_dim) + (3 if run.model == "llama" else 2) * c.hidden * ffn
@@ -221,3 +225,65 @@ def test_small_scale_fsdp_scales_flat_as_published():
     assert max(published) / min(published) < 1.01
     predicted = [plan_run(runs[i], _GRAPHS)[0].predicted.iteration_time_s for i in ids]
     assert max(predicted) / min(predicted) < 1.03
+
+
+MOE = [r for r in RUNS.runs if r.hf is not None]
+
+
+def test_moe_rows_load_as_validation_with_an_expert_parallel_degree():
+    """The mixture-of-experts rows: Hugging Face configs with an expert count, ep > 1, validation only (their
+    sources on the validation side of the H100 split), converted to iteration times like the dense rows."""
+    assert len(MOE) >= 6 and {r.source for r in MOE} >= {"moe-modelzoo", "megatron-bridge"}
+    h100 = RUNS.splits["h100"]
+    for run in MOE:
+        assert run.role == "validation" and run.gpu in h100.gpus and run.source in h100.validation, run.id
+        assert run.layout.ep > 1 and run.model == "hf" and run.config is None
+        experts = run.hf.config.get("num_experts") or run.hf.config.get("num_local_experts")
+        assert experts and experts % run.layout.ep == 0, run.id
+    by_id = {r.id: r for r in MOE}
+    # 5984 tokens/s/GPU on 64 GPUs, 1280 x 4096 tokens per iteration
+    assert by_id["bridge-gpt-oss-120b-h100-64"].published_iteration_s == pytest.approx(1280 * 4096 / (5984 * 64))
+    assert by_id["zoo-qwen3-235b-pp32-ep8-a2a"].published_iteration_s == 24.2
+
+
+def test_moe_schema_keeps_the_model_kinds_apart():
+    base = yaml.safe_load(RUNS_FILE.read_text())
+    dense = next(r for r in base["runs"] if r["id"] == "mpt-h100-7b-128")
+    moe = next(r for r in base["runs"] if r["id"] == "bridge-gpt-oss-120b-h100-64")
+    cases = [
+        ({**dense, "layout": {**dense["layout"], "ep": 2}}, "needs a mixture-of-experts model"),
+        ({**dense, "hf": moe["hf"]}, "model hf takes `hf`"),
+        ({k: v for k, v in moe.items() if k != "hf"}, "model hf takes `hf`"),
+        ({**moe, "hf": {**moe["hf"], "config": {k: v for k, v in moe["hf"]["config"].items() if k != "model_type"}}},
+         "model_type is required"),
+        ({**moe, "published": {"metric": "tflops_per_gpu", "value": 163, "flops": "megatron-model"}},
+         "publisher's FLOP formula"),
+        ({**moe, "hf": {**moe["hf"], "revision": "main"}}, "Extra inputs"),
+    ]
+    for row, match in cases:
+        data = {**base, "runs": [row]}
+        with pytest.raises(ValidationError, match=match):
+            PublishedRuns.model_validate(data)
+
+
+def test_moe_layout_folding_experts_over_tp_x_dp_is_reported_not_expressible():
+    """Megatron's ep 8 over tp 2 x dp 4 (expert TP 1): the planner's ep divides dp, so the row says so (before
+    any model is traced)."""
+    run = next(r for r in MOE if r.id == "zoo-qwen3-235b-pp32-ep8-a2a")
+    with pytest.raises(NotExpressible, match=r"ep 8, dp 4.*ep divides dp.*tp = 1 only \(tp 2\)"):
+        plan_run(run)
+
+
+def test_moe_row_plans_with_its_pinned_ep():
+    """GPT-OSS 120B on 64 H100 (Megatron-Bridge): built from its config on meta at full size, planned at the
+    published tp 1, pp 4, dp 16 with ep 8 pinned: each rank holds 16 of each layer's 128 experts."""
+    run = next(r for r in MOE if r.id == "bridge-gpt-oss-120b-h100-64")
+    plan, cluster = plan_run(run)
+    par = plan.parallel
+    assert (par.dp, par.tp, par.pp, par.ep, par.micro_batch_size) == (16, 1, 4, 8, 1)
+    assert (par.virtual_stages, par.zero_stage, par.schedule) == (1, 1, "1f1b")
+    assert plan.experts and set(plan.experts.values()) == {128} and len(plan.experts) == 36
+    assert 110e9 < plan.total_params < 125e9  # 116.8B: the published model, not a toy
+    assert plan.predicted.comm.expert_parallel_s > 0
+    assert 0 < plan.predicted.peak_memory_bytes <= cluster.gpu.memory_bytes
+    assert graph_key(run)[:2] == ("hf", "openai/gpt-oss-120b")
