@@ -53,6 +53,7 @@ import argparse
 import math
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -524,9 +525,11 @@ def iteration_shares(plan: Plan) -> dict[str, float]:
 MISS = 0.15  # the issue's target for the worst validation row
 
 
-def miss_cause(r: RunResult) -> str:
+def miss_cause(r: RunResult, known: list[str] | None = None) -> str:
     """Why a validation row misses: no prediction (the refusal), a feature not modelled, or the direction and
-    what the predicted iteration is made of (the part a fix would have to move)."""
+    what the predicted iteration is made of (the part a fix would have to move). A cause the yaml records
+    outside the cost model (`Run.miss_cause`) is named by its number in `known` (appended there when new),
+    so that rows sharing one cause print it once."""
     if r.error is None:
         return r.reason
     if r.run.unsupported:
@@ -534,15 +537,25 @@ def miss_cause(r: RunResult) -> str:
     ranked = sorted((r.shares or {}).items(), key=lambda kv: -kv[1])
     parts = ", ".join(f"{k} {100 * v:.0f}%" for k, v in ranked if v >= 0.01)
     side = "too fast" if r.error < 0 else "too slow"
-    return f"predicted {side}; the predicted iteration is {parts}"
+    cause = ""
+    if r.run.miss_cause and known is not None:
+        if r.run.miss_cause not in known:
+            known.append(r.run.miss_cause)
+        cause = f"; cause [{known.index(r.run.miss_cause) + 1}]"
+    return f"predicted {side}; the predicted iteration is {parts}{cause}"
 
 
 def print_misses(results: list[RunResult]) -> None:
     rows = [r for r in results if r.run.role == "validation" and (r.error is None or abs(r.error) > MISS)]
     print(f"\nMisses: validation rows off by more than {100 * MISS:.0f}% or without a prediction ({len(rows)}):")
+    known: list[str] = []
     for r in rows:
         err = "   -  " if r.error is None else f"{100 * r.error:+6.1f}%"
-        print(f"  {r.run.id:<36} {err}  {miss_cause(r)}")
+        print(f"  {r.run.id:<36} {err}  {miss_cause(r, known)}")
+    if known:
+        print("\nCauses outside the cost model (bench/published_runs.yaml, miss_cause):")
+    for i, text in enumerate(known, 1):
+        print(textwrap.fill(text, width=112, initial_indent=f"  [{i}] ", subsequent_indent="      "))
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -130,6 +130,12 @@ class Run(_Strict):
     published: Published
     memory: PublishedMemory | None = Field(None, description="published memory per GPU, where there is one")
     unsupported: str | None = Field(None, description="what the run used that the planner does not model")
+    miss_cause: str | None = Field(
+        None,
+        description="why the row misses where the cause lies outside the cost model (the software of the run's "
+        "vintage, with the numbers that show it): printed beside the miss; unlike `unsupported`, the row stays in "
+        "the distributions",
+    )
     tp_comm_overlap: bool = Field(
         False, description="TP communication overlapped with the GEMMs (Megatron --tp-comm-overlap, torchtitan's "
         "AsyncTP): planned with the planner's async TP pinned (Candidate.tp_overlap, its exposed part costed)"
@@ -153,6 +159,8 @@ class Run(_Strict):
             raise ValueError(f"{self.id}: model_args are the sample models'; an hf model takes its config's fields")
         if lay.ep > 1 and self.hf is None:
             raise ValueError(f"{self.id}: ep {lay.ep} needs a mixture-of-experts model (model: hf)")
+        if self.miss_cause and self.role == "fit":
+            raise ValueError(f"{self.id}: a fit row's miss is the fit's to explain, not a recorded miss_cause")
         return self
 
     @property

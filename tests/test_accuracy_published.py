@@ -14,7 +14,7 @@ from pydantic import ValidationError
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from accuracy import ROWS, distribution, percentile, run_published  # noqa: E402
+from accuracy import ROWS, RunResult, distribution, percentile, print_misses, run_published  # noqa: E402
 from published_runs import (  # noqa: E402
     RUNS_FILE,
     NotExpressible,
@@ -76,7 +76,8 @@ def test_calibration_and_validation_are_split_by_source_per_gpu():
     with pytest.raises(ValidationError, match="both calibration and validation"):
         PublishedRuns.model_validate(data)
     data = yaml.safe_load(RUNS_FILE.read_text())
-    next(r for r in data["runs"] if r["id"] == "mpt-h100-7b-128")["role"] = "fit"
+    row = next(r for r in data["runs"] if r["id"] == "mpt-h100-7b-128")
+    row.update(role="fit", miss_cause=None)  # (a fit row may not carry a miss_cause either)
     with pytest.raises(ValidationError, match="puts source 'llm-foundry' in validation"):
         PublishedRuns.model_validate(data)
 
@@ -194,6 +195,26 @@ def test_distribution_statistics():
     assert percentile([0.3, 0.1, 0.2, 0.4], 0.9) == 0.4
     assert percentile([0.3, 0.1, 0.2, 0.4], 0.5) == 0.2
     assert percentile([5.0], 0.9) == 5.0
+
+
+def test_recorded_miss_causes_print_once_and_keep_their_rows_in_the_distribution(capsys):
+    runs = {r.id: r for r in RUNS.runs}
+    nlg = [runs["mt-nlg-530b-2240"], runs["mt-nlg-530b-2800"]]
+    assert nlg[0].miss_cause and nlg[0].miss_cause == nlg[1].miss_cause
+    results = [RunResult(r, 0.75 * r.published_iteration_s, 20.0, 80.0, "gpu") for r in nlg]
+    print_misses(results)
+    out = capsys.readouterr().out
+    assert out.count("cause [1]") == 2 and "[2]" not in out
+    assert out.count("DeepSpeed's pipeline engine") == 1  # the text once, under its number
+    assert distribution(results).startswith("n=2:")  # unlike `unsupported`, the rows still count
+    # the A100 MPT rows take the H100 rows' fields by the yaml merge key, but not their cause
+    assert runs["mpt-h100-7b-8"].miss_cause and runs["mpt-a100-80gb-7b-8"].miss_cause is None
+
+
+def test_schema_refuses_a_miss_cause_on_a_fit_row():
+    fit = next(r for r in RUNS.runs if r.role == "fit").model_dump()
+    with pytest.raises(ValidationError, match="miss_cause"):
+        PublishedRuns(sources=RUNS.sources, runs=[{**fit, "miss_cause": "excused"}])
 
 
 def test_bench_reports_refused_rows_as_infeasible():
