@@ -33,9 +33,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from planner.errors import ConfigError
 from planner.hardware.spec import Efficiencies, GPUSpec
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+
+    import torch
+
+# One collective timing as rank 0 reports it: (kind, bytes per rank, median seconds).
+CollectiveResult = tuple[str, int, float]
 
 log = logging.getLogger(__name__)
 
@@ -76,21 +85,21 @@ def _timer(device: str) -> Callable[[Callable[[], object], int, int], float]:
     """A function timing ``fn`` (median seconds over ``repeats`` after ``warmup`` runs) on the device."""
     import torch
 
-    def time_cpu(fn, repeats: int, warmup: int) -> float:
+    def time_cpu(fn: Callable[[], object], repeats: int, warmup: int) -> float:
         for _ in range(warmup):
             fn()
-        samples = []
+        samples: list[float] = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - t0)
         return statistics.median(samples)
 
-    def time_cuda(fn, repeats: int, warmup: int) -> float:
+    def time_cuda(fn: Callable[[], object], repeats: int, warmup: int) -> float:
         for _ in range(warmup):
             fn()
         torch.cuda.synchronize()
-        samples = []
+        samples: list[float] = []
         for _ in range(repeats):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -106,7 +115,7 @@ def _timer(device: str) -> Callable[[Callable[[], object], int, int], float]:
 # ---------------------------------------------------------------------------------------- shapes
 
 
-def model_gemm_shapes(model_files: list[tuple[str, dict]], dtype: str) -> list[tuple[int, int, int]]:
+def model_gemm_shapes(model_files: list[tuple[str, dict[str, Any]]], dtype: str) -> list[tuple[int, int, int]]:
     """(M, K, N) of every distinct Linear in the models, M = the tokens of one sample (batch 1)."""
     import torch
 
@@ -127,7 +136,7 @@ def model_gemm_shapes(model_files: list[tuple[str, dict]], dtype: str) -> list[t
 # -------------------------------------------------------------------------------- single device
 
 
-def _dtype(device: str, dtype: str):
+def _dtype(device: str, dtype: str) -> torch.dtype:
     import torch
 
     from planner.model.load import torch_dtype
@@ -166,7 +175,7 @@ def bench_attention(
     timer, tdt = _timer(device), _dtype(device, dtype)
     q, k, v = (torch.randn(*shape, device=device, dtype=tdt, requires_grad=True) for _ in range(3))
 
-    def step():
+    def step() -> None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.backward(torch.ones_like(out))
 
@@ -197,10 +206,14 @@ def bench_memory(spec: GPUSpec, numel: int, device: str, dtype: str, repeats: in
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]  # an AF_INET socket's name is (host, port)
+        return port
 
 
-def _collective_worker(rank: int, world: int, port: int, device: str, sizes: list[int], repeats: int, queue) -> None:
+def _collective_worker(
+    rank: int, world: int, port: int, device: str, sizes: list[int], repeats: int,
+    queue: Queue[list[CollectiveResult]],
+) -> None:
     """One rank: time all-reduce, all-gather and a p2p ping-pong; rank 0 puts the results on ``queue``."""
     import torch
     import torch.distributed as dist
@@ -212,15 +225,15 @@ def _collective_worker(rank: int, world: int, port: int, device: str, sizes: lis
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
 
-    def sync():
+    def sync() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    def timed(fn) -> float:
+    def timed(fn: Callable[[], object]) -> float:
         fn()  # warm-up (NCCL connects lazily)
         sync()
         dist.barrier()
-        samples = []
+        samples: list[float] = []
         for _ in range(repeats):
             sync()
             t0 = time.perf_counter()
@@ -229,15 +242,15 @@ def _collective_worker(rank: int, world: int, port: int, device: str, sizes: lis
             samples.append(time.perf_counter() - t0)
         return statistics.median(samples)
 
-    results = []
+    results: list[CollectiveResult] = []
     for nbytes in sizes:
         n = max(1, nbytes // 4)
         x = torch.ones(n, device=dev)
         gathered = torch.empty(n * world, device=dev)
-        results.append(("all_reduce", nbytes, timed(lambda x=x: dist.all_reduce(x))))
-        results.append(("all_gather", nbytes, timed(lambda x=x, g=gathered: dist.all_gather_into_tensor(g, x))))
+        results.append(("all_reduce", nbytes, timed(functools.partial(dist.all_reduce, x))))
+        results.append(("all_gather", nbytes, timed(functools.partial(dist.all_gather_into_tensor, gathered, x))))
 
-        def ping_pong(x=x):
+        def ping_pong(x: torch.Tensor = x) -> None:
             if rank == 0:
                 dist.send(x, 1)
                 dist.recv(x, 1)
@@ -257,7 +270,7 @@ def bench_collectives(spec: GPUSpec, device: str, world: int, sizes: list[int], 
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue: Queue[list[CollectiveResult]] = ctx.Queue()
     port = _free_port()
     procs = [
         ctx.Process(target=_collective_worker, args=(r, world, port, device, sizes, repeats, queue))
@@ -265,7 +278,7 @@ def bench_collectives(spec: GPUSpec, device: str, world: int, sizes: list[int], 
     ]
     for p in procs:
         p.start()
-    results = None
+    results: list[CollectiveResult] | None = None
     deadline = time.monotonic() + 600
     try:
         # wait for rank 0's results, but not for a rank that has died (its peers would wait forever)

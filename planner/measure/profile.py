@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -41,6 +41,11 @@ from planner.model.load import (
     meta_inputs,
     torch_dtype,
 )
+
+if TYPE_CHECKING:
+    import torch
+    import torch.fx
+    import torch.nn as nn
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +156,7 @@ def profile_model(
                 if progress is not None:
                     progress(done, total)
     result = ProfileResult(
-        key=key, model=loaded.source, device=device, device_name=name, dtype=dtype,  # type: ignore[arg-type]
+        key=key, model=loaded.source, device=device, device_name=name, dtype=dtype,
         torch_version=torch.__version__, micro_batch_sizes=mbs_list, repeats=repeats, warmup=warmup,
         units=units, elapsed_s=time.perf_counter() - start,
     )
@@ -274,7 +279,7 @@ def _read_cache(path: Path, key: str) -> ProfileResult | None:
     return result.model_copy(update={"from_cache": True})
 
 
-def _check_args(micro_batch_sizes, device: str, repeats: int, warmup: int) -> list[int]:
+def _check_args(micro_batch_sizes: tuple[int, ...] | list[int], device: str, repeats: int, warmup: int) -> list[int]:
     import torch
 
     if device not in ("cpu", "cuda"):
@@ -296,15 +301,17 @@ def _check_args(micro_batch_sizes, device: str, repeats: int, warmup: int) -> li
 class _Split:
     """A model traced and split into units at one batch size, with each unit's captured (meta) inputs."""
 
-    parts: Any  # the split GraphModule: submod_<i> per unit
+    parts: torch.fx.GraphModule  # submod_<i> per unit
     groups: list[list[str]]
     names: list[str]
-    captured: dict[int, tuple]
+    captured: dict[int, tuple[Any, ...]]
     signatures: dict[int, str]
-    real_inputs: tuple  # example_inputs(batch) on the CPU, for unit inputs that are model inputs
+    real_inputs: tuple[torch.Tensor, ...]  # example_inputs(batch) on the CPU, for unit inputs that are model inputs
 
 
-def _split_model(loaded: LoadedModel, model, inputs: tuple, real: tuple) -> _Split:
+def _split_model(
+    loaded: LoadedModel, model: nn.Module, inputs: tuple[torch.Tensor, ...], real: tuple[torch.Tensor, ...]
+) -> _Split:
     """Trace and split as `analyse_model` does, running each distinct unit once on meta."""
     from torch.fx.passes.split_module import split_module
 
@@ -322,7 +329,7 @@ def _split_model(loaded: LoadedModel, model, inputs: tuple, real: tuple) -> _Spl
     structure = discover_structure(model)
     roots, blocks = structure.roots, structure.blocks
 
-    def split_and_run(gm) -> _Split:
+    def split_and_run(gm: torch.fx.GraphModule) -> _Split:
         groups, node_unit = group_units(gm, roots, blocks, structure.stateless)
         parts = split_module(gm, model, lambda n: node_unit[n], keep_original_order=True)
         keys = {i: structure_key(model, g, blocks) for i, g in enumerate(groups)}
@@ -339,7 +346,7 @@ def _graph_signatures(loaded: LoadedModel) -> dict[str, str]:
     return {split.names[i]: sig for i, sig in split.signatures.items()}
 
 
-def _split_for(loaded: LoadedModel, model, mbs: int, dtype: str) -> _Split:
+def _split_for(loaded: LoadedModel, model: nn.Module, mbs: int, dtype: str) -> _Split:
     """The model split at micro-batch size ``mbs`` with inputs in the measuring dtype."""
     real = example_batch(loaded, mbs)
     dt = torch_dtype(dtype)
@@ -359,7 +366,9 @@ def _distinct(split: _Split, graph_sigs: dict[str, str]) -> dict[str, list[int]]
 # --------------------------------------------------------------------------------- running one unit
 
 
-def _profile_unit(model, split: _Split, index: int, device, repeats: int, warmup: int) -> UnitTimings:
+def _profile_unit(
+    model: nn.Module, split: _Split, index: int, device: torch.device, repeats: int, warmup: int
+) -> UnitTimings:
     """Allocate unit ``index`` on the device, time it, and send it back to meta."""
     import torch
 
@@ -374,7 +383,9 @@ def _profile_unit(model, split: _Split, index: int, device, repeats: int, warmup
 
 
 @contextlib.contextmanager
-def _materialised(model, sub, group: list[str], device) -> Iterator[int]:
+def _materialised(
+    model: nn.Module, sub: torch.fx.GraphModule, group: list[str], device: torch.device
+) -> Iterator[int]:
     """Allocate the unit's own modules (``to_empty`` + ``reset_parameters()``, parents first) and bind the
     tensors the split submodule holds directly (get_attr parameters and buffers) to them. Yields the
     exclusive upper bound for integer tensors (the smallest embedding table, else 1: only 0 is a safe
@@ -417,7 +428,7 @@ def _materialised(model, sub, group: list[str], device) -> Iterator[int]:
             m.to_empty(device="meta", recurse=False)
 
 
-def _index_bound(modules: list, sub) -> int:
+def _index_bound(modules: list[nn.Module], sub: torch.fx.GraphModule) -> int:
     """Smallest number of rows of an embedding table the unit uses (nn.Embedding, or aten.embedding on a
     get_attr weight in an exported graph), else 1."""
     import torch
@@ -436,7 +447,7 @@ def _index_bound(modules: list, sub) -> int:
     return max(1, min(sizes)) if sizes else 1
 
 
-def _lookup(module, qual: str):
+def _lookup(module: nn.Module, qual: str) -> torch.Tensor | None:
     """The parameter or buffer at a qualified name, or None."""
     *path, field = qual.split(".")
     try:
@@ -447,7 +458,7 @@ def _lookup(module, qual: str):
     return t if t is not None else owner._buffers.get(field)
 
 
-def _assign(module, qual: str, tensor, parameter: bool) -> None:
+def _assign(module: nn.Module, qual: str, tensor: torch.Tensor, parameter: bool) -> None:
     import torch.nn as nn
 
     *path, field = qual.split(".")
@@ -458,7 +469,7 @@ def _assign(module, qual: str, tensor, parameter: bool) -> None:
         owner._buffers[field] = tensor
 
 
-def _init_param(name: str, p) -> None:
+def _init_param(name: str, p: torch.Tensor) -> None:
     """The GPT-2 default for a parameter whose module has no reset_parameters() (as the generated train.py
     does): N(0, 0.02) for matrices, ones for 1-d weights and scales, zeros for other vectors."""
     from planner.runtime.model import default_init
@@ -466,7 +477,7 @@ def _init_param(name: str, p) -> None:
     default_init(name, p)
 
 
-def _fill_buffer(b, bound: int) -> None:
+def _fill_buffer(b: torch.Tensor, bound: int) -> None:
     """Plausible values for a buffer whose constructor ran on meta: a module's reset_parameters() (run
     afterwards) recomputes its own; integers must stay valid indices; square boolean masks are causal."""
     import torch
@@ -482,7 +493,9 @@ def _fill_buffer(b, bound: int) -> None:
         b.random_(0, bound)
 
 
-def _real_args(model, split: _Split, index: int, device, bound: int) -> tuple:
+def _real_args(
+    model: nn.Module, split: _Split, index: int, device: torch.device, bound: int
+) -> tuple[Any, ...]:
     """Device tensors standing in for the captured inputs of unit ``index``.
 
     Model inputs are the real example batch. Parameters and buffers the parent graph fetches (get_attr)
@@ -496,7 +509,7 @@ def _real_args(model, split: _Split, index: int, device, bound: int) -> tuple:
 
     call = next(n for n in split.parts.graph.nodes if n.op == "call_module" and n.target == f"submod_{index}")
     placeholders = [n for n in split.parts.graph.nodes if n.op == "placeholder"]
-    out = []
+    out: list[Any] = []
     for node, val in zip(call.args, split.captured[index]):
         op = getattr(node, "op", None)
         if op == "placeholder" and placeholders.index(node) < len(split.real_inputs):
@@ -517,7 +530,7 @@ def _real_args(model, split: _Split, index: int, device, bound: int) -> tuple:
             out.append(nn.Parameter(t, requires_grad=val.requires_grad) if isinstance(val, nn.Parameter) else t)
             continue
 
-        def make(t):
+        def make(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
                 return t
             if t.is_floating_point():
@@ -532,7 +545,9 @@ def _real_args(model, split: _Split, index: int, device, bound: int) -> tuple:
     return tuple(out)
 
 
-def measure_unit(fn, args: tuple, device, repeats: int, warmup: int) -> UnitTimings:
+def measure_unit(
+    fn: Callable[..., Any], args: tuple[Any, ...], device: torch.device, repeats: int, warmup: int
+) -> UnitTimings:
     """Time fn(*args) forward and backward (gradient of ones on every output that requires grad).
 
     ``warmup`` untimed repetitions first (allocator, kernel selection), then ``repeats`` timed ones.
