@@ -31,18 +31,22 @@ def _partitions(n_units: int, n_stages: int) -> Iterator[list[list[int]]]:
         yield [list(range(bounds[i], bounds[i + 1])) for i in range(n_stages)]
 
 
-def brute_force_partition(pb: PartitionProblem) -> ReferenceResult | None:
-    """(objective, partition, recompute) minimising the cost model over every partition; None if none fits."""
-    cand, cap = pb.cand, pb.capacity
-    best: ReferenceResult | None = None
-    choices = _choices(cand, pb.modes)
-    for part in _partitions(len(pb.graph.units), cand.stages):
+def _fitting(pb: PartitionProblem) -> Iterator[tuple[Evaluated, list[list[int]], list[str]]]:
+    """Every partition and recomputation that fits memory, evaluated, in lexicographic order of the cuts."""
+    choices = _choices(pb.cand, pb.modes)
+    for part in _partitions(len(pb.graph.units), pb.cand.stages):
         for rec in choices:
             ev = evaluate(pb, part, list(rec))
-            if max(ev.rank_memory.values()) > cap:
-                continue
-            if best is None or ev.objective < best[0] - 1e-12:
-                best = (ev.objective, part, list(rec))
+            if max(ev.rank_memory.values()) <= pb.capacity:
+                yield ev, part, list(rec)
+
+
+def brute_force_partition(pb: PartitionProblem) -> ReferenceResult | None:
+    """(objective, partition, recompute) minimising the cost model over every partition; None if none fits."""
+    best: ReferenceResult | None = None
+    for ev, part, rec in _fitting(pb):
+        if best is None or ev.objective < best[0] - 1e-12:
+            best = (ev.objective, part, rec)
     return best
 
 
@@ -63,18 +67,12 @@ def brute_force_reported(pb: PartitionProblem) -> tuple[Evaluated, float] | None
     """(the evaluated partition with the least reported figure, the least linear objective), both over
     every partition and recomputation that fits memory; None if none fits. Ties keep the first found
     (partitions in lexicographic order of their cuts), so the result is deterministic."""
-    cand, cap = pb.cand, pb.capacity
     best: Evaluated | None = None
     least_linear = float("inf")
-    choices = _choices(cand, pb.modes)
-    for part in _partitions(len(pb.graph.units), cand.stages):
-        for rec in choices:
-            ev = evaluate(pb, part, list(rec))
-            if max(ev.rank_memory.values()) > cap:
-                continue
-            least_linear = min(least_linear, ev.objective)
-            if best is None or ev.reported < best.reported:
-                best = ev
+    for ev, _, _ in _fitting(pb):
+        least_linear = min(least_linear, ev.objective)
+        if best is None or ev.reported < best.reported:
+            best = ev
     return None if best is None else (best, least_linear)
 
 
