@@ -266,7 +266,7 @@ def degrees_request(row: Row, pin_degrees: bool) -> PlanRequest:
 def plan_row(row: Row, graph: ModelGraph, cluster: ClusterSpec) -> tuple[Plan, SearchResult]:
     """What `plan_model` does, on a given cluster (whose efficiencies this bench adjusts)."""
     request = request_for(row)
-    options = CostOptions(overlap_dp_comm=request.overlap_dp_comm)
+    options = CostOptions.for_cluster(cluster, request.overlap_dp_comm)
     result = search(
         graph,
         cluster,
@@ -312,7 +312,7 @@ def predicted_megatron_layout(row: Row, graph: ModelGraph, cluster: ClusterSpec)
     cand = candidate(row, sp=False)
     costs = [unit_cost(u, cand, cluster, graph.source.dtype) for u in graph.units]
     partition = megatron_partition(graph, row)
-    options = CostOptions(overlap_dp_comm=row.ddp == "torch")
+    options = CostOptions.for_cluster(cluster, row.ddp == "torch")
     ev = evaluate(PartitionProblem(graph, cluster, cand, costs, options=options), partition, ["full"] * len(partition))
     return predicted_for(ev, graph, cluster, options, row.batch)[0]
 

@@ -359,9 +359,7 @@ def plan_run(
     if key not in graphs:
         graphs[key] = analyse(request)
     graph = graphs[key]
-    options = CostOptions(
-        overlap_dp_comm=request.overlap_dp_comm, overlap_param_gather=run.layout.overlap_param_gather
-    )
+    options = CostOptions.for_cluster(cluster, request.overlap_dp_comm, run.layout.overlap_param_gather)
     # as `planner plan` does: the search keeps the spec's memory reserve free, the plan shows the capacity
     result = search(
         graph,

@@ -389,7 +389,7 @@ def plan_model(
     )
     if graph is None:
         graph = analyse(request)
-    options = CostOptions(overlap_dp_comm=request.overlap_dp_comm)
+    options = CostOptions.for_cluster(cluster, request.overlap_dp_comm)
     if profile is None and _should_measure(request, cluster):
         profile = measure_locally(request, graph, cluster)
     on_best = None
@@ -437,5 +437,5 @@ def without_best(
     cluster = load_cluster(request.gpu, request.nodes, request.gpus_per_node).with_memory_reserve(
         request.memory_reserve_gib
     )
-    options = CostOptions(overlap_dp_comm=request.overlap_dp_comm)
+    options = CostOptions.for_cluster(cluster, request.overlap_dp_comm)
     return build_plan(graph, cluster, request, rest, options), rest

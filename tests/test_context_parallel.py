@@ -276,7 +276,7 @@ def test_search_with_cp_finds_the_brute_force_minimum_and_its_bounds_hold():
             low = candidate_minimum(graph, cl, c, costs, cm)
             if low is None:
                 continue
-            pb = PartitionProblem(graph, cl, c, costs, cm, CostOptions())
+            pb = PartitionProblem(graph, cl, c, costs, cm, CostOptions.for_cluster(cl))
             b = lower_bounds(pb, joint=True)
             comm = comm_bound(pb, block_run(graph)) if c.stages > 1 else 0.0
             key = reported_bound(pb, b.time, backward_share(costs, c), comm, b.block or b.interval)

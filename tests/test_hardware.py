@@ -413,14 +413,14 @@ def test_every_gpu_spec_has_a_sourced_memory_reserve(name):
         assert 2**30 < reserve < 0.1 * spec.memory_bytes
 
 
-def test_reserve_grows_with_process_groups_and_capacity():
+def test_reserve_grows_with_process_groups():
     from planner.cost.candidate import Candidate
     from planner.cost.terms import rank_capacity
 
     many = load_cluster("h100-sxm5-80gb", 4)
     r = many.gpu.memory_reserve
     per_group = r.nccl_gib_per_group * 2**30
-    assert many.fixed_reserve_bytes == int(r.cuda_context_gib * 2**30 + r.fragmentation * many.gpu.memory_bytes)
+    assert many.fixed_reserve_bytes == int(r.cuda_context_gib * 2**30)  # fragmentation is the peak's share
     # NCCL buffers for each process group of more than one rank the plan communicates in
     assert many.memory_reserve_bytes(3) - many.memory_reserve_bytes(1) == int(2 * per_group)
     assert many.nccl_bytes_per_group == 0  # the spec's cluster: the search would plan against all of it
@@ -430,6 +430,8 @@ def test_reserve_grows_with_process_groups_and_capacity():
     assert reduced.reserved_gib == pytest.approx(many.fixed_reserve_bytes / 2**30)
     twice = reduced.within_reserve()
     assert twice.gpu.memory_bytes == reduced.gpu.memory_bytes and twice.nccl_bytes_per_group == per_group
+    # the fragmentation share is not a reserve: the plan's cluster keeps it for the cost model's peak
+    assert reduced.gpu.memory_reserve.fragmentation == twice.gpu.memory_reserve.fragmentation == r.fragmentation
     # what a plan may fill: one GPU alone keeps no NCCL buffers, dp x tp x pp keeps three groups' worth
     alone = Candidate(1, 1, 1, 1, 1, 8, "1f1b", 0, False)
     dp_only = Candidate(32, 1, 1, 1, 1, 8, "1f1b", 0, False)
@@ -534,3 +536,39 @@ def test_nothing_fits_message_names_the_reserve():
     request = PlanRequest(model_path=model, gpu="cpu", gpus_per_node=2, global_batch_size=4, memory_reserve_gib=15.5)
     with pytest.raises(InfeasibleError, match=r"left after its 15.50 GiB memory reserve.*smaller --memory-reserve"):
         plan_model(request)
+
+
+def test_fragmentation_is_one_knob_read_by_the_search_the_report_and_plan_json(tmp_path):
+    """The spec's memory_reserve.fragmentation is the one fragmentation share: `CostOptions.for_cluster` reads
+    it, and a plan's peak (plan.json's predicted memory, each stage's workspace) moves with it alone."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from planner.cli.main import app
+    from planner.cost.candidate import CostOptions
+
+    cl = load_cluster("h100-sxm5-80gb", 1)
+    frag = cl.gpu.memory_reserve.fragmentation
+    assert CostOptions.for_cluster(cl).fragmentation == frag
+    assert CostOptions.for_cluster(cl.within_reserve()).fragmentation == frag  # what the search is given
+    data = _h100_dict()
+    data["memory_reserve"]["fragmentation"] = 0.3
+    heavy = tmp_path / "heavy.yaml"
+    heavy.write_text(yaml.safe_dump(data))
+    model = str(Path(__file__).resolve().parents[1] / "sample_models" / "mlp.py")
+
+    def planned(gpu: str) -> dict:
+        args = ["dry-run", model, "--gpu", gpu, "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "8",
+                "--dp", "2", "--json"]
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout)
+
+    base, more = planned("h100-sxm5-80gb"), planned(str(heavy))
+    assert more["predicted"]["memory_reserve_bytes"] == base["predicted"]["memory_reserve_bytes"]  # not a reserve
+    assert more["predicted"]["peak_memory_bytes"] > base["predicted"]["peak_memory_bytes"]
+    for a, b in zip(base["stages"], more["stages"]):
+        m = a["memory"]
+        held = m["weights"] + m["gradients"] + m["optimizer"] + m["activations"] + m["comm_buffers"]
+        assert b["memory"]["workspace"] - m["workspace"] == pytest.approx((0.3 - frag) * held, rel=1e-3, abs=2)

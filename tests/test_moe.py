@@ -492,7 +492,9 @@ def test_search_with_experts_equals_brute_force_and_its_bounds_hold(memory_gib, 
     units += [make_unit("head", "post", 200_000_000, 4e11, 20_000_000, 4_000_000)]
     graph = make_graph(units)
     cl = load_cluster("a100-sxm4-80gb", 1, 4)
-    cl = cl.model_copy(update={"gpu": cl.gpu.model_copy(update={"memory_gib": memory_gib})})
+    # the instance is sized for a 5% fragmentation share (30 GiB, dp 2: experts inside pipeline stages just fit)
+    reserve = cl.gpu.memory_reserve.model_copy(update={"fragmentation": 0.05})
+    cl = cl.model_copy(update={"gpu": cl.gpu.model_copy(update={"memory_gib": memory_gib, "memory_reserve": reserve})})
     expected = brute_force(graph, cl, 8, dp)
     assert expected is not None
     got = search(graph, cl, 8, Pins(dp=dp), top_k=2, prefer_simulated=False)

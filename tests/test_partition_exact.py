@@ -156,9 +156,9 @@ def test_a_model_of_different_blocks_is_planned_in_the_interval_form():
     cl = load_cluster("a100-sxm4-80gb", 1)
     best = result.best
     costs = CostTable(graph, cl, None).units(best.cand)
-    pb = PartitionProblem(graph, cl, best.cand, costs, ("none", "full"), CostOptions())
+    pb = PartitionProblem(graph, cl, best.cand, costs, ("none", "full"), CostOptions.for_cluster(cl))
     assert solve_partition(pb).form == "interval"
-    brute = brute_force_partition(PartitionProblem(graph, cl, best.cand, costs, ("none", "full"), CostOptions()))
+    brute = brute_force_partition(pb)
     assert best.objective == pytest.approx(brute[0], rel=1e-9)
 
 

@@ -31,7 +31,7 @@ INSTANCES = 200
 
 def reported(ev: Evaluated, graph, cluster) -> float:
     """The iteration time plan.json shows for an evaluated partition (planner.pipeline.predicted_for)."""
-    tail = rank_tail(ev.stages, ev.cand, CostOptions(), cluster, graph.source.dtype)
+    tail = rank_tail(ev.stages, ev.cand, CostOptions.for_cluster(cluster), cluster, graph.source.dtype)
     return simulate_evaluated(ev).iteration_time + tail
 
 
@@ -51,7 +51,8 @@ def candidate_minimum(graph, cluster, cand, costs, modes) -> float | None:
     best = None
     for part in _partitions(len(graph.units), cand.stages):
         for rec in choices:
-            ev = evaluate(PartitionProblem(graph, cluster, cand, costs, options=CostOptions()), part, list(rec))
+            pb = PartitionProblem(graph, cluster, cand, costs, options=CostOptions.for_cluster(cluster))
+            ev = evaluate(pb, part, list(rec))
             if max(ev.rank_memory.values()) > cap:
                 continue
             r = reported(ev, graph, cluster)
@@ -130,7 +131,7 @@ def test_the_bounds_are_valid_for_the_reported_figure():
     def check(graph, cluster, cand, costs, modes, low):
         if low is None:
             return
-        options = CostOptions()
+        options = CostOptions.for_cluster(cluster)
         run = block_run(graph)
         beta = backward_share(costs, cand)
         for joint in (False, True):

@@ -45,7 +45,7 @@ def full_space(graph, cluster, batch, dp=None, **pinned):
 def brute_force(graph, cluster, batch, dp=None, **pinned):
     """The optimum over the whole space, checking on the way that every bound the search may prune with
     is valid: no level of `lower_bounds` exceeds a candidate's optimum or calls a feasible one infeasible."""
-    options = CostOptions()
+    options = CostOptions.for_cluster(cluster)  # what search() costs with
     table = CostTable(graph, cluster, None)
     modes = search_modes(graph)
     best = None
@@ -101,7 +101,7 @@ def test_search_equals_brute_force(shape, pre, block, post, others, n_blocks, gp
     # the chosen configuration's own optimum (brute force over its partitions) is that objective
     table = CostTable(graph, cl, None)
     modes = tuple(m for m in search_modes(graph) if not (got.best.cand.schedule == "zero-bubble" and m == "selective"))
-    pb = PartitionProblem(graph, cl, got.best.cand, table.units(got.best.cand), modes, CostOptions())
+    pb = PartitionProblem(graph, cl, got.best.cand, table.units(got.best.cand), modes, CostOptions.for_cluster(cl))
     own = brute_force_partition(pb)
     assert own[0] == pytest.approx(got.best.objective, rel=1e-9)
     # the runners-up are in order and none beats the winner

@@ -184,8 +184,9 @@ MemoryReserveOpt = Annotated[
     float | None,
     typer.Option(
         "--memory-reserve", min=0, metavar="GIB",
-        help="GiB per GPU that every plan keeps free for the CUDA context, NCCL buffers and fragmentation "
-        "(default: the spec's memory_reserve).", rich_help_panel=_CLUSTER,
+        help="GiB per GPU that every plan keeps free for the CUDA context and NCCL buffers (default: the "
+        "spec's memory_reserve; its fragmentation share of what a rank holds applies either way).",
+        rich_help_panel=_CLUSTER,
     ),
 ]
 GlobalBatchOpt = Annotated[

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from planner.hardware.spec import FRAGMENTATION
+
+if TYPE_CHECKING:
+    from planner.hardware.spec import ClusterSpec
 
 GiB = 2**30
 @dataclass(frozen=True)
@@ -53,10 +59,23 @@ class CostOptions:
 
     overlap_dp_comm: bool = True
     workspace_bytes: float = 1.0 * GiB  # CUDA context, cuBLAS/NCCL workspaces, allocator slack
-    fragmentation: float = 0.05  # allocator fragmentation, as a fraction of the rest
+    # allocator fragmentation, as a share of the rest: the spec's memory_reserve.fragmentation (`for_cluster`)
+    fragmentation: float = FRAGMENTATION
     ddp_bucket_bytes: float = 25 * 2**20  # torch DDP default bucket; two in flight
     # ZeRO-1/2: the updated weights' all-gather runs during the next iteration's first forward (Megatron-LM
     # --overlap-param-gather, FSDP2's prefetch of the first units); `terms.sync_overlap_window`
     overlap_param_gather: bool = False
+
+    @classmethod
+    def for_cluster(
+        cls, cluster: ClusterSpec, overlap_dp_comm: bool = True, overlap_param_gather: bool = False
+    ) -> CostOptions:
+        """The options a plan on `cluster` is costed with: the one place the spec's fragmentation share
+        (memory_reserve.fragmentation) is read."""
+        return cls(
+            overlap_dp_comm=overlap_dp_comm,
+            fragmentation=cluster.gpu.memory_reserve.fragmentation,
+            overlap_param_gather=overlap_param_gather,
+        )
 
 

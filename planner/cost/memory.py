@@ -15,7 +15,8 @@ Sources:
   norms' statistics, Korthikanti's formula without its 5*a*s/h term; under the math backend the s x s
   probabilities (2*a*s*s*b bytes of the 5) come back, as `math_scores_per_sample`.
 - A stage's whole memory (`memory_report`, as Megatron's report_theoretical_memory): the sum of the above with
-  its communication buffers, plus the workspace and fragmentation share (`CostOptions`).
+  its communication buffers, plus the workspace and the fragmentation share (`CostOptions`, whose
+  fragmentation is the spec's memory_reserve.fragmentation: `CostOptions.for_cluster`).
 """
 
 from __future__ import annotations

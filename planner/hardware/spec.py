@@ -18,6 +18,9 @@ DType = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 # all-to-all group and the experts' replicas (`planner.cost.terms.group_sizes`, which counts a plan's own).
 PROCESS_GROUPS = 5
 
+# Allocator fragmentation as a share of the bytes a rank holds, where a spec does not say (`MemoryReserve`).
+FRAGMENTATION = 0.05
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -39,22 +42,26 @@ class Efficiencies(_Strict):
 
 
 class MemoryReserve(_Strict):
-    """Memory a real run loses per GPU beyond what the cost model counts, kept free by every plan.
+    """Memory a real run loses per GPU beyond its tensors: the one home of what a plan keeps free.
 
-    The cost model's peak already holds a fixed workspace and a fragmentation share (CostOptions); runs at
-    the edge of that estimate still run out of memory (CUDA context outside the allocator, NCCL's own
-    buffers per communicator, allocator fragmentation under a long run), so the planner keeps this much
-    more free: ``cuda_context_gib + nccl_gib_per_group * groups + fragmentation * capacity``, with groups the
-    process groups of more than one rank the plan communicates in (`planner.cost.terms.comm_reserve_bytes`).
+    Two kinds. Bytes outside PyTorch's allocator, kept free by every plan: ``cuda_context_gib +
+    nccl_gib_per_group * groups``, with groups the process groups of more than one rank the plan communicates
+    in (`planner.cost.terms.comm_reserve_bytes`); `bytes` gives them, a --memory-reserve override replaces
+    them. And the caching allocator's fragmentation, a share of what a rank holds (states, activations,
+    buffers), which grows with them: `CostOptions.for_cluster` reads it, the one place, and the cost model's
+    peak (`planner.cost.memory.memory_report`, `terms.rank_peak_bytes`) adds it.
     """
 
     cuda_context_gib: float = Field(0.0, ge=0, description="CUDA context and library handles, GiB")
     nccl_gib_per_group: float = Field(0.0, ge=0, description="communication buffers per process group, GiB")
-    fragmentation: float = Field(0.0, ge=0, lt=0.5, description="fraction of capacity lost to fragmentation")
+    fragmentation: float = Field(
+        FRAGMENTATION, ge=0, lt=0.5,
+        description="allocator fragmentation, as a share of the bytes a rank holds (states, activations, buffers)",
+    )
 
-    def bytes(self, capacity_bytes: float, groups: int) -> int:
-        gib = self.cuda_context_gib + self.nccl_gib_per_group * groups
-        return int(gib * 2**30 + self.fragmentation * capacity_bytes)
+    def bytes(self, groups: int) -> int:
+        """The bytes outside the allocator a plan communicating in `groups` process groups keeps free."""
+        return int((self.cuda_context_gib + self.nccl_gib_per_group * groups) * 2**30)
 
 
 class TopologySpec(_Strict):
@@ -122,9 +129,9 @@ class GPUSpec(_Strict):
     def _has_fp32(self) -> GPUSpec:
         if "fp32" not in self.peak_tflops:
             raise ValueError("peak_tflops must give at least 'fp32'")
-        if self.memory_reserve.bytes(self.memory_bytes, PROCESS_GROUPS) >= self.memory_bytes:
+        if self.memory_reserve.bytes(PROCESS_GROUPS) >= self.memory_bytes:
             raise ValueError(
-                f"memory_reserve ({self.memory_reserve.bytes(self.memory_bytes, PROCESS_GROUPS) / 2**30:.1f} GiB "
+                f"memory_reserve ({self.memory_reserve.bytes(PROCESS_GROUPS) / 2**30:.1f} GiB "
                 f"with {PROCESS_GROUPS} process groups) leaves nothing of memory_gib {self.memory_gib:g}"
             )
         return self
@@ -189,17 +196,17 @@ class ClusterSpec(_Strict):
     @property
     def fixed_reserve_bytes(self) -> int:
         """Bytes per GPU every plan keeps free whatever its degrees: the --memory-reserve override (the whole
-        reserve), or the spec's CUDA context and fragmentation share."""
+        reserve), or the spec's CUDA context."""
         if self.memory_reserve_gib is not None:
             return int(self.memory_reserve_gib * 2**30)
-        return self.gpu.memory_reserve.bytes(self.gpu.memory_bytes, 0)
+        return self.gpu.memory_reserve.bytes(0)
 
     def memory_reserve_bytes(self, groups: int) -> int:
         """Bytes per GPU a plan communicating in `groups` process groups of more than one rank keeps free: the
         override, or the spec's fixed share plus its NCCL buffers per group."""
         if self.memory_reserve_gib is not None:
             return self.fixed_reserve_bytes
-        return self.gpu.memory_reserve.bytes(self.gpu.memory_bytes, groups)
+        return self.gpu.memory_reserve.bytes(groups)
 
     @property
     def nccl_bytes_per_group(self) -> float:
@@ -210,13 +217,17 @@ class ClusterSpec(_Strict):
 
     def within_reserve(self) -> ClusterSpec:
         """The cluster the search plans against: the fixed reserve taken off the GPU's capacity, and the NCCL
-        share per process group kept aside for `terms.rank_capacity` to take per plan (none with an override)."""
+        share per process group kept aside for `terms.rank_capacity` to take per plan (none with an override).
+        The fragmentation share stays on the spec: the cost model's peak adds it (`CostOptions.for_cluster`)."""
         fixed = self.fixed_reserve_bytes
         per_group = self.nccl_reserve_gib_per_group
         if self.memory_reserve_gib is None:
             per_group += self.gpu.memory_reserve.nccl_gib_per_group
         gpu = self.gpu.model_copy(
-            update={"memory_gib": (self.gpu.memory_bytes - fixed) / 2**30, "memory_reserve": MemoryReserve()}
+            update={
+                "memory_gib": (self.gpu.memory_bytes - fixed) / 2**30,
+                "memory_reserve": MemoryReserve(fragmentation=self.gpu.memory_reserve.fragmentation),
+            }
         )
         return self.model_copy(
             update={
@@ -232,7 +243,7 @@ class ClusterSpec(_Strict):
         if gib is None:
             return self
         if not 0 <= gib < self.gpu.memory_gib:
-            own = self.gpu.memory_reserve.bytes(self.gpu.memory_bytes, PROCESS_GROUPS) / 2**30
+            own = self.gpu.memory_reserve.bytes(PROCESS_GROUPS) / 2**30
             raise ConfigError(
                 f"--memory-reserve {gib:g} GiB is not possible on {self.gpu.display_name} with "
                 f"{self.gpu.memory_gib:g} GiB per GPU: give a reserve from 0 up to less than the GPU's memory "

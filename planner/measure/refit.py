@@ -231,7 +231,7 @@ def plan_terms(
     def stages(eff: Efficiencies) -> tuple[ClusterSpec, list[StageCost]]:
         cl = with_efficiency(cluster, eff)
         costs = [unit_cost(u, cand, cl, dtype) for u in graph.units]
-        return cl, stage_costs(graph, cl, cand, partition, recompute, costs, CostOptions())
+        return cl, stage_costs(graph, cl, cand, partition, recompute, costs, CostOptions.for_cluster(cl))
 
     _, base_stages = stages(cluster.gpu.efficiency)
     dp_ops: list[tuple[str, str, int, float]] = []  # (name, op, stage, bytes)

@@ -185,7 +185,7 @@ class Search:
         cluster: ClusterSpec,
         global_batch: int,
         pins: Pins = Pins(),
-        options: CostOptions = CostOptions(),
+        options: CostOptions | None = None,
         profile: Profile | None = None,
         top_k: int = 5,
         time_limit: float | None = None,
@@ -199,7 +199,9 @@ class Search:
                 f"top_k {top_k!r} is outside 0..{MAX_TOP_K}: each runner-up kept weakens the search's pruning, so "
                 f"the planner keeps at most {MAX_TOP_K}. Pass --top-k {MAX_TOP_K} or less."
             )
-        self.graph, self.cluster, self.pins, self.options = graph, cluster, pins, options
+        # the cost model's switches; by default the cluster's (its fragmentation share, `CostOptions.for_cluster`)
+        self.options = options if options is not None else CostOptions.for_cluster(cluster)
+        self.graph, self.cluster, self.pins = graph, cluster, pins
         self.top_k, self.time_limit, self.max_nodes = top_k, time_limit, max_nodes
         self.progress, self.on_best = progress, on_best
         self.by_reported = prefer_simulated
