@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    TypeAdapter,
     ValidationError,
     model_serializer,
     model_validator,
@@ -23,6 +24,7 @@ from pydantic import (
 from planner.errors import PlanError
 from planner.model.graph import ModelSource, TPPlan
 from planner.names import Recompute, Schedule, SearchStatus
+from planner.runtime.layout import TP_KEYS
 
 SCHEMA_VERSION = 1
 # Minor versions add fields with defaults that keep older plans' meaning, so a plan of an older minor loads
@@ -37,9 +39,6 @@ SCHEMA_MINOR = 4
 _MINOR_WITHOUT_CP = 3
 
 Source = Literal["measured", "estimated"]
-# plan.json's keys for the TPPlan's fields (the plan holds one TPPlan; its file keeps the flat keys it always had)
-TP_KEYS = {"tp_plan": "styles", "tp_head_attrs": "head_attrs", "tp_fused": "fused", "tp_transposed": "transposed",
-           "tp_refused": "refused"}
 
 
 class _Model(BaseModel):
@@ -226,6 +225,23 @@ class SearchStats(_Model):
     reported_gap: float = 0.0
 
 
+_TP_PLAN = TypeAdapter(TPPlan)
+
+
+def _tp_plan_of(fields: dict[str, Any]) -> TPPlan:
+    """The TPPlan of plan.json's flat keys, checked as strictly as the rest of a plan (JSON types as written:
+    a plan validates strictly, where pydantic takes a dataclass only as an instance)."""
+    try:
+        return _TP_PLAN.validate_json(json.dumps(fields), strict=True)
+    except TypeError as e:
+        raise ValueError(f"the tp_* keys hold a value that is not JSON: {e}") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = {f: k for k, f in TP_KEYS.items()}.get(str(err["loc"][0]), str(err["loc"][0])) if err["loc"] else "tp"
+        where = ".".join([key, *(str(x) for x in err["loc"][1:])])
+        raise ValueError(f"{where}: {err['msg']}") from None
+
+
 class Plan(_Model):
     schema_version: int = SCHEMA_VERSION
     schema_minor: int = Field(_MINOR_WITHOUT_CP, ge=0, description="raised to 4 where a layout has cp > 1")
@@ -263,7 +279,8 @@ class Plan(_Model):
             data = dict(data)
             if "tp" in data:
                 raise ValueError(f"a plan holds its TP decision as 'tp' or as {', '.join(TP_KEYS)}, not both")
-            data["tp"] = {field: data.pop(key) for key, field in TP_KEYS.items() if key in data}
+            flat = {field: data.pop(key) for key, field in TP_KEYS.items() if key in data}
+            data["tp"] = _tp_plan_of(flat)
         return data
 
     @model_serializer(mode="wrap")

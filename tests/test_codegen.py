@@ -4,6 +4,7 @@ correctly. (Runs of the generated script under torchrun are in tests/e2e.)"""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -27,7 +28,7 @@ from planner.codegen.render import (
 from planner.errors import PlanError
 from planner.runtime.digest import package_digest, runtime_files
 from planner.runtime.errors import LayoutError
-from planner.runtime.layout import Layout, expand_names, read_layout_file
+from planner.runtime.layout import Layout, TPPlan, expand_names, read_layout_file
 
 ROOT = Path(__file__).resolve().parents[1]
 RUFF = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
@@ -97,7 +98,7 @@ def test_constants_carry_the_plan():
     assert {n: v for k, v in c["TP_PLAN"].items() for n in expand_names(k)} == plan.tp.styles
     assert c["TP_PLAN"]["blocks.{0-3}.attn.o"] == "rowwise" and "blocks.3.attn.o" not in c["TP_PLAN"]
     layout, _, _ = runtime_objects(plan)
-    assert layout.tp_plan == plan.tp.styles
+    assert layout.tp_plan == plan.tp
     assert c["MODEL_FILE"] == f"model/{Path(plan.model.path).name}" and c["MODEL_ARGS"] == plan.model.model_args
     assert (c["LOSS_FN"], c["BATCH_FN"], c["BUILD_FN"]) == ("loss_fn", None, "build_model")
     assert (c["SEED"], c["LR"], c["STEPS"], c["DTYPE"]) == (0, 0.01, 3, "fp32")
@@ -301,7 +302,7 @@ def _long_plan():
 
     stages = [s.model_copy(update={"modules": [unnumbered(m) for m in s.modules]}) for s in plan.stages]
     tp_plan = {unnumbered(k): v for k, v in plan.tp.styles.items()}
-    return plan.model_copy(update={"stages": stages, "tp": plan.tp.model_copy(update={"styles": tp_plan})})
+    return plan.model_copy(update={"stages": stages, "tp": dataclasses.replace(plan.tp, styles=tp_plan)})
 
 
 def test_module_lists_too_long_for_train_py_go_to_layout_json(tmp_path):
@@ -326,9 +327,10 @@ def test_module_lists_too_long_for_train_py_go_to_layout_json(tmp_path):
     expected, _, _ = runtime_objects(plan)
     built = Layout(
         pp=expected.pp, dp=expected.dp, tp=expected.tp, micro_batch_size=expected.micro_batch_size,
-        num_micro_batches=expected.num_micro_batches, stages=stages, tp_plan=tp_plan, tp_head_attrs=heads,
+        num_micro_batches=expected.num_micro_batches, stages=stages, tp_plan=TPPlan(styles=tp_plan, head_attrs=heads),
     )
-    assert built.stages == expected.stages and built.tp_plan == expected.tp_plan
+    assert built.stages == expected.stages
+    assert (built.tp_plan.styles, built.tp_plan.head_attrs) == (expected.tp_plan.styles, expected.tp_plan.head_attrs)
     # Short plans keep their lists as constants and write no layout.json.
     short = render(make_plan("gpt", pp=2, dp=2))
     assert "layout.json" not in short and _constants(short["train.py"][0])["LAYOUT_FILE"] is None

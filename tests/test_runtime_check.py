@@ -3,6 +3,7 @@ with the stage, module or rule named, and `planner plan` then exits 2 without wr
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,7 @@ def test_a_failing_model_is_not_taken_for_a_refused_tp_layout(tmp_path):
     def sharded(loss: str, tp_plan: dict[str, str]):
         plan = _plan(tmp_path, loss=loss, pp=2)
         return plan.model_copy(update={
-            "tp": plan.tp.model_copy(update={"styles": tp_plan}),
+            "tp": dataclasses.replace(plan.tp, styles=tp_plan),
             "parallel": plan.parallel.model_copy(update={"tp": 2}),
             "cluster": plan.cluster.model_copy(update={"gpus_per_node": 4}),
         })
@@ -125,19 +126,20 @@ def test_tp_on_a_conv1d_the_plan_does_not_mark_transposed_is_refused_at_plan_tim
     plan = hf_plan("gpt2", tp=2, dp=2, tp_plan={"transformer.h.0.attn.c_attn": "colwise"})
     with pytest.raises(PlanError, match=r"transformer.h.0.attn.c_attn, a Conv1D, but the plan does not list it in "):
         check_plan_runs(plan)
-    plan = plan.model_copy(update={"tp": plan.tp.model_copy(update={"transposed": ["transformer.h.0.attn.c_attn"]})})
-    plan = plan.model_copy(update={"tp": plan.tp.model_copy(update={"fused": {"transformer.h.0.attn.c_attn": 3}})})
+    plan = plan.model_copy(update={"tp": dataclasses.replace(plan.tp, transposed=["transformer.h.0.attn.c_attn"])})
+    plan = plan.model_copy(update={"tp": dataclasses.replace(plan.tp, fused={"transformer.h.0.attn.c_attn": 3})})
     # Marked transposed and fused, c_attn alone still cannot run: GPT-2 splits its output at split_size and
     # c_proj expects all heads. The sharded run on meta (rank 0's shard) says so, as the launch would.
     with pytest.raises(PlanError, match=r"sharded for tp 2 .* fails on one micro-batch"):
         check_plan_runs(plan)
     # The whole pair, as `planner plan` writes it, runs.
     attn = "transformer.h.0.attn"
-    plan = plan.model_copy(update={"tp": plan.tp.model_copy(update={
-        "styles": {f"{attn}.c_attn": "colwise", f"{attn}.c_proj": "rowwise"},
-        "transposed": [f"{attn}.c_attn", f"{attn}.c_proj"],
-        "head_attrs": {attn: ["split_size"], f"{attn}.c_attn": ["nf"]},
-    })})
+    plan = plan.model_copy(update={"tp": dataclasses.replace(
+        plan.tp,
+        styles={f"{attn}.c_attn": "colwise", f"{attn}.c_proj": "rowwise"},
+        transposed=[f"{attn}.c_attn", f"{attn}.c_proj"],
+        head_attrs={attn: ["split_size"], f"{attn}.c_attn": ["nf"]},
+    )})
     check_plan_runs(plan)
 
 
@@ -156,6 +158,7 @@ def test_tp_of_a_projection_sliced_at_fixed_offsets_is_not_planned(tmp_path):
 
 
 REFUSED_SHARD_QUIETLY = """
+import dataclasses
 import sys
 import torch._dynamo  # as transformers imports it: DTensor would then propagate shapes under a FakeTensorMode
 from e2e.plans import make_plan
@@ -165,9 +168,9 @@ plan = make_plan("mlp", pp=1)
 plan = plan.model_copy(update={
     "model": plan.model.model_copy(update={"path": sys.argv[1], "loss_fn": "loss_fn"}),
     "parallel": plan.parallel.model_copy(update={"tp": 2}),
-    "tp": plan.tp.model_copy(update={"styles": {
+    "tp": dataclasses.replace(plan.tp, styles={
         f"blocks.{i}.{m}": s for i in range(2) for m, s in (("qkv", "colwise"), ("o", "rowwise"))
-    }}),
+    }),
     "cluster": plan.cluster.model_copy(update={"gpus_per_node": 2}),
     "stages": [s.model_copy(update={"modules": ["blocks.0", "blocks.1"], "units": ["blocks.0", "blocks.1"]})
                for s in plan.stages],
@@ -214,9 +217,9 @@ def test_a_tp_plan_whose_shard_cannot_run_is_refused_and_leaves_no_process_group
     plan = plan.model_copy(update={
         "model": plan.model.model_copy(update={"path": str(path), "loss_fn": "loss_fn"}),
         "parallel": plan.parallel.model_copy(update={"tp": 2, "sequence_parallel": sp}),
-        "tp": plan.tp.model_copy(update={"styles": {
+        "tp": dataclasses.replace(plan.tp, styles={
             f"blocks.{i}.{m}": style for i in range(2) for m, style in (("qkv", "colwise"), ("o", "rowwise"))
-        }}),
+        }),
         "cluster": plan.cluster.model_copy(update={"gpus_per_node": 2 * pp}),
     })
     split = [["blocks.0", "blocks.1"]] if pp == 1 else [["blocks.0"], ["blocks.1"]]

@@ -3,12 +3,14 @@ values and the fix, and derives the facts the runtime uses."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from e2e.plans import make_plan, stage_ranks
 
 from planner.codegen.render import runtime_objects
 from planner.cost.schedules import stage_rank as cost_stage_rank
-from planner.runtime import Layout, LayoutError, Stage, stage_rank
+from planner.runtime import Layout, LayoutError, Stage, TPPlan, stage_rank
 
 
 def _layout(**changes):
@@ -42,7 +44,7 @@ def test_derived_facts():
         ({"stages": [(0, ["a"], "none"), (1, [], "none")]}, "Stage 1 owns no modules"),
         ({"stages": [(0, ["a"], "none"), (1, ["a"], "none")]}, "Module 'a' is in stages 0 and 1"),
         ({"stages": [(0, ["a"], "some"), (1, ["b"], "none")]}, "Stage 0 has recompute 'some'"),
-        ({"tp_plan": {"head": "diagonal"}}, "TP_PLAN gives head the style 'diagonal'"),
+        ({"tp_plan": {"head": "colwise"}}, "TP_PLAN must come as a TPPlan, got dict"),
         ({"pp": 1, "virtual_stages": 2, "stages": [(0, ["a"], "none")] * 2}, "VIRTUAL_STAGES must be 1"),
     ],
 )
@@ -71,6 +73,29 @@ def test_runtime_objects_of_a_plan():
     layout, model, training = runtime_objects(plan)
     assert (layout.pp, layout.dp, layout.tp, layout.zero_stage, layout.num_micro_batches) == (2, 2, 2, 1, 4)
     assert [list(s.modules) for s in layout.stages] == [s.modules for s in plan.stages]
-    assert layout.tp_plan == plan.tp.styles and layout.global_batch_size == plan.parallel.global_batch_size
+    assert layout.tp_plan == plan.tp and layout.global_batch_size == plan.parallel.global_batch_size
     assert model.path == plan.model.path and model.loss_fn == "loss_fn" and model.model_args == plan.model.model_args
     assert (training.seed, training.lr, training.steps, training.dtype) == (0, 0.01, 3, "fp32")
+
+
+def test_the_tp_decision_travels_as_one_tpplan_from_plan_json_to_the_layout():
+    """The analysis' TPPlan (plan.tp) is what the Layout holds: rebuilt from plan.json's flat keys as the
+    runtime reads them (`TPPlan.from_keys`), or from train.py's constants with runs of numbered names."""
+    plan = make_plan("gpt", pp=2, dp=2, tp=2, num_micro_batches=4)
+    assert plan.tp.styles
+    again = TPPlan.from_keys(json.loads(plan.to_json()))
+    assert again == plan.tp
+    layout = _layout(tp=2, tp_plan=again)
+    assert layout.tp_plan is again and layout.tp_plan.styles == plan.tp.styles
+    compressed = TPPlan(styles={"blocks.{0-1}.attn.qkv": "colwise"}, head_attrs={"blocks.{0-1}.attn": ["heads"]},
+                        fused={"blocks.{0-1}.attn.qkv": 3}, transposed=["blocks.{0-1}.attn.qkv"])
+    assert compressed.styles == {"blocks.0.attn.qkv": "colwise", "blocks.1.attn.qkv": "colwise"}
+    assert compressed.head_attrs == {"blocks.0.attn": ["heads"], "blocks.1.attn": ["heads"]}
+    assert compressed.fused == {"blocks.0.attn.qkv": 3, "blocks.1.attn.qkv": 3}
+    assert compressed.transposed == ["blocks.0.attn.qkv", "blocks.1.attn.qkv"]
+
+
+def test_an_unknown_tp_style_is_refused_with_the_fix():
+    with pytest.raises(LayoutError, match="TP_PLAN gives head the style 'diagonal'") as info:
+        TPPlan(styles={"head": "diagonal"})  # type: ignore[dict-item]
+    assert "Re-plan" in str(info.value)

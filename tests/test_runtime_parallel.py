@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from planner.runtime import Layout, RunError
+from planner.runtime import Layout, RunError, TPPlan
 from planner.runtime.parallel import apply_head_attrs, chunk_shard_order, interleave_fused
 from planner.runtime.recompute import apply_ac
 from planner.runtime.stages import ModelStage
@@ -45,7 +45,7 @@ class Net(nn.Module):
 
 def _layout(tp, tp_plan=None, heads=None):
     return Layout(pp=1, dp=1, tp=tp, micro_batch_size=1, num_micro_batches=1, stages=[(0, ["attn", "head"])],
-                  tp_plan=tp_plan or {}, tp_head_attrs=heads or {})
+                  tp_plan=TPPlan(styles=tp_plan or {}, head_attrs=heads or {}))
 
 
 def test_head_attributes_are_divided_by_tp():
@@ -84,7 +84,7 @@ class Vocab(nn.Module):
 def test_a_vocabulary_splits_unevenly_while_every_rank_keeps_a_row(vocab, tp, ok):
     # torch.chunk's shares: 5 over 4 is 2, 2, 1 and an empty fourth, which FSDP2 cannot shard.
     layout = Layout(pp=1, dp=1, tp=tp, micro_batch_size=1, num_micro_batches=1, stages=[(0, ["emb", "head"])],
-                    tp_plan={"emb": "rowwise", "head": "colwise_gather"})
+                    tp_plan=TPPlan(styles={"emb": "rowwise", "head": "colwise_gather"}))
     if ok:
         check_tp([Vocab(vocab)], layout)
     else:
@@ -93,8 +93,9 @@ def test_a_vocabulary_splits_unevenly_while_every_rank_keeps_a_row(vocab, tp, ok
 
 
 def test_an_uneven_split_of_a_paired_projection_is_refused():
+    # a column-parallel Linear feeds a row-parallel one: must divide
     layout = Layout(pp=1, dp=1, tp=2, micro_batch_size=1, num_micro_batches=1, stages=[(0, ["emb", "head"])],
-                    tp_plan={"head": "colwise"})  # a column-parallel Linear feeds a row-parallel one: must divide
+                    tp_plan=TPPlan(styles={"head": "colwise"}))
     with pytest.raises(RunError, match=r"splits head \(colwise, size 5\) over tp=2"):
         check_tp([Vocab(5)], layout)
 
@@ -152,8 +153,10 @@ class SplitAttention(nn.Module):
 def _attention_layout(conv: bool, tp: int) -> Layout:
     return Layout(
         pp=1, dp=1, tp=tp, micro_batch_size=1, num_micro_batches=1, stages=[(0, ["attn"])],
-        tp_plan={"attn.qkv": "colwise", "attn.proj": "rowwise"}, tp_head_attrs={"attn": ["dim", "heads"]},
-        tp_fused={"attn.qkv": 3}, tp_transposed=("attn.qkv", "attn.proj") if conv else (),
+        tp_plan=TPPlan(
+            styles={"attn.qkv": "colwise", "attn.proj": "rowwise"}, head_attrs={"attn": ["dim", "heads"]},
+            fused={"attn.qkv": 3}, transposed=["attn.qkv", "attn.proj"] if conv else [],
+        ),
     )
 
 
@@ -286,7 +289,8 @@ def _check_norm_heads(mesh) -> None:
     sharded.zero_grad(set_to_none=True)
     plan = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
             "attn.q_norm": "norm_heads", "attn.k_norm": "norm_heads"}
-    layout = Layout(pp=1, dp=1, tp=2, micro_batch_size=1, num_micro_batches=1, stages=[(0, ["attn"])], tp_plan=plan)
+    layout = Layout(pp=1, dp=1, tp=2, micro_batch_size=1, num_micro_batches=1, stages=[(0, ["attn"])],
+                    tp_plan=TPPlan(styles=plan))
     apply_tp(ModelStage(sharded, ["attn"]), mesh["tp"], layout, {})
     got = sharded.attn(x)
     (got * torch.arange(got.numel()).view_as(got).sin()).sum().backward()
@@ -318,7 +322,7 @@ def _check_tied_weights_stay_tied(mesh) -> None:
     want.square().sum().backward()
     lm = copy.deepcopy(whole)
     layout = Layout(pp=1, dp=1, tp=2, micro_batch_size=1, num_micro_batches=1, stages=[(0, ["emb", "head"])],
-                    tp_plan={"emb": "rowwise", "head": "colwise_gather"})
+                    tp_plan=TPPlan(styles={"emb": "rowwise", "head": "colwise_gather"}))
     from planner.runtime.parallel import apply_tp
 
     apply_tp(ModelStage(lm, ["emb", "head"]), mesh["tp"], layout, {})
@@ -330,7 +334,7 @@ def _check_tied_weights_stay_tied(mesh) -> None:
     # Split two ways (features for one, vocabulary for the other), the copies could not stay one weight.
     split = copy.deepcopy(whole)
     layout = Layout(pp=1, dp=1, tp=2, micro_batch_size=1, num_micro_batches=1, stages=[(0, ["emb", "head"])],
-                    tp_plan={"emb": "colwise", "head": "colwise_gather"})
+                    tp_plan=TPPlan(styles={"emb": "colwise", "head": "colwise_gather"}))
     with pytest.raises(RunError, match="are one tied weight, but TP_PLAN splits them differently"):
         apply_tp(ModelStage(split, ["emb", "head"]), mesh["tp"], layout, {})
 

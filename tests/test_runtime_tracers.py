@@ -91,7 +91,7 @@ def test_runtime_trace_takes_meta_values_after_plain_fx_and_a_pipeline_returns_l
     layout = Layout(
         pp=2, dp=1, tp=1, virtual_stages=1, mesh_dims=("pp", "dp", "tp"), micro_batch_size=2, num_micro_batches=2,
         global_batch_size=4, schedule="1f1b", zero_stage=1, sequence_parallel=False,
-        stages=[(0, ["inp"], "none"), (1, ["out"], "none")], tp_plan={}, tp_head_attrs={},
+        stages=[(0, ["inp"], "none"), (1, ["out"], "none")],
     )
     pieces = cut_into_pieces(gm, values, layout)
     assert pieces[-1].out_spec is not None and pieces[-1].out_spec.type is Output

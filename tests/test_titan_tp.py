@@ -16,7 +16,7 @@ from torch import nn
 
 from planner.model.analysis import analyse_model
 from planner.model.load import load_model_file
-from planner.runtime.layout import Layout
+from planner.runtime.layout import Layout, TPPlan
 from planner.runtime.stages import ModelStage
 
 ROPE_MODEL = textwrap.dedent(
@@ -148,7 +148,7 @@ def _worker(rank: int, init: str, results: str) -> None:
         (want * torch.arange(want.numel()).view_as(want).sin()).sum().backward()
         lm = copy.deepcopy(whole)
         layout = Layout(pp=1, dp=1, tp=2, micro_batch_size=1, num_micro_batches=1, stages=[(0, ["emb", "head"])],
-                        tp_plan={"emb": "rowwise", "head": "colwise_gather"})
+                        tp_plan=TPPlan(styles={"emb": "rowwise", "head": "colwise_gather"}))
         apply_tp(ModelStage(lm, ["emb", "head"]), mesh["tp"], layout, {})
         assert isinstance(lm.emb.weight, DTensor) and lm.emb.weight.to_local().shape == (8, 8)
         got = lm(idx)

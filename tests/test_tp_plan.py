@@ -4,6 +4,7 @@ tp_refused) it always had."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,7 +12,8 @@ from e2e.plans import make_plan
 from pydantic import ValidationError
 
 from planner.model.graph import TPPlan, Unit
-from planner.plan import TP_KEYS, Plan, load_plan
+from planner.plan import Plan, load_plan
+from planner.runtime.layout import TP_KEYS
 
 
 def _unit(name: str, **tp: object) -> Unit:
@@ -29,7 +31,7 @@ def test_the_units_decisions_merge_into_one_plan_sorted_with_each_refusal_once()
     assert list(tp.styles) == ["b0.qkv", "b1.o", "b1.qkv"]
     assert (tp.head_attrs, tp.fused, tp.transposed) == ({"b0": ["heads"]}, {"b1.qkv": 3}, ["b0.qkv"])
     assert tp.refused == ["b1.x is not sharded", "b0.y is not sharded"]
-    with pytest.raises(ValidationError):  # frozen: one decision, not edited on the way
+    with pytest.raises(dataclasses.FrozenInstanceError):  # frozen: one decision, not edited on the way
         tp.styles = {}  # type: ignore[misc]
 
 
@@ -48,3 +50,13 @@ def test_a_plan_giving_tp_twice_is_refused():
     data = json.loads(make_plan("gpt", tp=2).to_json())
     with pytest.raises(ValidationError, match="not both"):
         Plan.model_validate({**data, "tp": {}})
+
+
+def test_a_tp_key_of_the_wrong_type_is_refused_naming_the_key(tmp_path):
+    from planner.errors import PlanError
+
+    data = json.loads(make_plan("gpt", tp=2).to_json())
+    data["tp_fused"] = {"blocks.0.attn.qkv": "3"}  # a string where plan.json holds a number
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=r"tp_fused\.blocks\.0\.attn\.qkv: .*valid integer"):
+        load_plan(tmp_path)

@@ -222,9 +222,7 @@ def runtime_objects(plan: Plan) -> tuple[Layout, ModelFile, Training]:
         stages=tuple(
             Stage(s.pp_rank, tuple(s.modules), s.recompute) for s in sorted(plan.stages, key=lambda s: s.index)
         ),
-        tp_plan=dict(plan.tp.styles), tp_head_attrs={k: tuple(v) for k, v in plan.tp.head_attrs.items()},
-        ep=p.ep, experts=dict(plan.experts), cp=p.cp,
-        tp_fused=dict(plan.tp.fused), tp_transposed=tuple(plan.tp.transposed), async_tp=p.tp_overlap,
+        tp_plan=plan.tp, ep=p.ep, experts=dict(plan.experts), cp=p.cp, async_tp=p.tp_overlap,
     )
     return layout, model_file(m), Training(seed=t.seed, lr=float(t.lr), steps=t.steps, dtype=t.dtype)
 

@@ -10,10 +10,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# The TP decision's one object, defined in the runtime (which imports nothing of the planner) so that the Plan
+# carries and the runtime's Layout consumes the same frozen TPPlan.
+from planner.runtime.layout import TPPlan as TPPlan
+from planner.runtime.layout import TPStyle as TPStyle
+
 TrainDType = Literal["fp32", "bf16", "fp16"]
-# colwise_gather: a column-parallel Linear whose output is all-gathered (the vocab-parallel LM head);
-# norm_heads: a norm over each head's features (Qwen3's q_norm), its input split by heads, its weight whole.
-TPStyle = Literal["colwise", "rowwise", "colwise_gather", "norm_heads"]
 
 
 class _Model(BaseModel):
@@ -39,54 +41,6 @@ class TPPair(_Model):
     column: list[str] = Field(description="qualified names of the column-parallel Linears (q, k, v ...)")
     row: str = Field(description="qualified name of the row-parallel Linear")
     allreduce_bytes: int = Field(description="bytes all-reduced per sample in forward (row output)")
-
-
-class TPPlan(_Model):
-    """Which modules tensor parallelism shards, and how: the one home of that decision. Built once from the
-    analysis' units (`planner.model.tp.tp_plan`), carried by the Plan (plan.json keeps its five keys, tp_plan
-    ... tp_refused), and read by the report, the generated script's constants and the runtime's Layout."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    styles: dict[str, TPStyle] = Field(default_factory=dict, description="module name -> TP style")
-    head_attrs: dict[str, list[str]] = Field(
-        default_factory=dict,
-        description="module -> integer attributes (head counts, split widths) each rank divides by tp before "
-        "sharding, because its forward reshapes by them (view(b, s, self.num_heads, -1))",
-    )
-    fused: dict[str, int] = Field(
-        default_factory=dict, description="colwise module -> chunks of its fused output (q, k, v): each chunk "
-        "is sharded separately"
-    )
-    transposed: list[str] = Field(
-        default_factory=list, description="TP modules whose weight is stored [in, out] (HF Conv1D)"
-    )
-    refused: list[str] = Field(
-        default_factory=list, description="projections tensor parallelism leaves replicated, and why"
-    )
-
-    @classmethod
-    def of(cls, units: list[Unit]) -> TPPlan:
-        """The units' TP decisions (`Unit.tp_styles` ... `Unit.tp_refused`) as one plan: names sorted, the
-        reasons for a refusal in the order the units give them, each once."""
-        styles: dict[str, TPStyle] = {}
-        head_attrs: dict[str, list[str]] = {}
-        fused: dict[str, int] = {}
-        transposed: set[str] = set()
-        refused: list[str] = []
-        for u in units:
-            styles.update(u.tp_styles)
-            head_attrs.update(u.tp_head_attrs)
-            fused.update(u.tp_fused)
-            transposed.update(u.tp_transposed)
-            refused.extend(r for r in u.tp_refused if r not in refused)
-        return cls(
-            styles=dict(sorted(styles.items())),
-            head_attrs=dict(sorted(head_attrs.items())),
-            fused=dict(sorted(fused.items())),
-            transposed=sorted(transposed),
-            refused=refused,
-        )
 
 
 class Unit(_Model):

@@ -81,10 +81,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import LayoutError, RefusedLayout, RunError
-from .layout import Layout, ModelFile, Stage, Training, read_layout_file, stage_rank
+from .layout import Layout, ModelFile, Stage, TPPlan, Training, read_layout_file, stage_rank
 
 __all__ = [
-    "Layout", "LayoutError", "ModelFile", "RefusedLayout", "RunError", "Stage", "Training", "parallelize",
+    "Layout", "LayoutError", "ModelFile", "RefusedLayout", "RunError", "Stage", "TPPlan", "Training", "parallelize",
     "read_layout_file", "stage_rank",
 ]
 

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .errors import RunError
-from .layout import Layout, ModelFile, Stage, Training
+from .layout import Layout, ModelFile, Stage, TPPlan, Training
 from .loop import accumulate, init_distributed, pipeline_step, trace_and_cut
 from .loss import default_loss
 from .model import build_model, input_count, load_model_file, make_batch, materialise
@@ -68,10 +68,8 @@ def read_plan(path: str | Path) -> tuple[Layout, ModelFile, Training]:
                 Stage(s["pp_rank"], tuple(s["modules"]), s.get("recompute", "none"))
                 for s in sorted(data["stages"], key=lambda s: s["index"])
             ),
-            tp_plan=dict(data.get("tp_plan", {})),
-            tp_head_attrs={k: tuple(v) for k, v in data.get("tp_head_attrs", {}).items()},
-            ep=p.get("ep", 1), experts=dict(data.get("experts", {})), tp_fused=dict(data.get("tp_fused", {})),
-            tp_transposed=tuple(data.get("tp_transposed", ())), cp=p.get("cp", 1),
+            tp_plan=TPPlan.from_keys(data),
+            ep=p.get("ep", 1), experts=dict(data.get("experts", {})), cp=p.get("cp", 1),
             async_tp=p.get("tp_overlap", False),
         )
         spec = ModelFile(m["path"], m.get("build_fn", "build_model"), m.get("inputs_fn", "example_inputs"),
@@ -201,12 +199,12 @@ def parallelize(
         tied = TiedWeights(shared, layout, mesh, model, stages, local, own_copies(shared, model, stages, local))
     else:
         model = build_model(user, spec, training.seed, everything_on_meta=False)
-        at_build = weights if layout.tp_fused else None  # else read after sharding, each rank its shards
+        at_build = weights if layout.tp_plan.fused else None  # else read after sharding, each rank its shards
         materialise(model, {n for n, _ in model.named_modules()}, dev, training.seed, at_build)
         stages = [ModelStage(model, list(layout.stages[0].modules))]
     for i, stage in zip(local, stages, strict=True):
         parallelize_stage(stage, mesh, layout, layout.stages[i].recompute, dev, sp_styles, training.dtype)
-    if weights is not None and traced is None and not layout.tp_fused:
+    if weights is not None and traced is None and not layout.tp_plan.fused:
         load_sharded(model, weights, {n for n, _ in model.named_modules()})
     job = Parallelized(layout, mesh, dev, model, stages, None, loss_fn, user, spec, training.seed, tied)
     job._n_inputs = input_count(model, len(example))

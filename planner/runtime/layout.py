@@ -8,13 +8,17 @@ so the rest of the runtime takes a `Layout` instead of reading globals.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, Protocol, get_args
 
 from .errors import LayoutError
 from .names import RECOMPUTE_MODES, SCHEDULES
 
-TP_STYLES = ("colwise", "rowwise", "colwise_gather", "norm_heads")
+# colwise_gather: a column-parallel Linear whose output is all-gathered (the vocab-parallel LM head);
+# norm_heads: a norm over each head's features (Qwen3's q_norm), its input split by heads, its weight whole.
+TPStyle = Literal["colwise", "rowwise", "colwise_gather", "norm_heads"]
+TP_STYLES: tuple[str, ...] = get_args(TPStyle)
 DTYPES = ("fp32", "bf16", "fp16")
 LR_DECAYS = ("cosine", "linear", "constant")
 _FIX = "Re-plan (planner plan ...) or correct the constant at the top of train.py."
@@ -47,6 +51,87 @@ def runs_traced_graph(pp: int, tp: int, sequence_parallel: bool, head_counts: bo
     divided attribute, so the graph's sizes are made the rank's, tp_graph) rather than running the user's model
     as written; the planner's search asks the same question."""
     return pp > 1 or (tp > 1 and (sequence_parallel or head_counts))
+
+
+# plan.json's keys for the TPPlan's fields: the plan holds one TPPlan, its file keeps the flat keys it always had
+TP_KEYS = {"tp_plan": "styles", "tp_head_attrs": "head_attrs", "tp_fused": "fused", "tp_transposed": "transposed",
+           "tp_refused": "refused"}
+
+
+class TPDecisions(Protocol):
+    """What `TPPlan.of` reads of an analysis unit (planner.model.graph.Unit): its own TP decisions."""
+
+    @property
+    def tp_styles(self) -> Mapping[str, TPStyle]: ...
+    @property
+    def tp_head_attrs(self) -> Mapping[str, list[str]]: ...
+    @property
+    def tp_fused(self) -> Mapping[str, int]: ...
+    @property
+    def tp_transposed(self) -> Sequence[str]: ...
+    @property
+    def tp_refused(self) -> Sequence[str]: ...
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """Which modules tensor parallelism shards, and how: the one home of that decision. Built once from the
+    analysis' units (`of`, `planner.model.graph.ModelGraph.tp`), carried by the Plan (plan.json keeps its five
+    flat keys, tp_plan ... tp_refused), and consumed whole by the runtime's `Layout`: train.py and
+    `parallelize` rebuild it from those keys. Module names may stand for runs of numbered blocks
+    ("blocks.{0-3}.attn", `expand_names`), as train.py writes them; the plan holds them expanded."""
+
+    # the Plan (pydantic) validates this dataclass as one of its fields: no keys beyond these
+    __pydantic_config__ = {"extra": "forbid"}
+
+    styles: dict[str, TPStyle] = field(default_factory=dict)  # module -> its TP style (TP_PLAN)
+    # module -> integer attributes (head counts, split widths) each rank divides by tp before sharding, because
+    # its forward reshapes by them (view(b, s, self.num_heads, -1)) (TP_HEAD_ATTRS)
+    head_attrs: dict[str, list[str]] = field(default_factory=dict)
+    fused: dict[str, int] = field(default_factory=dict)  # colwise module -> chunks of its fused output (q, k, v)
+    transposed: list[str] = field(default_factory=list)  # TP modules whose weight is stored [in, out] (HF Conv1D)
+    refused: list[str] = field(default_factory=list)  # projections TP leaves replicated, and why (plan only)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "styles", {n: s for k, s in self.styles.items() for n in expand_names(k)})
+        heads = {n: list(v) for k, v in self.head_attrs.items() for n in expand_names(k)}
+        object.__setattr__(self, "head_attrs", heads)
+        object.__setattr__(self, "fused", {n: c for k, c in self.fused.items() for n in expand_names(k)})
+        object.__setattr__(self, "transposed", [n for k in self.transposed for n in expand_names(k)])
+        object.__setattr__(self, "refused", list(self.refused))
+        for name, style in self.styles.items():
+            if style not in TP_STYLES:
+                raise LayoutError(
+                    f"TP_PLAN gives {name} the style {style!r}: expected one of {', '.join(TP_STYLES)}. {_FIX}"
+                )
+
+    @classmethod
+    def from_keys(cls, data: Mapping[str, Any]) -> TPPlan:
+        """The TPPlan a plan.json (or its layout.json) holds under its flat keys (`TP_KEYS`)."""
+        return cls(**{f: data[key] for key, f in TP_KEYS.items() if key in data})
+
+    @classmethod
+    def of(cls, units: Iterable[TPDecisions]) -> TPPlan:
+        """The units' TP decisions (`Unit.tp_styles` ... `Unit.tp_refused`) as one plan: names sorted, the
+        reasons for a refusal in the order the units give them, each once."""
+        styles: dict[str, TPStyle] = {}
+        head_attrs: dict[str, list[str]] = {}
+        fused: dict[str, int] = {}
+        transposed: set[str] = set()
+        refused: list[str] = []
+        for u in units:
+            styles.update(u.tp_styles)
+            head_attrs.update(u.tp_head_attrs)
+            fused.update(u.tp_fused)
+            transposed.update(u.tp_transposed)
+            refused.extend(r for r in u.tp_refused if r not in refused)
+        return cls(
+            styles=dict(sorted(styles.items())),
+            head_attrs=dict(sorted(head_attrs.items())),
+            fused=dict(sorted(fused.items())),
+            transposed=sorted(transposed),
+            refused=refused,
+        )
 
 
 @dataclass(frozen=True)
@@ -125,12 +210,9 @@ class Layout:
     sequence_parallel: bool = False
     mesh_dims: tuple[str, ...] = ("pp", "dp", "tp")  # outer to inner
     global_batch_size: int | None = None  # None: dp * num_micro_batches * micro_batch_size
-    tp_plan: dict[str, str] = field(default_factory=dict)  # module -> one of TP_STYLES
-    tp_head_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # module -> head-count attributes
+    tp_plan: TPPlan = field(default_factory=TPPlan)  # which modules TP shards, and how (the plan's one object)
     ep: int = 1  # expert parallelism: experts sharded over groups of ep consecutive dp ranks
     experts: dict[str, int] = field(default_factory=dict)  # MoE experts module -> number of experts
-    tp_fused: dict[str, int] = field(default_factory=dict)  # colwise module -> equal chunks of its output (q, k, v)
-    tp_transposed: tuple[str, ...] = ()  # TP modules whose weight is stored [in, out] (HF Conv1D)
     cp: int = 1  # context parallelism: each sample's sequence sharded over cp ranks (mesh dimension "cp")
     async_tp: bool = False  # torch's async TP: SP's collectives overlapped with the matmuls (compile, CUDA)
 
@@ -142,14 +224,9 @@ class Layout:
         )
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "mesh_dims", tuple(self.mesh_dims))
-        tp_plan = {n: style for name, style in self.tp_plan.items() for n in expand_names(name)}
-        object.__setattr__(self, "tp_plan", tp_plan)
-        heads = {n: tuple(v) for k, v in self.tp_head_attrs.items() for n in expand_names(k)}
-        object.__setattr__(self, "tp_head_attrs", heads)
+        if not isinstance(self.tp_plan, TPPlan):
+            raise LayoutError(f"TP_PLAN must come as a TPPlan, got {type(self.tp_plan).__name__}. {_FIX}")
         object.__setattr__(self, "experts", {n: c for k, c in self.experts.items() for n in expand_names(k)})
-        fused = {n: chunks for k, chunks in self.tp_fused.items() for n in expand_names(k)}
-        object.__setattr__(self, "tp_fused", fused)
-        object.__setattr__(self, "tp_transposed", tuple(n for k in self.tp_transposed for n in expand_names(k)))
         for name in ("pp", "dp", "tp", "virtual_stages", "micro_batch_size", "num_micro_batches", "ep", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -211,11 +288,6 @@ class Layout:
                     raise LayoutError(f"Module {m!r} is in stages {seen[m]} and {i}: a module has one owner. {_FIX}")
                 seen[m] = i
         self._check_ep()
-        for name, style in self.tp_plan.items():
-            if style not in TP_STYLES:
-                raise LayoutError(
-                    f"TP_PLAN gives {name} the style {style!r}: expected one of {', '.join(TP_STYLES)}. {_FIX}"
-                )
 
     def _check_ep(self) -> None:
         if self.ep == 1:

@@ -255,7 +255,7 @@ def trace_and_cut(
     sp_styles: dict[str, ParallelStyle] = {}
     if layout.tp_enabled and tp_mesh is not None:
         layout = with_tied_styles(layout, gm)
-        localise_tp_sizes(gm, values, layout.tp_plan, layout.tp)
+        localise_tp_sizes(gm, values, layout.tp_plan.styles, layout.tp)
     if layout.sp_enabled and tp_mesh is not None:
         sp_styles = sequence_parallel(gm, values, example, tp_mesh, layout)
     return gm, cut_into_pieces(gm, values, layout), sp_styles, method, layout
@@ -437,7 +437,7 @@ def run(
         model = build_model(user, spec, training.seed, everything_on_meta=False)
         # The weights come in after sharding (each rank reads its shards), unless TP reorders fused rows or
         # expert parallelism keeps a slice of the experts.
-        at_build = weights if layout.tp_fused or layout.ep_enabled else None
+        at_build = weights if layout.tp_plan.fused or layout.ep_enabled else None
         materialise(model, {n for n, _ in model.named_modules()}, device, training.seed, at_build)
         stages, method = [ModelStage(model, list(layout.stages[0].modules))], "module"
     n_inputs = input_count(model, len(example))
@@ -493,7 +493,7 @@ def run(
     loss_scale = LossScale(training.dtype == "fp16")  # fp16 trains with dynamic loss scaling; bf16 needs none
     checkpoints = Checkpointer(
         args.checkpoint_dir.resolve(), stages, optimizers, schedulers, device, not args.sync_checkpoint, log0,
-        fused_params(layout.tp, layout.tp_fused, layout.tp_transposed),
+        fused_params(layout.tp, layout.tp_plan.fused, layout.tp_plan.transposed),
     )
     start_step = 0
     batches_identity = {"kind": "batches", "micro_batch_size": layout.micro_batch_size}

@@ -4,7 +4,7 @@ activation checkpointing, then FSDP2 / replicate over the data-parallel ranks.""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (
 
 from .errors import RunError
 from .experts import ExpertParallel
-from .layout import Layout
+from .layout import Layout, TPStyle
 from .recompute import apply_ac
 from .stages import SP_MODULE_PREFIX, LocalStage, ModelStage, contains_tensor, has_module, module_paths
 from .tp_rules import NORM_HEADS_DIM, check_tp, split_dim, splits_own_vocab
@@ -138,11 +138,11 @@ def sequence_parallel(
             f"Sequence parallelism splits the sequence (length {seq_len}) over tp={layout.tp}: it must "
             "divide. Re-plan with sequence parallelism off or a tp degree that divides the sequence."
         )
-    return plan_sequence_parallel(gm, values, seq_len, mesh, layout.tp_plan)
+    return plan_sequence_parallel(gm, values, seq_len, mesh, layout.tp_plan.styles)
 
 
 def plan_sequence_parallel(
-    gm: fx.GraphModule, values: dict[fx.Node, Any], seq_len: int, mesh: DeviceMesh, tp_plan: dict[str, str]
+    gm: fx.GraphModule, values: dict[fx.Node, Any], seq_len: int, mesh: DeviceMesh, tp_plan: Mapping[str, str]
 ) -> dict[str, ParallelStyle]:
     """Rewrite the graph so the residual stream stays split along the sequence between TP regions.
 
@@ -438,13 +438,13 @@ def apply_tp(
     tied = tied_holders(roots)
     for i, piece in enumerate(roots):
         plan: dict[str, ParallelStyle] = {}
-        for name, style in layout.tp_plan.items():
+        for name, style in layout.tp_plan.styles.items():
             if not has_module(piece, name):
                 continue
             module = piece.get_submodule(name)
-            if name in layout.tp_fused:
-                interleave_fused(module, style, layout.tp_fused[name], layout.tp)
-            if name in layout.tp_transposed:
+            if name in layout.tp_plan.fused:
+                interleave_fused(module, style, layout.tp_plan.fused[name], layout.tp)
+            if name in layout.tp_plan.transposed:
                 # (under sequence parallelism a row-parallel projection's output stays split by sequence)
                 split = isinstance(sp_styles.get(name), RowwiseParallel)
                 replace_module(piece, name, ShardedConv1D(module, tp_mesh, style == "colwise", split))
@@ -458,40 +458,40 @@ def apply_tp(
                 shard_own_vocab(module, tp_mesh)
                 continue
             plan[name] = sp_styles.get(name) or parallel_style(style, module)
-        plan.update({n: s for n, s in sp_styles.items() if n not in layout.tp_plan and has_module(piece, n)})
+        plan.update({n: s for n, s in sp_styles.items() if n not in layout.tp_plan.styles and has_module(piece, n)})
         # A module of the same type holding a tied copy of a sharded weight (T5 / BART's shared and
         # encoder.embed_tokens) runs with the same style: the copies stay one weight, split alike.
         # A Linear tied to a vocab-parallel embedding (BART's lm_head, followed by a bias add) is the
         # vocab-parallel LM head, its logits gathered: the same split of the same weight.
         for holders in tied:
-            styled = next(((j, m) for j, m, _ in holders if m in layout.tp_plan or (j == i and m in plan)), None)
+            styled = next(((j, m) for j, m, _ in holders if m in layout.tp_plan.styles or (j == i and m in plan)), None)
             if styled is None:
                 continue
             j, styled_name = styled
             source = roots[j].get_submodule(styled_name)
             for k, mod_name, _ in holders:
-                if k != i or not mod_name or mod_name in plan or mod_name in layout.tp_plan:
+                if k != i or not mod_name or mod_name in plan or mod_name in layout.tp_plan.styles:
                     continue
                 holder = piece.get_submodule(mod_name)
                 if type(holder) is type(source):
                     plan[mod_name] = plan[styled_name] if j == i and styled_name in plan else parallel_style(
-                        layout.tp_plan[styled_name], holder
+                        layout.tp_plan.styles[styled_name], holder
                     )
                 elif isinstance(holder, nn.Linear) and isinstance(source, nn.Embedding):
-                    if layout.tp_plan.get(styled_name) == "rowwise":
+                    if layout.tp_plan.styles.get(styled_name) == "rowwise":
                         plan[mod_name] = parallel_style("colwise_gather", holder)
         if plan:
             parallelize_module(piece, tp_mesh, plan)
     retie(roots, tied)
 
 
-def tied_styles(root: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
+def tied_styles(root: nn.Module, tp_plan: Mapping[str, TPStyle]) -> dict[str, TPStyle]:
     """TP styles for the modules outside the plan that hold a tied copy of a weight the plan shards: a module of
     the same type gets the same style; a Linear tied to a vocabulary-parallel embedding is the vocabulary-parallel
     LM head (colwise_gather). A traced stage adds them to its plan before it is rewritten and cut, since the two
     may run in different pieces or stages (nanoGPT's lm_head, with its loss in forward: never the model's output,
     so the planner does not find it as the head)."""
-    extra: dict[str, str] = {}
+    extra: dict[str, TPStyle] = {}
     for holders in tied_holders([root]):
         names = [m for _, m, _ in holders]
         styled = next((m for m in names if m in tp_plan), None)
@@ -511,8 +511,11 @@ def tied_styles(root: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
 
 def with_tied_styles(layout: Layout, root: nn.Module) -> Layout:
     """The layout with `tied_styles` of the model (or traced graph module) `root` added to its TP plan."""
-    extra = tied_styles(root, layout.tp_plan)
-    return dataclasses.replace(layout, tp_plan={**layout.tp_plan, **extra}) if extra else layout
+    extra = tied_styles(root, layout.tp_plan.styles)
+    if not extra:
+        return layout
+    styles = {**layout.tp_plan.styles, **extra}
+    return dataclasses.replace(layout, tp_plan=dataclasses.replace(layout.tp_plan, styles=styles))
 
 
 def tied_holders(roots: list[nn.Module]) -> list[list[tuple[int, str, str]]]:
@@ -559,7 +562,7 @@ def apply_head_attrs(roots: list[nn.Module], layout: Layout) -> None:
     """Divide the head-count attributes of TP_HEAD_ATTRS by tp (as torchtitan's parallelize does
     `attn.n_heads //= tp`): code that reshapes by the head count then sees this rank's heads."""
     for root in roots:
-        for name, attrs in layout.tp_head_attrs.items():
+        for name, attrs in layout.tp_plan.head_attrs.items():
             if has_module(root, name):
                 module = root.get_submodule(name)
                 for attr in attrs:

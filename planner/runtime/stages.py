@@ -701,7 +701,7 @@ class AsWritten(RefusedLayout):
 def uses_graph(layout: Layout) -> bool:
     """Whether the run cuts a traced graph: for pipeline stages, or to rewrite it for sequence parallelism.
     Otherwise the one stage is the user's model itself (ModelStage), as written."""
-    return runs_traced_graph(layout.pp, layout.tp, layout.sequence_parallel, bool(layout.tp_head_attrs))
+    return runs_traced_graph(layout.pp, layout.tp, layout.sequence_parallel, bool(layout.tp_plan.head_attrs))
 
 
 def trace_for_plan(
@@ -730,7 +730,8 @@ def trace_for_plan(
     # its weight, which the script swaps for parallel.ShardedConv1D) and an nn.Embedding subclass (Gemma's and
     # BART's scaled embeddings), which torch's parallel styles then could not shard. torch.export keeps only the
     # experts (one shape each).
-    convs = frozenset(layout.tp_plan) | frozenset(layout.tp_transposed) if layout.tp_enabled else frozenset()
+    tp = layout.tp_plan
+    convs = frozenset(tp.styles) | frozenset(tp.transposed) if layout.tp_enabled else frozenset()
     gm, values, method = trace(meta_model, inputs, log, leaves, ahead, fx_leaves=convs)
     why = unsupported_on(gm, values, device_type)
     if why is not None:
@@ -762,7 +763,7 @@ def trace_for_plan(
     if method == "fx":  # (a graph specialised to its inputs may name a tied module under another holder's name)
         known = {n for n, _ in gm.named_modules()} | {n for n, _ in gm.named_parameters()}
         unknown = [m for s in layout.stages for m in s.modules if m not in known]
-        unknown += [n for n in layout.tp_plan if n not in known]
+        unknown += [n for n in layout.tp_plan.styles if n not in known]
         if unknown:
             raise RunError(f"The plan names modules the model lacks: {unknown[:5]}. Re-plan the model.")
     return gm, values, method

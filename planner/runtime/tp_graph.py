@@ -15,6 +15,7 @@ output is split in equal chunks of the local width, each rank's weight holding i
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -92,7 +93,7 @@ def _rewrite_sizes(graph: fx.Graph, node: fx.Node, at: int, tp: int) -> None:
     node.args = tuple(args)
 
 
-def localise_tp_sizes(gm: fx.GraphModule, values: dict[fx.Node, Any], tp_plan: dict[str, str], tp: int) -> int:
+def localise_tp_sizes(gm: fx.GraphModule, values: dict[fx.Node, Any], tp_plan: Mapping[str, str], tp: int) -> int:
     """Rewrite the sizes of the sharded dimension between each colwise module's call and the row-parallel
     projection it feeds to this rank's (see the module docstring). Returns how many sizes it rewrote."""
     graph = gm.graph

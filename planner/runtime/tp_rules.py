@@ -66,7 +66,7 @@ def check_tp(roots: list[nn.Module], layout: Layout, heads: bool = True) -> None
     attributes (False for a traced stage's pieces, which hold only the weights: their graph's sizes are made
     the rank's instead, tp_graph; the model's attributes are checked on the model)."""
     for root in roots:
-        for name, style in layout.tp_plan.items():
+        for name, style in layout.tp_plan.styles.items():
             if not has_module(root, name):
                 continue
             module = root.get_submodule(name)
@@ -78,8 +78,8 @@ def check_tp(roots: list[nn.Module], layout: Layout, heads: bool = True) -> None
                     )
                 continue
             conv = is_conv1d(module)
-            if conv != (name in layout.tp_transposed):
-                listed = "lists it in" if name in layout.tp_transposed else "does not list it in"
+            if conv != (name in layout.tp_plan.transposed):
+                listed = "lists it in" if name in layout.tp_plan.transposed else "does not list it in"
                 raise RunError(
                     f"TP_PLAN shards {name}, a {type(module).__name__}, but the plan {listed} TP_TRANSPOSED "
                     "(weight stored [in, out] is HF's Conv1D only). Re-plan the model."
@@ -93,7 +93,7 @@ def check_tp(roots: list[nn.Module], layout: Layout, heads: bool = True) -> None
             weight = module.weight
             assert isinstance(weight, torch.Tensor)
             size = weight.shape[split_dim(module, style)]
-            chunks = layout.tp_fused.get(name, 1)
+            chunks = layout.tp_plan.fused.get(name, 1)
             if chunks > 1 and (style != "colwise" or size % chunks):
                 raise RunError(
                     f"TP_FUSED splits {name} ({style}, size {size}) into {chunks} equal chunks: only a colwise "
@@ -105,7 +105,7 @@ def check_tp(roots: list[nn.Module], layout: Layout, heads: bool = True) -> None
                     f"TP_PLAN splits {name} ({style}, {what}) over tp={layout.tp}: the size must divide. "
                     "Re-plan with a tp degree that divides it."
                 )
-        for name, attrs in layout.tp_head_attrs.items() if heads else ():
+        for name, attrs in layout.tp_plan.head_attrs.items() if heads else ():
             if not has_module(root, name):
                 continue
             module = root.get_submodule(name)
