@@ -572,3 +572,23 @@ def test_fragmentation_is_one_knob_read_by_the_search_the_report_and_plan_json(t
         m = a["memory"]
         held = m["weights"] + m["gradients"] + m["optimizer"] + m["activations"] + m["comm_buffers"]
         assert b["memory"]["workspace"] - m["workspace"] == pytest.approx((0.3 - frag) * held, rel=1e-3, abs=2)
+
+
+@pytest.mark.parametrize(("recompute", "words"), [("none", "no recomputation"), ("full", "full recomputation")])
+def test_nothing_fits_message_names_the_pinned_recomputation(recompute, words):
+    # The bound is taken under the pinned mode: a pinned run must not read as "even full recomputation does
+    # not fit" (torchtitan's 8B rows, pinned selective, read so before)
+    from planner.errors import InfeasibleError
+    from planner.pipeline import PlanRequest, plan_model
+
+    model = str(Path(__file__).resolve().parents[1] / "sample_models" / "mlp.py")
+    request = PlanRequest(
+        model_path=model,
+        gpu="cpu",
+        gpus_per_node=2,
+        global_batch_size=4,
+        memory_reserve_gib=15.5,
+        pins={"recompute": recompute},
+    )
+    with pytest.raises(InfeasibleError, match=rf"most memory-frugal layout \([^)]*, {words}\)"):
+        plan_model(request)

@@ -575,7 +575,11 @@ class Search:
     def result(self) -> SearchResult:
         ranked = self.ranked
         if not ranked:
-            raise InfeasibleError(_nothing_fits(self.graph, self.cluster, self.smallest_need, self.space.candidates))
+            raise InfeasibleError(
+                _nothing_fits(
+                    self.graph, self.cluster, self.smallest_need, self.space.candidates, self.pins.recompute or "full"
+                )
+            )
         self.rejected.update(_regions(self.refused, ranked))
         best_figure = self.score(ranked[0])
         least = min(self.unresolved, default=best_figure)
@@ -711,9 +715,20 @@ def _regions(refused: dict[Candidate, str], ranked: list[Evaluated]) -> Counter[
     return out
 
 
+# How the infeasibility message names the recomputation its most frugal layout was measured with.
+_RECOMPUTE_WORDS = {"full": "full recomputation", "selective": "selective recomputation", "none": "no recomputation"}
+
+
 def _nothing_fits(
-    graph: ModelGraph, cluster: ClusterSpec, need: tuple[float, Candidate] | None, cands: list[Candidate]
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    need: tuple[float, Candidate] | None,
+    cands: list[Candidate],
+    recompute: str = "full",
 ) -> str:
+    """Why nothing fits. `recompute`: the mode the memory bound was taken under (the pinned one, else full,
+    the most frugal), named in the message: a pinned selective run must not read as "even full recomputation
+    does not fit"."""
     msg = f"The model does not fit on {cluster.world_size} x {cluster.gpu.display_name} in any configuration."
     reserved = False
     if need is not None:
@@ -722,7 +737,8 @@ def _nothing_fits(
         reserve = cluster.reserved_gib + comm_reserve_bytes(cluster.nccl_bytes_per_group, cand) / GiB
         reserved = reserve > 0
         msg += (
-            f" The most memory-frugal layout ({cand.label()}, full recomputation) still needs at least "
+            f" The most memory-frugal layout ({cand.label()}, {_RECOMPUTE_WORDS.get(recompute, recompute)}) still "
+            f"needs at least "
             f"{mem / GiB:.1f} GiB on its busiest pipeline rank, {(mem - cap) / GiB:.1f} GiB over the "
             f"{cap / GiB:.0f} GiB per GPU"
             + (f" left after its {reserve:.2f} GiB memory reserve." if reserved else ".")
