@@ -10,9 +10,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from planner.runtime.names import RECOMPUTE_MODES, SCHEDULES, Recompute, Schedule
+from planner.runtime.names import RECOMPUTE_MODES, SCHEDULES, SEARCHED_RECOMPUTE_MODES, Recompute, Schedule
 
-__all__ = ["RECOMPUTE_MODES", "SCHEDULES", "Recompute", "Schedule", "SearchStatus", "SolveStatus"]
+__all__ = [
+    "RECOMPUTE_MODES",
+    "SCHEDULES",
+    "SEARCHED_RECOMPUTE_MODES",
+    "Recompute",
+    "Schedule",
+    "SearchStatus",
+    "SolveStatus",
+]
 
 # What one ILP ended with (planner.search.ilp.solve_partition): "cutoff" when no plan beats the cutoff it
 # was given, "not_solved" when it stopped at its limit before finding any plan.

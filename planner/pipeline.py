@@ -178,6 +178,8 @@ def _hardware_flops(ev: Evaluated, graph: ModelGraph, global_batch: int) -> floa
                 extra += unit.fwd_flops
             elif s.recompute == "selective" and unit.attention_core_bytes > 0:
                 extra += unit.attention_flops
+            elif s.recompute == "op":  # all but the kept matmuls and the attention kernels
+                extra += max(0.0, unit.fwd_flops - unit.op_sac_kept_matmul_flops - unit.attention_flops)
     return (graph.fwd_flops_per_sample + graph.bwd_flops_per_sample + extra) * global_batch
 
 

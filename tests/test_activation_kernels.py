@@ -117,3 +117,115 @@ def test_saved_bytes_match_torch_mem_tracker_on_fake_tensors(model):
     # GPT: the same within 1%. Llama: the count is 3.6% below the tracker here; the CPU's SDPA is not the GPU's
     # (its rope-rotated, repeat_interleaved inputs take another path), and the count follows the GPU's.
     assert sum(c.saved.values()) == pytest.approx(tracked, rel=0.01 if model == "gpt" else 0.05)
+
+
+# ----------------------------------------------------------------------------- per-op selective ("op")
+
+KV = 2  # the llama block's key/value heads (grouped-query attention)
+
+
+def _llama_cfg():
+    return _sample("llama").resolve_config(layers=1, hidden=H, heads=A, kv_heads=KV, vocab=256, seq=S)
+
+
+def test_op_checkpointing_keeps_every_odd_matmul_and_the_attention_kernels_outputs():
+    # torchtitan's SelectiveAC on a Llama block: of the seven matmuls (q, k, v, o, w1, w3, w2) it keeps q, v, w1
+    # and w2's outputs, and SDPA's output and fp32 log-sum-exp: per token 2 (h + kv + F + h) + 2 h + 4 a bytes,
+    # the form of Korthikanti et al.'s per-layer count (s b h (...)) for this policy.
+    mod = _sample("llama")
+    cfg = _llama_cfg()
+    with torch.device("meta"):
+        block = mod.Block(cfg).to(torch.bfloat16)
+    x = torch.empty(1, S, H, device="meta", dtype=torch.bfloat16)
+    c = analyse_callable(block, (x,), list(block.parameters()), S)
+    kv, ffn = KV * H // A, cfg.ffn_dim
+    assert c.op_sac_saved == S * (2 * (3 * H + kv + ffn) + 4 * A)
+    # kept matmuls: q (h x h), v (h x kv), w1 (h x F), w2 (F x h), 2 FLOPs a multiply-add
+    assert c.op_sac_kept_matmul == 2 * S * (H * H + H * kv + 2 * H * ffn)
+    assert c.op_sac_saved < sum(c.saved.values()) / 3  # a third of what the block keeps without recomputation
+
+
+def test_op_checkpointing_count_matches_torch_mem_tracker_under_the_runtime_policy():
+    """The runtime's policy (planner.runtime.recompute, the generated script's) run by torch's checkpoint on fake
+    tensors: what MemTracker sees held after forward, less the block's output, is the count exactly."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from planner.runtime.recompute import checkpoint_in_place
+
+    mod = _sample("llama")
+    cfg = _llama_cfg()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with FakeTensorMode():
+            block = mod.Block(cfg)
+            checkpoint_in_place(block, selective=False, per_op=True)
+            x = torch.randn(1, S, H, requires_grad=True)
+            tracker = MemTracker()
+            tracker.track_external(block, x)
+            with tracker:
+                y = block(x)
+                snap = tracker.get_tracker_snapshot("current")
+        with torch.device("meta"):
+            meta_block = mod.Block(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    (per_device,) = snap.values()
+    act = {str(k): v for k, v in per_device.items()}
+    held = act["_MemRefType.ACT"] - y.numel() * 2  # the kept outputs; the input is the tracker's "other"
+    x_meta = torch.empty(1, S, H, device="meta", dtype=torch.bfloat16)
+    c = analyse_callable(meta_block, (x_meta,), list(meta_block.parameters()), S)
+    assert held == c.op_sac_saved
+    assert act["_MemRefType.OTH"] == S * H * 2  # the checkpoint's input, what activation_bytes adds
+
+
+def test_op_activation_bytes_keep_the_input_and_the_kept_outputs_split_by_t():
+    sbh = S * H
+    kept = 7.0 * sbh
+    assert activation_bytes(40 * sbh, 0.0, 2 * sbh, 2, "op", 1, True, False, op_sac_per_sample=kept) == 2 * 9 * sbh
+    # sequence parallelism splits both; TP alone splits the kept outputs (inside the TP regions), not the input
+    assert activation_bytes(40 * sbh, 0.0, 2 * sbh, 1, "op", 4, True, True, op_sac_per_sample=kept) == 9 * sbh / 4
+    assert activation_bytes(40 * sbh, 0.0, 2 * sbh, 1, "op", 4, True, False, op_sac_per_sample=kept) == (
+        2 * sbh + 7 * sbh / 4
+    )
+
+
+def test_op_recomputation_costs_between_none_and_full():
+    from planner.cost.model import op_sac_recompute_share, unit_cost
+    from planner.hardware.load import load_cluster
+    from tests.synthetic import make_unit
+
+    unit = make_unit("b", "b", 1000, 1e12, 10_000, 100).model_copy(
+        update={"matmul_flops": 0.8e12, "attention_flops": 0.1e12, "memory_bound_bytes": 1e8,
+                "op_sac_kept_matmul_flops": 0.4e12, "op_sac_bytes": 3000, "input_bytes": 100}
+    )
+    cluster = load_cluster("h100-sxm5-80gb", 1)
+    cand = Candidate(
+        dp=1, tp=1, pp=1, virtual_stages=1, micro_batch_size=1, num_micro_batches=1, schedule="1f1b",
+        zero_stage=0, sequence_parallel=False,
+    )
+    share = op_sac_recompute_share(unit, cand, cluster, "bf16")
+    assert 0.0 < share < 0.6  # half the matmuls and the memory-bound ops, not the attention
+    cost = unit_cost(unit, cand, cluster, "bf16")
+    assert cost.bwd["none"] < cost.bwd["op"] < cost.bwd["full"]
+    assert cost.act["full"] < cost.act["op"] == 3100 < cost.act["none"]
+
+
+def test_op_checkpointing_gives_the_gradients_of_no_recomputation():
+    """The runtime's per-op policy on a real (CPU) Llama block: the same loss and gradients as without
+    checkpointing, the backward re-running the ops it did not keep."""
+    from planner.runtime.recompute import checkpoint_in_place
+
+    mod = _sample("llama")
+    cfg = mod.resolve_config(layers=1, hidden=32, heads=4, kv_heads=2, vocab=64, seq=16)
+    torch.manual_seed(0)
+    plain = mod.Block(cfg)
+    checked = mod.Block(cfg)
+    checked.load_state_dict(plain.state_dict())
+    checkpoint_in_place(checked, selective=False, per_op=True)
+    x = torch.randn(2, 16, 32)
+    for block in (plain, checked):
+        block(x).pow(2).mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), checked.parameters(), strict=True):
+        assert b.grad is not None and torch.allclose(a.grad, b.grad, atol=1e-6), name

@@ -429,10 +429,11 @@ def test_recomputation_trades_time_for_memory(cluster, specs, pp, tp, sp, mbs, s
     )
     ev = {mode: run_eval(graph, cluster, c, part, mode) for mode in RECOMPUTE_MODES}
     for s in range(pp):
-        none, sel, full = (ev[mode].stages[s] for mode in RECOMPUTE_MODES)
+        none, sel, full, op = (ev[mode].stages[s] for mode in ("none", "selective", "full", "op"))
         assert full.bwd >= sel.bwd >= none.bwd
         assert full.activations <= sel.activations <= none.activations
-        assert full.fwd == sel.fwd == none.fwd
+        assert full.bwd >= op.bwd >= none.bwd and full.activations <= op.activations <= none.activations
+        assert full.fwd == sel.fwd == none.fwd == op.fwd
     assert ev["full"].objective >= ev["selective"].objective >= ev["none"].objective
 
 
@@ -441,9 +442,10 @@ def test_recomputation_trades_time_for_memory_gpt(cluster, gpt):
     part = even_partition(len(gpt.units), 2)
     ev = {mode: run_eval(gpt, cluster, c, part, mode) for mode in RECOMPUTE_MODES}
     for s in range(2):
-        none, sel, full = (ev[mode].stages[s] for mode in RECOMPUTE_MODES)
+        none, sel, full, op = (ev[mode].stages[s] for mode in ("none", "selective", "full", "op"))
         assert full.bwd > sel.bwd >= none.bwd
         assert full.activations < sel.activations <= none.activations
+        assert full.bwd > op.bwd > none.bwd and full.activations < op.activations < none.activations
 
 
 def _scale_flops(u: Unit, k: float) -> Unit:

@@ -392,7 +392,7 @@ def _recomputed_plan(tmp_path, once: bool, recompute: str):
     return plan.model_copy(update={"model": plan.model.model_copy(update={"path": str(path)})})
 
 
-@pytest.mark.parametrize("recompute", ["full", "selective"])
+@pytest.mark.parametrize("recompute", ["full", "selective", "op"])
 def test_checkpointed_units_stay_the_models_own_modules(tmp_path, recompute):
     """Activation checkpointing runs each unit's own forward under checkpoint, in place: the model's own
     attribute reads of a checkpointed child keep working, and the unit keeps its type."""

@@ -69,13 +69,24 @@ def activation_bytes(
     tp_sharded: bool,
     sequence_parallel: bool,
     math_scores_per_sample: float = 0.0,
+    op_sac_per_sample: float = 0.0,
 ) -> float:
     """Activation bytes one micro-batch leaves on a GPU for one unit (Korthikanti et al. 2022).
 
     `math_scores_per_sample`: what SDPA keeps beyond the fused kernels where the target runs its math
     backend (`Unit.sdpa_score_bytes`, 0 for flash / memory-efficient / cuDNN); an attention map, so
     selective recomputation drops it and tensor parallelism splits it by heads.
+    `op_sac_per_sample`: what per-op selective checkpointing ("op", torchtitan's policy) keeps besides the
+    unit's input (`Unit.op_sac_bytes`: every odd matmul's output, the fused attention's output and log-sum-exp).
     """
+    if recompute == "op":
+        # The unit's input (split by t under sequence parallelism, as with full recomputation) and the kept
+        # outputs, most of them inside the tensor-parallel regions (column-parallel q, v and gate outputs, the
+        # attention split by heads): divided by t; the row-parallel outputs too, approximately, where their
+        # reduce-scatter leaves 1/t under sequence parallelism.
+        kept_input = input_per_sample / (tp if sequence_parallel else 1)
+        kept = op_sac_per_sample / tp if tp > 1 and (tp_sharded or sequence_parallel) else op_sac_per_sample
+        return (kept_input + kept) * micro_batch_size
     saved_per_sample = saved_per_sample + math_scores_per_sample
     attention_core_per_sample = attention_core_per_sample + math_scores_per_sample
     if recompute == "full":

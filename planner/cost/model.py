@@ -105,6 +105,26 @@ def roofline_times(
     unit: Unit, mbs: int, tp: int, sp: bool, cluster: ClusterSpec, dtype: str
 ) -> tuple[float, float, float]:
     """(forward, backward, attention-core forward) seconds of one micro-batch, compute only."""
+    mm_scale, mm_rate, attn_scale, at_rate, mem_scale, bw = roofline_rates(unit, tp, sp, cluster, dtype)
+    fwd = (
+        unit.matmul_flops * mm_scale / mm_rate
+        + unit.attention_flops * attn_scale / at_rate
+        + unit.memory_bound_bytes * mem_scale / bw
+    )
+    bwd = (
+        unit.bwd_matmul_flops * mm_scale / mm_rate
+        + unit.bwd_attention_flops * attn_scale / at_rate
+        + unit.bwd_memory_bound_bytes * mem_scale / bw
+    )
+    core = unit.attention_flops * attn_scale / at_rate
+    return fwd * mbs, bwd * mbs, core * mbs
+
+
+def roofline_rates(
+    unit: Unit, tp: int, sp: bool, cluster: ClusterSpec, dtype: str
+) -> tuple[float, float, float, float, float, float]:
+    """(matmul share, matmul FLOP/s, attention share, attention FLOP/s, memory-bound share, bytes/s) of the unit
+    on one GPU, the shares being what tensor parallelism leaves it: what `roofline_times` divides its counts by."""
     gpu = cluster.gpu
     e = gpu.efficiency
     peak = gpu.peak_flops(dtype)
@@ -120,18 +140,22 @@ def roofline_times(
     dim = min(unit.gemm_dim, max(1, unit.gemm_dim // tp)) if sharded else unit.gemm_dim
     mm_rate = peak * gemm_efficiency(cluster, dim)
     at_rate = peak * e.attention
-    fwd = (
-        unit.matmul_flops * mm_scale / mm_rate
-        + unit.attention_flops * attn_scale / at_rate
-        + unit.memory_bound_bytes * mem_scale / bw
+    return mm_scale, mm_rate, attn_scale, at_rate, mem_scale, bw
+
+
+def op_sac_recompute_share(unit: Unit, cand: Candidate, cluster: ClusterSpec, dtype: str) -> float:
+    """The share of a unit's forward compute time that per-op selective checkpointing ("op") re-runs in backward:
+    all of it but the attention kernels and the matmuls whose outputs it keeps (`Unit.op_sac_kept_matmul_flops`),
+    on the roofline; the same share of a measured forward time."""
+    mm_scale, mm_rate, attn_scale, at_rate, mem_scale, bw = roofline_rates(
+        unit, cand.tp, cand.sequence_parallel, cluster, dtype
     )
-    bwd = (
-        unit.bwd_matmul_flops * mm_scale / mm_rate
-        + unit.bwd_attention_flops * attn_scale / at_rate
-        + unit.bwd_memory_bound_bytes * mem_scale / bw
-    )
-    core = unit.attention_flops * attn_scale / at_rate
-    return fwd * mbs, bwd * mbs, core * mbs
+    mm, at = mm_scale / mm_rate, attn_scale / at_rate
+    fwd = unit.matmul_flops * mm + unit.attention_flops * at + unit.memory_bound_bytes * mem_scale / bw
+    if fwd <= 0:
+        return 0.0
+    kept = min(unit.op_sac_kept_matmul_flops, unit.matmul_flops) * mm + unit.attention_flops * at
+    return max(0.0, fwd - kept) / fwd
 
 
 def tp_comm_times(unit: Unit, mbs: int, tp: int, sp: bool, cluster: ClusterSpec) -> tuple[float, float]:
@@ -244,6 +268,9 @@ def unit_cost(
         "selective": bwd_c + tb + a2a + kv + (core_c if unit.attention_core_bytes + scores > 0 else 0.0),
         # full: re-run the whole forward, its TP and expert communication included
         "full": bwd_c + tb + a2a + kv + fwd,
+        # op (torchtitan's per-op policy): re-run the forward but the kept matmuls and the attention kernels,
+        # its TP and expert communication included
+        "op": bwd_c + tb + a2a + kv + fwd_c * op_sac_recompute_share(unit, cand, cluster, dtype) + tf + a2a + kv,
     }
     tp_sharded = bool(unit.tp_pairs) or bool(unit.tp_styles)
     act: dict[str, float] = {
@@ -257,6 +284,7 @@ def unit_cost(
             tp_sharded,
             cand.sequence_parallel,
             scores,
+            unit.op_sac_bytes,
         )
         for mode in RECOMPUTE_MODES
     }

@@ -46,6 +46,11 @@ def arguments(plan: Plan) -> list[str]:
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     elif modes == {"selective"}:
         args += ["--recompute-granularity", "selective"]
+    elif modes == {"op"}:
+        raise ExportError(
+            "The plan recomputes per op (torchtitan's selective policy: every second matmul); Megatron-LM has no such "
+            "granularity. Re-plan with --recompute full, selective or none."
+        )
     elif modes != {"none"}:
         raise ExportError(
             f"The plan recomputes differently per stage ({', '.join(sorted(modes))}); Megatron-LM's "

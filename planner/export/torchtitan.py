@@ -18,7 +18,13 @@ from planner.plan import Plan
 # (torch.distributed.pipelining.schedules.get_schedule_class).
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B", "zero-bubble": "ZBVZeroBubble"}
 # Recomputation -> the activation_checkpoint subcommand (torchtitan/distributed/activation_checkpoint.py).
-AC_POLICIES = {"full": ("full", "FullAC"), "selective": ("selective", "SelectiveAC")}
+# torchtitan's SelectiveAC is per-op (every second matmul and the rest recomputed, the attention kernels kept):
+# our "op"; our "selective" (the attention core alone) maps to it as the closest policy torchtitan has.
+AC_POLICIES = {
+    "full": ("full", "FullAC"),
+    "selective": ("selective", "SelectiveAC"),
+    "op": ("selective", "SelectiveAC"),
+}
 
 
 def settings(plan: Plan) -> dict[str, Any]:

@@ -202,6 +202,8 @@ def _analyse(loaded: LoadedModel, model: nn.Module) -> ModelGraph:
                 sdpa_kv_bytes=c.sdpa_kv,
                 sdpa_masked=c.sdpa_masked,
                 input_bytes=in_bytes,
+                op_sac_bytes=c.op_sac_saved,
+                op_sac_kept_matmul_flops=c.op_sac_kept_matmul,
                 output_bytes=(
                     out_bytes if i < len(groups) - 1 else sum(tensor_bytes(t) for t in flatten_tensors(out)) // batch
                 ),
@@ -280,11 +282,12 @@ def per_sample(c: Counts, batch: int) -> Counts:
     if batch == 1:
         return c
     for name in ("fwd_flops", "fwd_matmul", "fwd_attention", "fwd_mem_bytes", "bwd_flops", "bwd_matmul",
-                 "bwd_attention", "bwd_mem_bytes", "tagged_fwd", "tagged_bwd"):
+                 "bwd_attention", "bwd_mem_bytes", "tagged_fwd", "tagged_bwd", "op_sac_kept_matmul"):
         setattr(c, name, getattr(c, name) / batch)
     c.saved = {k: v // batch for k, v in c.saved.items()}
     c.sdpa_scores //= batch
     c.sdpa_kv //= batch
+    c.op_sac_saved //= batch
     return c
 
 

@@ -93,6 +93,12 @@ class Counts:
     # FLOPs of the ops that read a tagged storage (MoE expert weights, see planner.model.moe), per phase.
     tagged_fwd: float = 0.0
     tagged_bwd: float = 0.0
+    # Per-op selective checkpointing (torchtitan's "op" policy, planner.runtime.recompute.OP_SAC_SAVED): the
+    # forward's aten.mm calls so far, the bytes of the outputs the policy keeps (every odd mm, the SDPA kernels'
+    # output and log-sum-exp) and the forward matmul FLOPs it does not re-run in backward.
+    op_sac_mm_count: int = 0
+    op_sac_saved: int = 0
+    op_sac_kept_matmul: float = 0.0
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -146,6 +152,11 @@ def _make_counter(counts: Counts, tagged: frozenset[int] = frozenset()) -> _Phas
                     counts.tagged_fwd += flops
                 else:
                     counts.tagged_bwd += flops
+            if fwd and name == "mm":  # torchtitan's op policy: keep every odd aten.mm's output (1st, 3rd, ...)
+                counts.op_sac_mm_count += 1
+                if counts.op_sac_mm_count % 2 == 1:
+                    counts.op_sac_saved += tensor_bytes(out)
+                    counts.op_sac_kept_matmul += flops
             if flops:
                 if name in _ATTENTION_OPS:
                     if fwd:
@@ -259,7 +270,10 @@ def _gpu_kernels_mode(counts: Counts) -> TorchFunctionMode:
                 counts.fwd_flops += flops
                 counts.flash = True
                 counts.sdpa_scores += q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.element_size()
-                return _Flash.apply(q, k, v)  # type: ignore[no-untyped-call]
+                out = _Flash.apply(q, k, v)  # type: ignore[no-untyped-call]
+                # the per-op policy keeps the kernel's outputs: the attention output and the fp32 log-sum-exp
+                counts.op_sac_saved += tensor_bytes(out) + q.shape[:-1].numel() * 4
+                return out
             if func in dropout:
                 x = args[0]
                 p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)

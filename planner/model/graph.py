@@ -80,6 +80,13 @@ class Unit(_Model):
         "sequence, which context parallelism cannot shard)"
     )
     input_bytes: int = Field(description="bytes per sample entering the unit (what full recompute keeps)")
+    op_sac_bytes: int = Field(
+        0, description="bytes per sample per-op selective checkpointing (recompute 'op', torchtitan's policy) keeps "
+        "besides the unit's input: every odd matmul's output, the fused attention's output and log-sum-exp"
+    )
+    op_sac_kept_matmul_flops: float = Field(
+        0.0, description="forward matmul FLOPs per sample whose outputs per-op checkpointing keeps (not re-run)"
+    )
     output_bytes: int = Field(description="bytes per sample crossing to the next unit (pipeline p2p size)")
     tp_pairs: list[TPPair] = Field(default_factory=list)
     tp_shardable_params: int = Field(0, description="parameters that tensor parallelism shards")

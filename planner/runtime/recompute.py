@@ -34,7 +34,42 @@ def recompute_attention_core(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Ch
     return CheckpointPolicy.PREFER_RECOMPUTE if op in ATTENTION_CORE else CheckpointPolicy.MUST_SAVE
 
 
-def checkpoint_in_place(unit: nn.Module, selective: bool) -> None:
+# Per-op selective checkpointing ("op"), torchtitan's SelectiveAC (torchtitan/distributed/activation_checkpoint.py;
+# torchtitan/parallelisms/parallelize_llama.py at 9dec370, _save_list): keep the fused attention kernels' outputs
+# and every odd aten.mm's output (the 1st, 3rd, ... of the region), recompute everything else. What it keeps is
+# what planner.model.counting counts as `op_sac_saved`.
+OP_SAC_SAVED = {
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(torch.ops.aten, name)
+}
+
+
+def op_sac_policy() -> Any:
+    """A fresh per-region policy: its mm counts restart for every checkpointed call, the forward's and the
+    recomputation's apart, so both make the same choices."""
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op == torch.ops.aten.mm.default:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in OP_SAC_SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _op_sac_context() -> Any:
+    return create_selective_checkpoint_contexts(op_sac_policy(), allow_cache_entry_mutation=True)
+
+
+def checkpoint_in_place(unit: nn.Module, selective: bool, per_op: bool = False) -> None:
     """Activation checkpointing of `unit` without replacing it: its own forward runs under torch's checkpoint.
     The model still holds its module, so code reading a child's attributes (HF ViT reads
     `embeddings.patch_embeddings`) or checking its type keeps working, and parameter names do not change.
@@ -43,6 +78,8 @@ def checkpoint_in_place(unit: nn.Module, selective: bool) -> None:
     inner = recomputed(unit.forward)  # the class's forward, bound (context parallelism's mode when recomputed)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if per_op:
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=_op_sac_context, **kwargs)
         if selective:
             # A saved output that the forward then fills in place (torch's composite rms_norm on CPU and meta:
             # `mean(x*x).add_(eps)`; torchtitan's router: `zeros_like(s).scatter_(...)`) is returned as it was
@@ -60,12 +97,14 @@ def checkpoint_in_place(unit: nn.Module, selective: bool) -> None:
 
 def apply_ac(stage: LocalStage, recompute: str, schedule: str) -> None:
     """Checkpoint each unit (one block) that holds parameters: keep its inputs, recompute it in backward.
-    "full" recomputes the whole block; "selective" keeps everything but the attention core."""
-    if recompute not in ("full", "selective"):
-        raise ValueError(f"Unknown recompute policy {recompute!r}: expected none, selective or full.")
+    "full" recomputes the whole block; "selective" keeps everything but the attention core; "op" keeps every
+    odd matmul's output and the attention kernels' (torchtitan's SelectiveAC)."""
+    if recompute not in ("full", "selective", "op"):
+        raise ValueError(f"Unknown recompute policy {recompute!r}: expected none, selective, op or full.")
     # Selective checkpointing allows one backward per region, but zero-bubble splits each backward in two
     # (input gradients, then weight gradients): there, recompute everything instead.
     selective = recompute == "selective" and schedule != "zero-bubble"
+    per_op = recompute == "op" and schedule != "zero-bubble"
     for unit in stage.units():
         if any(True for _ in unit.parameters()):
-            checkpoint_in_place(unit, selective)
+            checkpoint_in_place(unit, selective, per_op)

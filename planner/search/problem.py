@@ -30,7 +30,7 @@ from planner.cost.terms import (
 )
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
-from planner.names import RECOMPUTE_MODES
+from planner.names import SEARCHED_RECOMPUTE_MODES
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
@@ -47,7 +47,8 @@ class PartitionProblem:
     cluster: ClusterSpec
     cand: Candidate
     costs: list[UnitCost]
-    modes: tuple[str, ...] = RECOMPUTE_MODES  # the recomputation modes a solver chooses from (evaluate reads none)
+    # the recomputation modes a solver chooses from (evaluate reads none)
+    modes: tuple[str, ...] = SEARCHED_RECOMPUTE_MODES
     options: CostOptions = field(default_factory=CostOptions)
     shared_totals: Totals | None = field(default=None, repr=False)
 

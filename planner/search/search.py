@@ -33,7 +33,7 @@ from planner.cost.terms import comm_reserve_bytes, rank_capacity
 from planner.errors import ConfigError, InfeasibleError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
-from planner.names import MAX_TOP_K, RECOMPUTE_MODES, SearchStatus
+from planner.names import MAX_TOP_K, SEARCHED_RECOMPUTE_MODES, SearchStatus
 from planner.search.bounds import (
     BlockBounds,
     IntervalBounds,
@@ -292,7 +292,9 @@ class Search:
         """Every candidate into the queue with its simple bound (or refused where even that is out of memory)."""
         for i, cand in enumerate(self.space.candidates):
             modes = self.modes
-            cand_modes = tuple(m for m in modes if not (cand.schedule == "zero-bubble" and m == "selective")) or modes
+            # selective checkpointing (either policy) allows one backward per region: zero-bubble runs it as full
+            zb = cand.schedule == "zero-bubble"
+            cand_modes = tuple(m for m in modes if not (zb and m in ("selective", "op"))) or modes
             self.enqueue(i, cand, self.costs_of(cand), cand_modes, 0.0)
         heapq.heapify(self.heap)
         self.total = len(self.heap)
@@ -629,7 +631,7 @@ def search_modes(graph: ModelGraph) -> tuple[str, ...]:
     """Recomputation modes worth searching: selective equals none when no unit keeps attention maps
     (flash attention), and identical alternatives would only multiply the ILP's equivalent optima."""
     if any(u.attention_core_bytes > 0 for u in graph.units):
-        return RECOMPUTE_MODES
+        return SEARCHED_RECOMPUTE_MODES
     return ("none", "full")
 
 
