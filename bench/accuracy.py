@@ -479,10 +479,12 @@ class RunResult:
         return self.predicted_s / self.run.published_iteration_s - 1
 
 
-def run_published(runs: PublishedRuns) -> list[RunResult]:
+def run_published(runs: PublishedRuns, memory_only: bool = False) -> list[RunResult]:
+    """Each run planned with its layout pinned (`memory_only`: the memory-only rows, `PublishedRuns.memory_runs`,
+    whose predicted time is not compared)."""
     graphs: dict = {}
     out = []
-    for run in runs.runs:
+    for run in runs.memory_runs if memory_only else runs.runs:
         try:
             plan, cluster = plan_run(run, graphs)
         except NotExpressible as e:
@@ -497,7 +499,7 @@ def run_published(runs: PublishedRuns) -> list[RunResult]:
         out.append(
             RunResult(
                 run,
-                predicted_iteration_s(run, plan),
+                None if memory_only else predicted_iteration_s(run, plan),
                 pred.peak_memory_bytes / GiB,
                 pred.memory_capacity_bytes / GiB,
                 cluster.gpu.name,
@@ -628,7 +630,7 @@ def print_published(results: list[RunResult], runs: PublishedRuns) -> None:
         print(f"  {'unsupported features (!)':<32} {distribution(flagged)}")
     print(f"  {len(runs.runs)} runs from {len({r.source for r in runs.runs})} sources")
     print_misses(results)
-    print_memory(results)
+    print_memory(results + run_published(runs, memory_only=True))
 
 
 def print_peers(results: list[RunResult], calculon: str | None) -> None:
@@ -670,13 +672,16 @@ def peer_distribution(errors: list[float | None]) -> str:
 
 
 def print_memory(results: list[RunResult]) -> None:
-    """Published memory per GPU (the busiest rank's model states and activations) against pipeline rank 0's."""
+    """Published memory per GPU against the plan's: model states and activations (pipeline rank 0's) where the
+    source splits them, else the published peak (torchtitan's maximum reserved memory) against the plan's peak."""
     rows = [r for r in results if r.run.memory is not None]
     if not rows:
         return
     print(
-        "\nMemory per GPU, published vs predicted (pipeline rank 0's model states and activations, without the\n"
-        "workspace, fragmentation and communication buffers the published figures leave out):\n"
+        "\nMemory per GPU, published vs predicted. States and activations: pipeline rank 0's, without the\n"
+        "workspace, fragmentation and communication buffers the published figures leave out. 'peak' rows publish only\n"
+        "the allocator's maximum reserved memory: compared with the plan's peak (its busiest rank, all of it).\n"
+        "'*' marks memory-only rows (a layout the source measured but did not time); '!' unsupported features.\n"
     )
     head = (
         f"{'run':<36} {'states GiB':>10} {'pred':>6} {'err %':>6} {'acts GiB':>8} {'pred':>6} {'err %':>6} "
@@ -691,12 +696,23 @@ def print_memory(results: list[RunResult]) -> None:
         if r.rank0_gib is None:
             print(f"{r.run.id:<36} refused: {r.reason}")
             continue
-        st, ac = r.rank0_gib
-        tot = (st + ac) / (mem.states_gib + mem.activations_gib) - 1
-        print(
-            f"{r.run.id:<36} {mem.states_gib:>10.2f} {st:>6.2f} {100 * (st / mem.states_gib - 1):>+6.1f} "
-            f"{mem.activations_gib:>8.2f} {ac:>6.2f} {100 * (ac / mem.activations_gib - 1):>+6.1f} {100 * tot:>+11.1f}"
-        )
+        marks = (" *" if r.run.published is None else "") + (" !" if r.run.unsupported else "")
+        if mem.peak_gib is not None:
+            assert r.peak_gib is not None
+            tot = r.peak_gib / mem.peak_gib - 1
+            print(
+                f"{r.run.id:<36} {'peak':>10} {'':>6} {'':>6} {mem.peak_gib:>8.2f} {r.peak_gib:>6.2f} {'':>6} "
+                f"{100 * tot:>+11.1f}{marks}"
+            )
+        else:
+            assert mem.states_gib is not None and mem.activations_gib is not None
+            st, ac = r.rank0_gib
+            tot = (st + ac) / (mem.states_gib + mem.activations_gib) - 1
+            print(
+                f"{r.run.id:<36} {mem.states_gib:>10.2f} {st:>6.2f} {100 * (st / mem.states_gib - 1):>+6.1f} "
+                f"{mem.activations_gib:>8.2f} {ac:>6.2f} {100 * (ac / mem.activations_gib - 1):>+6.1f} "
+                f"{100 * tot:>+11.1f}{marks}"
+            )
         within += abs(tot) <= 0.10
     print(f"{within} of {len(rows)} rows with a published memory figure within 10% (total per GPU)")
 

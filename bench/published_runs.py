@@ -105,11 +105,24 @@ class Published(_Strict):
 
 
 class PublishedMemory(_Strict):
-    """Memory per GPU a source published for the run: model states and activations (GiB) of its busiest rank."""
+    """Memory per GPU a source published for the run: model states and activations (GiB) of its busiest rank, or
+    only its peak (torchtitan's figure: the allocator's maximum reserved memory over the run, busiest GPU)."""
 
-    states_gib: float = Field(gt=0, description="weights, gradients and optimizer states")
-    activations_gib: float = Field(gt=0)
+    states_gib: float | None = Field(None, gt=0, description="weights, gradients and optimizer states")
+    activations_gib: float | None = Field(None, gt=0)
+    peak_gib: float | None = Field(None, gt=0, description="the whole peak per GPU, where only that is published")
     cite: str
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> PublishedMemory:
+        split = self.states_gib is not None and self.activations_gib is not None
+        if split == (self.peak_gib is not None) or (not split and (self.states_gib or self.activations_gib)):
+            raise ValueError("memory: give states_gib and activations_gib, or peak_gib alone")
+        return self
+
+    @property
+    def total_gib(self) -> float:
+        return self.peak_gib if self.peak_gib is not None else (self.states_gib or 0.0) + (self.activations_gib or 0.0)
 
 
 class Run(_Strict):
@@ -127,7 +140,9 @@ class Run(_Strict):
     config: ModelConfig | None = Field(None, description="the sample GPT's or Llama's configuration")
     hf: HFModel | None = Field(None, description="model: hf, the Hugging Face config it is built from")
     layout: Layout
-    published: Published
+    published: Published | None = Field(
+        None, description="the published speed; None only for a memory-only row (`PublishedRuns.memory_runs`)"
+    )
     memory: PublishedMemory | None = Field(None, description="published memory per GPU, where there is one")
     unsupported: str | None = Field(None, description="what the run used that the planner does not model")
     miss_cause: str | None = Field(
@@ -187,12 +202,13 @@ class Run(_Strict):
         attention's two matmuls, the same attention term as the 72 form's s/6h)."""
         c = self.dense_config
         b, s, n, h, v = self.layout.global_batch, c.seq, c.layers, c.hidden, c.vocab
-        if self.published.flops == "model-6nd":
+        flops = self.published.flops if self.published is not None else None
+        if flops == "model-6nd":
             kv = (c.kv_heads or c.heads) * (h // c.heads)
             mlp = (3 if self.model == "llama" else 2) * h * (c.ffn or 4 * h)
             weights = n * (2 * h * h + 2 * h * kv + mlp) + v * h
             return b * s * (6 * weights + 12 * n * s * h)
-        if self.published.flops == "megatron-hardware":
+        if flops == "megatron-hardware":
             return 96 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
         return 72 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
 
@@ -200,6 +216,8 @@ class Run(_Strict):
     def published_iteration_s(self) -> float:
         """The published figure as seconds per iteration."""
         pub = self.published
+        if pub is None:
+            raise ValueError(f"{self.id}: a memory-only row has no published speed")
         if pub.metric == "iteration_time_s":
             return pub.value
         if pub.metric == "tokens_per_s":
@@ -299,10 +317,22 @@ class PublishedRuns(_Strict):
     sources: dict[str, Source]
     splits: dict[str, Split] = Field(default_factory=dict, description="per GPU family: calibration vs validation")
     runs: list[Run]
+    memory_runs: list[Run] = Field(
+        default_factory=list,
+        description="layouts a source published memory for but no speed (compared in the memory table only)",
+    )
 
     @model_validator(mode="after")
     def _known_sources(self) -> PublishedRuns:
-        ids = [r.id for r in self.runs]
+        for r in self.runs:
+            if r.published is None:
+                raise ValueError(f"{r.id}: a run needs its published speed (memory-only rows go to memory_runs)")
+        for r in self.memory_runs:
+            if r.memory is None or r.published is not None:
+                raise ValueError(f"{r.id}: a memory-only row has a published memory figure and no speed")
+            if r.source not in self.sources:
+                raise ValueError(f"{r.id}: unknown source {r.source!r}")
+        ids = [r.id for r in self.runs + self.memory_runs]
         if len(set(ids)) != len(ids):
             raise ValueError("run ids must be unique")
         for r in self.runs:
