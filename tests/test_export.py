@@ -137,3 +137,10 @@ def test_torchtitan_config_classes_take_the_export():
         sections.setdefault(section, {})[field] = value
     configs.ParallelismConfig(**sections["parallelism"])
     configs.TrainingConfig(**sections["training"])
+
+
+def test_per_op_recomputation_is_torchtitans_selective_ac_and_has_no_megatron_granularity():
+    plan = gpt(dp=4, zero_stage=3, recompute="op")
+    assert torchtitan.activation_checkpoint(plan) == ("selective", "SelectiveAC")
+    with pytest.raises(ExportError, match="recomputes per op"):
+        megatron.arguments(plan)

@@ -59,6 +59,8 @@ CASES = {
     # Beyond the required layouts: sequence parallelism (leaf LayerNorms; custom RMSNorm with FSDP),
     # activation recomputation, the torch.export fallback, and inputs that are not tokens.
     "gpt_tp2_sp_selective": (lambda: make_plan("gpt", tp=2, sequence_parallel=True, recompute="selective"), 2),
+    # torchtitan's per-op selective checkpointing (every odd matmul and the attention kernel's outputs kept)
+    "llama_dp2_zero3_op": (lambda: make_plan("llama", dp=2, zero_stage=3, recompute="op"), 2),
     "llama_tp2_sp_dp2_zero3": (
         lambda: make_plan("llama", tp=2, dp=2, zero_stage=3, sequence_parallel=True), 4
     ),
