@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +78,35 @@ def test_a_pipeline_stage_starts_from_the_same_values(arch):
         assert any(n.startswith(stage[-1]) for n in real) or "transformer.wte.weight" in real, sorted(real)
         for n, p in real.items():
             torch.testing.assert_close(p, full[n], rtol=0, atol=0, msg=n)
+
+
+def test_numbers_an_init_draws_itself_are_the_same_for_a_pipeline_stage():
+    """transformers' Mamba draws its dt_proj bias with torch.rand inside `_init_weights` (not an initialiser
+    seeded per parameter): drawn from wherever the global generator stood, the first pipeline stage's mixers
+    got the values of the last layers' (2.6e-4 off one process after 3 steps of pp2 x dp2). Each module's
+    `_init_weights` now draws from a seed of its own name."""
+    path = Path(__file__).parent / "fixtures" / "models" / "authored" / "hf_mamba.py"
+    spec = ModelFile(str(path), "build_model", "example_inputs", None, None, {})
+    user = load_model_file(spec.path)
+
+    def built(names: set[str] | None) -> nn.Module:
+        model = build_model(user, spec, SEED, everything_on_meta=False)
+        materialise(model, {n for n, _ in model.named_modules()} if names is None else names, CPU, SEED)
+        return model
+
+    full = dict(built(None).named_parameters())
+    meta = build_model(user, spec, SEED, everything_on_meta=True)
+    for stage in (("backbone.embeddings", "backbone.layers.0", "backbone.layers.1"),
+                  ("backbone.layers.2", "backbone.layers.3", "backbone.norm_f", "lm_head")):
+        names = {n for n, _ in meta.named_modules() if n.startswith(tuple(f"{h}." for h in stage))} | set(stage)
+        real = {n: p for n, p in built(names).named_parameters() if not p.is_meta}
+        assert any(n.endswith("dt_proj.bias") for n in real), sorted(real)
+        for n, p in real.items():
+            torch.testing.assert_close(p, full[n], rtol=0, atol=0, msg=n)
+    # still Mamba's initialisation: softplus(bias) is a time step in [time_step_min, time_step_max]
+    dt = torch.nn.functional.softplus(full["backbone.layers.0.mixer.dt_proj.bias"])
+    assert 1e-3 - 1e-6 <= dt.min() and dt.max() <= 0.1 + 1e-6
+    assert not torch.equal(full["backbone.layers.0.mixer.dt_proj.bias"], full["backbone.layers.1.mixer.dt_proj.bias"])
 
 
 def _meta(arch: str) -> nn.Module:

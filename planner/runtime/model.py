@@ -290,7 +290,8 @@ def own_initialisation(
     children before their parent, as PreTrainedModel.initialize_weights's smart_apply), else a top-level
     `init_weights()` (torchtitan's, given `buffer_device`). Meta parameters (other ranks') are skipped, and
     every initialiser call on a parameter draws from a seed derived from (seed, the parameter's name)
-    (seeded_per_parameter), so each value is the same whichever rank holds it, for every layout."""
+    (seeded_per_parameter) and any other draw of a module's `_init_weights` from one of (seed, the module's
+    name), so each value is the same whichever rank holds it, for every layout."""
     cuda = [device] if device.type == "cuda" else []
     # (a LoRA layer holds no weights of its own, and a traced stage calls its adapters, not it: a layer counts
     # where any of its modules is wanted)
@@ -318,7 +319,12 @@ def own_initialisation(
         order = [(n, m) for n, m in model.named_modules() if n in keep][::-1]
         with seeded_per_parameter(model, seed, cuda), torch.no_grad():
             for name, module in order:
-                owners[name]._init_weights(module)  # type: ignore[operator]
+                # Numbers an `_init_weights` draws outside the initialisers (Mamba's dt_proj bias:
+                # torch.rand, then the inverse softplus) come from a seed of (seed, the module's name),
+                # not from wherever the global generator stands after the modules this rank inits before it.
+                with torch.random.fork_rng(devices=cuda):
+                    torch.manual_seed(derived_seed(seed, "own-init", name))
+                    owners[name]._init_weights(module)  # type: ignore[operator]
         return
     init_weights = getattr(model, "init_weights", None)
     if callable(init_weights) and _callable_without_arguments(init_weights):
