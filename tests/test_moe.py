@@ -651,3 +651,51 @@ def test_torchtitan_routed_experts_sharded_over_two_ranks_equal_the_whole(tmp_pa
     results = tmp_path / "ok"
     mp.spawn(_titan_ep_worker, args=(f"file://{tmp_path / 'rendezvous'}", str(results)), nprocs=2, join=True)
     assert results.read_text() == "ok"
+
+
+def test_experts_whose_code_cannot_run_on_meta_stay_calls_in_a_trace_with_meta_values():
+    """Where plain torch.fx cannot follow the model (Python reads a shape; transformers' decorated forwards) the
+    trace with meta values takes over. The experts modules it keeps as calls are given a meta value of their
+    hidden input's shape, not run: their code takes the GPU's path on meta (transformers' grouped_mm wants bf16
+    there), and running it sent Jamba and Mixtral to torch.export, which inlines Jamba's Mamba mixers (a
+    constant made in their scan: no pipeline). The graph module holds a shape stand-in; the model keeps its
+    own experts, which a stage fetches by name."""
+    from torch import nn
+
+    from planner.runtime.stages import fetch, trace
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4, 8, 8))
+
+        def forward(self, hidden, index, weights):
+            if hidden.is_meta:
+                raise RuntimeError("Expected inputs of BF16 type")  # as torch's meta grouped_mm on fp32
+            return torch.einsum("th,thk->tk", hidden, self.w[index[:, 0]]) * weights[:, :1]
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(8, 4)
+            self.experts = Experts()
+
+        def forward(self, x):
+            if x.shape[0] > 1:  # plain torch.fx cannot branch on a shape
+                x = x * 2
+            w, i = torch.topk(self.gate(x).softmax(-1), 2)
+            return x + self.experts(x, i, w)
+
+    model = nn.Sequential(Block(), nn.Linear(8, 8))
+    meta = nn.Sequential(Block(), nn.Linear(8, 8)).to("meta")
+    x = torch.randn(5, 8)
+    gm, values, method = trace(meta, (x.to("meta"),), leaves=frozenset({"0.experts"}))
+    assert method == "fx-meta"
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "0.experts"]
+    assert len(calls) == 1 and values[calls[0]].shape == (5, 8)
+    assert not any("einsum" in str(n.target) for n in gm.graph.nodes)
+    assert type(meta[0].experts) is Experts and type(gm.get_submodule("0.experts")) is not Experts
+    assert fetch(model, gm, "0.experts", torch.device("cpu")) is model[0].experts
+    # The graph run with the model's modules computes the model's forward.
+    real = torch.fx.GraphModule(model, gm.graph)
+    torch.testing.assert_close(real(x), model(x))

@@ -167,7 +167,8 @@ def trace(
     except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
         log(f"torch.fx symbolic tracing failed ({type(e).__name__}: {e}); tracing with meta values")
     try:
-        gm = _uncompiled_graph_module(model, meta_trace(model, tuple(inputs), leaves | fx_leaves), type(model).__name__)
+        graph = meta_trace(model, tuple(inputs), fx_leaves, shaped=leaves)
+        gm = _keep_shapes(_uncompiled_graph_module(model, graph, type(model).__name__), leaves)
         method = "fx-meta"
         recorder = ValueRecorder(gm)
         recorder.run(*inputs)
@@ -237,12 +238,9 @@ def _export_keeping(model: nn.Module, inputs: tuple[torch.Tensor, ...], leaves: 
             else:
                 owned[name].forward = forward
     op = torch.ops.planner_runtime.module_call.default
-    kept = _KEPT[gm] = {}
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is op:
             args, name = node.args
-            gm.add_submodule(name, _ShapeOf())  # over the plain holder of its weights export may have made
-            kept[name] = gm.get_submodule(name)
             with gm.graph.inserting_before(node):
                 call_node = gm.graph.call_module(name, tuple(args))
             call_node.meta = dict(node.meta)
@@ -254,6 +252,18 @@ def _export_keeping(model: nn.Module, inputs: tuple[torch.Tensor, ...], leaves: 
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
+    return _keep_shapes(gm, leaves)
+
+
+def _keep_shapes(gm: fx.GraphModule, leaves: frozenset[str]) -> fx.GraphModule:
+    """`gm` with each module of `leaves` (called by the graph) a shape stand-in (`_ShapeOf`), in the graph
+    module's own tree (over export's plain holder of its weights, or torch.fx's reference to the model's
+    module: the model keeps its own). The values are recorded, and the plan-time check runs, with the stand-in;
+    each stage fetches the real module by name (`fetch`)."""
+    kept = _KEPT[gm] = {}
+    for name in sorted(leaves):
+        gm.add_submodule(name, _ShapeOf())
+        kept[name] = gm.get_submodule(name)
     return gm
 
 

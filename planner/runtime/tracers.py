@@ -213,9 +213,13 @@ class MetaTracer(BufferTracer):
     """Symbolic tracing of ``root.forward(*inputs)`` (meta tensors) that keeps each proxy's meta value; as
     BufferTracer, parameters and buffers are read by name and ``leaves`` are kept as calls."""
 
-    def __init__(self, inputs: tuple[torch.Tensor, ...], leaves: frozenset[str] = frozenset()) -> None:
-        super().__init__(leaves)
+    def __init__(
+        self, inputs: tuple[torch.Tensor, ...], leaves: frozenset[str] = frozenset(),
+        shaped: frozenset[str] = frozenset(),
+    ) -> None:
+        super().__init__(leaves | shaped)
         self.inputs = inputs
+        self.shaped = shaped  # leaves whose meta value is their first input's shape, not their code's
         self.running = False  # computing a meta value: module calls and attributes are plain Python again
         self.names: list[str] = []  # the placeholders'
         self.out_spec: pytree.TreeSpec = pytree.tree_structure(None)
@@ -315,6 +319,9 @@ class MetaTracer(BufferTracer):
         if kind == "call_method":
             return getattr(args[0], target)(*args[1:], **kwargs)
         if kind == "call_module":
+            if target in self.shaped:
+                first = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+                return torch.empty_like(first)
             return self.root.get_submodule(target)(*args, **kwargs)
         return None
 
@@ -347,12 +354,15 @@ def _recorded_factories(tracer: MetaTracer) -> Iterator[None]:
 
 
 def meta_trace(
-    model: nn.Module, inputs: tuple[torch.Tensor, ...], leaves: frozenset[str] = frozenset(), repeats: bool = False
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], leaves: frozenset[str] = frozenset(), repeats: bool = False,
+    shaped: frozenset[str] = frozenset(),
 ) -> fx.Graph:
     """The graph of ``model(*inputs)`` (meta tensors), traced with meta values; raises (MetaTraceError, or the
     error of the op whose meta value cannot be computed) where it cannot follow the model. `repeats`: each kind
-    of repeated block traced once and replayed for the others (RepeatedBlocks)."""
-    tracer = MetaTracer(tuple(inputs), leaves)
+    of repeated block traced once and replayed for the others (RepeatedBlocks). `shaped`: modules kept as calls
+    whose meta value is a tensor like their first tensor input, without running their code (the runtime's
+    experts, whose code takes the GPU's path on meta: transformers' grouped_mm wants bf16 there)."""
+    tracer = MetaTracer(tuple(inputs), leaves, shaped)
     tracer.repeats = repeats
     with MetaMemo(), _recorded_factories(tracer):
         graph = tracer.trace(model)
