@@ -40,7 +40,8 @@ What the run does with the models people have:
   loss gets all of them.
 - Initial weights are the model's own (model.own_initialisation): after each module's reset_parameters, transformers'
   `_init_weights` (children before parents, as post_init) or a top-level `init_weights()` (torchtitan's), each
-  parameter drawn from a seed of (seed, its name), so every layout starts from the same values.
+  parameter drawn from a seed of (seed, its name), and any other number an `_init_weights` draws (Mamba's
+  dt_proj bias) from one of (seed, the module's name), so every layout starts from the same values.
 - The last stage's output may be a tensor, dict, dataclass, Hugging Face ModelOutput or tuple: the model
   file's loss_fn receives it as the model returns it; the default loss uses its `loss` if it has one, else
   its `logits` (next-token cross-entropy for integer token inputs, else the mean). Intermediate stage
