@@ -287,6 +287,40 @@ def test_the_scan_rule_and_the_check_run_each_distinct_mixer_once():
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_the_check_of_a_gpu_plan_runs_the_first_mixer_as_the_fused_kernels():
+    """The plan-time check of a GPU plan runs a Mamba mixer as the fused kernels compute it (the path a GPU run
+    takes), from the model's first call on: the first mixer call used to run as written (the class was patched
+    by that call's own pre-hook, too late for it), and Mamba-2.8B's reference scan at seq 2048 took 6 of the
+    check's 6 s on meta. A CPU plan's check runs the mixer as written (the CPU run takes the reference scan)."""
+    import transformers
+
+    from planner.codegen.check import mixer_stand_in
+    from planner.runtime.scans import each_scan_once
+
+    mixer_cls = transformers.models.mamba.modeling_mamba.MambaMixer
+    with torch.device("meta"):
+        model = transformers.MambaForCausalLM(
+            transformers.MambaConfig(vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=3)
+        )
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    runs = {}
+    for device in ("cuda", "cpu"):
+        calls = []
+        original = mixer_cls.forward
+        mixer_cls.forward = lambda self, *a, _f=original, _c=calls, **k: _c.append(1) or _f(self, *a, **k)
+        try:
+            with each_scan_once(mixer_stand_in(device)):
+                out = model(ids).logits
+                out.float().sum().backward()
+        finally:
+            mixer_cls.forward = original
+        assert out.shape == (2, 16, 96)
+        assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+        model.zero_grad(set_to_none=True)
+        runs[device] = len(calls)
+    assert runs == {"cuda": 0, "cpu": 1}  # three identical mixers: as the kernels, or one run as written
+
+
 # --- a hybrid SSM / attention / MoE stack ---------------------------------------------------------------------
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from planner.codegen.render import runtime_objects
 from planner.errors import CheckpointError, LayoutRefusedError, PlanError
@@ -50,10 +50,23 @@ def check_runs(inputs: CheckInputs, prepared: Prepared | None = None, cancel: Ca
     from planner.runtime.check import check_plan_runs as runtime_check  # imports torch
     from planner.runtime.scans import each_scan_once
 
-    with _as_plan_errors(), each_scan_once():  # Mamba's reference scan: each distinct mixer once on meta
+    # Mamba's mixers: each distinct one once on meta, as the run's device computes it (mixer_stand_in)
+    with _as_plan_errors(), each_scan_once(mixer_stand_in(inputs.device_type)):
         return runtime_check(
             inputs.layout, inputs.spec, inputs.training, inputs.device_type, prepared=prepared, cancel=cancel
         )
+
+
+def mixer_stand_in(device_type: str) -> Callable[[Any], Any] | None:
+    """How the check runs a Mamba mixer on meta for a run on `device_type`: on GPUs as the fused kernels
+    (planner.model.kernels.fused_mixer, where the mixer's layout is Mamba-1's; mamba_ssm's training path, which
+    transformers' mixers and state-spaces' Mamba take there), on the CPU as written (its reference scan, which
+    the CPU run takes)."""
+    if device_type == "cpu":
+        return None
+    from planner.model.kernels import fused_mixer
+
+    return fused_mixer
 
 
 @contextmanager

@@ -360,7 +360,7 @@ def _serve(
     os.nice(WORKER_NICENESS)
     import torch
 
-    from planner.codegen.check import check_runs
+    from planner.codegen.check import check_runs, mixer_stand_in
     from planner.codegen.render import model_file
     from planner.model.guard import user_code
     from planner.runtime.check import Cancelled, Prepared, warm_up
@@ -370,7 +370,9 @@ def _serve(
     prepared: Prepared | None = None
     try:
         warm_up()
-        with user_code(model_path, "Checking that the plan runs", None), each_scan_once():
+        # (the trace's values of a Mamba mixer are its output's shape, the same from the fused stand-in as from
+        # its reference scan, which takes seconds on meta: any plan's check can take this trace)
+        with user_code(model_path, "Checking that the plan runs", None), each_scan_once(mixer_stand_in("cuda")):
             prepared = Prepared(model_file(source), seed)
     except Exception as e:  # noqa: BLE001 - an optimisation: each check starts from scratch without it
         log.debug("plan-time check: worker could not prepare (%s)", e)

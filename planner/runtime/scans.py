@@ -11,6 +11,7 @@ meta, which runs the model's code to find what would fail at launch, runs each d
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -72,14 +73,20 @@ def _key(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
 
 
 @contextlib.contextmanager
-def each_scan_once() -> Iterator[None]:
+def each_scan_once(
+    stand_in: Callable[[nn.Module], Callable[..., Any] | None] | None = None,
+) -> Iterator[None]:
     """While active, a Mamba mixer called on meta (or fake) tensors runs its own code the first time it is called
     with given parameter and input shapes; a repeat (the model's other identical layers, a recomputation) returns
     a tensor of the recorded output's shape whose backward gives every input and parameter a gradient of its shape.
-    A mixer class is patched when one of its modules is first called (a global forward pre-hook: that call already
-    runs as written, and a global forward hook records its output), for every instance and every path that calls
-    it (a module call, fx's leaf call, the tracer's meta value); the patches are undone on exit. Off meta, always
-    as written."""
+    A mixer class is patched when a module holding one of its modules is first called (a global forward pre-hook:
+    the model's first call, before any mixer runs; a global forward hook records the first output), for every
+    instance and every path that calls it (a module call, fx's leaf call, the tracer's meta value); the patches
+    are undone on exit. Off meta, always as written.
+
+    `stand_in`: where it gives a forward for a mixer (planner.model.kernels.fused_mixer: the fused kernels' path,
+    which a GPU run takes), that first call on meta runs it instead of the mixer's reference scan (a Python loop
+    over the time steps, seconds at seq 2048 on meta, which only a run without the kernels takes)."""
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
     seen: dict[Any, torch.Tensor] = {}
@@ -95,19 +102,30 @@ def each_scan_once() -> Iterator[None]:
             tensors = on_meta(args, kwargs)
             like = seen.get(_key(self, args, kwargs)) if tensors is not None and type(self) is cls else None
             if like is None:
+                fused = stand_in(self) if stand_in is not None and tensors is not None else None
+                if fused is not None:
+                    return fused(*args, **kwargs)
                 return forward(self, *args, **kwargs)  # recorded by the forward hook
             grads = [t for t in [*(tensors or []), *self.parameters()] if t.requires_grad]
             return _Repeat.apply(like, *grads)  # type: ignore[no-untyped-call]
 
         return run
 
+    scanned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
     def patch(module: nn.Module, args: tuple[Any, ...]) -> None:
-        cls = type(module)
-        if cls not in mixers:
-            mixers[cls] = is_ssm_mixer(module)
-            if mixers[cls]:
-                saved[cls] = cls.__dict__.get("forward")
-                cls.forward = once(cls, cls.forward)
+        # The classes of the called module's mixers, before any of them is called (a call's forward is fixed
+        # before its pre-hooks run): the model's first call patches every mixer class it holds.
+        if module in scanned:
+            return
+        for m in module.modules():
+            scanned.add(m)
+            cls = type(m)
+            if cls not in mixers:
+                mixers[cls] = is_ssm_mixer(m)
+                if mixers[cls]:
+                    saved[cls] = cls.__dict__.get("forward")
+                    cls.forward = once(cls, cls.forward)
 
     def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if mixers.get(type(module)) and isinstance(out, torch.Tensor) and on_meta(args, kwargs) is not None:
