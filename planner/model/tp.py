@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from planner.model.counting import nbytes_of_meta, val_meta
 from planner.model.graph import TPPair
+from planner.runtime.tp_graph import indexed_dim
 from planner.runtime.tp_rules import NORM_HEADS_DIM
 
 if TYPE_CHECKING:
@@ -330,10 +331,15 @@ def _walk_column(
             # fx's TensorMetadata is a NamedTuple: a tuple of values is one without a shape
             of_tuple = isinstance(src_meta, (list, tuple)) and not hasattr(src_meta, "shape")
             if not of_tuple and out is not None and out != src_shape:
-                if len(out) == rank and out[pos] != src_shape[pos]:
+                try:  # read from the index (HF's repeat_kv: `x[:, :, None, :, :]` adds a dimension after the heads)
+                    new = indexed_dim(n.args[1], rank, pos)
+                    taken = out[new] if new is not None else src_shape[pos]
+                except ValueError:  # a tensor index: matched by sizes
+                    new = _matching_dim(src_shape, out, pos)
+                    taken = out[pos] if len(out) == rank else src_shape[pos]
+                if taken != src_shape[pos]:
                     w.failure = f"{name} takes part of it at fixed offsets along the sharded dimension"
                     w.reported = True
-                new = _matching_dim(src_shape, out, pos)
         elif name in _SPLITS:
             dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)
             if _norm_dim(dim, rank) == pos:

@@ -56,7 +56,35 @@ def reshaped_dim(src: tuple[int, ...], out: tuple[int, ...], pos: int) -> int | 
     return None
 
 
-def _dim_arg(node: fx.Node, index: int, default: int = 0) -> Any:
+def indexed_dim(index: Any, rank: int, pos: int) -> int | None:
+    """Where dimension `pos` of a rank-`rank` tensor lies after `x[index]`, read from the index itself: a None
+    adds a dimension where it stands (HF's repeat_kv, `x[:, :, None, :, :]`, puts it after the kv heads), an
+    int removes one (the sharded one taken by an int: None), an Ellipsis stands for the dimensions no other
+    entry names. Raises ValueError for an index it cannot read (a tensor index, which may move dimensions)."""
+    items = index if isinstance(index, (tuple, list)) else (index,)
+    if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) or isinstance(i, bool) for i in items):
+        raise ValueError(f"an index of {index!r} is not read")
+    named = sum(1 for i in items if i is not None and i is not Ellipsis)
+    if named > rank or sum(1 for i in items if i is Ellipsis) > 1:
+        raise ValueError(f"index {index!r} of a rank-{rank} tensor")
+    expanded: list[Any] = []
+    for i in items:
+        expanded.extend([slice(None)] * (rank - named) if i is Ellipsis else [i])
+    consumed = sum(1 for i in expanded if i is not None)
+    expanded.extend([slice(None)] * (rank - consumed))
+    src = out = 0
+    for i in expanded:
+        if i is None:
+            out += 1
+            continue
+        if src == pos:
+            return None if isinstance(i, int) else out
+        src += 1
+        out += 0 if isinstance(i, int) else 1
+    return None
+
+
+def _dim_arg(node: fx.Node, index: int, default: int | None = 0) -> Any:
     return node.kwargs.get("dim", node.args[index] if len(node.args) > index else default)
 
 
@@ -119,8 +147,12 @@ def localise_tp_sizes(gm: fx.GraphModule, values: dict[fx.Node, Any], tp_plan: M
         new: int | None = pos
         if name == "getitem":
             v = values.get(src)
-            if isinstance(v, torch.Tensor) and out is not None and len(out) != len(src_shape):
-                new = None if len(out) < len(src_shape) else pos + len(out) - len(src_shape)
+            if isinstance(v, torch.Tensor) and out is not None:
+                try:
+                    new = indexed_dim(n.args[1], len(src_shape), pos)
+                except ValueError:  # a tensor index: the old reading, new dimensions in front
+                    if len(out) != len(src_shape):
+                        new = None if len(out) < len(src_shape) else pos + len(out) - len(src_shape)
         elif name in _SPLITS and n.args and n.args[0] is src:
             dim = _dim_arg(n, 2)
             if isinstance(dim, int) and (dim % max(1, len(src_shape))) == pos and name in ("split", "split_with_sizes"):
@@ -142,8 +174,19 @@ def localise_tp_sizes(gm: fx.GraphModule, values: dict[fx.Node, Any], tp_plan: M
                 _rewrite_sizes(graph, n, new, tp)
                 rewritten += 1
         elif name == "expand" and n.args and n.args[0] is src:
-            _rewrite_sizes(graph, n, pos, tp)
+            new = pos + len(out) - len(src_shape)  # the dimensions expand adds come first
+            _rewrite_sizes(graph, n, new, tp)
             rewritten += 1
+        elif name == "unsqueeze" and n.args and n.args[0] is src and len(out) == len(src_shape) + 1:
+            d = _dim_arg(n, 1)
+            if isinstance(d, int):  # the new dimension moves the sharded one up only where it lies before it
+                new = pos + 1 if d % len(out) <= pos else pos
+        elif name == "squeeze" and n.args and n.args[0] is src and src_shape:
+            d = _dim_arg(n, 1, default=None)
+            gone = [i for i, s in enumerate(src_shape) if s == 1] if d is None else (
+                [d] if isinstance(d, int) else list(d) if isinstance(d, (list, tuple)) else [])
+            gone = [int(i) % len(src_shape) for i in gone if isinstance(i, int) and src_shape[int(i)] == 1]
+            new = None if pos in gone else pos - sum(1 for i in gone if i < pos)
         elif name in _TRANSPOSES or name == "t":
             a, b = (_dim_arg(n, 1), n.args[2] if len(n.args) > 2 else 0) if name != "t" else (0, 1)
             if isinstance(a, int) and isinstance(b, int) and src_shape:

@@ -67,6 +67,34 @@ INTERLEAVED_LAYOUT = {
 }
 GLOBAL_BATCH, MICRO_BATCH = 8, 2
 
+# Grouped-query attention with several kv heads on each tp rank: 8 query heads and 4 kv heads, so tp 2 leaves 2 kv
+# heads per rank, each repeated (transformers' repeat_kv) for 2 query heads. hf_tiny's configs (4 heads, 2 kv)
+# leave one kv head per rank, which an expand broadcasts whichever of its sizes tp divides.
+GQA_CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
+
+
+def gqa_config(arch: str, where: Path) -> Path:
+    """A tiny grouped-query config.json of `arch` (Llama, Mistral, Qwen2; hidden 64, 4 layers) in `where`, for an
+    `hf:` source; no dropout, so a parallel run can equal one process."""
+    import transformers as tf
+
+    cfg = getattr(tf, GQA_CONFIGS[arch])(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=8, max_position_embeddings=64, vocab_size=128, attention_dropout=0.0, use_cache=False,
+    )
+    cfg.architectures = [GQA_CONFIGS[arch].replace("Config", "ForCausalLM")]
+    cfg.save_pretrained(where)
+    return where / "config.json"
+
+
+def gqa_plan_args(arch: str, where: Path, *pins: str) -> list[str]:
+    """`planner plan` arguments (without --out) for `gqa_config(arch)` as an hf: source on 4 CPU ranks."""
+    return [
+        f"hf:tiny-gqa-{arch}", "--hf-config", str(gqa_config(arch, where)), "--model-arg", "seq=16", "--gpu", "cpu",
+        "--nodes", "1", "--gpus-per-node", "4", "--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size",
+        str(MICRO_BATCH), *pins, "--lr", "1e-3",
+    ]
+
 
 def corpus_plan_args(name: str, layout: str, out: Path) -> list[str]:
     """`planner plan` arguments for a corpus (or zoo) model and layout (4 CPU ranks), writing into `out`."""
