@@ -488,6 +488,26 @@ def test_tp_in_a_traced_stage_runs_on_a_graph_traced_with_meta_values():
     assert (par["tp"], par["pp"]) == (2, 2)
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_gqa_with_several_kv_heads_per_rank_plans_tp2_pp2_through_the_check(arch, tmp_path):
+    """8 query heads, 4 kv heads, tp 2 x pp 2, as an hf: source: each rank's traced stage repeats its 2 kv heads
+    (repeat_kv's expand made the rank's) and the plan-time check runs each stage's tp shard. It failed the check
+    with "The expanded size of the tensor (4) must match the existing size (2)"."""
+    from e2e.hf_plans import gqa_plan_args
+    from typer.testing import CliRunner
+
+    from planner.cli.main import app
+    from planner.plan import load_plan
+
+    out = tmp_path / "plan"
+    pins = ("--tp", "2", "--pp", "2", "--schedule", "1f1b")
+    result = CliRunner().invoke(app, ["plan", *gqa_plan_args(arch, tmp_path, *pins), "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    assert (plan.parallel.tp, plan.parallel.pp) == (2, 2) and plan.trace_method == "fx-meta"
+    assert {plan.tp.styles[f"model.layers.0.self_attn.{p}_proj"] for p in "qkv"} == {"colwise"}
+
+
 def test_a_traced_stage_refuses_tp_only_on_a_graph_from_torch_export():
     """Conv1D (kept as a call) and head counts read in forward (made the rank's in the graph) run in a traced
     stage; a graph from torch.export, every shape fixed, does not."""

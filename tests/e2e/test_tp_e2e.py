@@ -14,6 +14,8 @@ What each model adds to the sharding:
 - bert, vit: encoders (bert with its attention mask), t5 (position bias over all heads: attention stays
   replicated, the MLP is sharded) and bart (encoder-decoder, cross attention);
 - pp2 x tp2 for moduledict_llama (fx-traced, heads reshaped with -1: TP inside pipeline stages);
+- grouped-query attention with 2 kv heads per rank (hf: sources of Llama, Mistral, Qwen2: 8 heads, 4 kv heads)
+  under tp2 x pp2: repeat_kv's expand in each traced stage made the rank's;
 - nanogpt (karpathy's model.py): fused c_attn, `view(B, T, self.n_head, C // self.n_head)`, traced with meta
   values; tp2 x dp2, tp2 x pp2 and tp2 + sequence parallelism (its loss computed in forward on the gathered
   sequence), each run on the traced graph with its sizes made the rank's (runtime.tp_graph).
@@ -30,10 +32,10 @@ import math
 from pathlib import Path
 
 import pytest
+from e2e.hf_plans import GQA_CONFIGS, LOSS_REL, LOSS_TOL, NORM_TOL, gqa_plan_args
 from e2e.hf_plans import HF_ARCHS as CORPUS_HF_ARCHS
-from e2e.hf_plans import LOSS_REL, LOSS_TOL, NORM_TOL
 from e2e.plans import ci_cases, reference_of
-from e2e.test_train_e2e import STEPS, run, train
+from e2e.test_train_e2e import STEPS, assert_same_training, plan_and_train, run, train
 from typer.testing import CliRunner
 
 from planner.cli.main import app
@@ -151,6 +153,17 @@ def test_tensor_parallel_plan_trains_like_one_process(case, tmp_path, tmp_path_f
     assert losses == pytest.approx(ref_losses, abs=LOSS_TOL, rel=LOSS_REL), (case, losses, ref_losses)
     norms = [s["grad_norm"] for s in metrics["steps"]]
     assert norms == pytest.approx([s["grad_norm"] for s in expected["steps"]], rel=NORM_TOL), (case, norms)
+
+
+@pytest.mark.parametrize("arch", ci_cases({a: None for a in GQA_CONFIGS}, {"llama"}))
+def test_gqa_tp2_pp2_trains_like_one_process(arch, tmp_path):
+    """Each rank's pipeline stage runs its 2 of the 4 kv heads, each repeated for 2 query heads, in the traced graph
+    (repeat_kv's `[:, :, None]` then expand: the kv heads divided, not the group size)."""
+    pins = ("--tp", "2", "--pp", "2", "--schedule", "1f1b")
+    plan, metrics, expected = plan_and_train(tmp_path, gqa_plan_args(arch, tmp_path, *pins))
+    assert (plan.parallel.tp, plan.parallel.pp, plan.parallel.world_size) == (2, 2, 4)
+    assert plan.tp.styles["model.layers.0.self_attn.k_proj"] == "colwise"
+    assert_same_training(metrics, expected)
 
 
 @pytest.mark.parametrize("name", NO_TP_PAIRS)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from e2e.plans import TINY, ci_cases, make_plan, model_reads, reference_of
 
 from planner.codegen.render import write_scripts
+from planner.model.sources import CONFIG_FILE, SOURCE_FILE
 from planner.plan import Plan
 
 pytestmark = pytest.mark.e2e
@@ -91,6 +93,15 @@ def run(cmd: list[str], cwd: Path) -> None:
 
 
 def train(plan: Plan, where: Path, processes: int) -> dict:
+    source = Path(plan.model.path)
+    if source.name == SOURCE_FILE and source.parent != where:
+        # A compiled model source (hf:, module:) lies in its plan folder beside its config, where train.py names it:
+        # a reference run of the same plan elsewhere gets both beside its own train.py.
+        where.mkdir(parents=True, exist_ok=True)
+        for name in (SOURCE_FILE, CONFIG_FILE):
+            if (source.parent / name).is_file():
+                shutil.copyfile(source.parent / name, where / name)
+        plan = plan.model_copy(update={"model": plan.model.model_copy(update={"path": str(where / SOURCE_FILE)})})
     write_scripts(plan, where, reads=model_reads(plan.model.path))
     if processes == 1:
         run([sys.executable, "train.py", "--steps", str(STEPS), "--device", "cpu"], where)
