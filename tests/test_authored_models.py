@@ -190,8 +190,9 @@ def test_an_fp32_island_traces_under_the_runs_mixed_precision():
 
 def test_transformer_encoder_is_traced_as_a_container():
     """nn.TransformerEncoder was one torch.fx leaf (every torch.nn module is): one unit, no pp, no tp pairs. Traced
-    through, each layer is a unit, every parameter is counted, and linear1 / linear2 are a tensor-parallel pair
-    (MultiheadAttention, whose q/k/v weights are one packed parameter, stays whole on each rank)."""
+    through, each layer is a unit, every parameter is counted, and linear1 / linear2 are a tensor-parallel pair, as
+    are MultiheadAttention (kept as one call) and its out_proj: its packed q/k/v parameter is sharded in 3 chunks,
+    each by heads (parallel.ShardedMultiheadAttention runs it)."""
     from planner.model.analysis import analyse_model
     from planner.model.load import load_model_file
 
@@ -202,7 +203,11 @@ def test_transformer_encoder_is_traced_as_a_container():
     assert graph.total_params == sum(p.numel() for p in model.parameters())
     assert sum(u.params for u in graph.units) == graph.total_params
     layer = graph.unit("encoder.layers.0")
-    assert [(p.column, p.row) for p in layer.tp_pairs] == [(["encoder.layers.0.linear1"], "encoder.layers.0.linear2")]
+    assert [(p.column, p.row) for p in layer.tp_pairs] == [
+        (["encoder.layers.0.linear1"], "encoder.layers.0.linear2"),
+        (["encoder.layers.0.self_attn"], "encoder.layers.0.self_attn.out_proj"),
+    ]
+    assert layer.tp_fused == {"encoder.layers.0.self_attn": 3} and layer.tp_granularity == 4  # 4 heads
     plan = planned(dry_run(AUTHORED / "transformer_encoder_lm.py", *LAYOUTS["pp2xdp2"]))
     assert [s["units"] for s in plan["stages"]] == [["embed", "encoder.layers.0", "encoder.layers.1"],
                                                     ["encoder.layers.2", "encoder.layers.3", "head"]]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 from planner.model.counting import nbytes_of_meta, val_meta
 from planner.model.graph import TPPair
 from planner.runtime.tp_graph import indexed_dim
-from planner.runtime.tp_rules import NORM_HEADS_DIM
+from planner.runtime.tp_rules import NORM_HEADS_DIM, mha_shardable
 
 if TYPE_CHECKING:
     import torch
@@ -715,6 +715,7 @@ def tp_info(
     method: str = "fx",
 ) -> TPInfo:
     """Shape-propagate one unit's graph on meta and find its column/row pairs and embeddings."""
+    import torch
     from torch.fx.passes.shape_prop import ShapeProp
 
     ShapeProp(sub).propagate(*args)
@@ -750,6 +751,29 @@ def tp_info(
         for norm in sorted(pair.norms):
             info.styles[norm] = "norm_heads"  # its weight stays whole: nothing more to shard or count
         info.granularity = gcd(info.granularity, pair.groups)
+    for name, node in _attention_modules(sub, names):
+        # nn.MultiheadAttention kept as one call: its packed in_proj column-parallel in 3 chunks (q, k, v each by
+        # heads) and its out_proj row-parallel (parallel.ShardedMultiheadAttention runs the shard).
+        mha = cast("nn.MultiheadAttention", model.get_submodule(name))
+        why = mha_shardable(mha)
+        if why:
+            info.refused.append(f"{name} (nn.MultiheadAttention) is not sharded: {why}")
+            continue
+        meta = val_meta(node)
+        out = meta[0] if isinstance(meta, (list, tuple)) and not hasattr(meta, "shape") else meta
+        out_bytes = nbytes_of_meta(out)
+        row = f"{name}.out_proj"
+        info.pairs.append(TPPair(column=[name], row=row, allreduce_bytes=out_bytes))
+        info.styles[name], info.styles[row] = "colwise", "rowwise"
+        info.fused[name] = 3
+        info.attention = True
+        in_bias = mha.in_proj_bias.numel() if mha.in_proj_bias is not None else 0
+        info.shard_params += mha.in_proj_weight.numel() + in_bias + mha.out_proj.weight.numel()
+        width = mha.embed_dim
+        elem = torch.empty((), dtype=out.dtype).element_size() if out is not None else 1
+        tokens = max(1, out_bytes // max(1, width * elem))
+        info.shard_flops += 2.0 * width * 4 * width * tokens  # in_proj (3 E x E) and out_proj (E x E)
+        info.granularity = gcd(info.granularity, mha.num_heads)
     for name, node in _output_linears(sub, names):
         # A Linear whose output leaves the model unmixed (the LM head): vocab-parallel, output gathered.
         head: Any = model.get_submodule(name)  # an nn.Linear or a Conv1D
@@ -828,6 +852,21 @@ def _param_weight(node: torch.fx.Node, gm: torch.fx.GraphModule, names: ModuleNa
     else:
         return None
     return obj if id(obj) in names.params and getattr(obj, "dim", lambda: 0)() == 2 else None
+
+
+def _attention_modules(sub: torch.fx.GraphModule, names: ModuleNames) -> list[tuple[str, torch.fx.Node]]:
+    """The nn.MultiheadAttention modules the unit's graph calls (each once: a module applied twice is left whole)."""
+    import torch.nn as nn
+
+    def is_mha(m: object) -> bool:
+        return isinstance(m, nn.MultiheadAttention)
+
+    calls: dict[str, list[torch.fx.Node]] = {}
+    for n in sub.graph.nodes:
+        name = _applied_module(n, sub, names, is_mha, (), 0) if n.op == "call_module" else None
+        if name:
+            calls.setdefault(name, []).append(n)
+    return [(name, nodes[0]) for name, nodes in calls.items() if len(nodes) == 1]
 
 
 def _output_linears(sub: torch.fx.GraphModule, names: ModuleNames) -> list[tuple[str, torch.fx.Node]]:

@@ -62,6 +62,9 @@ def fused_params(tp: int, tp_fused: dict[str, int], tp_transposed: Sequence[str]
     for module, chunks in tp_fused.items():
         out[f"{module}.weight"] = (1 if module in tp_transposed else 0, chunks, tp)
         out[f"{module}.bias"] = (0, chunks, tp)
+        # nn.MultiheadAttention's packed q | k | v (parallel.ShardedMultiheadAttention)
+        out[f"{module}.in_proj_weight"] = (0, chunks, tp)
+        out[f"{module}.in_proj_bias"] = (0, chunks, tp)
     return out
 
 

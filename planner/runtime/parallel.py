@@ -389,6 +389,116 @@ class ShardedConv1D(nn.Module):
         return out
 
 
+class ShardedMultiheadAttention(nn.Module):
+    """nn.MultiheadAttention over tp, in place of the original module: its packed in_proj (q | k | v rows) is
+    sharded chunk by chunk (parallel.interleave_fused has put [q_r | k_r | v_r] in rank r's rows), so each rank
+    runs num_heads / tp heads, and out_proj stays its child, row-parallel (the plan's RowwiseParallel sums the
+    heads' partial outputs). torch's F.multi_head_attention_forward cannot run a shard: it checks the packed
+    weight against the input's width and splits it by that width. The inputs are whole on every rank, their
+    gradients summed over tp. Parameters keep their names and global shapes (DTensors) and values."""
+
+    def __init__(self, mha: nn.MultiheadAttention, mesh: DeviceMesh) -> None:
+        super().__init__()
+        tp = mesh.size()
+        self.mesh = mesh
+        self.embed_dim = mha.embed_dim
+        self.num_heads = mha.num_heads // tp  # this rank's
+        self.total_heads = mha.num_heads
+        self.head_dim = mha.head_dim
+        self.dropout = mha.dropout
+        self.batch_first = mha.batch_first
+        self._qkv_same_embed_dim = True  # read by nn.TransformerEncoderLayer's fast-path checks
+        self.in_proj_weight = nn.Parameter(distribute_tensor(mha.in_proj_weight.detach(), mesh, [Shard(0)]))
+        bias = mha.in_proj_bias
+        self.in_proj_bias = None if bias is None else nn.Parameter(distribute_tensor(bias.detach(), mesh, [Shard(0)]))
+        self.bias_k = self.bias_v = None
+        self.add_zero_attn = False
+        self.out_proj = mha.out_proj
+
+    def _mask(self, attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, batch: int,
+              dtype: torch.dtype) -> torch.Tensor | None:
+        """The additive mask of MultiheadAttention's semantics (True or -inf: not attended) for this rank's heads,
+        broadcastable to [batch, heads, L, S]."""
+        mask = None
+        if attn_mask is not None:
+            m = torch.zeros_like(attn_mask, dtype=dtype).masked_fill(attn_mask, float("-inf")) if (
+                attn_mask.dtype == torch.bool) else attn_mask.to(dtype)
+            if m.dim() == 3:  # [batch * heads, L, S]: this rank's heads
+                first = self.mesh.get_local_rank() * self.num_heads
+                m = m.view(batch, self.total_heads, *m.shape[1:])[:, first : first + self.num_heads]
+            mask = m
+        if key_padding_mask is not None:
+            k = torch.zeros_like(key_padding_mask, dtype=dtype).masked_fill(key_padding_mask, float("-inf")) if (
+                key_padding_mask.dtype == torch.bool) else key_padding_mask.to(dtype)
+            k = k.view(batch, 1, 1, -1)
+            mask = k if mask is None else mask + k
+        return mask
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if need_weights and not average_attn_weights:
+            raise RunError(
+                "MultiheadAttention under tensor parallelism returns its attention weights averaged over the heads "
+                "only (average_attn_weights=True): each rank holds its own heads. Re-plan with tp=1."
+            )
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+        elif not self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        group = self.mesh.get_group()
+        # Column-parallel inputs: whole on every rank, each rank's heads give part of their gradient.
+        q_in = SumGradient.apply(query, group)  # type: ignore[no-untyped-call]
+        k_in = q_in if key is query else SumGradient.apply(key, group)  # type: ignore[no-untyped-call]
+        v_in = k_in if value is key else q_in if value is query else SumGradient.apply(value, group)  # type: ignore[no-untyped-call]
+        w = ShardedConv1D.local(self.in_proj_weight)
+        b = ShardedConv1D.local(self.in_proj_bias) if self.in_proj_bias is not None else None
+        wq, wk, wv = w.chunk(3)
+        bq, bk, bv = b.chunk(3) if b is not None else (None, None, None)
+        batch, length = q_in.shape[0], q_in.shape[1]
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.view(batch, x.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
+
+        q = heads(nn.functional.linear(q_in, wq, bq))
+        k = heads(nn.functional.linear(k_in, wk, bk))
+        v = heads(nn.functional.linear(v_in, wv, bv))
+        mask = self._mask(attn_mask, key_padding_mask, batch, q.dtype)
+        dropout = self.dropout if self.training else 0.0
+        weights = None
+        if need_weights:
+            scores = q @ k.transpose(-2, -1) / self.head_dim**0.5
+            if mask is not None:
+                scores = scores + mask
+            elif is_causal:
+                causal = torch.ones(length, k.shape[2], dtype=torch.bool, device=q.device).tril()
+                scores = scores.masked_fill(~causal, float("-inf"))
+            probs = nn.functional.dropout(scores.softmax(-1), dropout)
+            out = probs @ v
+            # the mean over all heads: this rank's heads' sum, summed over tp
+            weights = SumOverTP.apply(probs.sum(1), group) / self.total_heads  # type: ignore[no-untyped-call]
+        else:
+            out = nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal and mask is None
+            )
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
+        if unbatched:
+            out = out.squeeze(0)
+            weights = weights.squeeze(0) if weights is not None else None
+        elif not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, weights
+
+
 def _sum_partial_rows(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
     group = module.tp_group
     summed: torch.Tensor = SumOverTP.apply(out, group)  # type: ignore[no-untyped-call]
@@ -444,6 +554,16 @@ def apply_tp(
             module = piece.get_submodule(name)
             if name in layout.tp_plan.fused:
                 interleave_fused(module, style, layout.tp_plan.fused[name], layout.tp)
+            if isinstance(module, nn.MultiheadAttention):
+                if layout.sp_enabled:
+                    raise RunError(
+                        f"Sequence parallelism cannot run {name}, an nn.MultiheadAttention sharded by heads (the "
+                        "script's own module takes its inputs whole, not split by sequence). Re-plan with "
+                        "sequence_parallel off."
+                    )
+                # q, k and v each by heads; its out_proj (a child, in the plan) row-parallel by parallelize_module
+                replace_module(piece, name, ShardedMultiheadAttention(module, tp_mesh))
+                continue
             if name in layout.tp_plan.transposed:
                 # (under sequence parallelism a row-parallel projection's output stays split by sequence)
                 split = isinstance(sp_styles.get(name), RowwiseParallel)

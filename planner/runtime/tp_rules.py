@@ -58,6 +58,30 @@ def splits_unevenly(module: nn.Module, style: str, size: int, tp: int, chunks: i
     return style == "rowwise" and isinstance(module, nn.Embedding) and not splits_own_vocab(module)
 
 
+def mha_shardable(module: nn.MultiheadAttention) -> str:
+    """Why tp cannot shard an nn.MultiheadAttention by heads (parallel.ShardedMultiheadAttention), or ''."""
+    if not module._qkv_same_embed_dim:
+        return "its keys and values have their own widths (kdim / vdim: separate q, k, v weights)"
+    if module.bias_k is not None or module.add_zero_attn:
+        return "it adds a learned key / value bias or a zero attention slot (add_bias_kv, add_zero_attn)"
+    return ""
+
+
+def _check_mha(name: str, module: nn.MultiheadAttention, style: str, layout: Layout) -> None:
+    why = mha_shardable(module)
+    if style != "colwise" or layout.tp_plan.fused.get(name) != 3 or why:
+        raise RunError(
+            f"TP_PLAN shards {name}, an nn.MultiheadAttention, as {style} with TP_FUSED "
+            f"{layout.tp_plan.fused.get(name)}: the script shards one only colwise in 3 chunks (q, k, v by heads)"
+            + (f", and not this one: {why}" if why else "") + ". Re-plan the model."
+        )
+    if module.num_heads % layout.tp:
+        raise RefusedLayout(
+            f"{name} has {module.num_heads} heads, which cannot be split over tp={layout.tp}: it must divide. "
+            "Re-plan with a tp degree that divides the head count."
+        )
+
+
 def check_tp(roots: list[nn.Module], layout: Layout, heads: bool = True) -> None:
     """Whether the TP plan applies to the modules under `roots`: each sharded weight's split dimension (each
     chunk's, for a fused projection; a vocabulary may split unevenly, `splits_unevenly`) and each head-count
@@ -76,6 +100,9 @@ def check_tp(roots: list[nn.Module], layout: Layout, heads: bool = True) -> None
                         f"TP_PLAN runs {name}, a {type(module).__name__}, as a norm over each head (norm_heads), "
                         "but it has no weight. Re-plan the model."
                     )
+                continue
+            if isinstance(module, nn.MultiheadAttention):
+                _check_mha(name, module, style, layout)
                 continue
             conv = is_conv1d(module)
             if conv != (name in layout.tp_plan.transposed):

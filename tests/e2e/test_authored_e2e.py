@@ -1,7 +1,8 @@
 """Models as their authors write them, launched (issue 27), on 4 CPU ranks against one process over the same
 micro-batches: CLIP's 0-dim `logit_scale` is refused by FSDP2's fully_shard, so the script keeps scalar
 parameters whole on every rank and averages their gradients over dp (dp4, ZeRO-1); transformers' Mamba and
-Jamba (state-space mixers, Jamba's mixture of experts) in a pipeline (pp2 x dp2)."""
+Jamba (state-space mixers, Jamba's mixture of experts) in a pipeline (pp2 x dp2); nn.TransformerEncoder's
+MultiheadAttention sharded by heads (tp2 x dp2)."""
 
 from __future__ import annotations
 
@@ -47,4 +48,21 @@ def test_state_space_model_trains_in_a_pipeline_like_one_process(model, tmp_path
     plan_args = corpus_plan_args(model, "pp2xdp2", tmp_path / "plan")[1:-3]  # (plan_and_train adds --out, --quiet)
     plan, metrics, expected = plan_and_train(tmp_path, plan_args)
     assert plan.parallel.pp == 2 and plan.parallel.dp == 2
+    assert_same_training(metrics, expected)
+
+
+ENCODER = CLIP.with_name("transformer_encoder_lm.py")
+
+
+def test_multihead_attention_sharded_by_heads_trains_like_one_process(tmp_path):
+    """nn.TransformerEncoder's nn.MultiheadAttention under tp2 x dp2: its packed in_proj sharded chunk by chunk (q,
+    k, v each by heads, 2 of 4 heads per rank) with out_proj row-parallel (parallel.ShardedMultiheadAttention),
+    and linear1 / linear2 as their pair."""
+    plan, metrics, expected = plan_and_train(tmp_path, [
+        str(ENCODER), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4", "--global-batch-size", "8",
+        "--tp", "2", "--dp", "2", "--micro-batch-size", "2", "--lr", "1e-3",
+    ])
+    assert (plan.parallel.tp, plan.parallel.dp) == (2, 2)
+    assert plan.tp.fused == {f"encoder.layers.{i}.self_attn": 3 for i in range(4)}
+    assert plan.tp.styles["encoder.layers.0.self_attn.out_proj"] == "rowwise"
     assert_same_training(metrics, expected)
