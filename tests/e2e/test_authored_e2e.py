@@ -54,15 +54,20 @@ def test_state_space_model_trains_in_a_pipeline_like_one_process(model, tmp_path
 ENCODER = CLIP.with_name("transformer_encoder_lm.py")
 
 
-def test_multihead_attention_sharded_by_heads_trains_like_one_process(tmp_path):
-    """nn.TransformerEncoder's nn.MultiheadAttention under tp2 x dp2: its packed in_proj sharded chunk by chunk (q,
-    k, v each by heads, 2 of 4 heads per rank) with out_proj row-parallel (parallel.ShardedMultiheadAttention),
-    and linear1 / linear2 as their pair."""
+@pytest.mark.parametrize(
+    "pins",
+    [pytest.param(["--dp", "2"], id="tp2xdp2"),
+     pytest.param(["--pp", "2", "--schedule", "1f1b"], marks=pytest.mark.corpus, id="tp2xpp2")],
+)
+def test_multihead_attention_sharded_by_heads_trains_like_one_process(pins, tmp_path):
+    """nn.TransformerEncoder's nn.MultiheadAttention under tp2 x dp2 (and, under corpus, in the traced stages of
+    tp2 x pp2): its packed in_proj sharded chunk by chunk (q, k, v each by heads, 2 of 4 heads per rank) with
+    out_proj row-parallel (parallel.ShardedMultiheadAttention), and linear1 / linear2 as their pair."""
     plan, metrics, expected = plan_and_train(tmp_path, [
         str(ENCODER), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4", "--global-batch-size", "8",
-        "--tp", "2", "--dp", "2", "--micro-batch-size", "2", "--lr", "1e-3",
+        "--tp", "2", *pins, "--micro-batch-size", "2", "--lr", "1e-3",
     ])
-    assert (plan.parallel.tp, plan.parallel.dp) == (2, 2)
+    assert plan.parallel.tp == 2 and plan.parallel.world_size == 4
     assert plan.tp.fused == {f"encoder.layers.{i}.self_attn": 3 for i in range(4)}
     assert plan.tp.styles["encoder.layers.0.self_attn.out_proj"] == "rowwise"
     assert_same_training(metrics, expected)
