@@ -23,7 +23,7 @@ from planner.model.grouping import (
 from planner.model.kernels import fused_kernels
 from planner.model.load import DTYPE_BYTES, LoadedModel, build_meta_model, meta_inputs, torch_dtype
 from planner.model.moe import correct_counts, ep_granularity, expert_storages, unit_moe_layers
-from planner.model.tp import ModuleNames, TPInfo, constant_inputs, renamer, tp_info
+from planner.model.tp import ModuleNames, TPInfo, constant_inputs, embeddings_read_elsewhere, renamer, tp_info
 from planner.model.trace import lazy_graph_modules, trace_model
 
 if TYPE_CHECKING:
@@ -116,6 +116,8 @@ def _analyse(loaded: LoadedModel, model: nn.Module) -> ModelGraph:
     state_ids = {id(t) for t in (*params_by_name.values(), *buffers)}
     sequence = has_sequence(inputs, captured, out, state_ids)
     names = ModuleNames.of(model)
+    # Embeddings whose weight is also read as a whole matrix (Whisper's logits): replicated, whatever a unit found.
+    kept_whole = embeddings_read_elsewhere(traced.gm, names)
     root_attrs: dict[int, list[str]] = {}
     for n, u in node_unit.items():
         # (a read that no unit uses, of a parameter a unit's module holds, is that unit's: Jamba's mixer norms,
@@ -171,6 +173,12 @@ def _analyse(loaded: LoadedModel, model: nn.Module) -> ModelGraph:
             for p in info.pairs
         ]
         styles = {rename(k): v for k, v in info.styles.items()}
+        refused = [_rename_text(rename, first_group, group, r) for r in info.refused]
+        shard_params = info.shard_params
+        for name in sorted(set(styles) & set(kept_whole)):
+            del styles[name]
+            shard_params -= cast("nn.Embedding", model.get_submodule(name)).weight.numel()
+            refused.append(kept_whole[name])
         shard_flops = info.shard_flops
         if tp_pairs and info.attention:
             # Attention runs between a sharded q/k/v and its row Linear: split by heads, its explicit
@@ -208,7 +216,7 @@ def _analyse(loaded: LoadedModel, model: nn.Module) -> ModelGraph:
                     out_bytes if i < len(groups) - 1 else sum(tensor_bytes(t) for t in flatten_tensors(out)) // batch
                 ),
                 tp_pairs=tp_pairs,
-                tp_shardable_params=info.shard_params if styles else 0,
+                tp_shardable_params=shard_params if styles else 0,
                 tp_gather_bytes=info.gather_bytes if i == len(groups) - 1 else 0,
                 tp_shardable_flops=min(shard_flops, c.fwd_flops),
                 tp_styles=styles,
@@ -223,7 +231,7 @@ def _analyse(loaded: LoadedModel, model: nn.Module) -> ModelGraph:
                 tp_head_attrs={rename(k): v for k, v in info.head_attrs.items()},
                 tp_fused={rename(k): v for k, v in info.fused.items()},
                 tp_transposed=[rename(k) for k in info.transposed],
-                tp_refused=[_rename_text(rename, first_group, group, r) for r in info.refused],
+                tp_refused=refused,
                 tp_shards_attention=bool(tp_pairs) and info.attention,
             )
         )

@@ -148,6 +148,36 @@ def _embedding_module(node: torch.fx.Node, gm: torch.fx.GraphModule, names: Modu
     )
 
 
+def embeddings_read_elsewhere(gm: torch.fx.GraphModule, names: ModuleNames) -> dict[str, str]:
+    """The embeddings whose weight the whole traced graph `gm` also reads outside their lookups, with why each
+    stays replicated: Whisper's decoder computes its logits as `x @ token_embedding.weight.T`. A vocab-parallel
+    split (rowwise) would hand that matmul a sharded weight the code multiplies as a whole one; only a head that
+    is a module (a tied nn.Linear) can be split alike. (fx and torch.export's unlifted module both read a
+    weight through a get_attr node; an embedding called as a module fetches none.)"""
+    import torch.nn as nn
+
+    def is_embedding(m: object) -> bool:
+        return isinstance(m, nn.Embedding)
+
+    found: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        obj: Any = gm
+        for atom in str(node.target).split("."):
+            obj = getattr(obj, atom, None)
+        name = names.owner(obj, is_embedding)
+        if name is None or name in found:
+            continue
+        others = [u for u in node.users if _embedding_module(u, gm, names) != name]
+        if others:
+            found[name] = (
+                f"{name} is not sharded (vocab-parallel): the model also reads its weight outside the lookup "
+                f"(graph node {others[0].name}), as a whole matrix"
+            )
+    return found
+
+
 def _is_tensor_node(node: torch.fx.Node) -> bool:
     import torch
 
