@@ -50,6 +50,7 @@ from .stages import (
 )
 from .tied import TiedWeights, own_copies
 from .tp_graph import localise_tp_sizes
+from .unit_reads import model_reads_outside
 from .weights import load_sharded, open_checkpoint
 
 if TYPE_CHECKING:
@@ -439,7 +440,15 @@ def run(
         # expert parallelism keeps a slice of the experts.
         at_build = weights if layout.tp_plan.fused or layout.ep_enabled else None
         materialise(model, {n for n, _ in model.named_modules()}, device, training.seed, at_build)
-        stages, method = [ModelStage(model, list(layout.stages[0].modules))], "module"
+        as_written = ModelStage(model, list(layout.stages[0].modules))
+        if layout.zero_stage > 0:  # FSDP wraps the units one by one: not those whose weights are read elsewhere
+            outside = model_reads_outside(user, spec, as_written.names, training.seed, example)
+            if outside is None:
+                log0("the model does not run on meta: each planned module is its own FSDP unit")
+            elif outside:
+                as_written.read_outside = outside
+                log0(f"FSDP: {', '.join(outside)} in the stage's unit (weights read outside their forward)")
+        stages, method = [as_written], "module"
     n_inputs = input_count(model, len(example))
     # Expert parallelism: this rank keeps its slice of each experts module of its stages (the model as
     # written, or a pipeline stage's pieces, which call the experts as modules), before FSDP/replicate wraps

@@ -746,15 +746,18 @@ def apply_data_parallel(
     if replica_mesh is not None:
         apply_expert_data_parallel(stage, replica_mesh, layout, mp, reshard)
     # One FSDP unit per piece (a block's weights are gathered just for it), then the stage for the rest;
-    # pieces sharing a weight (tied) are left to the stage unit, since a weight belongs to one unit.
+    # pieces sharing a weight (tied) are left to the stage unit, since a weight belongs to one unit, and so are
+    # the model's modules whose weights it reads outside their forward (Whisper's token embedding, its logits'
+    # matrix too), which ZeRO-3 would have freed by then.
     owners: dict[int, int] = {}
     units = stage.units()
+    alone = {id(u) for u in stage.sharded_units()}
     for i, unit in enumerate(units):
         for p in unit.parameters():
             owners[id(p)] = i if owners.get(id(p), i) == i else -1
     for i, unit in enumerate(units):
         params = [id(p) for p in unit.parameters()]
-        if params and all(owners[p] == i for p in params):
+        if id(unit) in alone and params and all(owners[p] == i for p in params):
             fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored)
     fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored)
 

@@ -578,6 +578,10 @@ class StageModule(nn.Module):
         """What activation checkpointing and FSDP wrap one by one: the pieces."""
         return list(self.pieces)
 
+    def sharded_units(self) -> list[nn.Module]:
+        """The units FSDP may wrap one by one: every piece (a piece's graph reads its own weights)."""
+        return self.units()
+
     def tp_roots(self) -> list[nn.Module]:
         """Modules under which the TP plan's (original) module names resolve."""
         return list(self.pieces)
@@ -593,12 +597,20 @@ class ModelStage(nn.Module):
         held = [m for m in modules if has_module(model, m)]
         self.names = [m for m in held if any(True for _ in model.get_submodule(m).parameters())]
         self.owners = list(self.names)
+        # Units whose weights the model also reads outside their forward (unit_reads.units_read_outside): FSDP
+        # leaves them to the stage's unit.
+        self.read_outside: list[str] = []
 
     def forward(self, *inputs: Any) -> Any:
         return self.model(*inputs)
 
     def units(self) -> list[nn.Module]:
         return called_units([self.model.get_submodule(n) for n in self.names])
+
+    def sharded_units(self) -> list[nn.Module]:
+        """The units FSDP may wrap one by one: all but those read outside their forward."""
+        whole = {id(self.model.get_submodule(n)) for n in self.read_outside}
+        return [u for u in self.units() if id(u) not in whole]
 
     def tp_roots(self) -> list[nn.Module]:
         return [self.model]

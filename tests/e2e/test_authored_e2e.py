@@ -1,8 +1,9 @@
 """Models as their authors write them, launched (issue 27), on 4 CPU ranks against one process over the same
 micro-batches: CLIP's 0-dim `logit_scale` is refused by FSDP2's fully_shard, so the script keeps scalar
-parameters whole on every rank and averages their gradients over dp (dp4, ZeRO-1); transformers' Mamba and
-Jamba (state-space mixers, Jamba's mixture of experts) in a pipeline (pp2 x dp2); nn.TransformerEncoder's
-MultiheadAttention sharded by heads (tp2 x dp2)."""
+parameters whole on every rank and averages their gradients over dp (dp4, ZeRO-1); Whisper reads its token
+embedding's weight outside the embedding (its logits), which ZeRO-3 and a vocab-parallel split must both allow
+for; transformers' Mamba and Jamba (state-space mixers, Jamba's mixture of experts) in a pipeline (pp2 x dp2);
+nn.TransformerEncoder's MultiheadAttention sharded by heads (tp2 x dp2)."""
 
 from __future__ import annotations
 
@@ -70,4 +71,32 @@ def test_multihead_attention_sharded_by_heads_trains_like_one_process(pins, tmp_
     assert plan.parallel.tp == 2 and plan.parallel.world_size == 4
     assert plan.tp.fused == {f"encoder.layers.{i}.self_attn": 3 for i in range(4)}
     assert plan.tp.styles["encoder.layers.0.self_attn.out_proj"] == "rowwise"
+
+
+WHISPER = CLIP.with_name("whisper_style.py")
+
+
+def _whisper_args(*pins: str) -> list[str]:
+    return [
+        str(WHISPER), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4", "--global-batch-size", "8",
+        "--micro-batch-size", "2", "--lr", "1e-3", *pins,
+    ]
+
+
+def test_an_embedding_read_outside_its_forward_trains_under_zero3(tmp_path):
+    """Whisper's decoder reads its token embedding's weight again as the logits' matrix, after its blocks: ZeRO-3
+    had freed the embedding's own FSDP unit by then ("mixed torch.Tensor and DTensor" at the first step). The run
+    leaves that module to the stage's unit (planner.runtime.unit_reads)."""
+    plan, metrics, expected = plan_and_train(tmp_path, _whisper_args("--dp", "4", "--zero-stage", "3"))
+    assert plan.parallel.zero_stage == 3 and plan.parallel.pp == 1
+    assert_same_training(metrics, expected)
+
+
+def test_an_embedding_read_outside_its_lookup_stays_replicated_under_tp(tmp_path):
+    """The same embedding under tp 2 x dp 2: a vocab-parallel split would hand the logits' matmul a shard of a
+    weight the code multiplies whole, so it stays replicated (the plan says why), and trains as one process."""
+    plan, metrics, expected = plan_and_train(tmp_path, _whisper_args("--tp", "2", "--dp", "2"))
+    assert "decoder.token_embedding" not in plan.tp.styles
+    assert any(r.startswith("decoder.token_embedding is not sharded") for r in plan.tp.refused)
+    assert plan.tp.styles  # the blocks' attention and MLPs are still split
     assert_same_training(metrics, expected)
