@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from .stages import (
 )
 from .tp_graph import localise_tp_sizes
 from .tp_rules import check_tp
+from .unit_reads import model_reads_outside
 
 SMALL = 50_000_000  # parameters: a model this small is rerun on the CPU when the meta device cannot run it
 
@@ -167,6 +169,8 @@ def check_plan_runs(
         _run_model(case, meta_model)
         if layout.tp_enabled:
             _run_tp_shard(case, small=sum(p.numel() for p in meta_model.parameters()) <= SMALL)
+        case.checkpoint()
+        _run_data_parallel(case)
         return "module"
     gm, values, method = traced
     with _failing_as("Tracing the model"):
@@ -602,6 +606,15 @@ def _fake_tp_mesh(tp: int) -> Iterator[Any]:
     """A DeviceMesh of `tp` ranks over torch's "fake" process group (collectives do nothing; torchtitan's dry
     runs use it), this process rank 0; None inside someone's process group (left alone: the check then runs
     the TP rules only). The group is destroyed afterwards, pass or fail."""
+    with _fake_mesh((tp,), ("tp",)) as mesh:
+        yield mesh
+
+
+@contextlib.contextmanager
+def _fake_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Iterator[Any]:
+    """`_fake_tp_mesh` for any mesh shape and dimension names."""
+    import math
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -609,12 +622,65 @@ def _fake_tp_mesh(tp: int) -> Iterator[Any]:
     if dist.is_initialized():
         yield None
         return
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
     try:
         with dtensor_on_meta():  # DTensor's shape propagation on meta: no torch._dynamo import (meta.py)
-            yield init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+            yield init_device_mesh("cpu", shape, mesh_dim_names=names)
     finally:
         dist.destroy_process_group()
+
+
+def _run_data_parallel(case: CheckCase) -> None:
+    """Forward, loss and backward of the model as written, wrapped as the run wraps it: the run's own
+    parallelize() (TP, activation checkpointing, then FSDP2's fully_shard per unit and for the stage, or
+    replicate for ZeRO 0) over a fake process group of rank 0's mesh, on fake CPU tensors, so that what fails
+    only once the model is wrapped fails here with the error the launch would hit: a refused layout (another
+    ZeRO stage may run). Those failures come from weights FSDP cannot keep in their unit: a scalar (0-dim)
+    parameter, which FSDP cannot shard (CLIP's logit_scale: the run keeps it whole, `replicated_scalars`), and,
+    under ZeRO 1-3, a unit's weight the model reads outside the unit's forward, where ZeRO-3 has freed it
+    (Whisper's token embedding, read again as its logits' matrix: the run leaves such units to the stage's
+    unit, `unit_reads`). A model with neither (found on meta, as the run finds them) runs wrapped as it runs
+    plain, and is not wrapped here: planning imports neither FSDP nor torch._dynamo (tests/test_speed_imports).
+    Where the model as written does not run on fake tensors either, this check cannot tell, and says nothing.
+    Expert and context parallelism, which the run sets up around parallelize(), are left to the other checks."""
+    layout, training = case.layout, case.training
+    if layout.ep_enabled or layout.cp_enabled:
+        return
+    modules = list(layout.stages[0].modules)
+    model = build_model(case.user, case.spec, training.seed, everything_on_meta=True)
+    stage = ModelStage(model, modules)
+    if layout.zero_stage > 0:
+        stage.read_outside = model_reads_outside(case.user, case.spec, stage.names, training.seed, case.example) or []
+    if not stage.read_outside and not any(p.dim() == 0 for p in model.parameters()):
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .parallel import parallelize
+
+    layout = dataclasses.replace(layout, async_tp=False)  # compiled CUDA kernels: nothing to check on the CPU
+    zero = f"ZeRO-{layout.zero_stage}" if layout.zero_stage else "ZeRO 0, replicate"
+    what = f"The model wrapped for data parallelism as the script wraps it (dp {layout.dp}, {zero})"
+    with _fake_mesh((1, layout.dp, layout.tp), ("pp", "dp", "tp")) as mesh:
+        if mesh is None:
+            return
+        try:
+            try:
+                parallelize(stage, mesh, layout, layout.stages[0].recompute, torch.device("cpu"), {}, training.dtype)
+                with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+                    # (FSDP2's advice on a unit returning a view: the run warns of it, a plan is no place for it)
+                    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+                    stage.to_empty(device="cpu")
+                    with blocks_once(stage):  # each distinct block runs once (and FSDP gathers it once)
+                        case.loss_backward(stage, case.example)
+            except RunError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a failing model, or a wrapping the model cannot take
+                unwrapped = build_model(case.user, case.spec, training.seed, everything_on_meta=True)
+                if not _runs_on_fake_tensors(case, ModelStage(unwrapped, modules)):
+                    return  # the model as written fails on fake tensors too: this check cannot tell
+                raise _run_error(what, e) from e
+        except RunError as e:
+            raise RefusedLayout(str(e)) from e
 
 
 def _run_tp_stages(case: CheckCase, gm: fx.GraphModule, values: dict[fx.Node, Any], model: nn.Module) -> bool:
