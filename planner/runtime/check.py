@@ -41,7 +41,7 @@ from .stages import (
 )
 from .tp_graph import localise_tp_sizes
 from .tp_rules import check_tp
-from .unit_reads import model_reads_outside
+from .unit_reads import reads_outside
 
 SMALL = 50_000_000  # parameters: a model this small is rerun on the CPU when the meta device cannot run it
 
@@ -71,20 +71,25 @@ class CheckCase:
             raise Cancelled
 
     def loss_backward(
-        self, model: nn.Module, inputs: tuple[torch.Tensor, ...], compute_dtype: torch.dtype | None = None
-    ) -> None:
+        self, model: nn.Module, inputs: tuple[torch.Tensor, ...], compute_dtype: torch.dtype | None = None,
+        units: list[nn.Module] | None = None,
+    ) -> set[int]:
         """Forward of the model's leading inputs, the loss on its output and all `inputs` (the example, on the
         device the model is on), and backward. With `compute_dtype` (parameters cast to it), the model's
         floating-point inputs are cast to it too, as FSDP2's mixed precision casts a sharded module's inputs
         (MixedPrecisionPolicy.cast_forward_inputs): Whisper's mel features reach its first convolution in bf16
-        on the cluster; the loss still gets them as they are."""
+        on the cluster; the loss still gets them as they are. Returns the indices of the `units` whose weights
+        the forward read outside their own forward (`unit_reads.reads_outside`; none without `units`)."""
         forward = tuple(
             t.to(compute_dtype) if compute_dtype is not None and t.is_floating_point() else t
             for t in inputs[: self.n_inputs]
         )
-        loss = self.loss_fn(model(*forward), *inputs)
+        with reads_outside(units or []) as outside:
+            out = model(*forward)
+        loss = self.loss_fn(out, *inputs)
         _check_loss(loss)
         loss.backward()
+        return outside
 
 
 @contextlib.contextmanager
@@ -166,11 +171,11 @@ def check_plan_runs(
             except AsWritten:
                 traced = None  # the run takes the model as written (its head attributes divided by tp)
     if traced is None:
-        _run_model(case, meta_model)
+        outside = _run_model(case, meta_model)
         if layout.tp_enabled:
             _run_tp_shard(case, small=sum(p.numel() for p in meta_model.parameters()) <= SMALL)
         case.checkpoint()
-        _run_data_parallel(case)
+        _run_data_parallel(case, outside, meta_model)
         return "module"
     gm, values, method = traced
     with _failing_as("Tracing the model"):
@@ -570,9 +575,11 @@ def blocks_once(stage: ModelStage) -> Iterator[None]:
                 del unit.forward
 
 
-def _run_model(case: CheckCase, meta_model: nn.Module) -> None:
+def _run_model(case: CheckCase, meta_model: nn.Module) -> list[str]:
     """Forward, loss and backward of the model as written: on meta, or on the CPU for a small model that the
-    meta device cannot run (data-dependent code). Its units are checkpointed as the run checkpoints them."""
+    meta device cannot run (data-dependent code). Its units are checkpointed as the run checkpoints them. Returns
+    the names of its units whose weights the forward reads outside their own forward (`unit_reads`), which the
+    run leaves to the stage's FSDP unit."""
     layout, training = case.layout, case.training
     recompute = layout.stages[0].recompute
     stage = ModelStage(meta_model, list(layout.stages[0].modules))
@@ -580,14 +587,16 @@ def _run_model(case: CheckCase, meta_model: nn.Module) -> None:
     try:
         # Each distinct op runs its meta kernel once, each distinct block once: repeated blocks cost one.
         with MetaMemo(), blocks_once(stage):
-            case.loss_backward(meta_model, tuple(t.to("meta") for t in case.example))
-        return
+            return _unit_names(meta_model, stage, case.loss_backward(
+                meta_model, tuple(t.to("meta") for t in case.example), units=stage.units()
+            ))
     except RunError:
         raise
     except Exception as e:  # noqa: BLE001 - retried for real below when small enough
         if sum(p.numel() for p in meta_model.parameters()) > SMALL:
-            if _runs_on_fake_tensors(case, stage):
-                return
+            outside = _runs_on_fake_tensors(case, stage)
+            if outside is not None:
+                return outside
             first = str(e).strip().splitlines()[0][:400] if str(e).strip() else ""
             raise RunError(
                 f"The model ({type(meta_model).__name__}) with its loss fails on the meta device "
@@ -596,9 +605,17 @@ def _run_model(case: CheckCase, meta_model: nn.Module) -> None:
             ) from e
     model = build_model(case.user, case.spec, training.seed, everything_on_meta=False)
     materialise(model, {n for n, _ in model.named_modules()}, torch.device("cpu"), training.seed)
-    with_recompute(ModelStage(model, list(layout.stages[0].modules)), recompute, layout.schedule)
+    stage = ModelStage(model, list(layout.stages[0].modules))
+    with_recompute(stage, recompute, layout.schedule)
     with _failing_as(f"The model ({type(model).__name__}) with its loss"):
-        case.loss_backward(model, case.example)
+        return _unit_names(model, stage, case.loss_backward(model, case.example, units=stage.units()))
+
+
+def _unit_names(model: nn.Module, stage: ModelStage, indices: set[int]) -> list[str]:
+    """The module names in `model` of the stage's units at `indices`, in the units' order."""
+    names = {id(m): n for n, m in model.named_modules()}
+    units = stage.units()
+    return [names[id(units[i])] for i in sorted(indices)]
 
 
 @contextlib.contextmanager
@@ -630,29 +647,35 @@ def _fake_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def _run_data_parallel(case: CheckCase) -> None:
+def _run_data_parallel(case: CheckCase, outside: list[str], meta_model: nn.Module) -> None:
     """Forward, loss and backward of the model as written, wrapped as the run wraps it: the run's own
     parallelize() (TP, activation checkpointing, then FSDP2's fully_shard per unit and for the stage, or
     replicate for ZeRO 0) over a fake process group of rank 0's mesh, on fake CPU tensors, so that what fails
     only once the model is wrapped fails here with the error the launch would hit: a refused layout (another
     ZeRO stage may run). Those failures come from weights FSDP cannot keep in their unit: a scalar (0-dim)
     parameter, which FSDP cannot shard (CLIP's logit_scale: the run keeps it whole, `replicated_scalars`), and,
-    under ZeRO 1-3, a unit's weight the model reads outside the unit's forward, where ZeRO-3 has freed it
-    (Whisper's token embedding, read again as its logits' matrix: the run leaves such units to the stage's
-    unit, `unit_reads`). A model with neither (found on meta, as the run finds them) runs wrapped as it runs
+    under ZeRO 1-3, a unit's weight the model reads outside the unit's forward (`outside`, found by the plain
+    run), where ZeRO-3 has freed it (Whisper's token embedding, read again as its logits' matrix: the run leaves
+    such units to the stage's unit, `unit_reads`). A model with neither runs wrapped as it runs
     plain, and is not wrapped here: planning imports neither FSDP nor torch._dynamo (tests/test_speed_imports).
     Where the model as written does not run on fake tensors either, this check cannot tell, and says nothing.
-    Expert and context parallelism, which the run sets up around parallelize(), are left to the other checks."""
+    Models above SMALL parameters are not wrapped (the cost), nor are layouts with expert or context
+    parallelism, which the run sets up around parallelize()."""
     layout, training = case.layout, case.training
     if layout.ep_enabled or layout.cp_enabled:
+        return
+    if layout.zero_stage == 0:
+        outside = []  # replicate wraps the stage alone
+    if not outside and not any(p.dim() == 0 for p in meta_model.parameters()):
+        return
+    if sum(p.numel() for p in meta_model.parameters()) > SMALL:
+        # FSDP on fake tensors at full size costs 20 s and more (Whisper large-v3); the wrapping decisions are
+        # the run's own, and the run of a small model of the same code is what this check adds.
         return
     modules = list(layout.stages[0].modules)
     model = build_model(case.user, case.spec, training.seed, everything_on_meta=True)
     stage = ModelStage(model, modules)
-    if layout.zero_stage > 0:
-        stage.read_outside = model_reads_outside(case.user, case.spec, stage.names, training.seed, case.example) or []
-    if not stage.read_outside and not any(p.dim() == 0 for p in model.parameters()):
-        return
+    stage.read_outside = outside
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .parallel import parallelize
@@ -676,7 +699,7 @@ def _run_data_parallel(case: CheckCase) -> None:
                 raise
             except Exception as e:  # noqa: BLE001 - a failing model, or a wrapping the model cannot take
                 unwrapped = build_model(case.user, case.spec, training.seed, everything_on_meta=True)
-                if not _runs_on_fake_tensors(case, ModelStage(unwrapped, modules)):
+                if _runs_on_fake_tensors(case, ModelStage(unwrapped, modules)) is None:
                     return  # the model as written fails on fake tensors too: this check cannot tell
                 raise _run_error(what, e) from e
         except RunError as e:
@@ -760,8 +783,9 @@ def _tp_shard_step(case: CheckCase, mesh: Any, on_cpu: bool) -> None:
         case.loss_backward(model, tuple(t.to("meta") for t in case.example), compute_dtype)
 
 
-def _runs_on_fake_tensors(case: CheckCase, stage: ModelStage) -> bool:
-    """Whether forward, loss and backward run under FakeTensorMode: a large model whose forward branches on
+def _runs_on_fake_tensors(case: CheckCase, stage: ModelStage) -> list[str] | None:
+    """Whether forward, loss and backward run under FakeTensorMode (None where not; else the units read outside
+    their forward, as `_run_model` returns them): a large model whose forward branches on
     values where it sees real tensors but skips that branch while tracing (Hugging Face's packed-sequence
     check calls .item() unless `is_tracing`) fails on plain meta tensors yet runs on the cluster. Fake tensors
     are what torch.export traces with, so this is the meta run with the model's own tracing paths.
@@ -778,14 +802,16 @@ def _runs_on_fake_tensors(case: CheckCase, stage: ModelStage) -> bool:
         _cast_parameters(meta_model, compute_dtype)
     try:
         with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), MetaMemo(), blocks_once(stage):
-            case.loss_backward(meta_model, tuple(t.to("meta") for t in case.example), compute_dtype)
+            found = case.loss_backward(
+                meta_model, tuple(t.to("meta") for t in case.example), compute_dtype, units=stage.units()
+            )
     except RunError:
         raise
     except Exception:  # noqa: BLE001 - the meta run's error is the one reported
-        return False
+        return None
     finally:
         meta_model.zero_grad(set_to_none=True)  # no fake gradients left on the meta model
-    return True
+    return _unit_names(meta_model, stage, found)
 
 
 @contextlib.contextmanager

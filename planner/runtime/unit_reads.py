@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from .layout import ModelFile
 
@@ -33,9 +32,12 @@ class _ParamReads(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        for leaf in tree_leaves((args, kwargs or {})):
-            if isinstance(leaf, nn.Parameter):
-                self.outside.update(u for u in self.owner.get(id(leaf), ()) if not self.running[u])
+        # (a parameter is an op's argument itself, or an item of a list of them, torch.cat's: no pytree walk,
+        # which would cost more than the meta kernels it runs beside)
+        for arg in (*args, *(kwargs or {}).values()):
+            for leaf in arg if type(arg) in (list, tuple) else (arg,):
+                if type(leaf) is nn.Parameter:
+                    self.outside.update(u for u in self.owner.get(id(leaf), ()) if not self.running[u])
         return func(*args, **(kwargs or {}))
 
 
@@ -87,22 +89,26 @@ def model_reads_outside(
 ) -> list[str] | None:
     """`units_read_outside` for the model as written (`ModelStage` of the plan's `modules`), built afresh on meta
     and run on the example micro-batch: on meta, else (a model that branches on values unless traced) on fake
-    tensors, as the plan-time check runs it. None where neither runs (the check then ran it on the CPU)."""
+    tensors, as the plan-time check runs it (and records the same reads, `check._run_model`). None where neither
+    runs (the check then ran it on the CPU)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from .check import blocks_once
     from .memo import MetaMemo
     from .model import build_model, input_count
     from .stages import ModelStage
 
     for fake in (False, True):
         model = build_model(user, spec, seed, everything_on_meta=True)
-        units = ModelStage(model, modules).units()
+        stage = ModelStage(model, modules)
         inputs = tuple(t.to("meta") for t in example[: input_count(model, len(example))])
         try:
-            if not fake:
-                return units_read_outside(model, units, inputs, MetaMemo())
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                return units_read_outside(model, units, inputs)
+            # Each distinct block runs once (a repeat's hooks still run; what it reads is what the first read).
+            with blocks_once(stage):
+                if not fake:
+                    return units_read_outside(model, stage.units(), inputs, MetaMemo())
+                with FakeTensorMode(allow_non_fake_inputs=True):
+                    return units_read_outside(model, stage.units(), inputs)
         except Exception:  # noqa: BLE001 - the model's own error: the run (or the fake-tensor try) meets it
             continue
     return None
