@@ -350,3 +350,15 @@ def test_hybrid_moe_is_recognised_without_pins_and_its_experts_fall_as_one_over_
         per_param = weights[1] / graph.total_params
         for ep in (2, 4):
             assert weights[1] - weights[ep] == pytest.approx(experts * per_param * (1 - 1 / ep))
+
+
+def test_an_embedding_read_outside_its_lookup_is_left_replicated_by_tp():
+    """Whisper's logits multiply the token embedding's weight whole (x @ token_embedding.weight.T): a vocab-parallel
+    shard would meet that read, so tp leaves the embedding replicated and says why; the blocks are still split.
+    (tests/e2e/test_authored_e2e.py trains this plan under -m corpus.)"""
+    plan = planned(dry_run(AUTHORED / "whisper_style.py", *LAYOUTS["tp2xdp2"]))
+    assert plan["parallel"]["tp"] == 2
+    assert not [name for name in plan["tp_plan"] if "token_embedding" in name]
+    assert len(plan["tp_plan"]) > 0
+    assert any(r.startswith("decoder.token_embedding is not sharded") and "outside the lookup" in r
+               for r in plan["tp_refused"]), plan["tp_refused"]

@@ -39,7 +39,8 @@ def test_scalar_parameter_launches_and_trains_like_one_process(tmp_path):
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("model", ["hf_mamba", "hf_jamba"])
+# hf_jamba (90 s on 4 CPU ranks) runs under -m corpus and in bench/corpus_train.py --authored; hf_mamba in CI
+@pytest.mark.parametrize("model", ["hf_mamba", pytest.param("hf_jamba", marks=pytest.mark.corpus)])
 def test_state_space_model_trains_in_a_pipeline_like_one_process(model, tmp_path):
     """hf_mamba: Mamba's `_init_weights` draws its dt_proj bias with torch.rand, which each stage drew from a
     different point of the generator (2.6e-4 off after 3 steps) until each module's init got a seed of its own
@@ -92,6 +93,7 @@ def test_an_embedding_read_outside_its_forward_trains_under_zero3(tmp_path):
     assert_same_training(metrics, expected)
 
 
+@pytest.mark.corpus  # 77 s; the rule itself is checked at plan level in CI (tests/test_unit_reads.py)
 def test_an_embedding_read_outside_its_lookup_stays_replicated_under_tp(tmp_path):
     """The same embedding under tp 2 x dp 2: a vocab-parallel split would hand the logits' matmul a shard of a
     weight the code multiplies whole, so it stays replicated (the plan says why), and trains as one process."""
