@@ -24,6 +24,7 @@ from planner.cost.model import (
     Candidate,
     CostOptions,
     dp_comm_time,
+    gemm_dim_at,
     gemm_efficiency,
     pipeline_time_linear,
     tp_comm_times,
@@ -31,7 +32,7 @@ from planner.cost.model import (
 from planner.cost.schedules import bubble_fraction, schedule_violation
 from planner.cost.simulate import simulate
 from planner.hardware.load import load_cluster
-from planner.model.graph import ModelGraph, TPPair, Unit
+from planner.model.graph import GemmShape, ModelGraph, TPPair, Unit
 from planner.search.problem import PartitionProblem
 from planner.search.search import CostTable, evaluate
 
@@ -237,6 +238,82 @@ def test_gemm_efficiency(cluster):
     assert gemm_efficiency(cluster, 0) == e.matmul
     effs = [gemm_efficiency(cluster, d) for d in (16, 64, 256, 1024, 8192, 1e6)]
     assert effs == sorted(effs) and effs[-1] < e.matmul
+
+
+def _gpt_block_gemms(h: int, tokens: int) -> list[GemmShape]:
+    """A GPT block's Linears as tensor parallelism splits them: q, k, v and fc1 column-parallel, the attention
+    projection and fc2 row-parallel (Shoeybi et al. 2019)."""
+    col, row = "colwise", "rowwise"
+    return [GemmShape(tokens=tokens, in_features=h, out_features=h, split=col) for _ in "qkv"] + [
+        GemmShape(tokens=tokens, in_features=h, out_features=h, split=row),
+        GemmShape(tokens=tokens, in_features=h, out_features=4 * h, split=col),
+        GemmShape(tokens=tokens, in_features=4 * h, out_features=h, split=row),
+    ]
+
+
+def test_gemm_size_under_tp_keeps_the_unsplit_dimension():
+    # A column-parallel Linear splits its output features, a row-parallel one its input features: at tp 8 a
+    # block of width h = 8192 runs q/k/v as 4096 x 8192 x 1024, the projection 4096 x 1024 x 8192 and the MLP
+    # as 4096 x 8192 x 4096 and 4096 x 4096 x 8192: smallest dimensions 1024 (x4) and 4096 (x2), FLOPs 1 : 4
+    # per GEMM. Their FLOP-weighted harmonic mean (4 + 4 + 4 x 1) / (4 / 4096 + 4 / 4096 + 4 / 1024) = 2048,
+    # where dividing h by tp gave 1024.
+    u = make_unit("blk").model_copy(update={"gemm_dim": 8192, "gemm_shapes": _gpt_block_gemms(8192, 4096)})
+    assert gemm_dim_at(u, 1, 1) == pytest.approx(4096)  # every GEMM limited by its 4096 tokens
+    assert gemm_dim_at(u, 8, 1) == pytest.approx(12 / (4 / 4096 + 4 / 4096 + 4 / 1024))
+    assert gemm_dim_at(u, 8, 1) == pytest.approx(2048)
+    # more tokens per micro-batch: tp 1 is limited by h; at tp 2 q, k, v and the projection by h / 2 (FLOPs 1
+    # each), fc1 and fc2 by h (FLOPs 4 each): 12 / (4 / 4096 + 8 / 8192) = 6144
+    assert gemm_dim_at(u, 1, 4) == pytest.approx(8192)
+    assert gemm_dim_at(u, 2, 4) == pytest.approx(6144)
+    # without recorded shapes: the old rule, the weights' smallest dimension over tp
+    bare = make_unit("blk").model_copy(update={"gemm_dim": 8192})
+    assert gemm_dim_at(bare, 8, 1) == 1024 and gemm_dim_at(bare, 1, 1) == 8192
+
+
+def test_gemm_size_grows_with_every_dimension_and_shrinks_with_tp():
+    base = make_unit("blk").model_copy(update={"gemm_dim": 1024})
+    sizes = []
+    for h, tokens in ((512, 512), (1024, 512), (1024, 2048), (4096, 2048), (8192, 8192)):
+        sizes.append(gemm_dim_at(base.model_copy(update={"gemm_shapes": _gpt_block_gemms(h, tokens)}), 1, 1))
+    assert sizes == sorted(sizes) and sizes[0] == pytest.approx(512)
+    u = base.model_copy(update={"gemm_shapes": _gpt_block_gemms(8192, 8192)})
+    by_tp = [gemm_dim_at(u, t, 1) for t in (1, 2, 4, 8)]
+    assert by_tp == sorted(by_tp, reverse=True) and by_tp[0] == pytest.approx(8192)
+    # a replicated Linear keeps its size at any tp
+    rep = base.model_copy(update={"gemm_shapes": [GemmShape(tokens=4096, in_features=2048, out_features=8192)]})
+    assert gemm_dim_at(rep, 8, 1) == pytest.approx(2048)
+
+
+def test_gemm_time_at_the_unit_size_is_the_sum_over_its_gemms(cluster):
+    # The harmonic mean makes the unit's matmul time at one efficiency exactly the sum of each GEMM's time at
+    # its own: sum_i F_i / (peak * eff(d_i)) = F / (peak * eff(d)).
+    shapes = _gpt_block_gemms(3072, 1024)
+    u = make_unit("blk").model_copy(update={"gemm_dim": 3072, "gemm_shapes": shapes})
+    for tp in (1, 2, 4, 8):
+        per_gemm = []
+        for g in shapes:
+            k = g.in_features / tp if g.split == "rowwise" else g.in_features
+            n = g.out_features / tp if g.split == "colwise" else g.out_features
+            per_gemm.append((2 * g.tokens * k * n, min(g.tokens, k, n)))
+        total = sum(f for f, _ in per_gemm)
+        summed = sum(f / gemm_efficiency(cluster, d) for f, d in per_gemm)
+        assert total / gemm_efficiency(cluster, gemm_dim_at(u, tp, 1)) == pytest.approx(summed)
+
+
+def test_gpt_units_record_their_gemms_with_the_tp_split(gpt):
+    block = next(u for u in gpt.units if u.kind == "block")
+    h = block.gemm_dim
+    shapes = {(g.in_features, g.out_features, g.split) for g in block.gemm_shapes}
+    assert shapes == {(h, h, "colwise"), (h, h, "rowwise"), (h, 4 * h, "colwise"), (4 * h, h, "rowwise")}
+    assert len(block.gemm_shapes) == 6  # q, k, v, the projection, fc1, fc2
+    # the GEMMs the shapes describe are the block's matmul FLOPs (attention's QK^T and AV are counted apart)
+    assert sum(2.0 * g.tokens * g.in_features * g.out_features for g in block.gemm_shapes) == pytest.approx(
+        block.matmul_flops
+    )
+    assert {g.tokens for g in block.gemm_shapes} == {gpt.tokens_per_sample}
+    head = gpt.units[-1]  # the vocabulary-parallel head splits its output features
+    assert [(g.in_features, g.split) for g in head.gemm_shapes] == [(h, "colwise")]
+    assert not gpt.units[0].gemm_shapes  # embeddings run no GEMM
 
 
 def _two_pair_unit() -> Unit:

@@ -94,18 +94,41 @@ class UnitCost:
 
 
 def gemm_efficiency(cluster: ClusterSpec, dim: float) -> float:
-    """Fraction of peak a GEMM reaches: matmul * d / (d + d_half), d its smallest dimension."""
+    """Fraction of peak a GEMM reaches: matmul * d / (d + d_half), d its smallest dimension (`gemm_dim_at`)."""
     e = cluster.gpu.efficiency
     if dim <= 0:
         return e.matmul
     return e.matmul * dim / (dim + e.gemm_half_dim)
 
 
+def gemm_dim_at(unit: Unit, tp: int, mbs: int) -> float:
+    """The size of one rank's GEMMs for `gemm_efficiency`: each Linear call runs an M x K x N GEMM (M its
+    tokens per micro-batch, K its input and N its output features), of which tensor parallelism divides N for a
+    column-parallel (or vocabulary-parallel) Linear and K for a row-parallel one (Shoeybi et al. 2019, sec. 3):
+    at tp 8 a GPT block's q/k/v and fc1 keep K = h, only the attention projection's K is h / 8. A GEMM's size is
+    its smallest dimension min(M, K, N), the one that limits its tiles and its arithmetic intensity. The unit's
+    is their harmonic mean weighted by each GEMM's FLOPs F_i on the rank, under which the summed time of the
+    GEMMs at eff = matmul * d / (d + d_half) is exact: sum F_i (1 + d_half / d_i) = F (1 + d_half / d).
+    Units without recorded shapes (graphs analysed before them): the FLOP-weighted smallest weight
+    dimension divided by tp."""
+    if not unit.gemm_shapes:
+        return min(unit.gemm_dim, max(1, unit.gemm_dim // tp)) if tp > 1 else unit.gemm_dim
+    flops = weighted = 0.0
+    for g in unit.gemm_shapes:
+        m = g.tokens * mbs
+        k = g.in_features / tp if g.split == "rowwise" else g.in_features
+        n = g.out_features / tp if g.split == "colwise" else g.out_features
+        f = m * k * n
+        flops += f
+        weighted += f / max(1.0, min(m, k, n))
+    return flops / weighted if weighted > 0 else 0.0
+
+
 def roofline_times(
     unit: Unit, mbs: int, tp: int, sp: bool, cluster: ClusterSpec, dtype: str
 ) -> tuple[float, float, float]:
     """(forward, backward, attention-core forward) seconds of one micro-batch, compute only."""
-    mm_scale, mm_rate, attn_scale, at_rate, mem_scale, bw = roofline_rates(unit, tp, sp, cluster, dtype)
+    mm_scale, mm_rate, attn_scale, at_rate, mem_scale, bw = roofline_rates(unit, tp, sp, cluster, dtype, mbs)
     fwd = (
         unit.matmul_flops * mm_scale / mm_rate
         + unit.attention_flops * attn_scale / at_rate
@@ -121,10 +144,11 @@ def roofline_times(
 
 
 def roofline_rates(
-    unit: Unit, tp: int, sp: bool, cluster: ClusterSpec, dtype: str
+    unit: Unit, tp: int, sp: bool, cluster: ClusterSpec, dtype: str, mbs: int
 ) -> tuple[float, float, float, float, float, float]:
     """(matmul share, matmul FLOP/s, attention share, attention FLOP/s, memory-bound share, bytes/s) of the unit
-    on one GPU, the shares being what tensor parallelism leaves it: what `roofline_times` divides its counts by."""
+    on one GPU at micro-batch size `mbs` (its GEMMs' sizes, `gemm_dim_at`), the shares being what tensor
+    parallelism leaves it: what `roofline_times` divides its counts by."""
     gpu = cluster.gpu
     e = gpu.efficiency
     peak = gpu.peak_flops(dtype)
@@ -137,7 +161,7 @@ def roofline_rates(
     attn_scale = 1.0 / tp if sharded and unit.tp_shards_attention else 1.0  # refused attention stays whole
     # Elementwise work inside TP regions shards; with sequence parallelism the rest does too.
     mem_scale = 1.0 / tp if (sp and tp > 1) else ((1 - mm_shard) + mm_shard / tp if sharded else 1.0)
-    dim = min(unit.gemm_dim, max(1, unit.gemm_dim // tp)) if sharded else unit.gemm_dim
+    dim = gemm_dim_at(unit, tp if sharded else 1, mbs)
     mm_rate = peak * gemm_efficiency(cluster, dim)
     at_rate = peak * e.attention
     return mm_scale, mm_rate, attn_scale, at_rate, mem_scale, bw
@@ -148,7 +172,7 @@ def op_sac_recompute_share(unit: Unit, cand: Candidate, cluster: ClusterSpec, dt
     all of it but the attention kernels and the matmuls whose outputs it keeps (`Unit.op_sac_kept_matmul_flops`),
     on the roofline; the same share of a measured forward time."""
     mm_scale, mm_rate, attn_scale, at_rate, mem_scale, bw = roofline_rates(
-        unit, cand.tp, cand.sequence_parallel, cluster, dtype
+        unit, cand.tp, cand.sequence_parallel, cluster, dtype, cand.micro_batch_size
     )
     mm, at = mm_scale / mm_rate, attn_scale / at_rate
     fwd = unit.matmul_flops * mm + unit.attention_flops * at + unit.memory_bound_bytes * mem_scale / bw
@@ -216,7 +240,7 @@ def async_tp_exposed(
         min(1.0, max(0.0, (unit.tp_shardable_flops - unit.attention_flops) / unit.matmul_flops))
         if unit.matmul_flops > 0 else 0.0
     )
-    dim = min(unit.gemm_dim, max(1, unit.gemm_dim // tp))
+    dim = gemm_dim_at(unit, tp, cand.micro_batch_size)
     rate = gpu.peak_flops(dtype) * gemm_efficiency(cluster, dim)
     mm_f = unit.matmul_flops * sharded / tp / rate * cand.micro_batch_size
     mm_b = unit.bwd_matmul_flops * sharded / tp / rate * cand.micro_batch_size

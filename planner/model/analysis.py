@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from planner.model.counting import Counts, analyse_callable, flatten_tensors, mixed_precision_mode, tensor_bytes
-from planner.model.graph import ModelGraph, TPPair, Unit
+from planner.model.graph import GemmShape, ModelGraph, TPPair, Unit
 from planner.model.grouping import (
     discover_structure,
     group_units,
@@ -227,6 +227,7 @@ def _analyse(loaded: LoadedModel, model: nn.Module) -> ModelGraph:
                 ep_granularity=ep_granularity(moe),
                 moe_dispatch_bytes=sum(m.dispatch_bytes(seq or 1, dtype_bytes) for m in moe),
                 gemm_dim=info.gemm_dim,
+                gemm_shapes=gemm_shapes(info, gather=i == len(groups) - 1),
                 tp_granularity=info.granularity,
                 tp_head_attrs={rename(k): v for k, v in info.head_attrs.items()},
                 tp_fused={rename(k): v for k, v in info.fused.items()},
@@ -299,6 +300,19 @@ def per_sample(c: Counts, batch: int) -> Counts:
     return c
 
 
+def gemm_shapes(info: TPInfo, gather: bool) -> list[GemmShape]:
+    """The unit's Linears with the split tensor parallelism gives each (`TPInfo.styles`): a column-parallel
+    or vocabulary-parallel (`colwise_gather`, the model's output only: `gather`) Linear splits its output
+    features, a row-parallel one its input features."""
+    split: dict[str, Literal["colwise", "rowwise", "none"]] = {
+        "colwise": "colwise", "rowwise": "rowwise", "colwise_gather": "colwise" if gather else "none"
+    }
+    return [
+        GemmShape(tokens=t, in_features=i, out_features=o, split=split.get(s, "none"))
+        for t, i, o, s in info.gemm_shapes
+    ]
+
+
 def tp_per_sample(info: TPInfo, batch: int) -> TPInfo:
     """TPInfo of a ``batch``-sample run as per-sample figures (the all-reduced and gathered bytes, the FLOPs)."""
     if batch == 1:
@@ -308,6 +322,7 @@ def tp_per_sample(info: TPInfo, batch: int) -> TPInfo:
     info.shard_flops /= batch
     info.unpaired_flops /= batch
     info.gather_bytes //= batch
+    info.gemm_shapes = [(max(1, t // batch), i, o, s) for t, i, o, s in info.gemm_shapes]
     return info
 
 

@@ -35,6 +35,17 @@ class ModelSource(_Model):
     dtype: TrainDType = "bf16"
 
 
+class GemmShape(_Model):
+    """One Linear call of a unit, the GEMM tokens x in_features x out_features per sample, and how tensor
+    parallelism splits it (colwise: its output features over the tp ranks, as a vocabulary-parallel head's;
+    rowwise: its input features; none: replicated)."""
+
+    tokens: int = Field(description="rows of the GEMM per sample (the call's output without its feature dim)")
+    in_features: int
+    out_features: int
+    split: Literal["colwise", "rowwise", "none"] = "none"
+
+
 class TPPair(_Model):
     """A column-parallel Linear feeding (through elementwise ops) a row-parallel Linear: one all-reduce."""
 
@@ -116,6 +127,10 @@ class Unit(_Model):
         True, description="a TP pair covers the unit's attention, so its heads (and FLOPs) split by tp"
     )
     gemm_dim: int = Field(0, description="FLOP-weighted smallest dimension of the unit's Linears (for GEMM efficiency)")
+    gemm_shapes: list[GemmShape] = Field(
+        default_factory=list, description="the unit's Linear calls as (tokens, in, out, TP split): each rank's GEMM "
+        "sizes under tensor parallelism (`planner.cost.model.gemm_dim_at`); empty: gemm_dim alone (divided by tp)"
+    )
     uses_flash_attention: bool = Field(False, description="attention through scaled_dot_product_attention")
     expert_params: int = Field(0, description="parameters of the unit's MoE experts (expert parallelism divides them)")
     frozen_params: int = Field(

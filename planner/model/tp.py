@@ -659,6 +659,7 @@ class TPInfo:
     shard_flops: float = 0.0  # linear FLOPs per sample that TP divides (attention added by the caller)
     granularity: int = 0
     gemm_dim: int = 0
+    gemm_shapes: list[tuple[int, int, int, str]] = field(default_factory=list)  # (tokens, in, out, TP style or "")
     gather_bytes: int = 0
     unpaired_flops: float = 0.0  # forward FLOPs per sample of Linears that no TP pair covers
     head_attrs: dict[str, list[str]] = field(default_factory=dict)  # module -> attributes to divide by tp
@@ -838,6 +839,7 @@ def tp_info(
         info.styles[name] = "rowwise"
         info.shard_params += cast("nn.Embedding", model.get_submodule(name)).weight.numel()
     info.transposed.sort()
+    info.gemm_shapes = _gemm_shapes_of(sub, model, names, info.styles)
     return info
 
 
@@ -939,6 +941,29 @@ def renamer(first: list[str], group: list[str]) -> Callable[[str], str]:
         return name
 
     return rename
+
+
+def _gemm_shapes_of(sub: torch.fx.GraphModule, model: nn.Module, names: ModuleNames, styles: dict[str, str]
+                    ) -> list[tuple[int, int, int, str]]:
+    """(tokens, in, out, TP style or "") of each Linear (or Conv1D) call in the unit's graph: the GEMM it runs,
+    tokens x in x out, with tokens its output's rows (batch included; `tp_per_sample` divides)."""
+    out = []
+    for node in sub.graph.nodes:
+        if node.op not in ("call_function", "call_module"):
+            continue
+        name = _linear_module(node, sub, names)
+        if name is None:
+            continue
+        fin, fout = projection_dims(model.get_submodule(name))
+        meta = val_meta(node)
+        shape = getattr(meta, "shape", None)
+        if shape is None or not len(shape) or int(shape[-1]) != fout:
+            continue
+        tokens = 1
+        for d in shape[:-1]:
+            tokens *= int(d)
+        out.append((tokens, fin, fout, styles.get(name, "")))
+    return out
 
 
 def _gemm_dim_of(sub: nn.Module) -> int:
