@@ -71,6 +71,7 @@ def main() -> None:
     args.layouts = args.layouts or ",".join([*LAYOUTS, *TP_LAYOUT] if args.zoo or args.authored else LAYOUTS)
     work = args.keep or Path(tempfile.mkdtemp(prefix="corpus-"))
     rows = []
+    began = time.perf_counter()
     for name in args.models.split(","):
         reference = None
         extra = list(EP_LAYOUT) if args.authored and name in AUTHORED_MOE and "--layouts" not in sys.argv else []
@@ -84,8 +85,8 @@ def main() -> None:
                    "train_s": 0.0}
             rows.append(row)
             if result.exit_code != 0:
-                reason = " ".join(result.output.split())
-                row["status"] = ("refused: " if result.exit_code == 2 else "failed (plan): ") + reason[:160]
+                reason = " ".join(result.output.split()).removeprefix("Error: ")
+                row["status"] = ("refused: " if result.exit_code == 2 else "failed (plan): ") + reason[:240]
                 print(row, flush=True)
                 continue
             plan = load_plan(out)
@@ -109,10 +110,13 @@ def main() -> None:
             row["status"] = "trained" if loss <= LOSS_TOL and norm <= NORM_TOL else "failed (differs from one process)"
             print(row, flush=True)
     print()
-    print(f"{'model':<18} {'layout':<8} {'plan s':>6} {'train s':>7} {'loss diff':>9} {'norm rel':>8}  status")
+    print(f"{'model':<22} {'layout':<8} {'plan s':>6} {'train s':>7} {'loss diff':>9} {'norm rel':>8}  status")
     for r in rows:
-        print(f"{r['model']:<18} {r['layout']:<8} {r['plan_s']:>6.1f} {r['train_s']:>7.1f} {r['loss']:>9} "
+        print(f"{r['model']:<22} {r['layout']:<8} {r['plan_s']:>6.1f} {r['train_s']:>7.1f} {r['loss']:>9} "
               f"{r['norm']:>8}  {r['status']}")
+    counts = {s: sum(r["status"].startswith(s) for r in rows) for s in ("trained", "refused", "failed")}
+    print(f"{len(rows)} cases: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+          + f"; {time.perf_counter() - began:.0f} s wall")
 
 
 if __name__ == "__main__":
