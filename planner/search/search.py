@@ -619,7 +619,7 @@ def _no_candidate(cluster: ClusterSpec, rejected: Counter[tuple[str, str]]) -> s
     # A candidate "dominated by" another is not why nothing fits (the other one was rejected for its own
     # reason): those reasons go last.
     order = sorted(rejected.items(), key=lambda kv: (kv[0][1].startswith("dominated by"), kv[0]))
-    reasons = "; ".join(f"{region}: {why} ({n})" for (region, why), n in order[:6])
+    reasons = "; ".join(f"{region}: {why} ({n} candidate{'s' if n != 1 else ''})" for (region, why), n in order[:6])
     return (
         f"No configuration of {cluster.world_size} GPUs satisfies the constraints: {reasons or 'none'}. "
         "Change the pinned degrees, the global batch size (make it divisible by the data-parallel degree) "

@@ -214,8 +214,11 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
             continue
         if tp > 1 and not has_tp:
             first = next((r for u in graph.units for r in u.tp_refused), "")
-            rej[(f"tp={tp}", "the model has no Linear pairs that tensor parallelism can shard"
-                 + (f" (first refused: {first})" if first else ""))] += 1
+            pair_note = (f" (first refused: {first})" if first else
+                   " (a pair is a Linear whose output reaches another Linear through elementwise operations only,"
+                   " split by columns then by rows; here every Linear feeds a norm, a reduction, a recurrence or"
+                   " the output instead); leave --tp unpinned or set --tp 1")
+            rej[(f"tp={tp}", "the model has no Linear pairs that tensor parallelism can shard" + pair_note)] += 1
             continue
         if tp > 1 and max_tp % tp:
             rej[(f"tp={tp}", f"the model's heads/hidden sizes split only into divisors of {max_tp}")] += 1
