@@ -46,6 +46,7 @@ from .stages import (
     with_structure,
 )
 from .tied import TiedWeights, own_copies
+from .vocab import VocabParallelLoss, loss_context, with_loss_parallel
 from .weights import load_sharded, open_checkpoint
 
 
@@ -131,12 +132,13 @@ class Parallelized:
         (and summed over a tied weight's copies): the optimizer can step. Returns the mean micro-batch loss
         on the ranks of the last stage (None elsewhere)."""
         loss: torch.Tensor | None
-        if self.schedule is None:
-            loss = accumulate(self.stages[0], self.layout, batches, self.loss_fn, self._n_inputs)
-        else:
-            loss = pipeline_step(
-                self.schedule, self.layout, self._loss, batches, self.has_first, self.has_last, self._n_inputs
-            )
+        with loss_context(self.layout):
+            if self.schedule is None:
+                loss = accumulate(self.stages[0], self.layout, batches, self.loss_fn, self._n_inputs)
+            else:
+                loss = pipeline_step(
+                    self.schedule, self.layout, self._loss, batches, self.has_first, self.has_last, self._n_inputs
+                )
         if self.tied is not None:
             self.tied.sum_gradients()
         return loss
@@ -174,6 +176,10 @@ def parallelize(
     user = load_model_file(spec.path)
     if loss_fn is None:
         loss_fn = getattr(user, spec.loss_fn) if spec.loss_fn else default_loss
+    # Loss parallelism (tp, the next-token loss): the LM head's logits stay split by vocabulary (vocab.py).
+    layout = with_loss_parallel(layout, None if loss_fn is default_loss else loss_fn)
+    if layout.loss_parallel:
+        loss_fn = VocabParallelLoss(loss_fn)
     example = make_batch(user, spec, layout, training.seed, 0, 0)
     weights = open_checkpoint(init_from) if init_from else None
     local = layout.stages_on(mesh["pp"].get_local_rank())

@@ -42,6 +42,7 @@ from .stages import (
 from .tp_graph import localise_tp_sizes
 from .tp_rules import check_tp
 from .unit_reads import reads_outside
+from .vocab import VocabParallelLoss, loss_context, with_loss_parallel
 
 SMALL = 50_000_000  # parameters: a model this small is rerun on the CPU when the meta device cannot run it
 
@@ -84,11 +85,12 @@ class CheckCase:
             t.to(compute_dtype) if compute_dtype is not None and t.is_floating_point() else t
             for t in inputs[: self.n_inputs]
         )
-        with reads_outside(units or []) as outside:
-            out = model(*forward)
-        loss = self.loss_fn(out, *inputs)
-        _check_loss(loss)
-        loss.backward()
+        with loss_context(self.layout):
+            with reads_outside(units or []) as outside:
+                out = model(*forward)
+            loss = self.loss_fn(out, *inputs)
+            _check_loss(loss)
+            loss.backward()
         return outside
 
 
@@ -151,6 +153,10 @@ def check_plan_runs(
     ready = prepared.take(spec, training.seed) if prepared is not None and uses_graph(layout) else None
     user = ready.user if ready is not None else load_model_file(spec.path)
     loss_fn: Callable[..., torch.Tensor] = getattr(user, spec.loss_fn) if spec.loss_fn else default_loss
+    # The run's loss parallelism (vocab.py): the TP shard's LM head keeps its logits split by vocabulary.
+    layout = with_loss_parallel(layout, getattr(user, spec.loss_fn) if spec.loss_fn else None)
+    if layout.loss_parallel:
+        loss_fn = VocabParallelLoss(loss_fn)
     example = make_batch(user, spec, layout, training.seed, 0, 0)
     if ready is not None:
         meta_model = ready.meta_model
@@ -305,9 +311,10 @@ def _run_stages(
             )
     inputs = tuple(t.to(meta) for t in example)
     with _failing_as(f"The loss ({case.spec.loss_fn or 'default_loss'}) on the last stage's output{label}"):
-        loss = with_structure(case.loss_fn, pieces[-1].out_spec)(values, *inputs)
-        _check_loss(loss)
-        loss.backward()
+        with loss_context(layout):
+            loss = with_structure(case.loss_fn, pieces[-1].out_spec)(values, *inputs)
+            _check_loss(loss)
+            loss.backward()
     return stage_inputs
 
 

@@ -215,6 +215,10 @@ class Layout:
     experts: dict[str, int] = field(default_factory=dict)  # MoE experts module -> number of experts
     cp: int = 1  # context parallelism: each sample's sequence sharded over cp ranks (mesh dimension "cp")
     async_tp: bool = False  # torch's async TP: SP's collectives overlapped with the matmuls (compile, CUDA)
+    # The vocabulary-parallel LM heads (colwise_gather) whose logits stay split by vocabulary for loss parallelism:
+    # set by the runtime where the loss is the next-token cross-entropy on them (vocab.with_loss_parallel), never
+    # by train.py's constants.
+    sharded_heads: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         # Stages may come as plain lists/tuples from the plan's constants.
@@ -319,6 +323,10 @@ class Layout:
                 )
 
     # Derived facts.
+    @property
+    def loss_parallel(self) -> bool:
+        return bool(self.sharded_heads)
+
     @property
     def ep_enabled(self) -> bool:
         return self.ep > 1

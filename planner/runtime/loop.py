@@ -51,6 +51,7 @@ from .stages import (
 from .tied import TiedWeights, own_copies
 from .tp_graph import localise_tp_sizes
 from .unit_reads import model_reads_outside
+from .vocab import VocabParallelLoss, loss_context, with_loss_parallel
 from .weights import load_sharded, open_checkpoint
 
 if TYPE_CHECKING:
@@ -403,6 +404,11 @@ def run(
     torch.manual_seed(training.seed)
     user = load_model_file(spec.path)
     loss_fn = getattr(user, spec.loss_fn) if spec.loss_fn else default_loss
+    # Loss parallelism (tp, the next-token loss): the LM head's logits stay split by vocabulary (vocab.py).
+    layout = with_loss_parallel(layout, getattr(user, spec.loss_fn) if spec.loss_fn else None)
+    if layout.loss_parallel:
+        loss_fn = VocabParallelLoss(loss_fn)
+        log0(f"loss parallelism (the logits split by vocabulary): {', '.join(sorted(layout.sharded_heads))}")
     example = make_batch(user, spec, layout, training.seed, 0, 0)
     weights = open_checkpoint(args.init_from) if args.init_from else None
     data = token_file(args, training, script.parent, example)
@@ -538,7 +544,7 @@ def run(
     def forward_backward(batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor | None:
         result: torch.Tensor | None
         scale_used[0] = loss_scale.scale
-        with context.step() if context is not None else contextlib.nullcontext():
+        with context.step() if context is not None else contextlib.nullcontext(), loss_context(layout):
             if schedule is None:
                 result = accumulate(stages[0], layout, batches, loss_fn, n_inputs, loss_scale.scale)
             else:

@@ -138,11 +138,12 @@ def sequence_parallel(
             f"Sequence parallelism splits the sequence (length {seq_len}) over tp={layout.tp}: it must "
             "divide. Re-plan with sequence parallelism off or a tp degree that divides the sequence."
         )
-    return plan_sequence_parallel(gm, values, seq_len, mesh, layout.tp_plan.styles)
+    return plan_sequence_parallel(gm, values, seq_len, mesh, layout.tp_plan.styles, layout.sharded_heads)
 
 
 def plan_sequence_parallel(
-    gm: fx.GraphModule, values: dict[fx.Node, Any], seq_len: int, mesh: DeviceMesh, tp_plan: Mapping[str, str]
+    gm: fx.GraphModule, values: dict[fx.Node, Any], seq_len: int, mesh: DeviceMesh, tp_plan: Mapping[str, str],
+    sharded_heads: frozenset[str] = frozenset(),
 ) -> dict[str, ParallelStyle]:
     """Rewrite the graph so the residual stream stays split along the sequence between TP regions.
 
@@ -152,7 +153,8 @@ def plan_sequence_parallel(
     meeting sliced ones are sliced, weights used on slices get their gradients summed over tp, and the
     model output is gathered. Returns the parallel styles of the modules involved (tp_plan's Linears and
     the modules that now see sequence slices). Every rank rewrites the whole graph the same way, so the
-    layouts agree across pipeline stages.
+    layouts agree across pipeline stages. A head in `sharded_heads` (loss parallelism, vocab.py) keeps its
+    logits split by vocabulary instead of gathering them.
     """
     # (a vocabulary-parallel embedding is no region: nanoGPT's `transformer` ModuleDict holds its wte and blocks)
     regions = {
@@ -246,8 +248,13 @@ def plan_sequence_parallel(
                 styles[target] = ColwiseParallel(input_layouts=Shard(1))
                 continue  # its output is split by features, over the whole sequence
             if tp_plan.get(target) == "colwise_gather":
-                styles[target] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
-                continue  # the LM head: whole logits on every rank
+                if target in sharded_heads:  # the LM head: this rank's vocabulary share, the loss parallel
+                    styles[target] = ColwiseParallel(
+                        input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+                    )
+                else:  # the LM head: whole logits on every rank
+                    styles[target] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+                continue
             if any(True for _ in gm.get_submodule(target).parameters()):
                 # Weights replicated as DTensors: their gradients are summed over tp by DTensor.
                 styles[target] = SequenceParallel(use_local_output=True)
@@ -278,13 +285,14 @@ def plan_sequence_parallel(
     return styles
 
 
-def parallel_style(style: str, module: nn.Module) -> ParallelStyle:
+def parallel_style(style: str, module: nn.Module, sharded: bool = False) -> ParallelStyle:
     """A TP_PLAN style as a torch parallel style. colwise: split a Linear's outputs (an Embedding's
     features); rowwise: split a Linear's inputs (an Embedding's vocabulary), summing the partial outputs;
     colwise_gather: the vocabulary-parallel LM head, its logits all-gathered; norm_heads: a norm applied to
     each head ([b, s, heads, head_dim], Qwen3's q_norm / k_norm) between a column-parallel projection and
     attention, run on this rank's heads with its weight replicated, so its gradient is summed over tp (as
-    torchtitan's Qwen3 plan does)."""
+    torchtitan's Qwen3 plan does). `sharded`: a colwise_gather head's logits stay split by vocabulary, a DTensor
+    (loss parallelism, vocab.py), as torchtitan's head under loss parallelism."""
     if style == "colwise":
         return ColwiseParallel()
     if style == "rowwise":
@@ -294,6 +302,8 @@ def parallel_style(style: str, module: nn.Module) -> ParallelStyle:
             return RowwiseParallel(input_layouts=Replicate())
         return RowwiseParallel()
     if style == "colwise_gather":
+        if sharded:
+            return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
         return ColwiseParallel(output_layouts=Replicate())
     if style == "norm_heads":
         return SequenceParallel(sequence_dim=NORM_HEADS_DIM, use_local_output=True)
@@ -577,7 +587,7 @@ def apply_tp(
                     )
                 shard_own_vocab(module, tp_mesh)
                 continue
-            plan[name] = sp_styles.get(name) or parallel_style(style, module)
+            plan[name] = sp_styles.get(name) or parallel_style(style, module, name in layout.sharded_heads)
         plan.update({n: s for n, s in sp_styles.items() if n not in layout.tp_plan.styles and has_module(piece, n)})
         # A module of the same type holding a tied copy of a sharded weight (T5 / BART's shared and
         # encoder.embed_tokens) runs with the same style: the copies stay one weight, split alike.
