@@ -41,3 +41,93 @@ def test_other_outputs_are_averaged():
 def test_a_structure_without_logits_asks_for_a_loss_fn():
     with pytest.raises(TypeError, match="define loss_fn"):
         logits_of({"hidden": torch.zeros(1)})
+
+
+# ----------------------------------------------------------------------------- loss parallelism (runtime/vocab.py)
+
+
+def _tp_layout(**changes):
+    from planner.runtime.layout import Layout, TPPlan
+
+    base = dict(
+        pp=1, dp=1, tp=2, micro_batch_size=2, num_micro_batches=1, stages=[(0, ["head"], "none")],
+        tp_plan=TPPlan(styles={"head": "colwise_gather"}),
+    )
+    return Layout(**{**base, **changes})
+
+
+def test_loss_parallelism_is_taken_for_the_next_token_loss_on_a_vocabulary_parallel_head_only():
+    from planner.runtime.layout import TPPlan
+    from planner.runtime.vocab import with_loss_parallel
+
+    def next_token(output, tokens):
+        return F.cross_entropy(output[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+    assert with_loss_parallel(_tp_layout(), None).sharded_heads == {"head"}  # the default loss
+    assert with_loss_parallel(_tp_layout(), next_token).loss_parallel
+    assert not with_loss_parallel(_tp_layout(), lambda o, t: o.float().mean()).loss_parallel
+    assert not with_loss_parallel(_tp_layout(tp=1, tp_plan=TPPlan()), None).loss_parallel
+    assert not with_loss_parallel(_tp_layout(tp_plan=TPPlan(styles={"head": "colwise"})), None).loss_parallel
+
+
+def _vocab_rank(rank: int, port: int, vocab: int) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from planner.runtime.parallel import parallel_style
+    from planner.runtime.vocab import VocabParallelLoss, loss_context, with_loss_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        whole = nn.Linear(8, vocab, bias=False)
+        x, tokens = torch.randn(2, 6, 8), torch.randint(0, vocab, (2, 6))
+        want = default_loss(whole(x), tokens)
+        want.backward()
+        layout = with_loss_parallel(_tp_layout(), None)
+        # An output the next-token loss does not fit (here: inputs that are not tokens) reaches the loss whole.
+        values = torch.randn(2, 6)
+        cases = ((default_loss, tokens, want), (lambda o, t: o.float().square().mean() + t.mean(), values, None))
+        for loss_fn, inputs, reference in cases:
+            head = nn.Linear(8, vocab, bias=False)
+            head.load_state_dict(whole.state_dict())
+            parallelize_module(head, mesh, parallel_style("colwise_gather", head, sharded=True))
+            with loss_context(layout):
+                logits = head(x)
+                # this rank's share of the vocabulary only: no rank holds the whole logits
+                share = -(-vocab // 2) - rank * (vocab % 2)  # torch.chunk's split: 17 is 9 + 8
+                assert isinstance(logits, DTensor) and logits.to_local().shape[-1] == share
+                loss = VocabParallelLoss(loss_fn)(logits, inputs)
+                assert not isinstance(loss, DTensor) and loss.dim() == 0
+                loss.backward()
+            if reference is None:  # the logits whole, as a gathered head gives them
+                plain = nn.Linear(8, vocab, bias=False)
+                plain.load_state_dict(whole.state_dict())
+                reference = loss_fn(plain(x), inputs)
+                reference.backward()
+                grad = plain.weight.grad
+            else:
+                grad = whole.weight.grad
+            torch.testing.assert_close(loss, reference.detach())
+            torch.testing.assert_close(head.weight.grad.full_tensor(), grad)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("vocab", [16, 17])  # an odd vocabulary splits 9 + 8
+def test_the_vocabulary_parallel_loss_equals_the_whole_logits_loss_and_its_gradients(vocab):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_vocab_rank, args=(port, vocab), nprocs=2, join=True)
