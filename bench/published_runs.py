@@ -132,6 +132,9 @@ class Run(_Strict):
     cite: str
     model: Literal["gpt", "llama", "hf"]
     model_args: dict[str, float | int | str] = Field(default_factory=dict, description="extra sample-model arguments")
+    loss_fn: str | None = Field(
+        None, description="the loss function of the sample model file the run's loss stands for (default: loss_fn)"
+    )
     gpu: str = Field(description="GPU spec or cluster preset name")
     gpus: PositiveInt
     cluster_overrides: dict[Literal["memory_gib", "memory_bandwidth_gbps", "inter_node_bandwidth_gbps"], float] = Field(
@@ -269,6 +272,7 @@ class Run(_Strict):
         return PlanRequest(
             model_path=str(MODELS[self.model] if self.hf is None else hf_model_file(self.hf)),
             model_args=self.model_args_full(),
+            loss_fn=self.loss_fn,
             gpu=self.gpu,
             nodes=self.gpus // gpus_per_node,
             global_batch_size=lay.global_batch,
@@ -375,7 +379,7 @@ def run_cluster(run: Run, efficiency: Efficiencies | None = None) -> ClusterSpec
 def graph_key(run: Run) -> tuple:
     if run.hf is not None:
         return (run.model, run.hf.name, json.dumps(run.hf.config, sort_keys=True), run.hf.seq)
-    return (run.model, tuple(sorted(run.model_args_full().items())))
+    return (run.model, tuple(sorted(run.model_args_full().items())), run.loss_fn)
 
 
 def plan_run(

@@ -224,3 +224,44 @@ def loss_fn(output: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy: logits at position t predict token t + 1 (mean over all positions)."""
     logits = output[:, :-1].flatten(0, 1).float()
     return F.cross_entropy(logits, tokens[:, 1:].flatten())
+
+
+_ROWS = 256  # rows of logits the fused loss works on at a time (its only temporaries, fp32)
+
+
+class _InPlaceCrossEntropy(torch.autograd.Function):
+    """Cross-entropy as flash-attn's fused kernel computes it (CrossEntropyLoss(inplace_backward=True), which
+    llm-foundry's MPT trains with: ComposerMPTCausalLM's loss_fn 'fused_crossentropy'): each row's log-sum-exp in
+    fp32, keeping only the logits it was given (in their dtype) and one fp32 number per row for backward, whose
+    gradient it writes over those logits in place. No fp32 copy of the logits is kept; its only temporaries are a
+    block of rows at a time. Rows whose target is -100 count nothing (the mean is over the others)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        lse = torch.cat([torch.logsumexp(b.float(), dim=-1) for b in logits.split(_ROWS)])
+        kept = targets != -100
+        picked = logits.gather(1, targets.clamp(min=0)[:, None]).squeeze(1).float()
+        count = kept.sum().clamp(min=1)
+        ctx.save_for_backward(logits, targets, lse, count)
+        return ((lse - picked) * kept).sum() / count
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        logits, targets, lse, count = ctx.saved_tensors
+        scale = grad / count
+        for start in range(0, logits.shape[0], _ROWS):
+            rows, t = logits[start : start + _ROWS], targets[start : start + _ROWS, None]
+            p = torch.exp(rows.float() - lse[start : start + _ROWS, None])
+            p.scatter_add_(1, t.clamp(min=0), torch.full_like(p[:, :1], -1.0))
+            rows.copy_(p * (scale * (t != -100)))
+        return logits, None
+
+
+def fused_loss_fn(output: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """loss_fn with flash-attn's fused cross-entropy (`_InPlaceCrossEntropy`) as llm-foundry's MPT calls it: on the
+    logits as they are (a view, no copy), the targets the tokens shifted left with the last position ignored. The
+    same loss, holding the logits in their dtype instead of their fp32 log-softmax and its gradients (plan with
+    --loss-fn fused_loss_fn)."""
+    targets = torch.roll(tokens, shifts=-1, dims=1)
+    targets[:, -1] = -100
+    return _InPlaceCrossEntropy.apply(output.reshape(-1, output.shape[-1]), targets.flatten())

@@ -229,3 +229,152 @@ def test_op_checkpointing_gives_the_gradients_of_no_recomputation():
         block(x).pow(2).mean().backward()
     for (name, a), b in zip(plain.named_parameters(), checked.parameters(), strict=True):
         assert b.grad is not None and torch.allclose(a.grad, b.grad, atol=1e-6), name
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def test_the_loss_keeps_its_fp32_log_softmax_and_its_backward_two_fp32_gradients_as_mem_tracker_sees():
+    """The sample Llama's loss_fn (bf16 logits upcast, cross-entropy) counted on meta: 4 bytes per logit kept for
+    backward (the log-softmax), 8 more at its backward's peak (nll_loss's and log_softmax's fp32 gradients); torch's
+    MemTracker on fake tensors sees the same: activations after forward, activations + temporaries at the peak."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from planner.model.analysis import loss_bytes
+
+    loss_fn = _sample("llama").loss_fn
+    b, s, v = 2, 64, 1000
+    logits = b * (s - 1) * v
+    tokens = torch.zeros(b, s, dtype=torch.long, device="meta")
+    out = torch.empty(b, s, v, device="meta", dtype=torch.bfloat16)
+    c = analyse_callable(lambda o: loss_fn(o, tokens), (out,), [], None)
+    # (and the shifted targets nll_loss keeps, 8 bytes a token)
+    assert sum(c.saved.values()) == pytest.approx(4 * logits, rel=0.005)
+    assert c.bwd_peak == pytest.approx(8 * logits, rel=0.005)
+
+    with FakeTensorMode():
+        o = torch.randn(b, s, v, dtype=torch.bfloat16, requires_grad=True)
+        tok = torch.zeros(b, s, dtype=torch.long)
+        tracker = MemTracker()
+        tracker.track_external(o, tok)
+        with tracker:
+            loss = loss_fn(o, tok)
+            after = tracker.get_tracker_snapshot("current")
+            loss.backward()
+            peak = tracker.get_tracker_snapshot("peak")
+    ((_, kept),) = after.items()
+    ((_, top),) = peak.items()
+    kept_ = {str(k): x for k, x in kept.items()}
+    top_ = {str(k): x for k, x in top.items()}
+    assert kept_["_MemRefType.ACT"] == pytest.approx(sum(c.saved.values()), rel=0.001)
+    assert top_["_MemRefType.TEMP"] == pytest.approx(c.bwd_peak, rel=0.001)
+
+    class _Loaded:  # what analysis passes: the model file's loss_fn
+        pass
+
+    loaded = _Loaded()
+    loaded.loss_fn = loss_fn  # type: ignore[attr-defined]
+    assert loss_bytes(loaded, out, (tokens,), torch.bfloat16) == sum(c.saved.values()) + c.bwd_peak  # type: ignore[arg-type]
+
+
+def test_the_loss_is_kept_under_every_recomputation_mode():
+    from planner.cost.model import unit_cost
+    from planner.hardware.load import load_cluster
+    from tests.synthetic import make_unit
+
+    head = make_unit("head", "head", 1000, 1e12, 10_000, 100)
+    with_loss = head.model_copy(update={"loss_bytes": 5_000})
+    cluster = load_cluster("h100-sxm5-80gb", 1)
+    cand = Candidate(
+        dp=1, tp=1, pp=1, virtual_stages=1, micro_batch_size=2, num_micro_batches=1, schedule="1f1b",
+        zero_stage=0, sequence_parallel=False,
+    )
+    a, b = unit_cost(head, cand, cluster, "bf16"), unit_cost(with_loss, cand, cluster, "bf16")
+    assert {m: b.act[m] - a.act[m] for m in a.act} == dict.fromkeys(a.act, 2 * 5_000)
+
+
+def test_under_loss_parallelism_the_loss_divides_by_tp_and_the_logits_are_not_gathered():
+    """The run keeps a vocabulary-parallel head's logits split for the next-token loss (runtime/vocab.py): each tp
+    rank's log-softmax and gradients are its vocabulary share, and no all-gather runs. Context parallelism (its
+    own loss, on the whole vocabulary) and a loss that reads the logits otherwise keep them whole."""
+    from planner.cost.model import tp_comm_times, unit_cost
+    from planner.hardware.load import load_cluster
+    from tests.synthetic import make_unit
+
+    head = make_unit("head", "head", 1000, 1e12, 10_000, 100).model_copy(update={"tp_gather_bytes": 4_000})
+    whole = head.model_copy(update={"loss_bytes": 6_000})
+    split = whole.model_copy(update={"loss_parallel": True})
+    cluster = load_cluster("h100-sxm5-80gb", 1)
+
+    def cand(tp: int, cp: int = 1) -> Candidate:
+        return Candidate(
+            dp=1, tp=tp, pp=1, cp=cp, virtual_stages=1, micro_batch_size=2, num_micro_batches=1, schedule="1f1b",
+            zero_stage=0, sequence_parallel=False,
+        )
+
+    def loss_of(unit, c):
+        return {m: unit_cost(unit, c, cluster, "bf16").act[m] - unit_cost(head, c, cluster, "bf16").act[m]
+                for m in ("none", "full")}
+
+    assert loss_of(split, cand(2)) == pytest.approx(dict.fromkeys(("none", "full"), 2 * 6_000 / 2))
+    assert loss_of(whole, cand(2)) == pytest.approx(dict.fromkeys(("none", "full"), 2 * 6_000))
+    assert loss_of(split, cand(1)) == pytest.approx(dict.fromkeys(("none", "full"), 2 * 6_000))
+    # by cp (its own loss on the whole vocabulary), not by tp
+    assert loss_of(split, cand(4, cp=2)) == pytest.approx(dict.fromkeys(("none", "full"), 2 * 6_000 / 2))
+    gathered, _ = tp_comm_times(split, 2, 2, False, cluster)
+    kept_split, _ = tp_comm_times(split, 2, 2, False, cluster, sharded_logits=True)
+    assert kept_split < gathered
+
+
+def test_the_next_token_loss_on_a_vocabulary_parallel_head_is_found_and_counted_per_logit():
+    """The sample Llama's last unit: its loss_fn is the next-token cross-entropy, so the run splits its head's
+    logits for it; its count is 12 bytes per predicted logit (and the targets). A loss_fn that reads the logits
+    otherwise (a mean), or a model returning its own loss, keeps them gathered."""
+    from planner.model.analysis import analyse_model, is_vocab_parallel_loss
+    from planner.model.load import load_model_file
+
+    root = Path(__file__).resolve().parents[1]
+    args = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 256, "seq": 32}
+    loaded = load_model_file(root / "sample_models" / "llama.py", args)
+    last = analyse_model(loaded).units[-1]
+    assert last.tp_styles == {"head": "colwise_gather"} and last.loss_parallel
+    assert last.loss_bytes == pytest.approx(12 * 31 * 256, rel=0.01)
+
+    class _Loaded:
+        def __init__(self, loss_fn):
+            self.loss_fn = loss_fn
+
+    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    logits = torch.empty(2, 32, 256, device="meta")
+    assert is_vocab_parallel_loss(_Loaded(None), logits, (tokens,))  # type: ignore[arg-type]
+    assert not is_vocab_parallel_loss(_Loaded(lambda o, t: o.float().mean()), logits, (tokens,))  # type: ignore[arg-type]
+    assert not is_vocab_parallel_loss(_Loaded(None), {"logits": logits, "loss": torch.zeros(())}, (tokens,))  # type: ignore[arg-type]
+    assert not is_vocab_parallel_loss(_Loaded(None), logits, (torch.empty(2, 32, device="meta"),))  # type: ignore[arg-type]
+
+
+def test_the_fused_cross_entropy_trains_as_the_loss_and_keeps_only_the_logits():
+    """sample_models/gpt.py's fused_loss_fn (flash-attn's in-place cross-entropy, which llm-foundry's MPT rows ran):
+    the loss and gradient of loss_fn, and on meta it keeps the bf16 logits (2 bytes per logit, not loss_fn's 4-byte
+    log-softmax), its backward only a block of rows."""
+    gpt = _sample("gpt")
+    torch.manual_seed(0)
+    x, tokens = torch.randn(3, 700, 50, requires_grad=True), torch.randint(0, 50, (3, 700))
+    want = gpt.loss_fn(x, tokens)
+    want.backward()
+    expected = x.grad.clone()
+    x.grad = None
+    got = gpt.fused_loss_fn(x * 1.0, tokens)
+    got.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(x.grad, expected)
+
+    b, s, v = 2, 2048, 50368
+    out = torch.empty(b, s, v, device="meta", dtype=torch.bfloat16)
+    tok = torch.zeros(b, s, dtype=torch.long, device="meta")
+    fused = analyse_callable(lambda o: gpt.fused_loss_fn(o, tok), (out,), [], None)
+    plain = analyse_callable(lambda o: gpt.loss_fn(o, tok), (out,), [], None)
+    logits = b * s * v
+    assert sum(fused.saved.values()) == pytest.approx(2 * logits, rel=0.005)
+    assert fused.bwd_peak <= 4 * (256 * v * 4)  # a few fp32 blocks of 256 rows, whatever the batch
+    assert sum(plain.saved.values()) + plain.bwd_peak == pytest.approx(12 * logits, rel=0.01)

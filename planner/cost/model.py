@@ -182,13 +182,22 @@ def op_sac_recompute_share(unit: Unit, cand: Candidate, cluster: ClusterSpec, dt
     return max(0.0, fwd - kept) / fwd
 
 
-def tp_comm_times(unit: Unit, mbs: int, tp: int, sp: bool, cluster: ClusterSpec) -> tuple[float, float]:
+def loss_parallel(unit: Unit, cand: Candidate) -> bool:
+    """Whether the run keeps `unit`'s vocabulary-parallel logits split for the loss (runtime/vocab.py's
+    with_loss_parallel: tp > 1, no context parallelism, the next-token cross-entropy on them)."""
+    return unit.loss_parallel and cand.tp > 1 and cand.cp == 1
+
+
+def tp_comm_times(
+    unit: Unit, mbs: int, tp: int, sp: bool, cluster: ClusterSpec, sharded_logits: bool = False
+) -> tuple[float, float]:
     """Tensor-parallel communication per micro-batch (Shoeybi et al. 2019, Megatron-LM, Fig. 3).
 
     Each column/row pair all-reduces its output in forward and its input gradient in backward; with
     sequence parallelism each all-reduce becomes a reduce-scatter plus an all-gather of the same total
     volume (Korthikanti et al. 2022). A vocab-parallel embedding all-reduces its output in forward.
-    TP groups sit inside a node.
+    TP groups sit inside a node. A vocab-parallel head all-gathers its logits, unless the loss takes them
+    split (`sharded_logits`, loss parallelism: its all-reduces of a few numbers per token are left out).
     """
     if tp <= 1:
         return 0.0, 0.0
@@ -207,7 +216,7 @@ def tp_comm_times(unit: Unit, mbs: int, tp: int, sp: bool, cluster: ClusterSpec)
     n_emb = sum(1 for s in unit.tp_styles.values() if s == "rowwise") - len(unit.tp_pairs)
     if n_emb > 0:
         fwd += n_emb * coll.allreduce_time(unit.output_bytes * mbs, tp, bw, lat)
-    if unit.tp_gather_bytes:  # vocab-parallel head: gather the logits (its backward is a local slice)
+    if unit.tp_gather_bytes and not sharded_logits:  # vocab-parallel head: gather the logits (backward: a slice)
         fwd += coll.allgather_time(unit.tp_gather_bytes * mbs, tp, bw, lat)
     return fwd, bwd
 
@@ -272,7 +281,9 @@ def unit_cost(
             fwd_c *= profile.efficiency_scale
             bwd_c *= profile.efficiency_scale
             core_c *= profile.efficiency_scale
-    tf, tb = tp_comm_times(unit, cand.micro_batch_size, cand.tp, cand.sequence_parallel, cluster)
+    tf, tb = tp_comm_times(
+        unit, cand.micro_batch_size, cand.tp, cand.sequence_parallel, cluster, loss_parallel(unit, cand)
+    )
     if cand.tp_overlap and cand.tp > 1 and cand.sequence_parallel:
         tf, tb = async_tp_exposed(unit, tf, tb, cand, cluster, dtype)
     a2a = moe_alltoall_time(unit.moe_dispatch_bytes, cand, cluster) if unit.experts else 0.0
@@ -318,6 +329,13 @@ def unit_cost(
         # recomputation, which keeps only the unit's input).
         gathered = unit.sdpa_kv_bytes * cand.micro_batch_size / cand.tp * (cand.cp - 1) / cand.cp
         act = {mode: a / cand.cp + (gathered if mode != "full" else 0.0) for mode, a in act.items()}
+    if unit.loss_bytes:
+        # The loss on the last unit's output runs outside every checkpointed unit: kept whatever the mode, on the
+        # rank's share of the tokens, and under loss parallelism on its share of the vocabulary (a head whose
+        # logits another loss reads gathers them: whole on each tp rank). Its backward's peak is counted with it,
+        # per micro-batch in flight (1F1B's last stage holds one).
+        loss = unit.loss_bytes * cand.micro_batch_size / cand.cp / (cand.tp if loss_parallel(unit, cand) else 1)
+        act = {mode: a + loss for mode, a in act.items()}
     shard = unit.tp_shardable_params if cand.tp > 1 else 0
     experts = unit.expert_params  # not TP-sharded; ep divides them (`terms.expert_state_params`)
     dense = (unit.params - experts - shard) + shard / cand.tp

@@ -7,6 +7,7 @@ and activations, tp.py its tensor-parallel pairs; grouping.py decides what the u
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
     ]
 
 
+log = logging.getLogger(__name__)
+
+
 def analyse_model(loaded: LoadedModel) -> ModelGraph:
     """Build on meta, trace, group into units and analyse each distinct unit once."""
 
@@ -49,6 +53,51 @@ def analyse_model(loaded: LoadedModel) -> ModelGraph:
     # Mamba mixers run as their fused GPU kernels while traced and counted (planner.model.kernels)
     with fused_kernels(model):
         return _analyse(loaded, model)
+
+
+def loss_bytes(loaded: LoadedModel, out: Any, inputs: tuple[torch.Tensor, ...], compute: torch.dtype) -> int:
+    """Bytes the loss keeps for its backward on the model's (meta) output, plus the most its backward holds at once:
+    the run's loss function (the model file's loss_fn, else the runtime's default next-token cross-entropy). A
+    cross-entropy over bf16 logits keeps their fp32 log-softmax and its backward two fp32 gradients of the logits'
+    size: at vocabulary 128k, 12 bytes per logit. A loss that cannot run on meta (reads a value) counts 0."""
+    import torch
+
+    from planner.runtime.loss import default_loss
+
+    fn = loaded.loss_fn or default_loss
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+        return 0
+    try:
+        with mixed_precision_mode(compute):
+            c = analyse_callable(lambda o: fn(o, *inputs), (out,), [], None)
+    except Exception as e:  # noqa: BLE001 - a loss the meta device cannot run is left out of the count, said so
+        log.warning("the loss's memory is not counted: its loss function does not run on meta tensors (%s)", e)
+        return 0
+    return sum(c.saved.values()) + c.bwd_peak
+
+
+def is_vocab_parallel_loss(loaded: LoadedModel, out: Any, inputs: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the run's loss is the next-token cross-entropy on the model's logits, so that under tp it keeps a
+    vocabulary-parallel head's logits split (runtime/vocab.py): the default loss on [b, s, vocab] logits of integer
+    tokens (the output, its `logits` or a tuple's first, no `loss` of its own), or a loss_fn computing the same."""
+    import torch
+
+    from planner.runtime.context import is_next_token_loss
+    from planner.runtime.loss import logits_of, output_field
+
+    if loaded.loss_fn is not None and not is_next_token_loss(loaded.loss_fn):
+        return False
+    if output_field(out, "loss") is not None or not inputs:
+        return False
+    try:
+        logits = logits_of(out)
+    except TypeError:
+        return False
+    tokens = inputs[0]
+    return (
+        isinstance(logits, torch.Tensor) and not tokens.is_floating_point() and logits.dim() == 3
+        and tuple(logits.shape[:2]) == tuple(tokens.shape)
+    )
 
 
 def _analyse(loaded: LoadedModel, model: nn.Module) -> ModelGraph:
@@ -235,6 +284,11 @@ def _analyse(loaded: LoadedModel, model: nn.Module) -> ModelGraph:
                 tp_refused=refused,
                 tp_shards_attention=bool(tp_pairs) and info.attention,
             )
+        )
+    if units:
+        split = bool(units[-1].tp_gather_bytes) and is_vocab_parallel_loss(loaded, out, inputs)
+        units[-1] = units[-1].model_copy(
+            update={"loss_bytes": loss_bytes(loaded, out, inputs, compute) // batch, "loss_parallel": split}
         )
     return ModelGraph(
         source=loaded.source,

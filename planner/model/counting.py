@@ -15,6 +15,7 @@ one-byte mask, not the composite path's mask in the input's dtype) and ``rms_nor
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -99,6 +100,8 @@ class Counts:
     op_sac_mm_count: int = 0
     op_sac_saved: int = 0
     op_sac_kept_matmul: float = 0.0
+    # the most bytes the backward's own results (gradients, temporaries) hold at once, saved tensors aside
+    bwd_peak: int = 0
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -123,6 +126,26 @@ def _make_counter(counts: Counts, tagged: frozenset[int] = frozenset()) -> _Phas
 
     from planner.model.kernels import KERNEL_COSTS
 
+    live: dict[int, int] = {}  # storages the backward has allocated and that are still alive -> bytes
+
+    def freed(key: int) -> None:
+        live.pop(key, None)
+
+    def track(out: Any, args: Any) -> None:
+        """The backward's new storages, held until their last tensor dies (a finalizer per storage's first
+        tensor), and the most bytes they hold at once. An output that views an input (a saved tensor unpacked by
+        detach, a reshape) allocates nothing."""
+        flat, _ = tree_flatten(out)
+        ins, _ = tree_flatten(args)
+        aliased = {_storage_key(a) for a in ins if isinstance(a, torch.Tensor)}
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                key = _storage_key(t)
+                if key not in live and key not in aliased:
+                    live[key] = t.untyped_storage().nbytes()
+                    weakref.finalize(t, freed, key)
+        counts.bwd_peak = max(counts.bwd_peak, sum(live.values()))
+
     class OpCounter(TorchDispatchMode):
         """Counts FLOPs (torch's formulas) and memory-bound bytes per op class, forward or backward."""
 
@@ -131,6 +154,8 @@ def _make_counter(counts: Counts, tagged: frozenset[int] = frozenset()) -> _Phas
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
+            if self.phase == "bwd":
+                track(out, (args, kwargs))
             packet = func._overloadpacket
             name = packet.__name__
             kernel = KERNEL_COSTS.get(name) if packet.__module__ == "torch._ops.planner" else None

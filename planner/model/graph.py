@@ -98,6 +98,16 @@ class Unit(_Model):
     op_sac_kept_matmul_flops: float = Field(
         0.0, description="forward matmul FLOPs per sample whose outputs per-op checkpointing keeps (not re-run)"
     )
+    loss_bytes: int = Field(
+        0, description="the model's last unit only: bytes per sample the loss function (loss_fn on the output) keeps "
+        "for its backward (a cross-entropy's fp32 log-softmax) plus the most its backward holds at once (the fp32 "
+        "gradients of the logits): outside every checkpointed unit, so kept under any recomputation"
+    )
+    loss_parallel: bool = Field(
+        False, description="the model's last unit only: its loss is the next-token cross-entropy on its "
+        "vocabulary-parallel head's logits, so under tp > 1 (cp 1) the run keeps them split by vocabulary "
+        "(torch's loss_parallel, runtime/vocab.py): the loss's memory divides by tp and the logits are not gathered"
+    )
     output_bytes: int = Field(description="bytes per sample crossing to the next unit (pipeline p2p size)")
     tp_pairs: list[TPPair] = Field(default_factory=list)
     tp_shardable_params: int = Field(0, description="parameters that tensor parallelism shards")
