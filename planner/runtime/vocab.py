@@ -79,10 +79,10 @@ class VocabParallelLoss:
         return self.loss_fn(tree_map_only(DTensor, lambda t: t.full_tensor(), output), *inputs)
 
 
-def loss_context(layout: Layout) -> contextlib.AbstractContextManager[None]:
+def loss_context(layout: Layout | None) -> contextlib.AbstractContextManager[None]:
     """torch's loss_parallel() where `layout` keeps logits sharded (around the loss's forward and its backward,
-    which both run its vocabulary-parallel kernels), else nothing."""
-    if not layout.loss_parallel:
+    which both run its vocabulary-parallel kernels), else (or without a layout) nothing."""
+    if layout is None or not layout.loss_parallel:
         return contextlib.nullcontext()
     from torch.distributed.tensor.parallel import loss_parallel
 
