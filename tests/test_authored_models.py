@@ -208,9 +208,9 @@ def test_transformer_encoder_is_traced_as_a_container():
         (["encoder.layers.0.self_attn"], "encoder.layers.0.self_attn.out_proj"),
     ]
     assert layer.tp_fused == {"encoder.layers.0.self_attn": 3} and layer.tp_granularity == 4  # 4 heads
-    plan = planned(dry_run(AUTHORED / "transformer_encoder_lm.py", *LAYOUTS["pp2xdp2"]))
-    assert [s["units"] for s in plan["stages"]] == [["embed", "encoder.layers.0", "encoder.layers.1"],
-                                                    ["encoder.layers.2", "encoder.layers.3", "head"]]
+    plan = planned(dry_run(AUTHORED / "transformer_encoder_lm.py", *LAYOUTS["pp2xdp2"], "--schedule", "1f1b"))
+    stages = [s["units"] for s in plan["stages"]]  # cut between encoder layers (where is the cost model's choice)
+    assert len(stages) == 2 and all(stages) and sum(stages, []) == [u.name for u in graph.units], stages
 
 
 # --- every authored model in every layout ---------------------------------------------------------------------

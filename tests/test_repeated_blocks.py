@@ -14,7 +14,7 @@ from torch import nn
 import planner.model.trace as model_trace
 from planner.model.analysis import analyse_model
 from planner.model.load import load_model_file
-from planner.runtime.check import blocks_once
+from planner.runtime.repeats import blocks_once
 from planner.runtime.stages import ModelStage
 from planner.runtime.tracers import BufferTracer, meta_trace
 

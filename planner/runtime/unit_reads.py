@@ -93,9 +93,9 @@ def model_reads_outside(
     runs (the check then ran it on the CPU)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .check import blocks_once
     from .memo import MetaMemo
     from .model import build_model, input_count
+    from .repeats import blocks_once
     from .stages import ModelStage
 
     for fake in (False, True):

@@ -39,8 +39,10 @@ def test_scalar_parameter_launches_and_trains_like_one_process(tmp_path):
     assert losses[-1] < losses[0]
 
 
-# hf_jamba (90 s on 4 CPU ranks) runs under -m corpus and in bench/corpus_train.py --authored; hf_mamba in CI
-@pytest.mark.parametrize("model", ["hf_mamba", pytest.param("hf_jamba", marks=pytest.mark.corpus)])
+# 90 s each on 4 CPU ranks: under -m corpus and in bench/corpus_train.py --authored; CI checks the causes
+# (tests/test_runtime_init.py: a stage's Mamba init; tests/test_moe.py: experts kept as calls on meta)
+@pytest.mark.corpus
+@pytest.mark.parametrize("model", ["hf_mamba", "hf_jamba"])
 def test_state_space_model_trains_in_a_pipeline_like_one_process(model, tmp_path):
     """hf_mamba: Mamba's `_init_weights` draws its dt_proj bias with torch.rand, which each stage drew from a
     different point of the generator (2.6e-4 off after 3 steps) until each module's init got a seed of its own
@@ -58,7 +60,7 @@ ENCODER = CLIP.with_name("transformer_encoder_lm.py")
 
 @pytest.mark.parametrize(
     "pins",
-    [pytest.param(["--dp", "2"], id="tp2xdp2"),
+    [pytest.param(["--dp", "2"], marks=pytest.mark.corpus, id="tp2xdp2"),
      pytest.param(["--pp", "2", "--schedule", "1f1b"], marks=pytest.mark.corpus, id="tp2xpp2")],
 )
 def test_multihead_attention_sharded_by_heads_trains_like_one_process(pins, tmp_path):
@@ -84,6 +86,7 @@ def _whisper_args(*pins: str) -> list[str]:
     ]
 
 
+@pytest.mark.corpus  # 78 s; CI: the check wraps it as the launch does (tests/test_unit_reads.py)
 def test_an_embedding_read_outside_its_forward_trains_under_zero3(tmp_path):
     """Whisper's decoder reads its token embedding's weight again as the logits' matrix, after its blocks: ZeRO-3
     had freed the embedding's own FSDP unit by then ("mixed torch.Tensor and DTensor" at the first step). The run
@@ -93,7 +96,7 @@ def test_an_embedding_read_outside_its_forward_trains_under_zero3(tmp_path):
     assert_same_training(metrics, expected)
 
 
-@pytest.mark.corpus  # 77 s; the rule itself is checked at plan level in CI (tests/test_unit_reads.py)
+@pytest.mark.corpus  # 77 s; CI checks the rule at plan level (tests/test_authored_models.py)
 def test_an_embedding_read_outside_its_lookup_stays_replicated_under_tp(tmp_path):
     """The same embedding under tp 2 x dp 2: a vocab-parallel split would hand the logits' matmul a shard of a
     weight the code multiplies whole, so it stays replicated (the plan says why), and trains as one process."""

@@ -234,7 +234,9 @@ def test_dataset_folder_run_resumes_on_the_same_next_batch(tmp_path):
     resumes_on_the_same_next_batch(tmp_path, "corpus")
 
 
-@pytest.mark.parametrize("model", ["nanogpt", "authored/transformer_encoder_lm"])
+@pytest.mark.parametrize(
+    "model", ["nanogpt", pytest.param("authored/transformer_encoder_lm", marks=pytest.mark.corpus)]
+)
 def test_a_fused_qkv_checkpoint_of_tp2_resumes_under_tp1(model, tmp_path):
     """nanoGPT's fused c_attn, and nn.MultiheadAttention's packed in_proj_weight / in_proj_bias, which TP reorders
     per rank (q | k | v of each rank's heads): a tp2 x dp2 checkpoint holds them in the model's order, so a dp4 plan
