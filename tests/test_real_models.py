@@ -488,7 +488,8 @@ def test_tp_in_a_traced_stage_runs_on_a_graph_traced_with_meta_values():
     assert (par["tp"], par["pp"]) == (2, 2)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+# Mistral and Qwen2 (the same repeat_kv) under -m corpus, to keep CI within its time
+@pytest.mark.parametrize("arch", ["llama", *(pytest.param(a, marks=pytest.mark.corpus) for a in ("mistral", "qwen2"))])
 def test_gqa_with_several_kv_heads_per_rank_plans_tp2_pp2_through_the_check(arch, tmp_path):
     """8 query heads, 4 kv heads, tp 2 x pp 2, as an hf: source: each rank's traced stage repeats its 2 kv heads
     (repeat_kv's expand made the rank's) and the plan-time check runs each stage's tp shard. It failed the check
