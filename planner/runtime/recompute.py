@@ -13,21 +13,22 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from .context import recomputed
 from .stages import LocalStage
 
+# SDPA's fused kernels (the backends this torch build has)
+FUSED_ATTENTION = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+
+
+def _aten_ops(names: tuple[str, ...]) -> set[Any]:
+    return {getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)}
+
+
 # Ops of the attention core (QK^T, softmax, AV): what selective recomputation recomputes in backward
 # (Korthikanti et al. 2022, section 5); every other op's output is kept.
-ATTENTION_CORE = {
-    getattr(torch.ops.aten, name).default
-    for name in (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_attention_math",
-        "_softmax",
-        "bmm",
-    )
-    if hasattr(torch.ops.aten, name)
-}
+ATTENTION_CORE = _aten_ops((*FUSED_ATTENTION, "_scaled_dot_product_attention_math", "_softmax", "bmm"))
 
 
 def recompute_attention_core(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -38,16 +39,7 @@ def recompute_attention_core(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Ch
 # torchtitan/parallelisms/parallelize_llama.py at 9dec370, _save_list): keep the fused attention kernels' outputs
 # and every odd aten.mm's output (the 1st, 3rd, ... of the region), recompute everything else. What it keeps is
 # what planner.model.counting counts as `op_sac_saved`.
-OP_SAC_SAVED = {
-    getattr(torch.ops.aten, name).default
-    for name in (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    )
-    if hasattr(torch.ops.aten, name)
-}
+OP_SAC_SAVED = _aten_ops(FUSED_ATTENTION)
 
 
 def op_sac_policy() -> Any:
