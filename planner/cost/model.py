@@ -416,14 +416,27 @@ def stage_costs(
     recompute: list[str],
     costs: list[UnitCost],
     options: CostOptions,
+    memo: dict[tuple[int, tuple[int, ...], str, bool], StageCost] | None = None,
 ) -> list[StageCost]:
-    """Per-stage time and memory of a partition (memory per rank when a rank holds several stages)."""
+    """Per-stage time and memory of a partition (memory per rank when a rank holds several stages).
+
+    `memo`: stage figures already computed for these graph, cluster, candidate, costs and options, by (stage
+    index, units, recomputation, last stage): a stage's figures depend on nothing else, so the partitions of
+    one candidate that share a stage share its figures (`PartitionProblem.stage_memo`; never mutated)."""
     dtype = graph.source.dtype
     state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp_shard)
     # Experts under ep: E/ep per rank, their gradients and ZeRO shards over the dp/ep replicas of that slice.
     replica = model_state_bytes_per_param(dtype, cand.zero_stage, max(1, cand.dp // cand.ep))
+    largest_param: float | None = None
     out: list[StageCost] = []
+    last = len(partition) - 1
     for s, (units, mode) in enumerate(zip(partition, recompute)):
+        key = (s, tuple(units), mode, s == last)
+        if memo is not None:
+            known = memo.get(key)
+            if known is not None:
+                out.append(known)
+                continue
         rank = stage_rank(cand.schedule, cand.pp, cand.virtual_stages, s)
         uc = [costs[u] for u in units]
         params = sum(c.params_local for c in uc)
@@ -438,28 +451,31 @@ def stage_costs(
         inflight = in_flight_microbatches(cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, s)
         act = inflight * sum(c.act[mode] for c in uc)
         sync, gather = dp_comm_time(sum(c.sync_params for c in uc), cand, cluster, dtype)
-        buffers = comm_buffer_bytes(boundary, cand, options, max(c.largest_param_bytes for c in costs))
-        out.append(
-            StageCost(
-                index=s,
-                rank=rank,
-                units=list(units),
-                recompute=mode,
-                fwd=fwd,
-                bwd=bwd,
-                p2p=p2p,
-                weights=(trainable + frozen) * state.weights + held * replica.weights,
-                gradients=trainable * state.gradients + held * replica.gradients,
-                optimizer=trainable * state.optimizer + held * replica.optimizer,
-                activations=act,
-                comm_buffers=buffers,
-                params_local=params,
-                dp_sync=sync,
-                zero3_gather=gather,
-                tp_comm=sum(c.tp_comm_fwd + c.tp_comm_bwd for c in uc),
-                source="measured" if uc and all(c.source == "measured" for c in uc) else "estimated",
-            )
+        if largest_param is None:
+            largest_param = max(c.largest_param_bytes for c in costs)
+        buffers = comm_buffer_bytes(boundary, cand, options, largest_param)
+        stage = StageCost(
+            index=s,
+            rank=rank,
+            units=list(units),
+            recompute=mode,
+            fwd=fwd,
+            bwd=bwd,
+            p2p=p2p,
+            weights=(trainable + frozen) * state.weights + held * replica.weights,
+            gradients=trainable * state.gradients + held * replica.gradients,
+            optimizer=trainable * state.optimizer + held * replica.optimizer,
+            activations=act,
+            comm_buffers=buffers,
+            params_local=params,
+            dp_sync=sync,
+            zero3_gather=gather,
+            tp_comm=sum(c.tp_comm_fwd + c.tp_comm_bwd for c in uc),
+            source="measured" if uc and all(c.source == "measured" for c in uc) else "estimated",
         )
+        if memo is not None:
+            memo[key] = stage
+        out.append(stage)
     return out
 
 
@@ -471,8 +487,10 @@ def rank_memory(stages: list[StageCost], cand: Candidate, options: CostOptions) 
     each stage's own peak because the stages do not peak together (bounded with the largest stage).
     """
     per_rank: dict[int, float] = {}
-    for r in range(cand.pp):
-        mine = [s for s in stages if s.rank == r]
+    by_rank: list[list[StageCost]] = [[] for _ in range(cand.pp)]
+    for s in stages:
+        by_rank[s.rank].append(s)
+    for r, mine in enumerate(by_rank):
         states = sum(memory_report(s, options).states for s in mine)
         if cand.virtual_stages > 1:
             per_mb = max(

@@ -6,6 +6,8 @@ Both the closed forms (`planner.cost.schedules`) and the discrete-event simulato
 
 from __future__ import annotations
 
+import functools
+
 from planner.names import SCHEDULES
 
 
@@ -46,6 +48,7 @@ def schedule_violation(schedule: str, p: int, m: int, v: int) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=65536)  # a pure function of its arguments, asked for every stage evaluated
 def stage_rank(schedule: str, p: int, v: int, stage: int) -> int:
     """The pipeline rank that runs `stage`.
 

@@ -9,6 +9,8 @@ to use for uneven stages or non-zero point-to-point time.
 
 from __future__ import annotations
 
+import functools
+
 from planner.cost.placement import check_stage, raise_if_refused, schedule_violation, stage_rank
 from planner.cost.simulate import simulate
 from planner.names import SCHEDULES
@@ -65,6 +67,7 @@ def iteration_time_uniform(
     return simulate(schedule, p, m, 2, [t_f / 2] * n, [t_b / 2] * n, [t_w / 2] * n).iteration_time
 
 
+@functools.lru_cache(maxsize=65536)  # a pure function of five ints, asked for every stage of every partition
 def in_flight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) -> int:
     """Peak number of micro-batches whose activations `stage` holds at once (forward run, backward not).
 
@@ -86,6 +89,7 @@ def in_flight_microbatches(schedule: str, p: int, m: int, v: int, stage: int) ->
     return _interleaved_stage_peak(p, m, v, stage)
 
 
+@functools.lru_cache(maxsize=65536)
 def rank_in_flight_microbatches(schedule: str, p: int, m: int, v: int, rank: int) -> int:
     """Peak number of (stage, micro-batch) activation sets held at once by all of `rank`'s stages.
 

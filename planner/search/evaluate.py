@@ -44,7 +44,7 @@ class Evaluated:
 def evaluate(pb: PartitionProblem, partition: list[list[int]], recompute: list[str]) -> Evaluated:
     """The cost model's figures for a fixed partition (what the ILP optimises, recomputed directly)."""
     cand, cluster, options, dtype = pb.cand, pb.cluster, pb.options, pb.dtype
-    stages = stage_costs(pb.graph, cluster, cand, partition, recompute, pb.costs, options)
+    stages = stage_costs(pb.graph, cluster, cand, partition, recompute, pb.costs, options, pb.stage_memo)
     obj = iteration_linear(stages, cand, options, cluster, dtype)
     tail = rank_tail(stages, cand, options, cluster, dtype)
     return Evaluated(cand, partition, recompute, stages, obj, rank_memory(stages, cand, options), tail)

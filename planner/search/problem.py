@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from planner.cost.memory import model_state_bytes_per_param
-from planner.cost.model import Candidate, CostOptions, UnitCost
+from planner.cost.model import Candidate, CostOptions, StageCost, UnitCost
 from planner.cost.placement import stage_rank
 from planner.cost.schedules import in_flight_microbatches
 from planner.cost.terms import (
@@ -60,6 +60,12 @@ class PartitionProblem:
     def capacity(self) -> float:
         """The bytes a rank may use (`terms.rank_capacity`)."""
         return rank_capacity(self.cluster, self.cand)
+
+    @functools.cached_property
+    def stage_memo(self) -> dict[tuple[int, tuple[int, ...], str, bool], StageCost]:
+        """Stage figures computed so far for this problem (`planner.cost.model.stage_costs`'s `memo`): the
+        partitions a solver or the brute force evaluates share most of their stages."""
+        return {}
 
     @functools.cached_property
     def totals(self) -> Totals:
