@@ -37,9 +37,11 @@ REFUSED = {
     # Llama's blocks keep 52 sbh in eager (fp32 RMSNorm, SwiGLU), and nothing drops under flash attention
     "llama3-405b-8192": "does not fit",
     "llama3-405b-16384": "does not fit",
-    # Meta ran cp16 with tp8 and sequence parallelism; the generated script does not combine cp with sp
-    # (torchtitan does, through DTensor), so the planner refuses the pinned layout with that reason
-    **({"llama3-405b-16384-cp16": "cp=16 with sp"} if planner_has_cp() else {}),
+    # Meta's cp16 x tp8 + sp row at seq 131,072: cp and sp combine, and the layout is refused for memory. Each
+    # layer keeps its own activations (1/cp of the tokens, split over tp by sp) plus the other cp ranks' keys and
+    # values gathered for the backward, and the sample Llama repeats its 8 kv heads to 128 before SDPA, so the
+    # gathered K/V are 16x what a GQA-aware exchange keeps; with the capacity lifted, rank 0 holds ~330 GiB
+    **({"llama3-405b-16384-cp16": "does not fit"} if planner_has_cp() else {}),
 }
 # Layouts the planner cannot express yet: listed by bench/accuracy.py as misses with this cause.
 NOT_EXPRESSIBLE = {} if planner_has_cp() else {"llama3-405b-16384-cp16": "context parallelism"}

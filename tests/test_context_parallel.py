@@ -21,8 +21,8 @@ from planner.errors import ConfigError
 from planner.hardware.load import load_cluster
 from planner.runtime.context import is_next_token_loss, next_token_labels, positions
 from planner.search.space import (
+    CP_ASYNC_TP_REFUSAL,
     CP_MIN_SEQ,
-    CP_SP_REFUSAL,
     CP_ZB_REFUSAL,
     Pins,
     enumerate_space,
@@ -106,10 +106,57 @@ def test_free_search_takes_cp_only_on_long_sequences():
     assert {1, 2, 4, 8} <= cps
     for c in long.candidates:
         assert c.dp * c.cp * c.tp * c.pp == 16
-        assert not (c.cp > 1 and c.sequence_parallel)
+        # cp with tp takes sequence parallelism (tp without it is dominated, as at cp 1), eagerly
+        assert not (c.cp > 1 and c.tp > 1 and not c.sequence_parallel)
+        assert not (c.cp > 1 and c.tp_overlap)
         assert not (c.cp > 1 and c.pp > 1 and c.schedule == "zero-bubble")
+    assert any(c.cp > 1 and c.tp > 1 and c.sequence_parallel for c in long.candidates)
     reasons = {why for _, why in long.rejected}
-    assert CP_SP_REFUSAL in reasons and CP_ZB_REFUSAL in reasons
+    assert CP_ZB_REFUSAL in reasons
+
+
+def test_cp2_tp2_with_sp_plans_and_its_costs_divide_by_cp_then_tp():
+    """cp first (each rank holds seq/cp tokens), then sequence parallelism over tp on that local sequence: the
+    activations outside the attention divide by cp and by tp, the tp reduce-scatter / all-gather carry the local
+    sequence, the K/V exchange is the one without sp."""
+    graph = sdpa_graph(seq=128)
+    space = enumerate_space(graph, H100, 8, Pins(cp=2, tp=2, micro_batch_size=1))
+    got = {(c.cp, c.tp, c.sequence_parallel, c.tp_overlap) for c in space.candidates}
+    assert got == {(2, 2, True, False)}  # without sp: dominated; async TP: refused under cp
+    assert any("without sp" in region for region, _ in space.rejected)
+    pinned = enumerate_space(graph, H100, 8, Pins(cp=2, tp=2, sequence_parallel=True, tp_overlap=True))
+    assert not pinned.candidates and CP_ASYNC_TP_REFUSAL in {why for _, why in pinned.rejected}
+
+    u = graph.units[0]
+    sp1 = unit_cost(u, cand(dp=4, tp=2, sequence_parallel=True), H100, "bf16")
+    sp2 = unit_cost(u, cand(dp=2, cp=2, tp=2, sequence_parallel=True), H100, "bf16")
+    tp2 = unit_cost(u, cand(dp=2, cp=2, tp=2), H100, "bf16")
+    kv = cp_kv_exchange_time(u.sdpa_kv_bytes, cand(dp=2, cp=2, tp=2), H100)
+    assert kv > 0
+    assert cp_kv_exchange_time(u.sdpa_kv_bytes, cand(dp=2, cp=2, tp=2, sequence_parallel=True), H100) == kv
+    # tp communication: the reduce-scatter + all-gather of seq/cp tokens, half of cp 1's
+    assert sp2.tp_comm_fwd == pytest.approx(sp1.tp_comm_fwd / 2) and sp2.tp_comm_fwd > 0
+    assert sp2.fwd == pytest.approx(sp1.fwd / 2 + kv)
+    # activations: cp 1's under sp halved, plus the gathered keys and values (micro-batch 2, split by heads over
+    # tp 2, the other cp rank's half)
+    gathered = u.sdpa_kv_bytes * 2 / 2 * (2 - 1) / 2
+    for mode in ("none", "selective", "full"):
+        extra = gathered if mode != "full" else 0.0
+        assert sp2.act[mode] == pytest.approx(sp1.act[mode] / 2 + extra)
+        assert sp2.act[mode] < tp2.act[mode]  # sp splits the norms' and residuals' tokens over tp too
+    # the unit's input, all full recomputation keeps: divided by cp x tp
+    assert sp2.act["full"] == pytest.approx(u.input_bytes * 2 / 4)
+
+
+def test_cp_with_sp_is_refused_where_tp_does_not_divide_the_local_sequence_or_the_graph_fixes_it():
+    # 24 tokens: 8 chunks of 3 for cp 4; each rank's 6 do not split over tp 4 (24 does)
+    space = enumerate_space(sdpa_graph(seq=24), H100, 16, Pins(cp=4, tp=4, sequence_parallel=True))
+    assert not space.candidates
+    assert any("each cp rank's 6 tokens" in why for _, why in space.rejected)
+    no_sp = enumerate_space(sdpa_graph(seq=24), H100, 16, Pins(cp=4, tp=4, micro_batch_size=1))
+    assert {c.sequence_parallel for c in no_sp.candidates} == {False}  # not taken as dominated
+    meta = enumerate_space(sdpa_graph(seq=128, trace="fx-meta"), H100, 8, Pins(cp=2, tp=2, sequence_parallel=True))
+    assert not meta.candidates and any("fixes the whole sequence" in why for _, why in meta.rejected)
 
 
 def test_cp_pin_is_planned_on_short_sequences_and_checked():
@@ -290,3 +337,20 @@ def test_search_with_cp_finds_the_brute_force_minimum_and_its_bounds_hold():
         got = search(graph, cl, batch, pins=pins, top_k=2)
         assert got.best.cand.cp == 2
         assert reported(got.best, graph, cl) <= best * (1 + 1e-9), seed
+
+
+def test_the_runtime_takes_cp_with_sp_where_tp_divides_each_cp_rank_share():
+    """The script's own checks, as the planner's: sp over tp 4 of a cp 4 rank's 6 tokens (of 24) is refused with
+    the numbers; async TP (compiled units) with cp is refused by the layout."""
+    from planner.runtime import Layout, RunError
+    from planner.runtime.errors import LayoutError
+    from planner.runtime.parallel import sequence_parallel
+
+    base = dict(pp=1, dp=1, tp=4, micro_batch_size=1, num_micro_batches=1, stages=[(0, ["a"])], cp=4,
+                mesh_dims=("pp", "dp", "cp", "tp"), sequence_parallel=True)
+    layout = Layout(**base)
+    assert layout.sp_enabled and layout.cp_enabled
+    with pytest.raises(RunError, match=r"length 24, 6 tokens on each of the 4 cp ranks\) over tp=4"):
+        sequence_parallel(None, {}, (torch.zeros(1, 24, dtype=torch.long),), None, layout)
+    with pytest.raises(LayoutError, match="without expert parallelism, async TP"):
+        Layout(**base, async_tp=True)

@@ -214,6 +214,7 @@ def _tp_worker(rank: int, init: str, results: str) -> None:
         _check_tied_weights_stay_tied(mesh)
         _check_norm_heads(mesh)
         _check_multihead_attention(mesh)
+        _check_sequence_parallel_on_a_cp_share(mesh)
         dist.barrier()
         if rank == 0:
             Path(results).write_text("ok")
@@ -359,6 +360,65 @@ def _check_multihead_attention(mesh) -> None:
             torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-6, msg=f"case {i} {name}")
 
 
+class NormedBlock(nn.Module):
+    """A pre-norm residual block around HeadNormAttention's shape (heads by -1): sequence parallelism's norm,
+    residual add and gathers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.attn = HeadNormAttention()
+        self.out = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn(self.norm(x))
+        return self.out(h)
+
+
+def _check_sequence_parallel_on_a_cp_share(mesh) -> None:
+    """The graph traced on the whole sequence (16 tokens), rewritten for sequence parallelism, runs on a cp rank's
+    share (8 tokens, split 4 + 4 over tp) as the whole model runs on those 8: the rewrite reads the length from the
+    tensors, so context parallelism may divide the sequence first (cp x tp with sp)."""
+    from torch import fx
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from planner.runtime.parallel import parallel_style, plan_sequence_parallel
+
+    torch.manual_seed(3)
+    whole = NormedBlock()
+    gm = fx.symbolic_trace(copy.deepcopy(whole))
+    values: dict = {}
+
+    class Record(fx.Interpreter):
+        def run_node(self, n):
+            values[n] = super().run_node(n)
+            return values[n]
+
+    with torch.no_grad():
+        Record(gm).run(torch.randn(2, 16, 8))
+    plan = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
+            "attn.q_norm": "norm_heads", "attn.k_norm": "norm_heads"}
+    styles = plan_sequence_parallel(gm, values, 16, mesh["tp"], plan)
+    assert {"norm", "out"} & set(styles)  # a norm runs on sequence slices
+    parallelize_module(gm, mesh["tp"], {
+        **{n: styles.get(n) or parallel_style(st, gm.get_submodule(n)) for n, st in plan.items()},
+        **{n: st for n, st in styles.items() if n not in plan},
+    })
+    x = torch.randn(2, 8, 8)  # the cp rank's share: the same on both tp ranks
+    x2 = x.clone().requires_grad_(True)
+    x.requires_grad_(True)
+    want = whole(x)
+    (want * torch.arange(want.numel()).view_as(want).sin()).sum().backward()
+    got = gm(x2)
+    (got * torch.arange(got.numel()).view_as(got).sin()).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-5, atol=1e-6)
+    for name, param in gm.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        torch.testing.assert_close(grad, whole.get_parameter(name).grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 class TiedLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -398,7 +458,8 @@ def _check_tied_weights_stay_tied(mesh) -> None:
 
 def test_apply_tp_on_two_gloo_ranks_matches_one_process(tmp_path):
     """apply_tp itself, fused qkv Linear (chunk reorder + ColwiseParallel) and Conv1D (ShardedConv1D): output,
-    input and weight gradients; tied embedding / LM head weights; norms over each head (norm_heads).
+    input and weight gradients; tied embedding / LM head weights; norms over each head (norm_heads); sequence
+    parallelism's rewrite run on a shorter sequence than traced (a cp rank's share).
     Spawned: a fork of a pytest-xdist worker can hang in gloo."""
     import torch.multiprocessing as mp
 

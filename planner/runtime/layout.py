@@ -241,10 +241,10 @@ class Layout:
                     f"With CP ({self.cp}) MESH_DIMS must order 'pp', 'dp', 'cp' and 'tp', got {list(self.mesh_dims)}. "
                     f"{_FIX}"
                 )
-            if self.ep > 1 or self.sp_enabled or (self.pp > 1 and self.schedule == "zero-bubble"):
+            if self.ep > 1 or self.async_tp or (self.pp > 1 and self.schedule == "zero-bubble"):
                 raise LayoutError(
-                    f"CP ({self.cp}) runs without expert parallelism, sequence parallelism and the zero-bubble "
-                    f"schedule (the planner refuses each, with the reason). {_FIX}"
+                    f"CP ({self.cp}) runs without expert parallelism, async TP and the zero-bubble schedule (the "
+                    f"planner refuses each, with the reason). {_FIX}"
                 )
         elif sorted(self.mesh_dims) != ["dp", "pp", "tp"]:
             raise LayoutError(f"MESH_DIMS must order 'pp', 'dp' and 'tp', got {list(self.mesh_dims)}. {_FIX}")

@@ -129,13 +129,17 @@ def sequence_parallel(
     gm: fx.GraphModule, values: dict[fx.Node, Any], example: tuple[torch.Tensor, ...], mesh: DeviceMesh,
     layout: Layout,
 ) -> dict[str, ParallelStyle]:
-    """plan_sequence_parallel for the example batch's sequence (dimension 1 of the first input), which tp
-    must divide."""
+    """plan_sequence_parallel for the example batch's sequence (dimension 1 of the first input), whose share on
+    each cp rank tp must divide. The graph is traced on the whole sequence; with context parallelism each rank
+    runs it on seq / cp tokens, its sizes read from the tensors (an fx trace), and sequence parallelism splits
+    that local sequence: its conversions (DTensor redistributions over the tp mesh) take the length they get."""
     first = example[0]
     seq_len = first.shape[1] if first.dim() >= 2 else 0
-    if not seq_len or seq_len % layout.tp:
+    local = seq_len // layout.cp
+    if not seq_len or local % layout.tp:
+        share = f", {local} tokens on each of the {layout.cp} cp ranks" if layout.cp_enabled else ""
         raise RunError(
-            f"Sequence parallelism splits the sequence (length {seq_len}) over tp={layout.tp}: it must "
+            f"Sequence parallelism splits the sequence (length {seq_len}{share}) over tp={layout.tp}: it must "
             "divide. Re-plan with sequence parallelism off or a tp degree that divides the sequence."
         )
     return plan_sequence_parallel(gm, values, seq_len, mesh, layout.tp_plan.styles, layout.sharded_heads)

@@ -311,14 +311,15 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                 ] += 1
                                 continue
                             no_sp = sequence_refusal(graph, tp)
+                            cp_no_sp = context_sequence_refusal(graph, cp, tp)
                             for sp in (False, True) if tp > 1 else (False,):
                                 if pins.sequence_parallel is not None and sp != pins.sequence_parallel:
                                     continue
                                 if sp and no_sp:
                                     rej[(f"tp={tp} with sp", no_sp)] += 1
                                     continue
-                                if sp and cp > 1:
-                                    rej[(f"cp={cp} with sp", CP_SP_REFUSAL)] += 1
+                                if sp and cp_no_sp:
+                                    rej[(f"cp={cp} x tp={tp} with sp", cp_no_sp)] += 1
                                     continue
                                 # The generated script must be able to run what is costed (issue 10): refuse
                                 # what its tensor parallelism cannot shard in a traced stage, with the reason.
@@ -331,7 +332,7 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                     continue
                                 if (
                                     pins.sequence_parallel is None and tp > 1 and not sp and not traced_tp_refusal
-                                    and not meta_traced and not no_sp and cp == 1
+                                    and not meta_traced and not no_sp and not cp_no_sp
                                 ):
                                     rej[
                                         (
@@ -341,7 +342,7 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
                                         )
                                     ] += 1
                                     continue
-                                overlaps = tp_overlaps(cluster, tp, sp, pins, rej)
+                                overlaps = tp_overlaps(cluster, tp, sp, pins, rej, cp)
                                 eps = ep_degrees(graph, dp, tp, pp, sp, pins, rej, schedule, cp) if overlaps else []
                                 for ep in eps:
                                     for ov in overlaps:
@@ -373,8 +374,10 @@ ASYNC_TP_DOMINATED = (
 )
 
 
-def async_tp_refusal(cluster: ClusterSpec, tp: int, sp: bool) -> str | None:
+def async_tp_refusal(cluster: ClusterSpec, tp: int, sp: bool, cp: int = 1) -> str | None:
     """Why torch's async TP cannot run here, if it cannot."""
+    if cp > 1:
+        return CP_ASYNC_TP_REFUSAL
     if tp <= 1:
         return "async TP overlaps tensor-parallel communication: it needs tp > 1"
     if not sp:
@@ -390,10 +393,12 @@ def async_tp_refusal(cluster: ClusterSpec, tp: int, sp: bool) -> str | None:
     return None
 
 
-def tp_overlaps(cluster: ClusterSpec, tp: int, sp: bool, pins: Pins, rej: Counter[tuple[str, str]]) -> list[bool]:
-    """The async-TP settings searched for (tp, sp): on where it runs (eager TP is dominated: counted), else
+def tp_overlaps(
+    cluster: ClusterSpec, tp: int, sp: bool, pins: Pins, rej: Counter[tuple[str, str]], cp: int = 1
+) -> list[bool]:
+    """The async-TP settings searched for (tp, sp, cp): on where it runs (eager TP is dominated: counted), else
     off; a pin keeps its own value, or nothing where async TP is pinned but cannot run (counted with why)."""
-    why = async_tp_refusal(cluster, tp, sp)
+    why = async_tp_refusal(cluster, tp, sp, cp)
     if pins.tp_overlap is False:
         return [False]
     if why:
@@ -542,11 +547,11 @@ CP_ZB_REFUSAL = (
     "frees its saved tensors after the first; use 1f1b or interleaved-1f1b with cp"
 )
 
-# Why cp > 1 is refused with sequence parallelism.
-CP_SP_REFUSAL = (
-    "sequence parallelism splits the sequence over the tp ranks by rewriting the traced graph's sizes, which the "
-    "cp ranks have already divided; the generated script does not combine the two (torchtitan does, through "
-    "DTensor); use cp with tp without sequence parallelism, or sp without cp"
+# Why torch's async TP is refused with cp > 1.
+CP_ASYNC_TP_REFUSAL = (
+    "async TP compiles each unit (torch.compile), and context parallelism routes the units' attention and "
+    "positions through a torch-function mode (runtime.context.ContextParallel) that compiled units have not been "
+    "run under; use cp with eager sequence parallelism (--no-async-tp)"
 )
 
 # Why ep > 1 is refused with cp > 1.
@@ -595,6 +600,33 @@ def context_refusal(graph: ModelGraph, cp: int, tp: int, pp: int) -> str | None:
         return (
             f"a pipeline runs the graph traced by {graph.trace_method}, which fixes the sequence length in its "
             "shapes; each cp rank runs a shorter one"
+        )
+    return None
+
+
+def context_sequence_refusal(graph: ModelGraph, cp: int, tp: int) -> str | None:
+    """Why sequence parallelism cannot split the cp ranks' share of the sequence over tp ranks; None if it can
+    (or cp = 1).
+
+    With both, cp divides first: each cp rank holds seq / cp tokens (chunks r and 2cp-1-r), and sequence
+    parallelism splits that local sequence over the tp ranks between the tensor-parallel regions (torchtitan's
+    order: the tp plan inside the context_parallel region of the cp mesh dimension). Sequence parallelism runs the
+    traced graph, which must take its sequence length from the tensors at run time (a graph traced with meta
+    values or by torch.export fixes the whole sequence's), and tp must divide the local length.
+    """
+    if cp <= 1:
+        return None
+    if graph.trace_method != "fx":
+        return (
+            f"sequence parallelism runs the graph traced by {graph.trace_method}, which fixes the whole sequence's "
+            "length in its shapes; each cp rank runs 1/cp of it"
+        )
+    shapes = graph.sample_input_shapes
+    seq = shapes[0][1] if shapes and len(shapes[0]) >= 2 else 0
+    if seq and (seq // cp) % tp:
+        return (
+            f"sequence parallelism splits each cp rank's {seq // cp} tokens ({seq} over cp={cp}) over tp={tp} ranks, "
+            "which must divide them"
         )
     return None
 

@@ -53,10 +53,27 @@ def test_cp2_pp2_trains_like_one_process(tmp_path):
 def test_cp2_tp2_trains_like_one_process(tmp_path):
     """GPT with tensor parallelism over its heads (the model as written, head count divided), each tp rank's heads
     all-gathering their keys and values over the cp ranks."""
-    plan, metrics, expected = plan_and_train(tmp_path, ROOT / "sample_models" / "gpt.py", ["--tp", "2"])
+    plan, metrics, expected = plan_and_train(
+        tmp_path, ROOT / "sample_models" / "gpt.py", ["--tp", "2", "--no-sequence-parallel"]
+    )
     p = plan.parallel
     assert (p.dp, p.cp, p.tp, p.sequence_parallel) == (1, 2, 2, False)
     assert_same_training(metrics, expected)
+
+
+@pytest.mark.corpus
+def test_cp2_tp2_with_sequence_parallelism_trains_like_one_process(tmp_path):
+    """cp first, then sp: each cp rank holds half of every sequence (head-tail order), and sequence parallelism
+    splits that half over the tp ranks in the traced graph's norms and residual adds, gathering it (over tp) where
+    attention and the MLP begin; attention all-gathers its keys and values over cp as without sp."""
+    plan, metrics, expected = plan_and_train(
+        tmp_path, ROOT / "sample_models" / "gpt.py", ["--tp", "2", "--sequence-parallel"]
+    )
+    p = plan.parallel
+    assert (p.dp, p.cp, p.tp, p.sequence_parallel) == (1, 2, 2, True)
+    assert plan.predicted.comm.context_parallel_s > 0 and plan.predicted.comm.tensor_parallel_s > 0
+    assert_same_training(metrics, expected)
+    assert {(r.get("cp"), r.get("tp")) for r in metrics["ranks"]} == {(0, 0), (0, 1), (1, 0), (1, 1)}
 
 
 @pytest.mark.corpus
