@@ -406,6 +406,9 @@ def cut_into_pieces(gm: fx.GraphModule, values: dict[fx.Node, Any], layout: Layo
     if spec is not None and spec.is_leaf():
         (model_output,) = model_output
         spec = None
+    nodes_of: list[list[fx.Node]] = [[] for _ in keys]  # each piece's own nodes, in graph order
+    for node, p in piece_of.items():
+        nodes_of[p].append(node)
     pieces = []
     for k, (stage, owner) in enumerate(keys):
         graph = fx.Graph()
@@ -425,9 +428,8 @@ def cut_into_pieces(gm: fx.GraphModule, values: dict[fx.Node, Any], layout: Layo
                 env[n] = graph.node_copy(n, value)
             return env[n]
 
-        for node, p in piece_of.items():
-            if p == k:
-                env[node] = graph.node_copy(node, value)
+        for node in nodes_of[k]:
+            env[node] = graph.node_copy(node, value)
         if k < last:
             graph.output(tuple(value(v) for v in live_into(k + 1)))
         else:
