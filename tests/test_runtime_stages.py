@@ -406,3 +406,35 @@ def test_a_receiving_stage_returns_its_input_gradients_contiguous():
         out = stage(x)
         (grad,) = torch.autograd.grad(out.sum(), x)  # as the pipeline's backward computes input gradients
         assert grad.is_contiguous() == contiguous
+
+
+def test_a_trace_made_ahead_stands_for_one_whose_extra_leaves_fx_keeps_as_calls_anyway():
+    """The check worker's trace (no leaves) is reused by a TP plan's check, which names the TP plan's modules as
+    leaves: an nn.Linear is one call either way, so the graph is the same; a module fx would trace through is not."""
+    from planner.runtime.stages import Traced, trace
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.fc(x))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block()
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.block(x))
+
+    model = Net().to("meta")
+    inputs = (torch.empty(2, 4, device="meta"),)
+    ahead = Traced(model, inputs, frozenset(), trace(model, inputs))
+    reused = ahead.reuse(model, inputs, frozenset({"head", "block.fc"}))
+    assert reused is not None and reused[0] is ahead.gm
+    assert ahead.reuse(model, inputs, frozenset({"block"})) is None  # Block kept as a call: another graph
+    kept = trace(model, inputs, leaves=frozenset({"block"}))[0]
+    assert [n.target for n in kept.graph.nodes if n.op == "call_module"] == ["block", "head"]

@@ -110,7 +110,9 @@ class Traced:
         """What `trace(model, inputs, leaves=leaves)` returns, from this trace: as it is for the same inputs'
         shapes, and for other shapes a plain torch.fx graph (which holds no shape) run again on the inputs;
         None where it cannot stand for that trace (then trace)."""
-        if model is not self.model or leaves != self.leaves or self.method not in ("fx", "fx-meta"):
+        if model is not self.model or self.method not in ("fx", "fx-meta"):
+            return None
+        if _kept_as_calls(model, leaves) != _kept_as_calls(model, self.leaves):
             return None
         if _signature(inputs) == self.signature:
             return self.gm, self.values, self.method
@@ -122,6 +124,24 @@ class Traced:
         except Exception:  # noqa: BLE001 - the trace proper then decides (and falls back) as it would
             return None
         return self.gm, recorder.values, self.method
+
+
+def _kept_as_calls(model: nn.Module, leaves: frozenset[str]) -> frozenset[str]:
+    """The modules of `leaves` that change a trace: those the tracers would otherwise trace through (a module
+    torch.fx keeps as one call anyway, an nn.Linear a TP plan names, is the same call either way)."""
+    from .tracers import BufferTracer
+
+    plain = BufferTracer()
+    kept = set()
+    for name in leaves:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            kept.add(name)
+            continue
+        if not plain.is_leaf_module(module, name):
+            kept.add(name)
+    return frozenset(kept)
 
 
 def _signature(inputs: Sequence[Any]) -> tuple[Any, ...]:
