@@ -184,10 +184,6 @@ def check_plan_runs(
         _run_data_parallel(case, outside, meta_model)
         return "module"
     gm, values, method = traced
-    with _failing_as("Tracing the model"):
-        pieces = cut_into_pieces(gm, values, layout)
-    case.checkpoint()
-    _copy_tied(layout, gm, pieces, meta_model)
     refused: RefusedLayout | None = None
     if layout.tp_enabled:
         # The stages as the run shards them. Where that runs, so do the stages as written (the same code, each
@@ -200,7 +196,17 @@ def check_plan_runs(
             refused, ran = e, False
         if ran and layout.schedule != "zero-bubble":
             return method
-        meta_model = build_model(user, spec, training.seed, everything_on_meta=True)  # the shard changed it
+        # The shard changed the model, and the TP rewrite the graph: the stages as written start afresh (rarely:
+        # a refused layout, or zero-bubble's split backward).
+        meta_model = build_model(user, spec, training.seed, everything_on_meta=True)
+        with _failing_as("Tracing the model"):
+            gm, values, method = trace_for_plan(
+                user, spec, layout, training.seed, example, device_type=device_type, meta_model=meta_model
+            )
+    with _failing_as("Tracing the model"):
+        pieces = cut_into_pieces(gm, values, layout)
+    case.checkpoint()
+    _copy_tied(layout, gm, pieces, meta_model)
     with MetaMemo():  # each distinct op runs its meta kernel once: repeated blocks cost one
         stage_inputs = _run_stages(case, gm, pieces, meta_model)
     if refused is not None:
@@ -629,6 +635,7 @@ def _run_tp_stages(case: CheckCase, gm: fx.GraphModule, values: dict[fx.Node, An
                 sp_styles = sequence_parallel(gm, values, case.example, mesh, layout) if layout.sp_enabled else {}
                 case.checkpoint()
                 pieces = cut_into_pieces(gm, values, layout)
+            _copy_tied(layout, gm, pieces, model)  # before the shard, as the run copies tied weights first
             _run_stages(
                 dataclasses.replace(case, layout=layout), gm, pieces, model,
                 prepare=lambda piece: apply_tp(piece, mesh, layout, sp_styles),
