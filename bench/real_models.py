@@ -1,7 +1,8 @@
 """Plan real models at full size on meta from their Hugging Face configs, and print how long it takes.
 
     python bench/real_models.py            # Llama-3-70B, Mixtral-8x7B, DeepSeek-V2-Lite, Qwen1.5-MoE,
-                                           # Qwen3-30B-A3B, Mamba-2.8B (seq 2048) on 64 H100s (8 nodes),
+                                           # Qwen3-30B-A3B, Mamba-2.8B, Mamba-2 2.7B (seq 2048)
+                                           # on 64 H100s (8 nodes),
                                            # DeepSeek-V3 671B on 512 H100s (64 nodes), Whisper large-v3
                                            # and a CLIP ViT-L/14 pair (model files),
                                            # + torchtitan llama3 70B and deepseek_v3 16B when installed
@@ -96,6 +97,14 @@ CONFIGS = {
         "time_step_rank": 160, "vocab_size": 50280, "layer_norm_epsilon": 1e-5, "use_bias": False,
         "use_conv_bias": True, "residual_in_fp32": True, "tie_word_embeddings": True,
     },
+    # Mamba-2 2.7B (state-spaces/mamba2-2.7b): 64 Mamba-2 blocks (SSD: 80 heads of 64, state 128, one group,
+    # chunks of 256), no attention; planned at seq 2048.
+    "state-spaces/mamba2-2.7b": {
+        "model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "hidden_size": 2560,
+        "num_hidden_layers": 64, "expand": 2, "head_dim": 64, "num_heads": 80, "state_size": 128, "n_groups": 1,
+        "chunk_size": 256, "conv_kernel": 4, "vocab_size": 50280, "layer_norm_epsilon": 1e-5, "use_bias": False,
+        "use_conv_bias": True, "residual_in_fp32": True, "rms_norm": True, "tie_word_embeddings": True,
+    },
 }
 
 # Models whose inputs are not token ids (the `hf:` source's example inputs): model files that build the
@@ -178,7 +187,7 @@ FILES = {
 }
 
 # What each model is planned with, where not the default (seq 4096 on 8 nodes of 8 H100s).
-SEQ = {"state-spaces/mamba-2.8b-hf": 2048}
+SEQ = {"state-spaces/mamba-2.8b-hf": 2048, "state-spaces/mamba2-2.7b": 2048}
 NODES = {"deepseek-ai/DeepSeek-V3": 64}
 BUDGET_S = 5.0  # issue 27: each cold plan within this on the development machine
 

@@ -222,6 +222,9 @@ REFUSED = {
     # Mamba-1's x_proj reduces over the inner channels in_proj would shard: no column/row pair in a block
     ("hf_mamba", "tp2xdp2"): "no Linear pairs",
     ("mamba_minimal", "tp2xdp2"): "no Linear pairs",
+    # Mamba-2's in_proj and out_proj are inside its mixer, one call in the trace (its scan); sharding it by heads
+    # takes a mixer of its own (Megatron's MambaMixer), which the planner does not write
+    ("hf_mamba2", "tp2xdp2"): "no Linear pairs",
     ("lstm_lm", "tp2xdp2"): "no Linear pairs",  # the recurrence is one nn.LSTM; the decoder has no partner
 }
 
@@ -264,6 +267,111 @@ def test_mamba_is_costed_as_its_fused_kernels(name):
     embed, layer = 96 * 32, 32 + 32 * 128 + 64 * 5 + 64 * (rank + 2 * n) + 3 * 64 + 64 * n + 64 + 64 * 32
     assert graph.total_params == embed + 4 * layer + 32  # every parameter once (A_log and D too), the head tied
     assert took < 20, took
+
+
+def test_mamba2_is_costed_as_the_ssd_kernels():
+    """transformers' Mamba-2 without mamba_ssm runs the SSD scan as torch einsums over (chunk x chunk) blocks in
+    fp32: counted op by op, 10x the activations and 8x the bytes the fused kernels move. Each mixer is counted
+    as mamba_ssm's mamba_split_conv1d_scan_combined: in_proj and out_proj as matmuls (exactly), the chunked scan's
+    products on the tensor cores as ssd_flops (exactly: Dao & Gu 2024, sec. 6, here with 2048 / 8 chunks of 8
+    and two groups), and the whole forward within 10% of matmuls + SSD + convolution (the rest: the gated norm,
+    D's skip, the decays, the block's RMS norm). It keeps what the kernel saves for backward: in_proj's output,
+    the scan's output and 1/rms (plus the block's norm and in_proj's input), not the blocks."""
+    from planner.model.analysis import analyse_model
+    from planner.model.kernels import ssd_flops
+    from planner.model.load import load_model_file
+
+    seq = 2048
+    graph = analyse_model(load_model_file(AUTHORED / "hf_mamba2.py", dtype="bf16", model_args={"seq": seq}))
+    blocks = [u for u in graph.units if u.kind == "block"]
+    assert [u.name for u in blocks] == [f"backbone.layers.{i}" for i in range(4)]
+    block = blocks[0]
+    d_model, d_inner, heads, headdim, groups, state, chunk, width = 32, 64, 8, 8, 2, 8, 8, 4
+    conv_dim = d_inner + 2 * groups * state
+    in_proj = d_inner + conv_dim + heads  # [z, x, B, C, dt]
+    matmul = 2 * seq * (d_model * in_proj + d_inner * d_model)
+    ssd = 2 * seq * chunk * (groups * state + heads * headdim) + 4 * seq * heads * headdim * state
+    assert ssd_flops(1, seq, heads, headdim, groups, state, chunk) == ssd
+    assert ssd_flops(1, 20, heads, headdim, groups, state, chunk) == (  # chunks of 8, 8 and 4
+        2 * (8 * 8 + 8 * 8 + 4 * 4) * (groups * state + heads * headdim) + 4 * 20 * heads * headdim * state
+    )
+    assert block.matmul_flops == pytest.approx(matmul, rel=1e-9)
+    assert block.attention_flops == pytest.approx(ssd, rel=1e-9)
+    assert block.fwd_flops == pytest.approx(matmul + ssd + 2 * width * conv_dim * seq, rel=0.10)
+    assert block.bwd_attention_flops > 2 * block.attention_flops  # and the recomputed C B^T and chunk states
+    kernel_saved = seq * (in_proj * 2 + d_inner * 2 + groups * 4)  # zxbcdt, the scan's output (bf16), 1/rms
+    assert kernel_saved < block.activation_bytes < 2.5 * kernel_saved
+    assert block.memory_bound_bytes < 10e6  # the einsum path: 62 MB
+
+
+# Hybrids whose mixer is transformers' Mamba-2 mixer under another name, at test size (their class, model, config)
+HYBRID_MAMBA2 = {
+    "Bamba": ("BambaConfig", "BambaForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, mamba_n_heads=8, mamba_d_head=16,
+        mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16, attn_layer_indices=[1])),
+    "Zamba2": ("Zamba2Config", "Zamba2ForCausalLM", dict(
+        layers_block_type=["mamba", "hybrid"], num_attention_heads=4, mamba_headdim=16, n_mamba_heads=8,
+        mamba_d_state=8, mamba_ngroups=1, chunk_size=16)),
+    "NemotronH": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, mamba_num_heads=8, mamba_head_dim=16,
+        ssm_state_size=8, n_groups=1, chunk_size=16)),
+    "FalconH1": ("FalconH1Config", "FalconH1ForCausalLM", dict(  # no gated norm (mamba_rms_norm=False)
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, mamba_n_heads=8, mamba_d_head=16,
+        mamba_d_ssm=128, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16)),
+    "GraniteMoeHybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, mamba_n_heads=8, mamba_d_head=16,
+        mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HYBRID_MAMBA2))
+def test_hybrids_mamba2_mixers_run_as_the_ssd_kernels(name):
+    """The hybrids' Mamba-2 mixers (transformers' copies of Mamba2Mixer) are recognised and run as the fused
+    path: the stand-in's output has the mixer's own output's shape and every weight it reads gets a gradient."""
+    import transformers
+
+    from planner.model.kernels import fused_mixer
+    from planner.runtime.scans import is_ssm_mixer
+
+    config_cls, model_cls, sizes = HYBRID_MAMBA2[name]
+    config = getattr(transformers, config_cls)(vocab_size=96, hidden_size=64, num_hidden_layers=2, **sizes)
+    with torch.device("meta"):
+        model = getattr(transformers, model_cls)(config)
+    mixer = next(m for m in model.modules() if is_ssm_mixer(m))
+    forward = fused_mixer(mixer)
+    assert forward is not None, type(mixer).__name__
+    x = torch.zeros(2, 40, 64, device="meta", requires_grad=True)
+    y = forward(x)
+    assert y.shape == mixer(x).shape
+    y.float().sum().backward()
+    for weight in (mixer.in_proj.weight, mixer.out_proj.weight, mixer.conv1d.weight, mixer.A_log, mixer.D):
+        assert weight.grad is not None and weight.grad.shape == weight.shape
+
+
+def test_the_check_recomputes_the_mixer_that_ran_a_scan():
+    """A plan with activation checkpointing: the check's first mixer runs its code and the repeats return the
+    recorded shape; its recomputation in backward used to find its own call recorded and return the repeat,
+    saving fewer tensors than its forward did (CheckpointError), which failed Mamba's and Mamba-2's plans on meta
+    whenever recomputation was chosen. The mixer that ran a call runs it again."""
+    import transformers
+    from torch.utils.checkpoint import checkpoint
+
+    from planner.codegen.check import mixer_stand_in
+    from planner.runtime.scans import each_scan_once
+
+    config = transformers.Mamba2Config(vocab_size=96, hidden_size=32, num_heads=8, head_dim=8, state_size=8,
+                                       n_groups=2, chunk_size=8, num_hidden_layers=3)
+    with torch.device("meta"):
+        model = transformers.Mamba2ForCausalLM(config)
+    ids = torch.zeros(2, 20, dtype=torch.long, device="meta")
+    for device in ("cuda", "cpu"):
+        with each_scan_once(mixer_stand_in(device)):
+            h = model.backbone.embeddings(ids)
+            for layer in model.backbone.layers:
+                h = checkpoint(layer, h, use_reentrant=False)
+            model.lm_head(model.backbone.norm_f(h)).float().sum().backward()
+        assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+        model.zero_grad(set_to_none=True)
 
 
 def test_the_scan_rule_and_the_check_run_each_distinct_mixer_once():

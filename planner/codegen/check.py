@@ -59,9 +59,9 @@ def check_runs(inputs: CheckInputs, prepared: Prepared | None = None, cancel: Ca
 
 def mixer_stand_in(device_type: str) -> Callable[[Any], Any] | None:
     """How the check runs a Mamba mixer on meta for a run on `device_type`: on GPUs as the fused kernels
-    (planner.model.kernels.fused_mixer, where the mixer's layout is Mamba-1's; mamba_ssm's training path, which
-    transformers' mixers and state-spaces' Mamba take there), on the CPU as written (its reference scan, which
-    the CPU run takes)."""
+    (planner.model.kernels.fused_mixer, where the mixer's layout is Mamba-1's or Mamba-2's; mamba_ssm's training
+    path, which transformers' mixers and state-spaces' Mamba take there), on the CPU as written (its reference
+    scan, which the CPU run takes)."""
     if device_type == "cpu":
         return None
     from planner.model.kernels import fused_mixer

@@ -160,13 +160,16 @@ def _make_counter(counts: Counts, tagged: frozenset[int] = frozenset()) -> _Phas
             name = packet.__name__
             kernel = KERNEL_COSTS.get(name) if packet.__module__ == "torch._ops.planner" else None
             if kernel is not None:  # a fused kernel's stand-in (planner.model.kernels): its own FLOPs and bytes
-                flops, nbytes = kernel(args, out)
+                flops, nbytes, *core = kernel(args, out)
+                tensor_core = core[0] if core else 0.0  # timed as fused attention kernels are
                 if self.phase == "fwd":
                     counts.fwd_flops += flops
                     counts.fwd_mem_bytes += nbytes
+                    counts.fwd_attention += tensor_core
                 else:
                     counts.bwd_flops += flops
                     counts.bwd_mem_bytes += nbytes
+                    counts.bwd_attention += tensor_core
                 return out
             flops = 0.0
             if packet in flop_registry:

@@ -78,7 +78,8 @@ def each_scan_once(
 ) -> Iterator[None]:
     """While active, a Mamba mixer called on meta (or fake) tensors runs its own code the first time it is called
     with given parameter and input shapes; a repeat (the model's other identical layers, a recomputation) returns
-    a tensor of the recorded output's shape whose backward gives every input and parameter a gradient of its shape.
+    a tensor of the recorded output's shape whose backward gives every input and parameter a gradient of its shape
+    (the mixer that ran the first call runs its code again when so called: a checkpoint's recomputation).
     A mixer class is patched when a module holding one of its modules is first called (a global forward pre-hook:
     the model's first call, before any mixer runs; a global forward hook records the first output), for every
     instance and every path that calls it (a module call, fx's leaf call, the tracer's meta value); the patches
@@ -89,7 +90,7 @@ def each_scan_once(
     over the time steps, seconds at seq 2048 on meta, which only a run without the kernels takes)."""
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-    seen: dict[Any, torch.Tensor] = {}
+    seen: dict[Any, tuple[torch.Tensor, int]] = {}  # a call's key -> its output, the id of the mixer that ran it
     mixers: dict[type, bool] = {}
     saved: dict[type, Callable[..., Any] | None] = {}
 
@@ -100,8 +101,10 @@ def each_scan_once(
     def once(cls: type, forward: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             tensors = on_meta(args, kwargs)
-            like = seen.get(_key(self, args, kwargs)) if tensors is not None and type(self) is cls else None
-            if like is None:
+            like, owner = seen.get(_key(self, args, kwargs), (None, 0)) if tensors is not None else (None, 0)
+            # The mixer that ran a call's code runs it again when called so again (activation checkpointing's
+            # recomputation must save what its forward saved, or torch.utils.checkpoint raises)
+            if like is None or owner == id(self) or type(self) is not cls:
                 fused = stand_in(self) if stand_in is not None and tensors is not None else None
                 if fused is not None:
                     return fused(*args, **kwargs)
@@ -129,7 +132,7 @@ def each_scan_once(
 
     def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if mixers.get(type(module)) and isinstance(out, torch.Tensor) and on_meta(args, kwargs) is not None:
-            seen.setdefault(_key(module, args, kwargs), out.detach())
+            seen.setdefault(_key(module, args, kwargs), (out.detach(), id(module)))
 
     handles = [register_module_forward_pre_hook(patch), register_module_forward_hook(record, with_kwargs=True)]
     try:

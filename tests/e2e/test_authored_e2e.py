@@ -2,8 +2,8 @@
 micro-batches: CLIP's 0-dim `logit_scale` is refused by FSDP2's fully_shard, so the script keeps scalar
 parameters whole on every rank and averages their gradients over dp (dp4, ZeRO-1); Whisper reads its token
 embedding's weight outside the embedding (its logits), which ZeRO-3 and a vocab-parallel split must both allow
-for; transformers' Mamba and Jamba (state-space mixers, Jamba's mixture of experts) in a pipeline (pp2 x dp2);
-nn.TransformerEncoder's MultiheadAttention sharded by heads (tp2 x dp2)."""
+for; transformers' Mamba, Mamba-2 and Jamba (state-space mixers, Jamba's mixture of experts) in a pipeline
+(pp2 x dp2); nn.TransformerEncoder's MultiheadAttention sharded by heads (tp2 x dp2)."""
 
 from __future__ import annotations
 
@@ -42,13 +42,14 @@ def test_scalar_parameter_launches_and_trains_like_one_process(tmp_path):
 # 90 s each on 4 CPU ranks: under -m corpus and in bench/corpus_train.py --authored; CI checks the causes
 # (tests/test_runtime_init.py: a stage's Mamba init; tests/test_moe.py: experts kept as calls on meta)
 @pytest.mark.corpus
-@pytest.mark.parametrize("model", ["hf_mamba", "hf_jamba"])
+@pytest.mark.parametrize("model", ["hf_mamba", "hf_mamba2", "hf_jamba"])
 def test_state_space_model_trains_in_a_pipeline_like_one_process(model, tmp_path):
     """hf_mamba: Mamba's `_init_weights` draws its dt_proj bias with torch.rand, which each stage drew from a
     different point of the generator (2.6e-4 off after 3 steps) until each module's init got a seed of its own
     name. hf_jamba: its experts' code cannot run on meta (grouped_mm), which sent the trace to torch.export,
     whose graph inlines the Mamba mixers (a constant made in their scan); the trace with meta values now keeps
-    the experts as calls of their input's shape, and the mixers as calls."""
+    the experts as calls of their input's shape, and the mixers as calls. hf_mamba2: its mixers planned as the
+    SSD kernels (planner.model.kernels) and run as written (the torch SSD scan on the CPU)."""
     plan_args = corpus_plan_args(model, "pp2xdp2", tmp_path / "plan")[1:-3]  # (plan_and_train adds --out, --quiet)
     plan, metrics, expected = plan_and_train(tmp_path, plan_args)
     assert plan.parallel.pp == 2 and plan.parallel.dp == 2
