@@ -480,7 +480,8 @@ def test_batch_norm_is_compared_with_one_process_over_micro_batches_of_four():
     layout sums them in another order (an all-reduce, a pipeline's accumulation), the same maths. Batch norm over
     2 samples turns that last-bit difference into 1e-4-1e-3 of loss by step 3 in one process alone (dp4 was 1.3e-4
     and pp2 x dp2 5e-5 off, both exact at steps 1 and 2), so the bench compares batchnorm_mlp over micro-batches
-    of 4 (tests/e2e/hf_plans.py BATCHES), where reordering moves it well inside the tolerance."""
+    of 4 (tests/e2e/hf_plans.py BATCHES), where reordering moves it well inside the tolerance. How far micro-batches
+    of 2 drift depends on the machine's kernels (2e-4 here, 3e-6 on CI's), so only the bench's choice is asserted."""
     import copy
     import importlib.util
     import sys
@@ -520,5 +521,4 @@ def test_batch_norm_is_compared_with_one_process_over_micro_batches_of_four():
     def reordered(micro: int) -> float:
         return max(abs(a - b) for a, b in zip(losses(micro, False), losses(micro, True), strict=True))
 
-    assert reordered(2) > 10 * LOSS_TOL
     assert BATCHES["batchnorm_mlp"][1] == 4 and reordered(4) < LOSS_TOL / 10
