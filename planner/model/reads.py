@@ -74,13 +74,20 @@ def _installed_roots() -> tuple[str, ...]:
 _ROOTS: tuple[str, ...] | None = None
 
 
-def _relevant(path: str) -> bool:
+def _relevant(path: str, real: str | None = None) -> bool:
+    """Whether a read of `path` (its real path `real`, where known) can change the model: not a device, a
+    cache or an installed package's file."""
     global _ROOTS
     if _ROOTS is None:
         _ROOTS = _installed_roots()
     if path.startswith(("/dev/", "/proc/", "/sys/")) or "__pycache__" in path:
         return False
-    return not os.path.realpath(path).startswith(_ROOTS)
+    return not (os.path.realpath(path) if real is None else real).startswith(_ROOTS)
+
+
+# A module's file -> its real path, resolved once: an imported module's file stays where it is, and the
+# thousands torch and transformers import are resolved (a stat of each path component) in every recording.
+_MODULE_REAL: dict[str, str] = {}
 
 
 def _hook(event: str, args: tuple[Any, ...]) -> None:
@@ -116,7 +123,10 @@ def _module_files(before: set[str], folder: str | None) -> set[str]:
         if not isinstance(file, str):
             continue
         file = os.path.abspath(file)
-        if (name not in before or (inside and os.path.realpath(file).startswith(inside))) and _relevant(file):
+        real = _MODULE_REAL.get(file)
+        if real is None:
+            real = _MODULE_REAL[file] = os.path.realpath(file)
+        if (name not in before or (inside and real.startswith(inside))) and _relevant(file, real):
             out.add(file)
     return out
 
