@@ -186,7 +186,7 @@ def test_memory_report_is_the_peak_of_a_rank_of_one_stage(options, parts):
     peak counts beside the activations."""
     from types import SimpleNamespace
 
-    from planner.cost.memory import memory_report
+    from planner.cost.memory import held_states, memory_report
 
     weights, gradients, optimizer, activations, buffers = parts
     stage = SimpleNamespace(
@@ -194,6 +194,7 @@ def test_memory_report_is_the_peak_of_a_rank_of_one_stage(options, parts):
     )
     report = memory_report(stage, options)
     assert report.states == weights + gradients + optimizer + buffers
+    assert held_states(stage) == report.states  # the search's sum (rank_memory), the same float
     assert report.workspace >= options.workspace_bytes
     peak = terms.rank_peak_bytes(report.states, activations, options)
     assert report.total == pytest.approx(peak, rel=1e-12, abs=1e-3)

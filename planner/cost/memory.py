@@ -129,12 +129,19 @@ class MemoryReport:
 
     @property
     def states(self) -> float:
-        """What the stage holds whatever its micro-batches: model states and communication buffers."""
+        """What the stage holds whatever its micro-batches: model states and communication buffers (`held_states`
+        sums the same, in the same order, without the report)."""
         return self.weights + self.gradients + self.optimizer + self.comm_buffers
 
     @property
     def total(self) -> float:
         return self.weights + self.gradients + self.optimizer + self.activations + self.comm_buffers + self.workspace
+
+
+def held_states(stage: StageBytes) -> float:
+    """`MemoryReport.states` of a stage without making its report (the search sums it for every partition it
+    evaluates); the same sum in the same order, so the same float."""
+    return stage.weights + stage.gradients + stage.optimizer + stage.comm_buffers
 
 
 def memory_report(stage: StageBytes, options: CostOptions) -> MemoryReport:

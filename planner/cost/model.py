@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from planner.cost import collectives as coll
 from planner.cost.candidate import Candidate, CostOptions, GiB
-from planner.cost.memory import activation_bytes, memory_report, model_state_bytes_per_param
+from planner.cost.memory import activation_bytes, held_states, model_state_bytes_per_param
 from planner.cost.placement import stage_rank
 from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches
 from planner.cost.terms import (
@@ -491,7 +491,7 @@ def rank_memory(stages: list[StageCost], cand: Candidate, options: CostOptions) 
     for s in stages:
         by_rank[s.rank].append(s)
     for r, mine in enumerate(by_rank):
-        states = sum(memory_report(s, options).states for s in mine)
+        states = sum(held_states(s) for s in mine)
         if cand.virtual_stages > 1:
             per_mb = max(
                 s.activations
@@ -550,9 +550,10 @@ def rank_tail(
     stages: list[StageCost], cand: Candidate, options: CostOptions, cluster: ClusterSpec, dtype: str
 ) -> float:
     """max over ranks of (exposed data-parallel sync + optimizer step), paid after the pipeline drains."""
-    return max(
-        sum(rank_tail_parts([s for s in stages if s.rank == r], cand, options, cluster, dtype)) for r in range(cand.pp)
-    )
+    by_rank: list[list[StageCost]] = [[] for _ in range(cand.pp)]
+    for s in stages:
+        by_rank[s.rank].append(s)
+    return max(sum(rank_tail_parts(mine, cand, options, cluster, dtype)) for mine in by_rank)
 
 
 def stage_time_with_gathers(s: StageCost) -> float:
