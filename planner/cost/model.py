@@ -562,9 +562,15 @@ def stage_time_with_gathers(s: StageCost) -> float:
 
 
 def iteration_linear(
-    stages: list[StageCost], cand: Candidate, options: CostOptions, cluster: ClusterSpec, dtype: str
+    stages: list[StageCost],
+    cand: Candidate,
+    options: CostOptions,
+    cluster: ClusterSpec,
+    dtype: str,
+    tail: float | None = None,
 ) -> float:
-    """The full linear objective: pipeline (with ZeRO-3 gathers) plus the data-parallel/optimizer tail."""
+    """The full linear objective: pipeline (with ZeRO-3 gathers) plus the data-parallel/optimizer tail (`tail`:
+    `rank_tail` of these stages, where the caller has it)."""
     totals = [stage_time_with_gathers(s) for s in stages]
     pipe = pipeline_time_linear(cand, [s.fwd for s in stages], totals, [s.p2p for s in stages[:-1]])
-    return pipe + rank_tail(stages, cand, options, cluster, dtype)
+    return pipe + (rank_tail(stages, cand, options, cluster, dtype) if tail is None else tail)

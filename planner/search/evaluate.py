@@ -43,11 +43,24 @@ class Evaluated:
 
 def evaluate(pb: PartitionProblem, partition: list[list[int]], recompute: list[str]) -> Evaluated:
     """The cost model's figures for a fixed partition (what the ILP optimises, recomputed directly)."""
+    out = evaluate_fitting(pb, partition, recompute, capacity=None)
+    assert out is not None
+    return out
+
+
+def evaluate_fitting(
+    pb: PartitionProblem, partition: list[list[int]], recompute: list[str], capacity: float | None
+) -> Evaluated | None:
+    """`evaluate`, or None where a rank's memory exceeds `capacity` (its times then not computed: the
+    brute-force references go through every partition, most of which do not fit)."""
     cand, cluster, options, dtype = pb.cand, pb.cluster, pb.options, pb.dtype
     stages = stage_costs(pb.graph, cluster, cand, partition, recompute, pb.costs, options, pb.stage_memo)
-    obj = iteration_linear(stages, cand, options, cluster, dtype)
+    memory = rank_memory(stages, cand, options)
+    if capacity is not None and max(memory.values()) > capacity:
+        return None
     tail = rank_tail(stages, cand, options, cluster, dtype)
-    return Evaluated(cand, partition, recompute, stages, obj, rank_memory(stages, cand, options), tail)
+    obj = iteration_linear(stages, cand, options, cluster, dtype, tail)
+    return Evaluated(cand, partition, recompute, stages, obj, memory, tail)
 
 
 def simulate_evaluated(ev: Evaluated) -> SimResult:

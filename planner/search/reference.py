@@ -18,7 +18,7 @@ import math
 from collections.abc import Iterator
 
 from planner.cost.model import Candidate, rank_memory, rank_tail_parts, stage_costs
-from planner.search.evaluate import Evaluated, evaluate
+from planner.search.evaluate import Evaluated, evaluate_fitting
 from planner.search.problem import PartitionProblem
 
 # (objective, partition, recompute per stage)
@@ -36,8 +36,8 @@ def _fitting(pb: PartitionProblem) -> Iterator[tuple[Evaluated, list[list[int]],
     choices = _choices(pb.cand, pb.modes)
     for part in _partitions(len(pb.graph.units), pb.cand.stages):
         for rec in choices:
-            ev = evaluate(pb, part, list(rec))
-            if max(ev.rank_memory.values()) <= pb.capacity:
+            ev = evaluate_fitting(pb, part, list(rec), pb.capacity)
+            if ev is not None:
                 yield ev, part, list(rec)
 
 
