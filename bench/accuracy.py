@@ -722,7 +722,11 @@ def main(argv: list[str] | None = None) -> int:
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--published-only", action="store_true", help="only the runs of bench/published_runs.yaml")
     only.add_argument("--sc21-only", action="store_true", help="only SC21 Table 1 (throughput and memory)")
-    ap.add_argument("--rows", help="comma-separated row names (default: all), e.g. 1.7B,145B,1T")
+    ap.add_argument(
+        "--rows",
+        help="comma-separated row names (default: all), e.g. 1.7B,145B,1T; with --published-only, substrings of "
+        "the run ids, e.g. llama3-405b,torchtitan-405b",
+    )
     ap.add_argument(
         "--set",
         dest="overrides",
@@ -733,6 +737,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.published_only:
         runs = load_runs()
+        if args.rows:
+            wanted_ids = [n.strip() for n in args.rows.split(",") if n.strip()]
+            runs = runs.model_copy(
+                update={
+                    key: [r for r in getattr(runs, key) if any(w in r.id for w in wanted_ids)]
+                    for key in ("runs", "memory_runs")
+                }
+            )
+            if not runs.runs:
+                raise SystemExit(f"--rows: no published run id contains any of {args.rows!r}")
         results = run_published(runs)
         print_published(results, runs)
         if not args.no_peers:

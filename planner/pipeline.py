@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner import __version__
 from planner.cost.memory import memory_report
-from planner.cost.model import CostOptions, Profile, rank_tail, rank_tail_parts
+from planner.cost.model import CostOptions, Profile, full_block_units, rank_tail, rank_tail_parts
 from planner.cost.simulate import SimResult
 from planner.cost.terms import comm_reserve_bytes, cp_kv_exchange_time, moe_alltoall_time
 from planner.errors import ConfigError, PlannerError
@@ -172,9 +172,10 @@ def _hardware_flops(ev: Evaluated, graph: ModelGraph, global_batch: int) -> floa
     """FLOPs the GPUs execute per iteration, recomputation included (what Megatron-LM reports)."""
     extra = 0.0
     for s in ev.stages:
+        full = set(full_block_units(graph, s.units, s.full_blocks)) if s.full_blocks else set()
         for u in s.units:
             unit = graph.units[u]
-            if s.recompute == "full":
+            if s.recompute == "full" or u in full:
                 extra += unit.fwd_flops
             elif s.recompute == "selective" and unit.attention_core_bytes > 0:
                 extra += unit.attention_flops
@@ -227,6 +228,10 @@ def build_plan(
                 units=[u.name for u in units],
                 modules=[m for u in units for m in u.modules],
                 recompute=s.recompute,
+                recompute_full_blocks=s.full_blocks,
+                recompute_full_modules=[
+                    m for u in full_block_units(graph, s.units, s.full_blocks) for m in graph.units[u].modules
+                ],
                 forward_time_s=s.fwd,
                 backward_time_s=s.bwd,
                 p2p_time_s=s.p2p,
@@ -244,6 +249,7 @@ def build_plan(
             Alternative(
                 parallel=_parallel(ev, request.global_batch_size),
                 recompute=ev.recompute,
+                recompute_full_blocks=list(ev.full_blocks),
                 predicted=pred,
                 note=f"{slower * 100:+.1f}% iteration time vs the chosen plan",
             )

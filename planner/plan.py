@@ -34,7 +34,9 @@ SCHEMA_VERSION = 1
 # 3: trace_method "fx-meta" (symbolic tracing with meta values).
 # 4: context parallelism (parallel.cp, predicted.comm.context_parallel_s; written only where cp > 1, and only such
 #    a plan records minor 4, so plans without it stay as minor 3 wrote them).
-SCHEMA_MINOR = 4
+# 5: block recomputation (stages' recompute_full_blocks and recompute_full_modules, alternatives'
+#    recompute_full_blocks; written only where some stage recomputes blocks, and only such a plan records minor 5).
+SCHEMA_MINOR = 5
 # The minor a plan without context parallelism records (nothing of minor 4 in it).
 _MINOR_WITHOUT_CP = 3
 
@@ -138,6 +140,15 @@ class StagePlan(_Model):
     units: list[str]
     modules: list[str] = Field(description="qualified module names owned by the stage")
     recompute: Recompute = "none"
+    recompute_full_blocks: int = Field(
+        0, ge=0, exclude_if=lambda v: v == 0,
+        description="Megatron-LM's block method: the stage's first N blocks recomputed fully, the rest at "
+        "`recompute` (--recompute-method block --recompute-num-layers N); written only where > 0",
+    )
+    recompute_full_modules: list[str] = Field(
+        default_factory=list, exclude_if=lambda v: not v,
+        description="the modules of those blocks (what the script checkpoints fully); written only where any",
+    )
     forward_time_s: Figure = Field(description="per micro-batch, including TP communication")
     backward_time_s: Figure = Field(description="per micro-batch, including recomputation and TP comm")
     p2p_time_s: Figure = Field(0.0, description="send of activations (fwd) or gradients (bwd), each way")
@@ -145,6 +156,27 @@ class StagePlan(_Model):
     memory_bytes: Bytes
     memory: MemoryBreakdown
     source: Source = "estimated"
+
+    @model_validator(mode="after")
+    def _full_blocks_named(self) -> StagePlan:
+        if bool(self.recompute_full_blocks) != bool(self.recompute_full_modules):
+            raise ValueError(
+                f"stage {self.index}: recompute_full_blocks ({self.recompute_full_blocks}) and recompute_full_modules "
+                f"({len(self.recompute_full_modules)} module(s)) must both be set or both be left out"
+            )
+        if self.recompute_full_blocks and self.recompute == "full":
+            raise ValueError(f"stage {self.index}: recompute full recomputes every block; recompute_full_blocks is 0")
+        stray = sorted(set(self.recompute_full_modules) - set(self.modules))
+        if stray:
+            raise ValueError(f"stage {self.index}: recompute_full_modules {stray} are not among the stage's modules")
+        return self
+
+    @property
+    def recompute_label(self) -> str:
+        """The stage's recomputation as the report prints it: "selective", or "full x3 + selective"."""
+        if not self.recompute_full_blocks:
+            return self.recompute
+        return f"full x{self.recompute_full_blocks} + {self.recompute}"
 
 
 class CommBreakdown(_Model):
@@ -184,6 +216,11 @@ class Alternative(_Model):
 
     parallel: ParallelConfig
     recompute: list[Recompute]
+    recompute_full_blocks: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, exclude_if=lambda v: not v,
+        description="per stage, its first blocks recomputed fully (StagePlan.recompute_full_blocks); written only "
+        "where any stage has some",
+    )
     predicted: Predicted
     note: str = ""
 
@@ -308,6 +345,8 @@ class Plan(_Model):
                 )
         if any(par.cp > 1 for _, par in layouts):
             self.schema_minor = max(self.schema_minor, 4)  # an older planner must refuse what it cannot read
+        if any(s.recompute_full_blocks for s in self.stages) or any(a.recompute_full_blocks for a in self.alternatives):
+            self.schema_minor = max(self.schema_minor, 5)
         indices = sorted(s.index for s in self.stages)
         if indices != list(range(len(self.stages))):
             raise ValueError(f"stage indices {indices} are not 0..{len(self.stages) - 1}, each once")

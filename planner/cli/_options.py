@@ -235,6 +235,16 @@ ZeroStageOpt = Annotated[
 RecomputeOpt = Annotated[
     Recompute | None, typer.Option(help="Activation recomputation for every stage.", rich_help_panel=_PINS)
 ]
+RecomputeBlocksOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--recompute-blocks", min=1, metavar="N",
+        help="Recompute the first N blocks of every stage fully and keep the rest at the stage's recompute mode "
+        "(Megatron-LM's --recompute-method block --recompute-num-layers N; default: chosen per stage where it "
+        "fits and is faster).",
+        rich_help_panel=_PINS,
+    ),
+]
 SequenceParallelOpt = Annotated[
     bool | None,
     typer.Option("--sequence-parallel/--no-sequence-parallel", help="Shard norms and dropout over the sequence "
@@ -424,7 +434,7 @@ def plan_request(
     time_limit: float | None, no_overlap: bool, seed: int, lr: float, steps: int, data: str | None = None,
     measure: bool | None = None, memory_reserve: float | None = None, hf_config: Path | None = None,
     flavor: str | None = None, ep: int | None = None, revision: str | None = None, cp: int | None = None,
-    async_tp: bool | None = None,
+    async_tp: bool | None = None, recompute_blocks: int | None = None,
 ) -> PlanRequest:
     """The library's PlanRequest from the options `plan` and `dry-run` share; unset pins are searched.
 
@@ -439,6 +449,14 @@ def plan_request(
             f"--top-k {top_k} is above the most runners-up the planner keeps, {MAX_TOP_K}: each one kept weakens the "
             "search's pruning (thousands would make it solve nearly every candidate, for minutes). Pass --top-k "
             f"{MAX_TOP_K} or less."
+        )
+
+    if recompute_blocks is not None and recompute == "full":  # before the model is loaded: refused at once
+        raise ConfigError(
+            f"--recompute-blocks {recompute_blocks} with --recompute full: full recomputation recomputes every block "
+            "already, and --recompute-blocks sets how many of each stage's first blocks are recomputed fully while "
+            "the rest keep the stage's mode. Pin --recompute none, selective or op with it, or leave one of the two "
+            "out."
         )
 
     if is_source(str(model_file)):
@@ -468,6 +486,8 @@ def plan_request(
     }
     if async_tp is not None:  # only when given: a request's pins are part of what earlier plans recorded
         pins["tp_overlap"] = async_tp
+    if recompute_blocks is not None:
+        pins["recompute_blocks"] = recompute_blocks
     # An unset --time-limit leaves PlanRequest's default; 0 asks for none.
     limit: dict[str, Any] = {} if time_limit is None else {"time_limit": time_limit or None}
     return PlanRequest(

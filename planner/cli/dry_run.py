@@ -45,6 +45,7 @@ from planner.cli._options import (
     NoOverlapOpt,
     PpOpt,
     QuietOpt,
+    RecomputeBlocksOpt,
     RecomputeOpt,
     RevisionOpt,
     ScheduleOpt,
@@ -91,6 +92,7 @@ def dry_run(
     schedule: ScheduleOpt = None,
     zero_stage: ZeroStageOpt = None,
     recompute: RecomputeOpt = None,
+    recompute_blocks: RecomputeBlocksOpt = None,
     sequence_parallel: SequenceParallelOpt = None,
     async_tp: AsyncTpOpt = None,
     dtype: DTypeOpt = DType.bf16,
@@ -119,6 +121,7 @@ def dry_run(
         micro_batch_size=micro_batch_size, schedule=schedule, zero_stage=zero_stage, recompute=recompute,
         sequence_parallel=sequence_parallel, dtype=dtype, build_fn=build_fn, inputs_fn=inputs_fn, loss_fn=loss_fn,
         data=data, measure=measure, memory_reserve=memory_reserve, hf_config=hf_config, flavor=flavor, ep=ep, cp=cp,
+        recompute_blocks=recompute_blocks,
         revision=revision, async_tp=async_tp,
         top_k=top_k, time_limit=time_limit, no_overlap=no_overlap, seed=seed, lr=lr, steps=steps,
     )

@@ -402,10 +402,34 @@ class StageCost:
     zero3_gather: float
     tp_comm: float
     source: str
+    # Megatron-LM's block recomputation (`--recompute-method block`): the first `full_blocks` blocks of the stage
+    # (`full_block_units`) recomputed fully, the rest at `recompute`; 0: every unit at `recompute`
+    full_blocks: int = 0
 
     @property
     def compute(self) -> float:
         return self.fwd + self.bwd
+
+
+def block_units(graph: ModelGraph) -> frozenset[int]:
+    """The units that are blocks for block recomputation: those whose signature (structure) occurs more than once
+    in the model, as Megatron-LM's `--recompute-num-layers` counts transformer layers and not the embedding or the
+    head."""
+    seen: dict[str, int] = {}
+    for u in graph.units:
+        seen[u.signature] = seen.get(u.signature, 0) + 1
+    return frozenset(i for i, u in enumerate(graph.units) if seen[u.signature] > 1)
+
+
+def full_block_units(graph: ModelGraph, units: list[int], k: int) -> list[int]:
+    """The first `k` blocks (`block_units`) of a stage's units, in execution order: the units Megatron-LM's
+    `--recompute-method block --recompute-num-layers k` recomputes fully in that stage. ValueError where the stage
+    holds fewer than `k` blocks."""
+    blocks = block_units(graph)
+    mine = [u for u in units if u in blocks]
+    if k > len(mine):
+        raise ValueError(f"a stage holding {len(mine)} block(s) cannot recompute {k} of them")
+    return mine[:k]
 
 
 def stage_costs(
@@ -416,13 +440,17 @@ def stage_costs(
     recompute: list[str],
     costs: list[UnitCost],
     options: CostOptions,
-    memo: dict[tuple[int, tuple[int, ...], str, bool], StageCost] | None = None,
+    memo: dict[tuple[int, tuple[int, ...], str, int, bool], StageCost] | None = None,
+    full_blocks: list[int] | None = None,
 ) -> list[StageCost]:
     """Per-stage time and memory of a partition (memory per rank when a rank holds several stages).
 
-    `memo`: stage figures already computed for these graph, cluster, candidate, costs and options, by (stage
-    index, units, recomputation, last stage): a stage's figures depend on nothing else, so the partitions of
-    one candidate that share a stage share its figures (`PartitionProblem.stage_memo`; never mutated)."""
+    `full_blocks`: per stage, how many of its first blocks are recomputed fully whatever its mode (Megatron-LM's
+    block method, `full_block_units`): each keeps only its input (`act["full"]`) and re-runs its forward in
+    backward (`bwd["full"]`); None: none. `memo`: stage figures already computed for these graph, cluster,
+    candidate, costs and options, by (stage index, units, recomputation, full blocks, last stage): a stage's
+    figures depend on nothing else, so the partitions of one candidate that share a stage share its figures
+    (`PartitionProblem.stage_memo`; never mutated)."""
     dtype = graph.source.dtype
     state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp_shard)
     # Experts under ep: E/ep per rank, their gradients and ZeRO shards over the dp/ep replicas of that slice.
@@ -431,7 +459,8 @@ def stage_costs(
     out: list[StageCost] = []
     last = len(partition) - 1
     for s, (units, mode) in enumerate(zip(partition, recompute)):
-        key = (s, tuple(units), mode, s == last)
+        k = full_blocks[s] if full_blocks is not None else 0
+        key = (s, tuple(units), mode, k, s == last)
         if memo is not None:
             known = memo.get(key)
             if known is not None:
@@ -444,12 +473,14 @@ def stage_costs(
         frozen = sum(c.frozen_local for c in uc)
         # dense trainable parameters: what is neither an expert (split over the dp/ep replicas) nor frozen
         trainable = params - sum(c.experts_counted for c in uc) - frozen_state_params(frozen, state)
+        full = set(full_block_units(graph, units, k)) if k else set()
+        modes = ["full" if u in full else mode for u in units]
         fwd = sum(c.fwd for c in uc)
-        bwd = sum(c.bwd[mode] for c in uc)
+        bwd = sum(c.bwd[r] for c, r in zip(uc, modes))
         boundary = graph.units[units[-1]].output_bytes if s < len(partition) - 1 else 0
         p2p = p2p_time(boundary, cand, cluster) if s < len(partition) - 1 else 0.0
         inflight = in_flight_microbatches(cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, s)
-        act = inflight * sum(c.act[mode] for c in uc)
+        act = inflight * sum(c.act[r] for c, r in zip(uc, modes))
         sync, gather = dp_comm_time(sum(c.sync_params for c in uc), cand, cluster, dtype)
         if largest_param is None:
             largest_param = max(c.largest_param_bytes for c in costs)
@@ -472,6 +503,7 @@ def stage_costs(
             zero3_gather=gather,
             tp_comm=sum(c.tp_comm_fwd + c.tp_comm_bwd for c in uc),
             source="measured" if uc and all(c.source == "measured" for c in uc) else "estimated",
+            full_blocks=k,
         )
         if memo is not None:
             memo[key] = stage

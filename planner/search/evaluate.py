@@ -32,6 +32,8 @@ class Evaluated:
     rank_memory: dict[int, float]
     tail: float  # the slowest rank's exposed gradient sync plus optimizer step, after the pipeline drains
     status: SearchStatus = "optimal"
+    # per stage, its first blocks recomputed fully (Megatron-LM's block method, `planner.search.blocks`); empty: none
+    full_blocks: list[int] = field(default_factory=list)
     sim: SimResult | None = field(default=None, repr=False, compare=False)  # simulate_evaluated's, cached
 
     @property
@@ -41,26 +43,37 @@ class Evaluated:
         return simulated_time(self) + self.tail
 
 
-def evaluate(pb: PartitionProblem, partition: list[list[int]], recompute: list[str]) -> Evaluated:
-    """The cost model's figures for a fixed partition (what the ILP optimises, recomputed directly)."""
-    out = evaluate_fitting(pb, partition, recompute, capacity=None)
+def evaluate(
+    pb: PartitionProblem, partition: list[list[int]], recompute: list[str], full_blocks: list[int] | None = None
+) -> Evaluated:
+    """The cost model's figures for a fixed partition (what the ILP optimises, recomputed directly); `full_blocks`:
+    per stage, its first blocks recomputed fully (`planner.cost.model.stage_costs`; the ILP's plans have none)."""
+    out = evaluate_fitting(pb, partition, recompute, capacity=None, full_blocks=full_blocks)
     assert out is not None
     return out
 
 
 def evaluate_fitting(
-    pb: PartitionProblem, partition: list[list[int]], recompute: list[str], capacity: float | None
+    pb: PartitionProblem,
+    partition: list[list[int]],
+    recompute: list[str],
+    capacity: float | None,
+    full_blocks: list[int] | None = None,
 ) -> Evaluated | None:
     """`evaluate`, or None where a rank's memory exceeds `capacity` (its times then not computed: the
     brute-force references go through every partition, most of which do not fit)."""
     cand, cluster, options, dtype = pb.cand, pb.cluster, pb.options, pb.dtype
-    stages = stage_costs(pb.graph, cluster, cand, partition, recompute, pb.costs, options, pb.stage_memo)
+    blocks = full_blocks if full_blocks and any(full_blocks) else None
+    stages = stage_costs(pb.graph, cluster, cand, partition, recompute, pb.costs, options, pb.stage_memo, blocks)
     memory = rank_memory(stages, cand, options)
     if capacity is not None and max(memory.values()) > capacity:
         return None
     tail = rank_tail(stages, cand, options, cluster, dtype)
     obj = iteration_linear(stages, cand, options, cluster, dtype, tail)
-    return Evaluated(cand, partition, recompute, stages, obj, memory, tail)
+    ev = Evaluated(cand, partition, recompute, stages, obj, memory, tail)
+    if blocks is not None:
+        ev.full_blocks = list(blocks)
+    return ev
 
 
 def simulate_evaluated(ev: Evaluated) -> SimResult:

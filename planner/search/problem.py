@@ -62,7 +62,7 @@ class PartitionProblem:
         return rank_capacity(self.cluster, self.cand)
 
     @functools.cached_property
-    def stage_memo(self) -> dict[tuple[int, tuple[int, ...], str, bool], StageCost]:
+    def stage_memo(self) -> dict[tuple[int, tuple[int, ...], str, int, bool], StageCost]:
         """Stage figures computed so far for this problem (`planner.cost.model.stage_costs`'s `memo`): the
         partitions a solver or the brute force evaluates share most of their stages."""
         return {}

@@ -27,6 +27,7 @@ from planner.cost.model import (
     CostOptions,
     Profile,
     UnitCost,
+    block_units,
     unit_cost,
 )
 from planner.cost.terms import comm_reserve_bytes, rank_capacity
@@ -34,6 +35,7 @@ from planner.errors import ConfigError, InfeasibleError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
 from planner.names import MAX_TOP_K, SEARCHED_RECOMPUTE_MODES, SearchStatus
+from planner.search.blocks import with_full_blocks, with_pinned_blocks
 from planner.search.bounds import (
     BlockBounds,
     IntervalBounds,
@@ -212,6 +214,8 @@ class Search:
         self.refused: dict[Candidate, str] = {}
         self.table = CostTable(graph, cluster, profile)
         self.modes = (pins.recompute,) if pins.recompute else search_modes(graph)
+        if pins.recompute_blocks is not None:
+            check_recompute_blocks(graph, pins)
         self.run_of_blocks = block_run(graph)
         # Lazy bounding: every candidate gets the cheap simple bound; the tighter block bound is computed
         # only for candidates that reach the front of the queue, which then go back in with it (QueueItem).
@@ -358,7 +362,29 @@ class Search:
         """The k-th best plan's figure (no later candidate whose bound reaches it can enter the top k)."""
         return self.score(self.ranked[self.top_k]) if len(self.ranked) >= self.top_k + 1 else None
 
+    def with_blocks(self, ev: Evaluated) -> Evaluated | None:
+        """`ev` with Megatron-LM's block recomputation where pinned (`--recompute-blocks`) or faster where it fits
+        (`planner.search.blocks`); None (and the candidate refused, with why) where the pin cannot be met."""
+        n = self.pins.recompute_blocks
+        if n is None and self.pins.recompute is not None:
+            return ev  # one mode pinned: every stage fits at it already, and k = 0 is its fastest
+        cand = ev.cand
+        zb = cand.schedule == "zero-bubble"
+        modes = tuple(m for m in self.modes if not (zb and m in ("selective", "op"))) or self.modes
+        pb = PartitionProblem(self.graph, self.cluster, cand, self.table.units(cand), modes, self.options)
+        if n is None:
+            return with_full_blocks(pb, ev)
+        got = with_pinned_blocks(pb, ev, n)
+        if isinstance(got, str):
+            self.refuse(cand, got)
+            return None
+        return got
+
     def add(self, ev: Evaluated) -> None:
+        got = self.with_blocks(ev)
+        if got is None:
+            return
+        ev = got
         # a sorted list of at most top_k + 1 (bounded by MAX_TOP_K): one insertion, the worst dropped
         bisect.insort(self.ranked, ev, key=lambda e: (self.score(e), _key(e.cand)))
         del self.ranked[self.top_k + 1 :]
@@ -625,6 +651,38 @@ def _no_candidate(cluster: ClusterSpec, rejected: Counter[tuple[str, str]]) -> s
         "Change the pinned degrees, the global batch size (make it divisible by the data-parallel degree) "
         "or the GPU count."
     )
+
+
+def check_recompute_blocks(graph: ModelGraph, pins: Pins) -> None:
+    """ConfigError where `--recompute-blocks N` cannot hold: N below 1, with full recomputation pinned (which
+    recomputes every block already), or more blocks per stage than the model has for the pinned stage count."""
+    n = pins.recompute_blocks
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(
+            f"--recompute-blocks {n!r}: the number of blocks each stage recomputes fully must be 1 or more. Pass a "
+            "positive count, or leave the option out (the search then chooses per stage)."
+        )
+    if pins.recompute == "full":
+        raise ConfigError(
+            f"--recompute-blocks {n} with --recompute full: full recomputation recomputes every block already, and "
+            "--recompute-blocks sets how many of each stage's first blocks are recomputed fully while the rest keep "
+            "the stage's mode. Pin --recompute none, selective or op with it, or leave one of the two out."
+        )
+    blocks = len(block_units(graph))
+    stages = (pins.pp or 1) * (pins.virtual_stages or 1)
+    if n * stages > blocks:
+        where = f"each of the {stages} pinned stages (pp x virtual stages)" if stages > 1 else "one stage"
+        fix = (
+            f"Pass --recompute-blocks {blocks // stages} or less" + (" or pin fewer stages." if stages > 1 else ".")
+            if blocks >= stages
+            else "Block recomputation needs repeated blocks in every stage: leave the option out."
+        )
+        raise ConfigError(
+            f"--recompute-blocks {n}: the model has {blocks} block(s) (units repeated in it), so {where} cannot hold "
+            f"{n} of them. {fix}"
+        )
 
 
 def search_modes(graph: ModelGraph) -> tuple[str, ...]:

@@ -64,6 +64,8 @@ class Pins:
     ep: int | None = None
     cp: int | None = None
     tp_overlap: bool | None = None  # torch's async TP (`async_tp_refusal`)
+    # Megatron-LM's block recomputation: the first N blocks of every stage recomputed fully (`search.blocks`)
+    recompute_blocks: int | None = None
 
 
 @dataclass
