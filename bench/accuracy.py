@@ -70,7 +70,7 @@ from published_runs import (
 )
 
 from planner.cost.model import Candidate, CostOptions, optimizer_time, rank_memory, unit_cost
-from planner.errors import InfeasibleError
+from planner.errors import ConfigError, InfeasibleError
 from planner.hardware.load import load_cluster
 from planner.hardware.spec import ClusterSpec, Efficiencies
 from planner.model.graph import ModelGraph
@@ -491,7 +491,7 @@ def run_published(runs: PublishedRuns, memory_only: bool = False) -> list[RunRes
             gpu = run_cluster(run).gpu
             out.append(RunResult(run, None, None, gpu.memory_gib, gpu.name, str(e)))
             continue
-        except InfeasibleError as e:
+        except (InfeasibleError, ConfigError) as e:  # ConfigError: a pin the run cannot take (--recompute-blocks)
             gpu = run_cluster(run).gpu
             out.append(RunResult(run, None, None, gpu.memory_gib, gpu.name, str(e).split(" To make it fit")[0]))
             continue
@@ -717,6 +717,14 @@ def print_memory(results: list[RunResult]) -> None:
     print(f"{within} of {len(rows)} rows with a published memory figure within 10% (total per GPU)")
 
 
+def with_recompute_blocks(run: Run, n: int) -> Run:
+    """`run` planned with its first `n` blocks per stage recomputed fully (`--recompute-blocks`); a run whose
+    published recompute is full recomputes every block already and stays as it is."""
+    if run.layout.recompute == "full":
+        return run
+    return run.model_copy(update={"layout": run.layout.model_copy(update={"recompute_blocks": n})})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     only = ap.add_mutually_exclusive_group()
@@ -731,6 +739,14 @@ def main(argv: list[str] | None = None) -> int:
         "--set",
         dest="overrides",
         help="override A100 efficiencies, e.g. matmul=0.8,gemm_half_dim=128 (attention: fused SDPA only)",
+    )
+    ap.add_argument(
+        "--recompute-blocks",
+        type=int,
+        metavar="N",
+        help="with --published-only: plan each chosen run (--rows) with its first N blocks per stage recomputed "
+        "fully and the rest at its published recompute mode (Megatron-LM's --recompute-method block "
+        "--recompute-num-layers N; rows whose recompute is full keep it)",
     )
     ap.add_argument("--calculon", metavar="DIR", help="a checkout of github:calculon-ai/calculon, run beside")
     ap.add_argument("--no-peers", action="store_true", help="leave out bench/peers.py's estimators")
@@ -747,11 +763,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             if not runs.runs:
                 raise SystemExit(f"--rows: no published run id contains any of {args.rows!r}")
+        if args.recompute_blocks is not None:
+            pinned = [with_recompute_blocks(r, args.recompute_blocks) for r in runs.runs]
+            runs = runs.model_copy(update={"runs": pinned})
         results = run_published(runs)
         print_published(results, runs)
         if not args.no_peers:
             print_peers(results, args.calculon)
         return 0
+    if args.recompute_blocks is not None:
+        raise SystemExit("--recompute-blocks applies to the published runs: pass it with --published-only")
     rows = ROWS
     if args.rows:
         wanted = {n.strip().upper() for n in args.rows.split(",")}

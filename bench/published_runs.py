@@ -81,6 +81,10 @@ class Layout(_Strict):
     mbs: PositiveInt
     global_batch: PositiveInt
     recompute: Recompute
+    recompute_blocks: PositiveInt | None = Field(
+        None, description="Megatron-LM's --recompute-method block --recompute-num-layers N: each stage's first N "
+        "blocks recomputed fully, the rest at `recompute` (planner plan --recompute-blocks N)",
+    )
     sp: bool
     zero: Literal[0, 1, 2, 3]
     schedule: Schedule
@@ -253,6 +257,8 @@ class Run(_Strict):
             "sequence_parallel": lay.sp,
             "zero_stage": lay.zero,
         }
+        if lay.recompute_blocks is not None:
+            pins["recompute_blocks"] = lay.recompute_blocks
         if lay.tp > 1 and lay.sp:  # pinned either way: the search would turn async TP on where it runs
             pins["tp_overlap"] = self.tp_comm_overlap
         if self.hf is not None:
@@ -404,6 +410,7 @@ def plan_run(
         None,
         request.top_k,
         None,
+        block_recompute=True,  # as `planner plan` searches
     )
     return build_plan(graph, cluster, request, result, options), cluster
 

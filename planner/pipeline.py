@@ -422,6 +422,7 @@ def plan_model(
         progress,
         request.max_nodes,
         on_best=on_best,
+        block_recompute=True,
     )
     return build_plan(graph, cluster, request, result, options), graph, result
 

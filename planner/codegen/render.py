@@ -135,8 +135,10 @@ def _layout_lists(plan: Plan) -> dict[str, Any]:
     """STAGES, TP_PLAN and TP_HEAD_ATTRS as train.py (or its layout.json) holds them: runs of numbered names
     compressed to "blocks.{0-5}", which the runtime's expand_names reads back."""
     return {
+        # a stage with blocks recomputed fully (Megatron-LM's block method) names their modules fourth
         "STAGES": [
             (s.pp_rank, compress_names(list(s.modules)), s.recompute)
+            + ((compress_names(list(s.recompute_full_modules)),) if s.recompute_full_modules else ())
             for s in sorted(plan.stages, key=lambda s: s.index)
         ],
         "TP_PLAN": compress_mapping(dict(plan.tp.styles)),
@@ -220,7 +222,8 @@ def runtime_objects(plan: Plan) -> tuple[Layout, ModelFile, Training]:
         global_batch_size=p.global_batch_size, schedule=p.schedule, zero_stage=p.zero_stage,
         sequence_parallel=p.sequence_parallel,
         stages=tuple(
-            Stage(s.pp_rank, tuple(s.modules), s.recompute) for s in sorted(plan.stages, key=lambda s: s.index)
+            Stage(s.pp_rank, tuple(s.modules), s.recompute, tuple(s.recompute_full_modules))
+            for s in sorted(plan.stages, key=lambda s: s.index)
         ),
         tp_plan=plan.tp, ep=p.ep, experts=dict(plan.experts), cp=p.cp, async_tp=p.tp_overlap,
     )
@@ -351,6 +354,7 @@ def render(
     context = {
         "c": _constants(plan, model_path=model_path),
         "layout_file": False,
+        "block_recompute": any(s.recompute_full_modules for s in plan.stages),
         "title": "\n".join(textwrap.wrap(title, LINE_LENGTH - 3)),
         "origin": "\n".join(textwrap.wrap(origin, LINE_LENGTH - 40)),
         "plan_name": _text(plan_path_in_dir),

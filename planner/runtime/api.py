@@ -66,7 +66,10 @@ def read_plan(path: str | Path) -> tuple[Layout, ModelFile, Training]:
             schedule=p.get("schedule", "1f1b"), zero_stage=p.get("zero_stage", 0),
             sequence_parallel=p.get("sequence_parallel", False),
             stages=tuple(
-                Stage(s["pp_rank"], tuple(s["modules"]), s.get("recompute", "none"))
+                Stage(
+                    s["pp_rank"], tuple(s["modules"]), s.get("recompute", "none"),
+                    tuple(s.get("recompute_full_modules", ())),
+                )
                 for s in sorted(data["stages"], key=lambda s: s["index"])
             ),
             tp_plan=TPPlan.from_keys(data),
@@ -209,7 +212,10 @@ def parallelize(
         materialise(model, {n for n, _ in model.named_modules()}, dev, training.seed, at_build)
         stages = [ModelStage(model, list(layout.stages[0].modules))]
     for i, stage in zip(local, stages, strict=True):
-        parallelize_stage(stage, mesh, layout, layout.stages[i].recompute, dev, sp_styles, training.dtype)
+        parallelize_stage(
+            stage, mesh, layout, layout.stages[i].recompute, dev, sp_styles, training.dtype,
+            full=layout.stages[i].full,
+        )
     if weights is not None and traced is None and not layout.tp_plan.fused:
         load_sharded(model, weights, {n for n, _ in model.named_modules()})
     job = Parallelized(layout, mesh, dev, model, stages, None, loss_fn, user, spec, training.seed, tied)

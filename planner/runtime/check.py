@@ -306,7 +306,7 @@ def _run_stages(
                     piece = StageModule([fx.GraphModule(attrs, p.graph)], [p.owner])
                     if prepare is not None:
                         prepare(piece)
-                    with_recompute(piece, stage.recompute, layout.schedule)
+                    with_recompute(piece, stage.recompute, layout.schedule, stage.full)
                     outputs[key] = piece(*values)
                 values = outputs[key]
         if i < len(layout.stages) - 1 and not (
@@ -355,7 +355,7 @@ def _split_backward(
         what = _stage_label(i, stage.modules)
         with _failing_as(f"{what}, its backward split as zero-bubble splits it (input, then weight gradients)"):
             module = StageModule(graphs, [p.owner for p in mine], sends=i < last, receives=True, copy_views=True)
-            with_recompute(module, stage.recompute, layout.schedule)
+            with_recompute(module, stage.recompute, layout.schedule, stage.full)
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             for _, param in named:
                 param.grad = None
@@ -429,12 +429,16 @@ def _stage_run(
     return outputs, [torch.ones_like(t) for t in outputs], args
 
 
-def with_recompute(stage: ModelStage | StageModule, recompute: str, schedule: str) -> None:
-    """Checkpoint the stage's units as the run does (recompute.apply_ac), so that a model that breaks under
-    activation checkpointing fails here, not on the cluster."""
-    if recompute != "none":
-        with _failing_as(f"Activation checkpointing ({recompute})"):
-            apply_ac(stage, recompute, schedule)
+def with_recompute(
+    stage: ModelStage | StageModule, recompute: str, schedule: str, full: tuple[str, ...] = ()
+) -> None:
+    """Checkpoint the stage's units as the run does (recompute.apply_ac; `full`: the modules recomputed fully
+    whatever `recompute`), so that a model that breaks under activation checkpointing fails here, not on the
+    cluster."""
+    if recompute != "none" or full:
+        what = f"{recompute}, {len(full)} module(s) fully" if full else recompute
+        with _failing_as(f"Activation checkpointing ({what})"):
+            apply_ac(stage, recompute, schedule, full)
 
 
 def _relative(name: str, owner: str | None) -> str:
@@ -490,9 +494,9 @@ def _run_model(case: CheckCase, meta_model: nn.Module) -> list[str]:
     the names of its units whose weights the forward reads outside their own forward (`unit_reads`), which the
     run leaves to the stage's FSDP unit."""
     layout, training = case.layout, case.training
-    recompute = layout.stages[0].recompute
+    recompute, full = layout.stages[0].recompute, layout.stages[0].full
     stage = ModelStage(meta_model, list(layout.stages[0].modules))
-    with_recompute(stage, recompute, layout.schedule)
+    with_recompute(stage, recompute, layout.schedule, full)
     try:
         # Each distinct op runs its meta kernel once, each distinct block once: repeated blocks cost one.
         with MetaMemo(), blocks_once(stage):
@@ -515,7 +519,7 @@ def _run_model(case: CheckCase, meta_model: nn.Module) -> list[str]:
     model = build_model(case.user, case.spec, training.seed, everything_on_meta=False)
     materialise(model, {n for n, _ in model.named_modules()}, torch.device("cpu"), training.seed)
     stage = ModelStage(model, list(layout.stages[0].modules))
-    with_recompute(stage, recompute, layout.schedule)
+    with_recompute(stage, recompute, layout.schedule, full)
     with _failing_as(f"The model ({type(model).__name__}) with its loss"):
         return _unit_names(model, stage, case.loss_backward(model, case.example, units=stage.units()))
 
@@ -597,7 +601,10 @@ def _run_data_parallel(case: CheckCase, outside: list[str], meta_model: nn.Modul
             return
         try:
             try:
-                parallelize(stage, mesh, layout, layout.stages[0].recompute, torch.device("cpu"), {}, training.dtype)
+                parallelize(
+                    stage, mesh, layout, layout.stages[0].recompute, torch.device("cpu"), {}, training.dtype,
+                    full=layout.stages[0].full,
+                )
                 with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
                     # (FSDP2's advice on a unit returning a view: the run warns of it, a plan is no place for it)
                     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")

@@ -136,11 +136,14 @@ class TPPlan:
 
 @dataclass(frozen=True)
 class Stage:
-    """One pipeline stage: the pp rank holding it, the modules it owns (qualified names), its recompute."""
+    """One pipeline stage: the pp rank holding it, the modules it owns (qualified names), its recompute, and the
+    modules of its first blocks recomputed fully whatever its recompute (Megatron-LM's block method; plan.json's
+    recompute_full_modules)."""
 
     pp_rank: int
     modules: tuple[str, ...]
     recompute: str = "none"
+    full: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,13 @@ class Layout:
         # Stages may come as plain lists/tuples from the plan's constants.
         stages = tuple(s if isinstance(s, Stage) else Stage(s[0], tuple(s[1]), *s[2:]) for s in self.stages)
         stages = tuple(
-            Stage(s.pp_rank, tuple(n for m in s.modules for n in expand_names(m)), s.recompute) for s in stages
+            Stage(
+                s.pp_rank,
+                tuple(n for m in s.modules for n in expand_names(m)),
+                s.recompute,
+                tuple(n for m in s.full for n in expand_names(m)),
+            )
+            for s in stages
         )
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "mesh_dims", tuple(self.mesh_dims))
@@ -280,6 +289,17 @@ class Layout:
             if stage.recompute not in RECOMPUTE_MODES:
                 raise LayoutError(
                     f"Stage {i} has recompute {stage.recompute!r}: expected one of {', '.join(RECOMPUTE_MODES)}. {_FIX}"
+                )
+            if stage.full and stage.recompute == "full":
+                raise LayoutError(
+                    f"Stage {i} recomputes every unit fully (recompute 'full'), so it names no blocks recomputed "
+                    f"fully apart. {_FIX}"
+                )
+            stray = sorted(set(stage.full) - set(stage.modules))
+            if stray:
+                raise LayoutError(
+                    f"Stage {i} recomputes {stray} fully, but does not own them: a stage recomputes its own blocks. "
+                    f"{_FIX}"
                 )
             want = stage_rank(self.schedule, self.pp, i)
             if stage.pp_rank != want:

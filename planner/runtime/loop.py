@@ -496,7 +496,7 @@ def run(
     for i, stage in zip(local, stages, strict=True):
         parallelize(
             stage, mesh, layout, layout.stages[i].recompute, device, sp_styles, training.dtype, ep_mesh,
-            replicas if layout.cp_enabled else None,
+            replicas if layout.cp_enabled else None, full=layout.stages[i].full,
         )
     if weights is not None and at_build is None:
         load_sharded(model, weights, {n for n, _ in model.named_modules()})

@@ -4,7 +4,7 @@ activation checkpointing, then FSDP2 / replicate over the data-parallel ranks.""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -805,15 +805,18 @@ def parallelize(
     dtype: str,
     ep_mesh: DeviceMesh | None = None,
     dp_mesh: DeviceMesh | None = None,
+    full: Collection[str] = (),
 ) -> None:
-    """TP, then activation checkpointing, then compile (async TP only), then FSDP/replicate, as in torchtitan; the
+    """TP, then activation checkpointing (`full`: the planned modules recomputed fully whatever `recompute`,
+    the stage's first blocks under Megatron-LM's block method), then compile (async TP only), then
+    FSDP/replicate, as in torchtitan; the
     expert-parallel slices (already cut, `experts.shard_experts`) get their own FSDP over `ep_mesh`'s
     dp_replica dimension first. `dp_mesh`: the ranks the weights are replicated or sharded over (default: the dp
     dimension; with context parallelism the flattened dp x cp one, torchtitan's `dp_shard_cp`)."""
     if layout.tp_enabled:
         apply_tp(stage, mesh["tp"], layout, sp_styles)
-    if recompute != "none":
-        apply_ac(stage, recompute, layout.schedule)
+    if recompute != "none" or full:
+        apply_ac(stage, recompute, layout.schedule, full)
     if layout.async_tp:
         apply_async_tp(stage, mesh["tp"], device)
     replica = ep_mesh["dp_replica"] if ep_mesh is not None else None

@@ -4,6 +4,7 @@ run applies it and the plan-time check applies it on meta. No torch.distributed 
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -87,16 +88,27 @@ def checkpoint_in_place(unit: nn.Module, selective: bool, per_op: bool = False) 
     unit.forward = forward
 
 
-def apply_ac(stage: LocalStage, recompute: str, schedule: str) -> None:
+def apply_ac(stage: LocalStage, recompute: str, schedule: str, full: Collection[str] = ()) -> int:
     """Checkpoint each unit (one block) that holds parameters: keep its inputs, recompute it in backward.
     "full" recomputes the whole block; "selective" keeps everything but the attention core; "op" keeps every
-    odd matmul's output and the attention kernels' (torchtitan's SelectiveAC)."""
-    if recompute not in ("full", "selective", "op"):
+    odd matmul's output and the attention kernels' (torchtitan's SelectiveAC); "none" checkpoints none.
+    `full`: planned modules whose units are recomputed fully whatever `recompute` (Megatron-LM's block method:
+    the stage's first blocks). Returns the number of units checkpointed fully."""
+    if recompute not in ("none", "full", "selective", "op"):
         raise ValueError(f"Unknown recompute policy {recompute!r}: expected none, selective, op or full.")
     # Selective checkpointing allows one backward per region, but zero-bubble splits each backward in two
     # (input gradients, then weight gradients): there, recompute everything instead.
     selective = recompute == "selective" and schedule != "zero-bubble"
     per_op = recompute == "op" and schedule != "zero-bubble"
-    for unit in stage.units():
-        if any(True for _ in unit.parameters()):
+    blocks = frozenset(full)
+    fully = 0
+    for owner, unit in stage.owned_units():
+        if not any(True for _ in unit.parameters()):
+            continue
+        if owner is not None and owner in blocks:
+            checkpoint_in_place(unit, False)
+            fully += 1
+        elif recompute != "none":
             checkpoint_in_place(unit, selective, per_op)
+            fully += not (selective or per_op)
+    return fully

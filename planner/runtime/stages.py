@@ -600,6 +600,10 @@ class StageModule(nn.Module):
         """What activation checkpointing and FSDP wrap one by one: the pieces."""
         return list(self.pieces)
 
+    def owned_units(self) -> list[tuple[str | None, nn.Module]]:
+        """The units with the planned module each belongs to (None: glue between them)."""
+        return list(zip(self.owners, self.pieces, strict=True))
+
     def sharded_units(self) -> list[nn.Module]:
         """The units FSDP may wrap one by one: every piece (a piece's graph reads its own weights)."""
         return self.units()
@@ -628,6 +632,10 @@ class ModelStage(nn.Module):
 
     def units(self) -> list[nn.Module]:
         return called_units([self.model.get_submodule(n) for n in self.names])
+
+    def owned_units(self) -> list[tuple[str | None, nn.Module]]:
+        """The units with the planned module each belongs to."""
+        return [(n, u) for n in self.names for u in called_units([self.model.get_submodule(n)])]
 
     def sharded_units(self) -> list[nn.Module]:
         """The units FSDP may wrap one by one: all but those read outside their forward."""

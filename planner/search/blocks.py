@@ -24,8 +24,27 @@ from __future__ import annotations
 from planner.cost.memory import memory_report
 from planner.cost.model import StageCost, block_units, stage_costs, stage_time_with_gathers
 from planner.cost.terms import rank_capacity, rank_peak_bytes
+from planner.model.graph import ModelGraph
 from planner.search.evaluate import Evaluated, evaluate
 from planner.search.problem import PartitionProblem
+
+
+def even_partition(graph: ModelGraph, stages: int) -> list[list[int]] | None:
+    """Megatron-LM's partition: the blocks (`block_units`, one contiguous run) spread evenly over the stages
+    (the first stages one more where they do not divide), the units before them in the first stage and those
+    after in the last; None where the blocks are not one run or fewer than the stages."""
+    blocks = sorted(block_units(graph))
+    if not blocks or blocks != list(range(blocks[0], blocks[-1] + 1)) or len(blocks) < stages:
+        return None
+    per, extra = divmod(len(blocks), stages)
+    out, at = [], blocks[0]
+    for s in range(stages):
+        n = per + (s < extra)
+        out.append(list(range(at, at + n)))
+        at += n
+    out[0] = list(range(blocks[0])) + out[0]
+    out[-1] = out[-1] + list(range(blocks[-1] + 1, len(graph.units)))
+    return out
 
 
 def stage_blocks(pb: PartitionProblem, partition: list[list[int]]) -> list[int]:

@@ -35,7 +35,7 @@ from planner.errors import ConfigError, InfeasibleError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
 from planner.names import MAX_TOP_K, SEARCHED_RECOMPUTE_MODES, SearchStatus
-from planner.search.blocks import with_full_blocks, with_pinned_blocks
+from planner.search.blocks import even_partition, with_full_blocks, with_pinned_blocks
 from planner.search.bounds import (
     BlockBounds,
     IntervalBounds,
@@ -179,6 +179,11 @@ class Search:
 
     on_best: called with each plan that becomes the best so far (the last call's is the result's best, where
     the search ends normally); the search itself does not depend on it.
+
+    block_recompute: each plan ranked gets its stages' block recomputation chosen where it fits and is faster
+    (`planner.search.blocks.with_full_blocks`; `planner plan` turns it on). Off (the library's default), the
+    result is the optimum over the all-or-nothing modes that the exactness tests compare with brute force; a
+    pinned `Pins.recompute_blocks` applies either way.
     """
 
     def __init__(
@@ -195,6 +200,7 @@ class Search:
         max_nodes: int | None = 5000,
         prefer_simulated: bool = True,
         on_best: Callable[[Evaluated], None] | None = None,
+        block_recompute: bool = False,
     ) -> None:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
             raise ConfigError(
@@ -206,6 +212,7 @@ class Search:
         self.graph, self.cluster, self.pins = graph, cluster, pins
         self.top_k, self.time_limit, self.max_nodes = top_k, time_limit, max_nodes
         self.progress, self.on_best = progress, on_best
+        self.block_recompute = block_recompute
         self.by_reported = prefer_simulated
         self.t0 = time.perf_counter()
         self.space = enumerate_space(graph, cluster, global_batch, pins)
@@ -216,6 +223,9 @@ class Search:
         self.modes = (pins.recompute,) if pins.recompute else search_modes(graph)
         if pins.recompute_blocks is not None:
             check_recompute_blocks(graph, pins)
+            # the blocks recompute N each; the rest of each stage takes one of the other modes
+            self.modes = tuple(m for m in self.modes if m != "full") or self.modes
+        self.blocks = block_units(graph)
         self.run_of_blocks = block_run(graph)
         # Lazy bounding: every candidate gets the cheap simple bound; the tighter block bound is computed
         # only for candidates that reach the front of the queue, which then go back in with it (QueueItem).
@@ -288,6 +298,11 @@ class Search:
     def costs_of(self, cand: Candidate) -> list[UnitCost]:
         """The candidate's unit costs, each down to the pinned recomputation mode where one is pinned."""
         costs = self.table.units(cand)
+        if self.pins.recompute_blocks is not None:
+            # The partition solvers see each block's activations as under full recomputation (a lower bound on
+            # what it keeps with N blocks per stage recomputed), so that no partition that fits with the pin is
+            # refused; the plan found is then evaluated with the pin itself (`with_blocks`).
+            costs = [_kept_as_full(c) if i in self.blocks else c for i, c in enumerate(costs)]
         if self.pins.recompute:
             costs = [_only(c, self.pins.recompute) for c in costs]
         return costs
@@ -366,8 +381,8 @@ class Search:
         """`ev` with Megatron-LM's block recomputation where pinned (`--recompute-blocks`) or faster where it fits
         (`planner.search.blocks`); None (and the candidate refused, with why) where the pin cannot be met."""
         n = self.pins.recompute_blocks
-        if n is None and self.pins.recompute is not None:
-            return ev  # one mode pinned: every stage fits at it already, and k = 0 is its fastest
+        if n is None and (not self.block_recompute or self.pins.recompute is not None):
+            return ev  # (one mode pinned: every stage fits at it already, and k = 0 is its fastest)
         cand = ev.cand
         zb = cand.schedule == "zero-bubble"
         modes = tuple(m for m in self.modes if not (zb and m in ("selective", "op"))) or self.modes
@@ -375,6 +390,11 @@ class Search:
         if n is None:
             return with_full_blocks(pb, ev)
         got = with_pinned_blocks(pb, ev, n)
+        even = even_partition(self.graph, cand.stages)
+        if isinstance(got, str) and even is not None and even != ev.partition:
+            # Megatron-LM's own layout (the blocks spread evenly, the embedding first, the head last)
+            retry = with_pinned_blocks(pb, evaluate(pb, even, [modes[0]] * len(even)), n)
+            got = retry if not isinstance(retry, str) else got
         if isinstance(got, str):
             self.refuse(cand, got)
             return None
@@ -592,6 +612,8 @@ class Search:
     def settle_unsettled(self) -> None:
         """Solved candidates whose plan is not proven their least reported figure: their bounds raised by the
         longest paths, least first; one at or above the least bound so far cannot lower it."""
+        if not self.ranked:  # every plan refused (a pinned --recompute-blocks that no stage meets)
+            return
         for low, item in sorted(self.unsettled, key=lambda e: (e[0], e[1].index)):
             if low >= min(self.unresolved, default=self.score(self.ranked[0])):
                 break
@@ -602,6 +624,14 @@ class Search:
 
     def result(self) -> SearchResult:
         ranked = self.ranked
+        pinned = sorted({why for why in self.refused.values() if "recompute-blocks" in why or "blocks of each" in why})
+        if not ranked and pinned and self.pins.recompute_blocks is not None:
+            n = self.pins.recompute_blocks
+            raise InfeasibleError(
+                f"No plan meets --recompute-blocks {n} (the first {n} blocks of every stage recomputed fully): "
+                f"{'; '.join(pinned[:3])}. Pass a smaller --recompute-blocks where a stage holds too few blocks, a "
+                "larger one where memory runs out, or leave it out (the planner then chooses per stage)."
+            )
         if not ranked:
             raise InfeasibleError(
                 _nothing_fits(
@@ -691,6 +721,12 @@ def search_modes(graph: ModelGraph) -> tuple[str, ...]:
     if any(u.attention_core_bytes > 0 for u in graph.units):
         return SEARCHED_RECOMPUTE_MODES
     return ("none", "full")
+
+
+def _kept_as_full(c: UnitCost) -> UnitCost:
+    """`c` with every mode's activations those of full recomputation (`Search.costs_of` under a pinned
+    --recompute-blocks)."""
+    return dataclasses.replace(c, act=dict.fromkeys(c.act, c.act["full"]))
 
 
 def _only(c: UnitCost, mode: str) -> UnitCost:

@@ -78,11 +78,13 @@ def make_plan(
     zero_stage: int = 0,
     sequence_parallel: bool = False,
     recompute: str = "none",
+    full_blocks: int = 0,
     lr: float = 1e-2,
     model_args: dict | None = None,
     gpu: str = "cpu",
 ) -> Plan:
-    """A valid Plan for a sample model, its units spread over pp * virtual_stages stages."""
+    """A valid Plan for a sample model, its units spread over pp * virtual_stages stages (`full_blocks`: each
+    stage's first blocks recomputed fully, Megatron-LM's block method)."""
     args = dict(TINY[model] if model_args is None else model_args)
     path = FILES[model]
     n_stages = pp * virtual_stages
@@ -96,10 +98,12 @@ def make_plan(
     stages = []
     for i in range(n_stages):
         chunk = groups[bounds[i] : bounds[i + 1]]
+        full = [m for g in chunk for m in g if m.startswith("blocks.")][:full_blocks]
         stages.append(
             _zeros(
                 StagePlan, index=i, pp_rank=ranks[i], units=["+".join(g) for g in chunk],
                 modules=[m for g in chunk for m in g], recompute=recompute, memory=memory,
+                recompute_full_blocks=len(full), recompute_full_modules=full,
             )
         )
     tp_plan = {}
