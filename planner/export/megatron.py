@@ -41,7 +41,9 @@ def arguments(plan: Plan) -> list[str]:
     if seq is not None:
         args += ["--seq-length", str(seq)]
     modes = {s.recompute for s in plan.stages}
-    if modes == {"full"}:
+    if any(s.recompute_full_blocks for s in plan.stages):
+        args += _block_recompute(plan, blocks)
+    elif modes == {"full"}:
         # Every layer recomputed from its input: Megatron's full granularity, one layer per checkpoint.
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     elif modes == {"selective"}:
@@ -67,6 +69,30 @@ def arguments(plan: Plan) -> list[str]:
     return args
 
 
+def block_recompute_layers(plan: Plan, blocks: list[int]) -> int:
+    """N of `--recompute-num-layers` for a plan whose stages recompute their first blocks fully: each stage's
+    count (a stage at full recomputation counts all its blocks), the largest where they differ (Megatron takes
+    one N for every stage; stages planned with fewer then recompute more than planned, slower but within
+    memory)."""
+    stages = sorted(plan.stages, key=lambda s: s.index)
+    return max(b if s.recompute == "full" else s.recompute_full_blocks for s, b in zip(stages, blocks, strict=True))
+
+
+def _block_recompute(plan: Plan, blocks: list[int]) -> list[str]:
+    """Megatron-LM's block method: the first N layers of each (virtual) pipeline stage recomputed fully, the rest
+    not at all (--recompute-granularity full excludes selective)."""
+    rest = {s.recompute for s in plan.stages} - {"full"}
+    if rest != {"none"}:
+        raise ExportError(
+            f"The plan recomputes its stages' first blocks fully and the rest {', '.join(sorted(rest))}; Megatron-LM's "
+            "block method (--recompute-granularity full --recompute-method block) leaves the other layers without "
+            "recomputation, and its granularity is full or selective, not both. Re-plan with --recompute none "
+            "--recompute-blocks N to export."
+        )
+    n = block_recompute_layers(plan, blocks)
+    return ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", str(n)]
+
+
 def _pipeline_split(blocks: list[int], virtual: int) -> list[str]:
     """Megatron splits the layers evenly over the stages, or takes the first and last pipeline stage's counts
     (--decoder-first/last-pipeline-num-layers) with the others even; interleaving needs even stages."""
@@ -85,6 +111,14 @@ def _pipeline_split(blocks: list[int], virtual: int) -> list[str]:
 def render(plan: Plan) -> str:
     """megatron_args.sh: a bash array of the flags, to splice into a pretrain_gpt.py command line."""
     args = arguments(plan)
+    stages = sorted(plan.stages, key=lambda s: s.index)
+    counts = [b if s.recompute == "full" else s.recompute_full_blocks for s, b in zip(stages, blocks_per_stage(plan))]
+    notes = []
+    if any(s.recompute_full_blocks for s in stages) and len(set(counts)) > 1:
+        notes.append(
+            f"# The plan recomputes {counts} blocks fully per stage; Megatron takes one --recompute-num-layers for "
+            f"every stage: the largest, {max(counts)} (the others recompute more than planned: slower, less memory)."
+        )
     lines = [
         "# The layout of "
         f"{plan.model_class} planned by planner {plan.planner_version}, as Megatron-LM's arguments. Use:",
@@ -92,6 +126,7 @@ def render(plan: Plan) -> str:
         f"#   torchrun --nproc-per-node ... pretrain_gpt.py \"${{PLANNED_ARGS[@]}}\" ...  (world size "
         f"{plan.parallel.world_size})",
         "# Megatron builds its own model: --num-layers and --seq-length must match the planned one's.",
+        *notes,
         "PLANNED_ARGS=(",
     ]
     i = 0

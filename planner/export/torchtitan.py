@@ -67,6 +67,14 @@ def settings(plan: Plan) -> dict[str, Any]:
 def activation_checkpoint(plan: Plan) -> tuple[str, str | None]:
     """(subcommand, policy class or None) for the plan's recomputation. torchtitan applies one policy to every
     block; stages that differ are refused."""
+    blocks = [s.index for s in sorted(plan.stages, key=lambda s: s.index) if s.recompute_full_blocks]
+    if blocks:
+        raise ExportError(
+            f"The plan recomputes the first blocks of stage(s) {blocks} fully and the rest at the stage's mode "
+            "(Megatron-LM's --recompute-method block). torchtitan's activation_checkpoint has no per-stage count: its "
+            "mode is full, selective (per op, or every Nth layer of the whole model), memory_budget or none, one "
+            "policy for every block. Re-plan without --recompute-blocks (pin --recompute) to export to torchtitan."
+        )
     modes = {s.recompute for s in plan.stages}
     if len(modes) > 1:
         raise ExportError(

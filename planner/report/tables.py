@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from planner.cost.terms import group_sizes
-from planner.plan import Plan, Predicted, Rejection
+from planner.plan import Alternative, Plan, Predicted, Rejection
 
 GIB = 2**30
 REJECTED_SHOWN = 10
@@ -161,7 +161,7 @@ def summary_panel(plan: Plan, params: int | None = None, timeline: str | Path | 
     grid.add_row("Sequence parallel", "yes" if p.sequence_parallel else "no")
     if p.tp_overlap:
         grid.add_row("Async TP", "yes (collectives overlapped with the matmuls; torch.compile)")
-    modes = sorted({s.recompute for s in plan.stages})
+    modes = sorted({s.recompute_label for s in plan.stages})
     grid.add_row("Recompute", ", ".join(modes))
     grid.add_row("Iteration time", duration(pred.iteration_time_s))
     grid.add_row("Samples/s", rate(pred.samples_per_s))
@@ -192,6 +192,12 @@ def summary_panel(plan: Plan, params: int | None = None, timeline: str | Path | 
     return Panel(grid, title="Plan", title_align="left", box=box.ROUNDED, expand=False)
 
 
+def _alt_recompute(alt: Alternative) -> list[str]:
+    """A runner-up's stages' recomputation as the stages table labels it ("full x3 + none")."""
+    ks = alt.recompute_full_blocks or [0] * len(alt.recompute)
+    return [f"full x{k} + {mode}" if k else mode for mode, k in zip(alt.recompute, ks, strict=True)]
+
+
 def stages_table(plan: Plan, memory: bool = True) -> Table:
     """Per pipeline stage: where it runs, what it owns, its per-micro-batch times and (if `memory`) its
     memory breakdown in GiB."""
@@ -206,7 +212,7 @@ def stages_table(plan: Plan, memory: bool = True) -> Table:
             t.add_column(name, justify="left" if name in ("recompute", "source") else "right", no_wrap=True)
     for s in sorted(plan.stages, key=lambda s: s.index):
         m = s.memory
-        cells = [str(s.index), str(s.pp_rank), compress_units(s.units), s.recompute,
+        cells = [str(s.index), str(s.pp_rank), compress_units(s.units), s.recompute_label,
                  ms(s.forward_time_s), ms(s.backward_time_s), ms(s.p2p_time_s)]
         if memory:
             cells += [gib(m.weights), gib(m.gradients), gib(m.optimizer), gib(m.activations),
@@ -280,7 +286,7 @@ def alternatives_table(plan: Plan) -> Table:
     p = plan.parallel
     t.add_row(
         "*", *layout(p), p.schedule, str(p.zero_stage), "yes" if p.sequence_parallel else "no",
-        f"{p.micro_batch_size} x {p.num_micro_batches}", ", ".join(sorted({s.recompute for s in plan.stages})),
+        f"{p.micro_batch_size} x {p.num_micro_batches}", ", ".join(sorted({s.recompute_label for s in plan.stages})),
         duration(best), "-", gib(plan.predicted.peak_memory_bytes), style="bold",
     )
     for i, alt in enumerate(plan.alternatives, start=1):
@@ -288,7 +294,7 @@ def alternatives_table(plan: Plan) -> Table:
         diff = alt.predicted.iteration_time_s / best - 1 if best > 0 else 0.0
         t.add_row(
             str(i), *layout(p), p.schedule, str(p.zero_stage), "yes" if p.sequence_parallel else "no",
-            f"{p.micro_batch_size} x {p.num_micro_batches}", ", ".join(sorted(set(alt.recompute))),
+            f"{p.micro_batch_size} x {p.num_micro_batches}", ", ".join(sorted(set(_alt_recompute(alt)))),
             duration(alt.predicted.iteration_time_s), f"{diff * 100:+.1f}%", gib(alt.predicted.peak_memory_bytes),
         )
     return t
