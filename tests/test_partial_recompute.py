@@ -60,7 +60,8 @@ def problem(g, cand: Candidate, memory_gib: float = 80.0) -> PartitionProblem:
                             CostOptions.for_cluster(cl))
 
 
-PP2 = Candidate(dp=1, tp=1, pp=2, virtual_stages=1, micro_batch_size=1, num_micro_batches=4, schedule="1f1b", zero_stage=0,
+PP2 = Candidate(dp=1, tp=1, pp=2, virtual_stages=1, micro_batch_size=1, num_micro_batches=4, schedule="1f1b",
+                zero_stage=0,
                 sequence_parallel=False)
 
 
