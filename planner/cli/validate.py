@@ -378,7 +378,10 @@ class RefitSession:
                          par.schedule, par.zero_stage, par.sequence_parallel, ep=par.ep, cp=par.cp,
                          tp_overlap=par.tp_overlap)
         partition = [[index[u] for u in s.units] for s in plan.stages]
-        expected = plan_terms(graph, cluster, cand, partition, [s.recompute for s in plan.stages])
+        expected = plan_terms(
+            graph, cluster, cand, partition, [s.recompute for s in plan.stages],
+            [s.recompute_full_blocks for s in plan.stages],
+        )
         out = out if out is not None else plan_dir / f"{spec.name}-refit.yaml"
         session = cls(plan, plan_dir, spec.name, spec_path, cluster, expected, out, steps)
         for old in plan_dir.glob(f"{PROBE_FILE}.rank*.json"):

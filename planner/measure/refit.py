@@ -210,10 +210,16 @@ class Expected:
 
 
 def plan_terms(
-    graph: ModelGraph, cluster: ClusterSpec, cand: Candidate, partition: list[list[int]], recompute: list[str]
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    cand: Candidate,
+    partition: list[list[int]],
+    recompute: list[str],
+    full_blocks: list[int] | None = None,
 ) -> list[Expected]:
     """Per stage forward and backward per micro-batch, each pipeline hop's send and each stage's
-    data-parallel collectives, as the cost model predicts them for this partition (affine in 1/eff)."""
+    data-parallel collectives, as the cost model predicts them for this partition (affine in 1/eff; `full_blocks`:
+    each stage's first blocks recomputed fully, plan.json's recompute_full_blocks)."""
     from planner.cost import collectives as coll
     from planner.cost.candidate import CostOptions
     from planner.cost.model import stage_costs, unit_cost
@@ -231,7 +237,8 @@ def plan_terms(
     def stages(eff: Efficiencies) -> tuple[ClusterSpec, list[StageCost]]:
         cl = with_efficiency(cluster, eff)
         costs = [unit_cost(u, cand, cl, dtype) for u in graph.units]
-        return cl, stage_costs(graph, cl, cand, partition, recompute, costs, CostOptions.for_cluster(cl))
+        options = CostOptions.for_cluster(cl)
+        return cl, stage_costs(graph, cl, cand, partition, recompute, costs, options, None, full_blocks)
 
     _, base_stages = stages(cluster.gpu.efficiency)
     dp_ops: list[tuple[str, str, int, float]] = []  # (name, op, stage, bytes)
