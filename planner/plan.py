@@ -224,6 +224,15 @@ class Alternative(_Model):
     predicted: Predicted
     note: str = ""
 
+    @model_validator(mode="after")
+    def _one_count_per_stage(self) -> Alternative:
+        if self.recompute_full_blocks and len(self.recompute_full_blocks) != len(self.recompute):
+            raise ValueError(
+                f"recompute_full_blocks holds {len(self.recompute_full_blocks)} counts for {len(self.recompute)} "
+                "stages: one per stage"
+            )
+        return self
+
 
 class Rejection(_Model):
     """A region of the search space that was ruled out, with why and how many candidates it held."""

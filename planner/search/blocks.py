@@ -76,6 +76,21 @@ def _fits_alone(pb: PartitionProblem, st: StageCost) -> bool:
     return peak <= pb.capacity
 
 
+def _smallest_fitting(pb: PartitionProblem, ev: Evaluated, s: int, base: str, b: int) -> int | None:
+    """The least k in 1..b with stage `s` at (`base`, k) within its rank's memory (one stage per rank; memory
+    falls with k, so by bisection), None where even k = b does not fit."""
+    if not _fits_alone(pb, _stage(pb, ev, s, base, b)):
+        return None
+    lo, hi = 1, b  # hi fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _fits_alone(pb, _stage(pb, ev, s, base, mid)):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
 def _fits(pb: PartitionProblem, ev: Evaluated) -> bool:
     return max(ev.rank_memory.values()) <= rank_capacity(pb.cluster, pb.cand)
 
@@ -86,6 +101,8 @@ def with_full_blocks(pb: PartitionProblem, ev: Evaluated) -> Evaluated:
     (full's among them) and the modes the stages may take."""
     if not pb.costs or "full" not in pb.costs[0].bwd:
         return ev
+    if all(m == "none" for m in ev.recompute):
+        return ev  # the fastest already: recomputing a block only adds time
     bases = base_modes(pb)
     blocks = stage_blocks(pb, ev.partition)
     if not bases or not any(blocks):
@@ -95,14 +112,15 @@ def with_full_blocks(pb: PartitionProblem, ev: Evaluated) -> Evaluated:
         for s, b in enumerate(blocks):
             best = stage_time_with_gathers(ev.stages[s])
             for base in bases:
-                for k in range(1, b + 1):
-                    st = _stage(pb, ev, s, base, k)
-                    if not _fits_alone(pb, st):
-                        continue
-                    # the smallest k that fits is this mode's fastest: a larger k only re-runs more forwards
-                    if stage_time_with_gathers(st) < best:
-                        best, modes[s], ks[s], changed = stage_time_with_gathers(st), base, k, True
-                    break
+                if b == 0 or stage_time_with_gathers(_stage(pb, ev, s, base, 0)) >= best:
+                    continue  # not faster even without recomputing a block (the stage's own mode, or a slower one)
+                k = _smallest_fitting(pb, ev, s, base, b)
+                if k is None:
+                    continue
+                # the smallest k that fits is this mode's fastest: a larger k only re-runs more forwards
+                st = _stage(pb, ev, s, base, k)
+                if stage_time_with_gathers(st) < best:
+                    best, modes[s], ks[s], changed = stage_time_with_gathers(st), base, k, True
         if not changed:
             return ev
         out = evaluate(pb, ev.partition, modes, ks)
