@@ -5,6 +5,9 @@ Usage:
     python bench/accuracy.py --rows 1.7B,145B      # a subset of SC21 Table 1
     python bench/accuracy.py --set matmul=0.8      # try other A100 efficiencies without editing the YAML
     python bench/accuracy.py --published-only      # only the runs of bench/published_runs.yaml
+    python bench/accuracy.py --published-only --rows llama3-405b --recompute-blocks 3
+                                                   # runs whose id holds llama3-405b, each stage's first 3 blocks
+                                                   # recomputed fully (Megatron-LM's --recompute-method block)
     python bench/accuracy.py --sc21-only           # only SC21 Table 1
 
 Published runs. bench/published_runs.yaml holds runs from SC21, the Megatron-LM README (H100), MosaicML

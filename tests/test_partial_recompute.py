@@ -332,3 +332,19 @@ def test_pipelined_block_recomputation_trains_like_one_process(case, tmp_path):
         assert abs(g["loss"] - w["loss"]) <= 2e-5, (got, want)
         assert abs(g["grad_norm"] - w["grad_norm"]) <= 2e-5 * max(1.0, w["grad_norm"]), (got, want)
 
+
+
+def test_published_llama3_405b_fits_with_blocks_recomputed():
+    """bench/accuracy.py --recompute-blocks: Meta's tp8 pp16 v2 row, refused with selective recomputation alone (the
+    REFUSED list of tests/test_accuracy_published.py), plans with 3 blocks per stage recomputed fully."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from accuracy import with_recompute_blocks
+    from published_runs import load_runs, plan_run
+
+    run = next(r for r in load_runs().runs if r.id == "llama3-405b-16384")
+    plan, _ = plan_run(with_recompute_blocks(run, 3))
+    assert {s.recompute for s in plan.stages} == {"selective"}
+    assert {s.recompute_full_blocks for s in plan.stages} == {3}
+    assert plan.predicted.peak_memory_bytes <= plan.predicted.memory_capacity_bytes
