@@ -9,6 +9,7 @@ refusals (exit 2), plan.json's fields, the exports (Megatron's block flags; torc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -348,3 +349,18 @@ def test_published_llama3_405b_fits_with_blocks_recomputed():
     assert {s.recompute for s in plan.stages} == {"selective"}
     assert {s.recompute_full_blocks for s in plan.stages} == {3}
     assert plan.predicted.peak_memory_bytes <= plan.predicted.memory_capacity_bytes
+
+
+def test_interleaved_stages_take_one_count_that_fits_every_rank():
+    g = graph(8)
+    cand = dataclasses.replace(PP2, virtual_stages=2, schedule="interleaved-1f1b")
+    pins = Pins(dp=1, tp=1, pp=2, virtual_stages=2, micro_batch_size=1, schedule="interleaved-1f1b", zero_stage=0,
+                sequence_parallel=False)
+    memory = _capacity_between(g, cand, [[0, 1, 2], [3, 4], [5, 6], [7, 8, 9]])
+    cl = load_cluster("a100-sxm4-80gb", 1, 2)
+    cl = cl.model_copy(update={"gpu": cl.gpu.model_copy(update={"memory_gib": memory})})
+    plain = search(g, cl, 4, pins, top_k=1)
+    best = search(g, cl, 4, pins, top_k=1, block_recompute=True).best
+    assert any(best.full_blocks) and len(set(best.full_blocks)) == 1 and len(set(best.recompute)) == 1
+    assert best.reported < plain.best.reported
+    assert max(best.rank_memory.values()) <= rank_capacity(cl, best.cand)
