@@ -157,6 +157,36 @@ def test_tp_of_a_projection_sliced_at_fixed_offsets_is_not_planned(tmp_path):
     assert "no Linear pairs" in message and "qkv is not sharded: getitem takes part of it at fixed offsets" in message
 
 
+FALCON = """
+import torch
+from transformers import FalconConfig, FalconForCausalLM
+
+
+def build_model():
+    return FalconForCausalLM(FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256))
+
+
+def example_inputs(batch_size=2):
+    return (torch.randint(0, 256, (batch_size, 16)),)
+"""
+
+
+def test_tp_refusal_names_linear_subclasses_the_trace_runs_through(tmp_path):
+    """Falcon's projections are FalconLinear (nn.Linear with a forward of its own, `x @ weight.T`): the trace runs
+    through them, so tp finds no pair; the refusal says which module and why, not that every Linear feeds a norm."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "falcon.py"
+    path.write_text(FALCON)
+    args = ["plan", str(path), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "4",
+            "--tp", "2", "--out", str(tmp_path / "out"), "--quiet"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.split())
+    assert "no Linear pairs" in message
+    assert "self_attention.query_key_value is not sharded: it is a FalconLinear" in message
+    assert not (tmp_path / "out").exists()
+
+
 REFUSED_SHARD_QUIETLY = """
 import dataclasses
 import sys

@@ -838,9 +838,38 @@ def tp_info(
     for name in embeddings:
         info.styles[name] = "rowwise"
         info.shard_params += cast("nn.Embedding", model.get_submodule(name)).weight.numel()
+    info.refused.extend(_linears_traced_through(sub, names))
     info.transposed.sort()
     info.gemm_shapes = _gemm_shapes_of(sub, model, names, info.styles)
     return info
+
+
+def _linears_traced_through(sub: torch.fx.GraphModule, names: ModuleNames) -> list[str]:
+    """Why the unit's nn.Linear subclasses with a forward of their own are not sharded: the trace runs through
+    them (Falcon's FalconLinear computes `x @ weight.T`), so no Linear call is left to pair; one line each."""
+    import torch.nn as nn
+
+    out: list[str] = []
+    seen: set[str] = set()
+    for node in sub.graph.nodes:
+        obj: Any = None
+        if node.op == "placeholder":  # a parameter the unit's graph receives
+            obj = names.inputs.get(node)
+        elif node.op == "get_attr":
+            obj = sub
+            for atom in str(node.target).split("."):
+                obj = getattr(obj, atom, None)
+        for qual in names.params.get(id(obj), [])[:1] if obj is not None else []:
+            owner = qual.rpartition(".")[0]
+            mod = names.by_name.get(owner)
+            if owner in seen or not isinstance(mod, nn.Linear) or type(mod).forward is nn.Linear.forward:
+                continue
+            seen.add(owner)
+            out.append(
+                f"{owner} is not sharded: it is a {type(mod).__name__}, a subclass of nn.Linear with a forward of its "
+                "own, which the trace runs through (its matmul is no Linear call to pair as column and row)"
+            )
+    return out
 
 
 def _trainable_weights(sub: torch.fx.GraphModule, names: ModuleNames) -> dict[torch.fx.Node, tuple[str, str | None]]:
