@@ -289,7 +289,7 @@ def test_a_plan_with_cp_records_schema_minor_4_and_round_trips(tmp_path):
     par = plan.parallel.model_copy(update={"dp": 1, "cp": 2, "mesh_dims": ["pp", "dp", "cp", "tp"],
                                            "num_micro_batches": plan.parallel.num_micro_batches * 2})
     with_cp = type(plan).model_validate({**json.loads(plan.to_json()), "parallel": par.model_dump(mode="json")})
-    assert with_cp.schema_minor == SCHEMA_MINOR == 4
+    assert with_cp.schema_minor == 4 <= SCHEMA_MINOR  # the least minor that holds cp (5 added block recomputation)
     (tmp_path / "plan.json").write_text(with_cp.to_json())
     back = load_plan(tmp_path)
     assert back.parallel.cp == 2 and back.to_json() == with_cp.to_json()
