@@ -64,6 +64,14 @@ def _handed_out(v: Any) -> Any:
     raise _Unkeyable
 
 
+def _tp_hook(hook: Any) -> bool:
+    """Whether a forward hook is one of torch's `distribute_module` (parallelize_module's input and output
+    transforms of a TP-sharded Linear: they redistribute the tensors they get and record nothing), so a block the
+    check shards for TP is still run once for all its repeats."""
+    code = getattr(hook, "__code__", None)
+    return code is not None and code.co_filename.replace("\\", "/").endswith("torch/distributed/tensor/_api.py")
+
+
 @contextlib.contextmanager
 def blocks_once(stage: ModelStage) -> Iterator[None]:
     """Within the block, each of the stage's units (its checkpoint/FSDP units: the model's blocks) runs once per
@@ -80,7 +88,7 @@ def blocks_once(stage: ModelStage) -> Iterator[None]:
     described: dict[int, Any] = {}
     for u in units:
         try:  # what the analysis' tracing tells blocks apart by (attributes, hooks too), and the training state
-            described[id(u)] = (describe(u), describe_block(u, None))
+            described[id(u)] = (describe(u), describe_block(u, None, neutral=_tp_hook))
         except Exception:  # noqa: BLE001 - a block with a hook, or one that cannot be described: it runs
             described[id(u)] = id(u)
     for key in described.values():

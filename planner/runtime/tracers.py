@@ -432,16 +432,21 @@ class RepeatedBlocks:
 
 
 def describe_block(
-    block: nn.Module, position: int | None, prefix: str = "", leaves: frozenset[str] = frozenset()
+    block: nn.Module,
+    position: int | None,
+    prefix: str = "",
+    leaves: frozenset[str] = frozenset(),
+    neutral: Callable[[Any], bool] | None = None,
 ) -> Any:
     """What tracing a block depends on besides its arguments: every submodule's type, attributes (plain values by
     value, other objects by identity: a config shared by all blocks is one object), parameters and buffers
     (shapes, dtypes, whether trained), hooks, and which are kept as calls. An integer attribute named like an
-    index is left out where it equals `position` (the block's index in its container; None: any value)."""
+    index is left out where it equals `position` (the block's index in its container; None: any value).
+    `neutral`: hooks the caller knows record nothing (besides those marked TRACE_NEUTRAL)."""
     items: list[Any] = [repr(block)]
     for name, sub in block.named_modules():
         hooks = (*sub._forward_hooks.values(), *sub._forward_pre_hooks.values())
-        if not all(getattr(h, TRACE_NEUTRAL, False) for h in hooks):
+        if not all(getattr(h, TRACE_NEUTRAL, False) or (neutral is not None and neutral(h)) for h in hooks):
             raise _Unkeyable  # a hook may record each call (the replay would not run it)
         attrs: list[tuple[Any, ...]] = []
         for k, v in vars(sub).items():
