@@ -132,6 +132,12 @@ class MemoryBreakdown(_Model):
         return self.weights + self.gradients + self.optimizer + self.activations + self.comm_buffers + self.workspace
 
 
+def recompute_label(mode: str, full_blocks: int) -> str:
+    """A stage's recomputation as the report prints it: "selective", or "full x3 + selective" where its first
+    3 blocks are recomputed fully."""
+    return f"full x{full_blocks} + {mode}" if full_blocks else mode
+
+
 class StagePlan(_Model):
     """One pipeline stage: which units it owns, on which pp rank, and its predicted cost."""
 
@@ -173,10 +179,8 @@ class StagePlan(_Model):
 
     @property
     def recompute_label(self) -> str:
-        """The stage's recomputation as the report prints it: "selective", or "full x3 + selective"."""
-        if not self.recompute_full_blocks:
-            return self.recompute
-        return f"full x{self.recompute_full_blocks} + {self.recompute}"
+        """The stage's recomputation as the report prints it (`recompute_label`)."""
+        return recompute_label(self.recompute, self.recompute_full_blocks)
 
 
 class CommBreakdown(_Model):

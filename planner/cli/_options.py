@@ -451,13 +451,11 @@ def plan_request(
             f"{MAX_TOP_K} or less."
         )
 
-    if recompute_blocks is not None and recompute == "full":  # before the model is loaded: refused at once
-        raise ConfigError(
-            f"--recompute-blocks {recompute_blocks} with --recompute full: full recomputation recomputes every block "
-            "already, and --recompute-blocks sets how many of each stage's first blocks are recomputed fully while "
-            "the rest keep the stage's mode. Pin --recompute none, selective or op with it, or leave one of the two "
-            "out."
-        )
+    if recompute_blocks is not None:  # before the model is loaded: what needs no model refused at once
+        from planner.search.search import check_recompute_blocks
+        from planner.search.space import Pins
+
+        check_recompute_blocks(None, Pins(recompute=recompute, recompute_blocks=recompute_blocks))
 
     if is_source(str(model_file)):
         import atexit

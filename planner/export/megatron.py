@@ -69,13 +69,18 @@ def arguments(plan: Plan) -> list[str]:
     return args
 
 
-def block_recompute_layers(plan: Plan, blocks: list[int]) -> int:
-    """N of `--recompute-num-layers` for a plan whose stages recompute their first blocks fully: each stage's
-    count (a stage at full recomputation counts all its blocks), the largest where they differ (Megatron takes
-    one N for every stage; stages planned with fewer then recompute more than planned, slower but within
-    memory)."""
+def block_recompute_counts(plan: Plan, blocks: list[int]) -> list[int]:
+    """Each stage's blocks recomputed fully, in stage order (a stage at full recomputation counts all its
+    `blocks`)."""
     stages = sorted(plan.stages, key=lambda s: s.index)
-    return max(b if s.recompute == "full" else s.recompute_full_blocks for s, b in zip(stages, blocks, strict=True))
+    return [b if s.recompute == "full" else s.recompute_full_blocks for s, b in zip(stages, blocks, strict=True)]
+
+
+def block_recompute_layers(plan: Plan, blocks: list[int]) -> int:
+    """N of `--recompute-num-layers` for a plan whose stages recompute their first blocks fully: the largest of
+    `block_recompute_counts` where they differ (Megatron takes one N for every stage; stages planned with fewer
+    then recompute more than planned, slower but within memory)."""
+    return max(block_recompute_counts(plan, blocks))
 
 
 def _block_recompute(plan: Plan, blocks: list[int]) -> list[str]:
@@ -111,10 +116,9 @@ def _pipeline_split(blocks: list[int], virtual: int) -> list[str]:
 def render(plan: Plan) -> str:
     """megatron_args.sh: a bash array of the flags, to splice into a pretrain_gpt.py command line."""
     args = arguments(plan)
-    stages = sorted(plan.stages, key=lambda s: s.index)
-    counts = [b if s.recompute == "full" else s.recompute_full_blocks for s, b in zip(stages, blocks_per_stage(plan))]
+    counts = block_recompute_counts(plan, blocks_per_stage(plan))
     notes = []
-    if any(s.recompute_full_blocks for s in stages) and len(set(counts)) > 1:
+    if any(s.recompute_full_blocks for s in plan.stages) and len(set(counts)) > 1:
         notes.append(
             f"# The plan recomputes {counts} blocks fully per stage; Megatron takes one --recompute-num-layers for "
             f"every stage: the largest, {max(counts)} (the others recompute more than planned: slower, less memory)."

@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from planner.cost.terms import group_sizes
-from planner.plan import Alternative, Plan, Predicted, Rejection
+from planner.plan import Alternative, Plan, Predicted, Rejection, recompute_label
 
 GIB = 2**30
 REJECTED_SHOWN = 10
@@ -195,7 +195,7 @@ def summary_panel(plan: Plan, params: int | None = None, timeline: str | Path | 
 def _alt_recompute(alt: Alternative) -> list[str]:
     """A runner-up's stages' recomputation as the stages table labels it ("full x3 + none")."""
     ks = alt.recompute_full_blocks or [0] * len(alt.recompute)
-    return [f"full x{k} + {mode}" if k else mode for mode, k in zip(alt.recompute, ks, strict=True)]
+    return [recompute_label(mode, k) for mode, k in zip(alt.recompute, ks, strict=True)]
 
 
 def stages_table(plan: Plan, memory: bool = True) -> Table:

@@ -21,9 +21,9 @@ among the searched modes but full (or the pinned `--recompute`) as the fastest t
 
 from __future__ import annotations
 
-from planner.cost.memory import memory_report
+from planner.cost.memory import held_states
 from planner.cost.model import StageCost, block_units, stage_costs, stage_time_with_gathers
-from planner.cost.terms import rank_capacity, rank_peak_bytes
+from planner.cost.terms import rank_peak_bytes
 from planner.model.graph import ModelGraph
 from planner.search.evaluate import Evaluated, evaluate
 from planner.search.problem import PartitionProblem
@@ -72,7 +72,7 @@ def _stage(pb: PartitionProblem, ev: Evaluated, s: int, mode: str, k: int) -> St
 
 def _fits_alone(pb: PartitionProblem, st: StageCost) -> bool:
     """With one stage per rank: the stage's rank peak (`terms.rank_peak_bytes`, as `rank_memory`) within capacity."""
-    peak: float = rank_peak_bytes(memory_report(st, pb.options).states, st.activations, pb.options)
+    peak: float = rank_peak_bytes(held_states(st), st.activations, pb.options)
     return peak <= pb.capacity
 
 
@@ -92,7 +92,7 @@ def _smallest_fitting(pb: PartitionProblem, ev: Evaluated, s: int, base: str, b:
 
 
 def _fits(pb: PartitionProblem, ev: Evaluated) -> bool:
-    return max(ev.rank_memory.values()) <= rank_capacity(pb.cluster, pb.cand)
+    return max(ev.rank_memory.values()) <= pb.capacity
 
 
 def with_full_blocks(pb: PartitionProblem, ev: Evaluated) -> Evaluated:

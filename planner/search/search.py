@@ -683,9 +683,10 @@ def _no_candidate(cluster: ClusterSpec, rejected: Counter[tuple[str, str]]) -> s
     )
 
 
-def check_recompute_blocks(graph: ModelGraph, pins: Pins) -> None:
+def check_recompute_blocks(graph: ModelGraph | None, pins: Pins) -> None:
     """ConfigError where `--recompute-blocks N` cannot hold: N below 1, with full recomputation pinned (which
-    recomputes every block already), or more blocks per stage than the model has for the pinned stage count."""
+    recomputes every block already), or more blocks per stage than the model has for the pinned stage count (that
+    last only with the `graph`: the CLI checks the rest before loading the model)."""
     n = pins.recompute_blocks
     if n is None:
         return
@@ -700,6 +701,8 @@ def check_recompute_blocks(graph: ModelGraph, pins: Pins) -> None:
             "--recompute-blocks sets how many of each stage's first blocks are recomputed fully while the rest keep "
             "the stage's mode. Pin --recompute none, selective or op with it, or leave one of the two out."
         )
+    if graph is None:
+        return
     blocks = len(block_units(graph))
     stages = (pins.pp or 1) * (pins.virtual_stages or 1)
     if n * stages > blocks:
