@@ -88,6 +88,7 @@ def _relevant(path: str, real: str | None = None) -> bool:
 # A module's file -> its real path, resolved once: an imported module's file stays where it is, and the
 # thousands torch and transformers import are resolved (a stat of each path component) in every recording.
 _MODULE_REAL: dict[str, str] = {}
+_FOLDER_REAL: dict[str, str] = {}  # a folder to its real path (`_real_file`)
 
 
 def _hook(event: str, args: tuple[Any, ...]) -> None:
@@ -113,6 +114,18 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
             reads.files.add(name)
 
 
+def _real_file(file: str) -> str:
+    """os.path.realpath of an absolute file path, its folder resolved once for all the modules in it (thousands
+    of modules share a few hundred folders): one lstat of the file itself instead of one per path component."""
+    folder, base = os.path.split(file)
+    if os.path.islink(file):
+        return os.path.realpath(file)
+    real = _FOLDER_REAL.get(folder)
+    if real is None:
+        real = _FOLDER_REAL[folder] = os.path.realpath(folder)
+    return os.path.join(real, base)
+
+
 def _module_files(before: set[str], folder: str | None) -> set[str]:
     """Source files of the modules imported since `before`, and of every module under `folder` (imported by an
     earlier model in this process, so not new, but read by this one all the same)."""
@@ -125,7 +138,7 @@ def _module_files(before: set[str], folder: str | None) -> set[str]:
         file = os.path.abspath(file)
         real = _MODULE_REAL.get(file)
         if real is None:
-            real = _MODULE_REAL[file] = os.path.realpath(file)
+            real = _MODULE_REAL[file] = _real_file(file)
         if (name not in before or (inside and real.startswith(inside))) and _relevant(file, real):
             out.add(file)
     return out

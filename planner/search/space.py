@@ -7,6 +7,7 @@ on their iteration time so that the ILP runs only on candidates that could still
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from math import gcd
@@ -130,6 +131,8 @@ def prime_factors(n: int) -> dict[int, int]:
         raise ValueError(f"prime_factors needs n >= 1, got {n}")
     out: dict[int, int] = {}
     for p in range(2, 1000):
+        if p * p > n:  # what is left is 1 or a prime
+            break
         while n % p == 0:
             out[p] = out.get(p, 0) + 1
             n //= p
@@ -146,10 +149,16 @@ def prime_factors(n: int) -> dict[int, int]:
 
 def divisors(n: int) -> list[int]:
     """All divisors of n in increasing order, built from its prime factorisation (not by scanning 1..n)."""
+    return list(_divisors(n))
+
+
+@functools.lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    """`divisors` (the search asks for the same few numbers' divisors thousands of times)."""
     divs = [1]
     for p, e in prime_factors(n).items():
         divs = [d * p**k for d in divs for k in range(e + 1)]
-    return sorted(divs)
+    return tuple(sorted(divs))
 
 
 def check_bounds(world: int, global_batch: int) -> None:
