@@ -597,3 +597,26 @@ def test_iteration_time_more_flops_counterexamples(cluster, zero, schedule, pp, 
         run_eval(make_graph([_scale_flops(base[0], k), *base[1:]]), cluster, c, part).objective for k in (1, 2, 4, 5, 8)
     ]
     assert objs == sorted(objs), objs
+
+
+def test_an_interleaved_rank_holds_its_last_stages_loss_for_one_micro_batch(cluster, gpt):
+    # The sample GPT's head and loss on the last of 4 stages (pp 2 x v 2, 8 micro-batches): rank 1
+    # holds its first stage's activations for up to 3 micro-batches and the last stage's for one. Its memory is
+    # the largest instant of the schedule (`rank_stage_counts`), not its in-flight total (3) times its largest
+    # stage, which would count the logits and the loss 3 times.
+    from planner.cost.memory import held_states
+    from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches, rank_stage_counts
+    from planner.cost.terms import rank_peak_bytes
+
+    c = cand(dp=1, tp=1, pp=2, virtual_stages=2, micro_batch_size=2, num_micro_batches=8, schedule="interleaved-1f1b")
+    ev = run_eval(gpt, cluster, c, even_partition(len(gpt.units), 4))
+    assert [s.rank for s in ev.stages] == [0, 1, 0, 1]
+    per_mb = {s.index: s.activations / in_flight_microbatches(c.schedule, 2, 8, 2, s.index) for s in ev.stages}
+    assert per_mb[3] > 1.5 * per_mb[1]  # the logits and the loss: the last stage keeps the most per micro-batch
+    counts = rank_stage_counts(c.schedule, 2, 8, 2, 1)
+    assert counts == ((2, 1), (3, 0))
+    acts = max(a * per_mb[1] + b * per_mb[3] for a, b in counts)
+    states = held_states(ev.stages[1]) + held_states(ev.stages[3])
+    assert ev.rank_memory[1] == pytest.approx(rank_peak_bytes(states, acts, CostOptions()), rel=1e-12)
+    old = rank_in_flight_microbatches(c.schedule, 2, 8, 2, 1) * max(per_mb[1], per_mb[3])
+    assert ev.rank_memory[1] < rank_peak_bytes(states, old, CostOptions())

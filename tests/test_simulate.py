@@ -13,6 +13,8 @@ from planner.cost.schedules import (
     in_flight_microbatches,
     iteration_time_uniform,
     rank_in_flight_microbatches,
+    rank_peak_activations,
+    rank_stage_counts,
     schedule_violation,
     stage_rank,
 )
@@ -172,6 +174,38 @@ def test_in_flight_closed_forms(cfg):
         assert sim.peak_in_flight == [min(p - s, m) for s in range(p)]
     if schedule == "gpipe":
         assert sim.peak_in_flight == [m] * p
+
+
+@settings(max_examples=300)
+@given(configs(max_p=10, max_m=40), st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=4, max_size=4))
+def test_rank_peak_activations_is_the_largest_instant_of_the_order(cfg, per_mb):
+    # Walk each rank's order: after every forward, the held micro-batches of each stage times its bytes per
+    # micro-batch; the largest such sum is the rank's peak, which the few counted instants must give exactly.
+    schedule, p, m, v = cfg
+    release = W if schedule == "zero-bubble" else B
+    for r, acts in enumerate(rank_actions(schedule, p, m, v)):
+        mine = sorted({s for _, s, _ in acts})
+        held = dict.fromkeys(mine, 0)
+        want = 0.0
+        for kind, s, _ in acts:
+            if kind == F:
+                held[s] += 1
+                want = max(want, sum(held[x] * per_mb[j] for j, x in enumerate(mine)))
+            elif kind == release:
+                held[s] -= 1
+        got = rank_peak_activations(schedule, p, m, v, r, per_mb[: len(mine)])
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
+        counts = rank_stage_counts(schedule, p, m, v, r)
+        assert max(sum(c) for c in counts) == rank_in_flight_microbatches(schedule, p, m, v, r)
+
+
+def test_rank_peak_activations_of_the_last_interleaved_rank_holds_the_loss_once():
+    # Interleaved, p 16, v 2, 64 micro-batches: the last rank's first stage holds up to 17 micro-batches, its
+    # last stage (the head and the loss) one. 17 x the largest stage would count the loss 17 times.
+    assert rank_stage_counts("interleaved-1f1b", 16, 64, 2, 15) == ((16, 1), (17, 0))
+    assert rank_peak_activations("interleaved-1f1b", 16, 64, 2, 15, [1.0, 100.0]) == 116.0
+    with pytest.raises(ValueError, match="holds 2 stages"):
+        rank_peak_activations("interleaved-1f1b", 16, 64, 2, 15, [1.0])
 
 
 @given(configs(max_p=6, max_m=16), st.lists(times, min_size=48, max_size=48))

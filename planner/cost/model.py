@@ -16,7 +16,7 @@ from planner.cost import collectives as coll
 from planner.cost.candidate import Candidate, CostOptions, GiB
 from planner.cost.memory import activation_bytes, held_states, model_state_bytes_per_param
 from planner.cost.placement import stage_rank
-from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches
+from planner.cost.schedules import in_flight_microbatches, rank_peak_activations
 from planner.cost.terms import (
     comm_buffer_bytes,
     cp_kv_exchange_time,
@@ -514,9 +514,10 @@ def stage_costs(
 def rank_memory(stages: list[StageCost], cand: Candidate, options: CostOptions) -> dict[int, float]:
     """Peak bytes per pipeline rank: its stages' states and activations plus workspace and fragmentation.
 
-    For interleaved and zero-bubble schedules the activations of a rank's stages are counted from the
-    rank's own peak in-flight count (`rank_in_flight_microbatches`), which is lower than the sum of
-    each stage's own peak because the stages do not peak together (bounded with the largest stage).
+    For interleaved and zero-bubble schedules a rank's stages do not peak together: its activations are the
+    largest over the schedule's instants of each stage's count there times its activations per micro-batch
+    (`rank_stage_counts`), lower than the sum of the stages' own peaks, and lower than the rank's in-flight
+    total times its largest stage where the stages differ (the last stage's loss, held for one micro-batch).
     """
     per_rank: dict[int, float] = {}
     by_rank: list[list[StageCost]] = [[] for _ in range(cand.pp)]
@@ -525,19 +526,9 @@ def rank_memory(stages: list[StageCost], cand: Candidate, options: CostOptions) 
     for r, mine in enumerate(by_rank):
         states = sum(held_states(s) for s in mine)
         if cand.virtual_stages > 1:
-            per_mb = max(
-                s.activations
-                / max(
-                    1,
-                    in_flight_microbatches(
-                        cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, s.index
-                    ),
-                )
-                for s in mine
-            )
-            acts = per_mb * rank_in_flight_microbatches(
-                cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, r
-            )
+            p, m, v = cand.pp, cand.num_micro_batches, cand.virtual_stages
+            per_mb = [s.activations / max(1, in_flight_microbatches(cand.schedule, p, m, v, s.index)) for s in mine]
+            acts = rank_peak_activations(cand.schedule, p, m, v, r, per_mb)
         else:
             acts = sum(s.activations for s in mine)
         per_rank[r] = rank_peak_bytes(states, acts, options)

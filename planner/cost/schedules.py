@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from planner.cost.placement import check_stage, raise_if_refused, schedule_violation, stage_rank
-from planner.cost.simulate import simulate
+from planner.cost.simulate import B, F, W, rank_actions, simulate
 from planner.names import SCHEDULES
 
 __all__ = ["SCHEDULES", "schedule_violation", "stage_rank"]
@@ -109,6 +109,69 @@ def rank_in_flight_microbatches(schedule: str, p: int, m: int, v: int, rank: int
     if schedule == "zero-bubble":
         return min(2 * p, m + rank + 1, 2 * m)
     return min(_interleaved_warmup(p, m, v, rank) + 1, m * v)
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_stage_counts(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[int, ...], ...]:
+    """The micro-batches each of `rank`'s stages (in stage order) holds at the instants that can be the rank's
+    activation peak: its memory is max over these c of sum_j c_j a_j, with a_j stage j's activations per
+    micro-batch, exactly (the counts come from the schedule's order, as `rank_in_flight_microbatches`'s).
+
+    The stages of a rank do not peak together and do not hold the same: interleaved, the last rank's first
+    stage holds k + 1 micro-batches while its last (the head and the loss) holds one, so counting the rank
+    as its in-flight total times its largest stage (k + 2 times the loss's logits) overstates it by the
+    loss's memory k + 1 times over. Only the instants after a forward can be a peak; of those, the counts
+    no other instant's counts exceed (or equal) in every stage, and of a run of such counts on one line only
+    its two ends (a linear function is largest at an end): a few vectors per rank. One stage per rank: its
+    own in-flight count."""
+    raise_if_refused(schedule, p, m, v)
+    if not 0 <= rank < p:
+        raise ValueError(f"rank {rank} out of range for p = {p}")
+    if v == 1:
+        return ((in_flight_microbatches(schedule, p, m, 1, rank),),)
+    acts = rank_actions(schedule, p, m, v)[rank]
+    mine = sorted({s for _, s, _ in acts})
+    where = {s: j for j, s in enumerate(mine)}
+    release = W if schedule == "zero-bubble" else B
+    count = [0] * len(mine)
+    seen: set[tuple[int, ...]] = set()
+    for kind, s, _ in acts:
+        if kind == F:
+            count[where[s]] += 1
+            seen.add(tuple(count))
+        elif kind == release:
+            count[where[s]] -= 1
+    top = sorted(c for c in seen if not any(d != c and all(x >= y for x, y in zip(d, c)) for d in seen))
+    return tuple(_line_ends(top))
+
+
+def _line_ends(points: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """`points` (sorted) without those lying between their neighbours on one straight line."""
+    out: list[tuple[int, ...]] = []
+    for q in points:
+        while len(out) >= 2 and _between(out[-2], out[-1], q):
+            out.pop()
+        out.append(q)
+    return out
+
+
+def _between(a: tuple[int, ...], b: tuple[int, ...], c: tuple[int, ...]) -> bool:
+    """Whether b lies on the segment from a to c."""
+    d, e = [y - x for x, y in zip(a, c)], [y - x for x, y in zip(a, b)]
+    n = next((i for i, x in enumerate(d) if x), None)
+    if n is None:
+        return False
+    t = e[n] / d[n]
+    return 0 <= t <= 1 and all(e[i] * d[n] == d[i] * e[n] for i in range(len(d)))
+
+
+def rank_peak_activations(schedule: str, p: int, m: int, v: int, rank: int, per_mb: list[float]) -> float:
+    """The rank's peak activation bytes, `per_mb` its stages' activations per micro-batch in stage order
+    (`rank_stage_counts`)."""
+    counts = rank_stage_counts(schedule, p, m, v, rank)
+    if len(per_mb) != len(counts[0]):
+        raise ValueError(f"rank {rank} holds {len(counts[0])} stages, got activations of {len(per_mb)}")
+    return max(sum(c * a for c, a in zip(cs, per_mb, strict=True)) for cs in counts)
 
 
 def _interleaved_warmup(p: int, m: int, v: int, rank: int) -> int:

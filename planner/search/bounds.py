@@ -35,7 +35,7 @@ import numpy as np
 
 from planner.cost.memory import model_state_bytes_per_param
 from planner.cost.model import Candidate, UnitCost
-from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches, stage_rank
+from planner.cost.schedules import in_flight_microbatches, rank_stage_counts, stage_rank
 from planner.cost.terms import (
     comm_buffer_bytes,
     dp_sync_time,
@@ -112,7 +112,7 @@ def simple_bound(pb: PartitionProblem, tail: float | None = None) -> Bounds:
     pipe = pipeline_time(cand, work, work / S, work / p, fwd / S, 0.0)
     states = model_state_bytes(params, model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp_shard))
     min_inflight = _min_in_flight(cand.schedule, p, m, cand.virtual_stages)
-    acts = min_inflight * tot.act
+    acts = min_inflight * tot.act  # each rank holds at least min_inflight times its activations per micro-batch
     memory = rank_peak_bytes(states / p, acts / p, options)
     if tail is None:
         tail = tail_bound(pb)
@@ -317,8 +317,33 @@ def _split_ranks(n_rank: list[int], mine: dict[int, list[_Stage]], stage_cap: Fl
 
 
 @functools.lru_cache(maxsize=4096)
-def _min_in_flight(schedule: str, p: int, m: int, v: int) -> int:
-    return min(in_flight_microbatches(schedule, p, m, v, s) for s in range(p * v))
+@functools.lru_cache(maxsize=1024)
+def _min_in_flight(schedule: str, p: int, m: int, v: int) -> float:
+    """The least over ranks of `rank_hold`: every rank's activation peak is at least this times the sum of its
+    stages' activations per micro-batch, however they are split."""
+    return min(rank_hold(schedule, p, m, v, r) for r in range(p))
+
+
+_T = TypeVar("_T")
+
+
+def _by_position(rows: list[list[_T]]) -> list[list[_T]]:
+    """Column i of ragged rows, a row shorter than i giving its first item (each item of a row is a valid
+    alternative for that row)."""
+    return [[row[i] if i < len(row) else row[0] for row in rows] for i in range(max(len(row) for row in rows))]
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_hold(schedule: str, p: int, m: int, v: int, rank: int) -> float:
+    """A factor h with rank peak >= h * sum_j a_j for any activations a_j >= 0 per micro-batch of the rank's
+    stages: at one peak instant c (`rank_stage_counts`) sum_j c_j a_j >= min_j c_j * sum_j a_j; and the peak is
+    at least each stage's own peak k_j a_j, so at least (1 / sum_j 1/k_j) * sum_j a_j. One stage per rank: its
+    in-flight count."""
+    counts = rank_stage_counts(schedule, p, m, v, rank)
+    pure = max(min(c) for c in counts)
+    own = [max(c[j] for c in counts) for j in range(v)]
+    harmonic = 0.0 if min(own) == 0 else 1.0 / sum(1.0 / k for k in own)
+    return float(max(pure, harmonic))
 
 
 def tail_bound(pb: PartitionProblem) -> float:
@@ -712,7 +737,13 @@ def _block_bound(pb: PartitionProblem, joint: bool = True) -> BlockBounds | None
     out = BlockBounds(cand)
     ranks = range(p)
     mine = {r: sorted((st for st in stages if st.rank == r), key=lambda st: st.index) for r in ranks}
-    kr = np.array([rank_in_flight_microbatches(cand.schedule, p, m, v, r) for r in ranks], dtype=float)
+    # a rank's peak activations are at least rank_hold times the sum of its stages' (whatever the split), and
+    # at each of its peak instants c at least c . ext + min_j c_j * its blocks' (`rank_stage_counts`)
+    forms: list[list[tuple[float, tuple[int, ...] | None]]] = [
+        [(rank_hold(cand.schedule, p, m, v, r), None)]
+        + [(float(min(c)), c) for c in rank_stage_counts(cand.schedule, p, m, v, r)]
+        for r in ranks
+    ]
     rank_min = np.array([sum(st.min_blocks for st in mine[r]) for r in ranks], dtype=float)
     rank_fixed = np.array([sum(st.buffers + per_param * st.ext_params for st in mine[r]) for r in ranks])
     ext_f = np.array([st.ext_fwd for st in stages])
@@ -720,10 +751,24 @@ def _block_bound(pb: PartitionProblem, joint: bool = True) -> BlockBounds | None
         t = blk.fwd + blk.bwd[r_mode]
         ext_t = np.array([st.ext_time[r_mode] for st in stages])
         rank_ext_t = np.array([sum(st.ext_time[r_mode] for st in mine[r]) for r in ranks])
-        # memory: states + k * (peak stage activation >= mean of the rank's stages)
-        rank_ext_act = np.array([sum(st.ext_act[r_mode] for st in mine[r]) for r in ranks])
-        rank_mem = per(
-            budget, rank_fixed + kr * rank_ext_act / v, per_param * blk.params_local + kr * blk.act[r_mode] / v
+        # memory: states + activations at least as each of the rank's forms counts them (the tightest cap)
+        ext_acts = [[st.ext_act[r_mode] for st in mine[r]] for r in ranks]
+        rank_mem = np.min(
+            [
+                per(
+                    budget,
+                    rank_fixed
+                    + np.array(
+                        [
+                            h * sum(ext_acts[r]) if c is None else sum(x * a for x, a in zip(c, ext_acts[r]))
+                            for r, (h, c) in enumerate(form)
+                        ]
+                    ),
+                    per_param * blk.params_local + np.array([h for h, _ in form]) * blk.act[r_mode],
+                )
+                for form in _by_position(forms)
+            ],
+            axis=0,
         )
 
         def stage_caps(Z: float, t: float = t, ext_t: FloatArray = ext_t) -> tuple[FloatArray, FloatArray]:

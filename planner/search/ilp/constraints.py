@@ -10,7 +10,7 @@ from typing import Any
 import pulp
 
 from planner.cost.memory import model_state_bytes_per_param
-from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches
+from planner.cost.schedules import rank_stage_counts
 from planner.cost.terms import (
     comm_buffer_bytes,
     comm_reserve_bytes,
@@ -177,9 +177,10 @@ def objective(mx: Maxima, tail: Any, ex: StageExprs, pb: PartitionProblem) -> An
 
 
 def add_memory(prob: pulp.LpProblem, ex: StageExprs, pb: PartitionProblem) -> None:
-    """Per rank r: rank_peak_bytes(sum_{s on r} states_s + buffers_s, k_r * act) + the NCCL buffers of the
-    candidate's process groups (`terms.comm_reserve_bytes`) <= capacity, with act the stage's activations (one
-    stage per rank) or A_r >= act_s of each of the rank's stages (several)."""
+    """Per rank r and each of its peak instants c (`rank_stage_counts`): rank_peak_bytes(sum_{s on r} states_s +
+    buffers_s, sum_{s on r} c_s act_s) + the NCCL buffers of the candidate's process groups
+    (`terms.comm_reserve_bytes`) <= capacity, act_s the stage's activations per micro-batch (`cost.model.rank_memory`
+    as a linear row)."""
     cand, cluster, options, ranks, costs = pb.cand, pb.cluster, pb.options, pb.ranks, pb.costs
     state = model_state_bytes_per_param(pb.dtype, cand.zero_stage, cand.dp_shard)
     S = cand.stages
@@ -192,18 +193,8 @@ def add_memory(prob: pulp.LpProblem, ex: StageExprs, pb: PartitionProblem) -> No
             + comm_buffer_bytes(ex.boundary[s] if s < S - 1 else 0.0, cand, options, largest)
             for s in mine
         )
-        if cand.virtual_stages == 1:
-            s = mine[0]
-            acts = (
-                in_flight_microbatches(cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, s)
-                * ex.act[s]
-            )
-        else:
-            A = pulp.LpVariable(f"act_{r}", lowBound=0)
-            for s in mine:
-                prob += A >= ex.act[s]
-            acts = (
-                rank_in_flight_microbatches(cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, r) * A
-            )
         nccl = comm_reserve_bytes(cluster.nccl_bytes_per_group, cand)
-        prob += (rank_peak_bytes(states, acts, options) + nccl) * MEM_SCALE <= cap * MEM_SCALE
+        # one row per instant that can be the rank's peak (`rank_stage_counts`; one stage per rank: its own)
+        for counts in rank_stage_counts(cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, r):
+            acts = pulp.lpSum(c * ex.act[s] for c, s in zip(counts, mine))
+            prob += (rank_peak_bytes(states, acts, options) + nccl) * MEM_SCALE <= cap * MEM_SCALE

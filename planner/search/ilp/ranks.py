@@ -28,7 +28,8 @@ left (a bottleneck dynamic program, computed once), plus the sends so far, plus 
 
 A rank's tail and memory only grow with its stages, and at a complete partition the bound is its
 objective. A rank whose memory row (`constraints.add_memory`, the ILP's own: states and buffers of its
-stages plus its in-flight count times its largest stage activations) is exceeded is dropped.
+stages plus, at each instant that can be its peak, its stages' counts there times their activations) is
+exceeded is dropped.
 
 Order: best first (the open node of least bound), diving from it to a leaf along the children of least
 bound, so that good plans come early and the least open bound rises. The search counts its work (never
@@ -50,7 +51,7 @@ import numpy.typing as npt
 
 from planner.cost.memory import model_state_bytes_per_param
 from planner.cost.model import Candidate, UnitCost
-from planner.cost.schedules import rank_in_flight_microbatches
+from planner.cost.schedules import rank_stage_counts
 from planner.cost.terms import (
     comm_buffer_bytes,
     dp_sync_time,
@@ -168,8 +169,9 @@ def _round_up(x: FloatArray, table: tuple[FloatArray, float] | None) -> FloatArr
 @dataclass
 class _Node:
     """A prefix of the partition: stages 0..s-1 placed, ``cuts`` their starts and the next one's, and
-    per rank its time, synced gradient time, parameters, overlap window, fixed bytes and largest
-    activations; ``zc`` the largest Z, ``sc`` the sends and ``tail`` the largest rank tail so far."""
+    per rank its time, synced gradient time, parameters, overlap window, fixed bytes and activations at
+    each of its peak instants (`rank_stage_counts`); ``zc`` the largest Z, ``sc`` the sends and ``tail`` the
+    largest rank tail so far."""
 
     mode: int
     s: int
@@ -227,7 +229,17 @@ class _Search:
         self.buf_mid = np.asarray(comm_buffer_bytes(out_bytes, cand, options, largest), dtype=float)
         self.buf_last = float(comm_buffer_bytes(0.0, cand, options, largest))
         self.send = np.array([2.0 * p2p_time(float(b), cand, cluster) if j else 0.0 for j, b in enumerate(out_bytes)])
-        self.k = [rank_in_flight_microbatches(cand.schedule, p, m, cand.virtual_stages, r) for r in range(p)]
+        # each rank's peak instants (`rank_stage_counts`), padded to one count per rank with zero rows: per
+        # stage, its count at each of its rank's instants (stage_w), and per rank and local stage (counts)
+        comps = [rank_stage_counts(cand.schedule, p, m, cand.virtual_stages, r) for r in range(p)]
+        nc = max(len(c) for c in comps)
+        self.counts = np.zeros((p, cand.virtual_stages, nc))
+        for r, cs in enumerate(comps):
+            for c, row in enumerate(cs):
+                self.counts[r, :, c] = row
+        local = [sum(1 for t in range(s) if self.ranks[t] == self.ranks[s]) for s in range(S)]
+        self.stage_w = [self.counts[self.ranks[s], local[s]] for s in range(S)]
+        self.nc = nc
         valid = tables.valid
         self.T: list[FloatArray] = []
         self.Z: list[FloatArray] = []
@@ -310,7 +322,8 @@ class _Search:
         tau = np.maximum(0.0, sy - win) + np.where(P > 0, self.a_step * P + self.c_step, 0.0)
         send = self.send[b[:, :-1]].sum(axis=1)
         buf = np.concatenate([self.buf_mid[b[:, :-1]], np.full((len(C), 1), self.buf_last)], axis=1)
-        mem = (self.states[a, b] + buf)[:, idx].sum(axis=2) + np.array(self.k) * self.act[q][a, b][:, idx].max(axis=2)
+        acts = np.einsum("xrv,rvc->xrc", self.act[q][a, b][:, idx], self.counts).max(axis=2)
+        mem = (self.states[a, b] + buf)[:, idx].sum(axis=2) + acts
         obj = self.m * R.max(axis=1) + (self.p - 1) * Z.max(axis=1) + send + tau.max(axis=1)
         out: FloatArray = np.where((mem <= self.budget).all(axis=1), obj, INF)
         return out
@@ -338,7 +351,7 @@ class _Search:
 
     def root(self, mode: int) -> _Node:
         z = np.zeros(self.p)
-        return _Node(mode, 0, (0,), z, z, z, z, z, z, 0.0, 0.0, 0.0)
+        return _Node(mode, 0, (0,), z, z, z, z, z, np.zeros((self.p, self.nc)), 0.0, 0.0, 0.0)
 
     def expand(self, nd: _Node) -> _Children:
         """The node's children that fit memory, with their lower bounds (see the module docstring)."""
@@ -352,7 +365,7 @@ class _Search:
             nd.mem_s[r]
             + self.states[i, js]
             + (self.buf_last if last else self.buf_mid[js])
-            + self.k[r] * np.maximum(nd.mem_a[r], self.act[q][i, js])
+            + (nd.mem_a[r][None, :] + self.act[q][i, js][:, None] * self.stage_w[s][None, :]).max(axis=1)
         )
         ok = np.isfinite(t_ij) & (mem <= self.budget)
         js, t_ij = js[ok], t_ij[ok]
@@ -423,7 +436,7 @@ class _Search:
         if self.first[r] == s:
             win[r] = self.win[q][i, j]
         mem_s[r] += self.states[i, j] + self.buf_mid[j]
-        mem_a[r] = max(mem_a[r], self.act[q][i, j])
+        mem_a[r] = mem_a[r] + self.act[q][i, j] * self.stage_w[s]
         zc = max(nd.zc, float(self.Z[q][i, j]))
         return _Node(q, s + 1, (*nd.cuts, j), load, sy, par, win, mem_s, mem_a, zc, nd.sc + float(self.send[j]),
                      float(ch.tails[c]))
