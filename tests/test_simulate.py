@@ -199,6 +199,24 @@ def test_rank_peak_activations_is_the_largest_instant_of_the_order(cfg, per_mb):
         assert max(sum(c) for c in counts) == rank_in_flight_microbatches(schedule, p, m, v, r)
 
 
+def test_interleaved_instants_at_window_ends_equal_the_walked_order():
+    # rank_stage_counts reads torch's interleaved order only at the steps where a window changes, and only over
+    # one period after the warm-up; walking every step of the order must give the same counts.
+    from planner.cost.schedules import _line_ends, _undominated, _walked_instants
+
+    checked = 0
+    for p in (1, 2, 3, 4, 5, 8):
+        for m in range(1, 49):
+            for v in (2, 3, 4):
+                if schedule_violation("interleaved-1f1b", p, m, v):
+                    continue
+                for r in range(p):
+                    walked = tuple(_line_ends(_undominated(_walked_instants("interleaved-1f1b", p, m, v, r))))
+                    assert rank_stage_counts("interleaved-1f1b", p, m, v, r) == walked, (p, m, v, r)
+                    checked += 1
+    assert checked > 1000
+
+
 def test_rank_peak_activations_of_the_last_interleaved_rank_holds_the_loss_once():
     # Interleaved, p 16, v 2, 64 micro-batches: the last rank's first stage holds up to 17 micro-batches, its
     # last stage (the head and the loss) one. 17 x the largest stage would count the loss 17 times.

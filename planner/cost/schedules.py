@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+import numpy.typing as npt
+
 from planner.cost.placement import check_stage, raise_if_refused, schedule_violation, stage_rank
-from planner.cost.simulate import B, F, W, rank_actions, simulate
+from planner.cost.simulate import B, F, W, rank_order, simulate
 from planner.names import SCHEDULES
 
 __all__ = ["SCHEDULES", "schedule_violation", "stage_rank"]
+
+IntArray = npt.NDArray[np.int64]
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
@@ -129,7 +134,16 @@ def rank_stage_counts(schedule: str, p: int, m: int, v: int, rank: int) -> tuple
         raise ValueError(f"rank {rank} out of range for p = {p}")
     if v == 1:
         return ((in_flight_microbatches(schedule, p, m, 1, rank),),)
-    acts = rank_actions(schedule, p, m, v)[rank]
+    if schedule == "interleaved-1f1b":
+        k = m // max(1, m // p)
+        w = _interleaved_warmup(p, m, v, rank)
+        return _interleaved_counts(k, v, w, min(m * v, w + k * v + 1))
+    return tuple(_line_ends(_undominated(_walked_instants(schedule, p, m, v, rank))))
+
+
+def _walked_instants(schedule: str, p: int, m: int, v: int, rank: int) -> set[tuple[int, ...]]:
+    """The rank's stage counts after each of its forwards, along its order (`simulate.rank_order`)."""
+    acts = rank_order(schedule, p, m, v, rank)
     mine = sorted({s for _, s, _ in acts})
     where = {s: j for j, s in enumerate(mine)}
     release = W if schedule == "zero-bubble" else B
@@ -141,8 +155,43 @@ def rank_stage_counts(schedule: str, p: int, m: int, v: int, rank: int) -> tuple
             seen.add(tuple(count))
         elif kind == release:
             count[where[s]] -= 1
-    top = sorted(c for c in seen if not any(d != c and all(x >= y for x, y in zip(d, c)) for d in seen))
-    return tuple(_line_ends(top))
+    return seen
+
+
+@functools.lru_cache(maxsize=4096)
+def _interleaved_counts(k: int, v: int, w: int, end: int) -> tuple[tuple[int, ...], ...]:
+    """`rank_stage_counts` of torch's interleaved order with k micro-batches per round and warm-up w, from its
+    steps before `end`. Step i runs a forward on chunk (i // k) % v (i < m v), then from the warm-up on a
+    backward on chunk v - 1 - ((i - w) // k) % v: between two window changes (i or i - w crossing a multiple of
+    k) every chunk's count moves by the same step each step, so a weighted sum of them is largest at an end of
+    that run. From the warm-up on, each chunk gains k forwards and loses k backwards every k v steps: the counts
+    repeat with that period, so the steps before w + k v hold every instant there is (end: that or m v; the
+    counts depend on m through nothing else, and many m share them)."""
+    bases = np.arange(0, end + k, k)
+    i = np.unique(np.concatenate([[0, end - 1], *(b + d for b in (bases, w + bases) for d in (-1, 0, 1))]))
+    i = i[(i >= 0) & (i < end)]
+    j = np.arange(v)
+    fwd = _windows_counts(i[:, None] + 1, k, v, j[None, :])
+    bwd = _windows_counts(i[:, None] - w, k, v, v - 1 - j[None, :])
+    seen = {tuple(int(x) for x in row) for row in np.unique(fwd - bwd, axis=0)}
+    return tuple(_line_ends(_undominated(seen)))
+
+
+def _windows_counts(n: IntArray, k: int, v: int, j: IntArray) -> IntArray:
+    """`_windows_count` elementwise over arrays n and j."""
+    full, rest = np.divmod(np.maximum(n, 0), k * v)
+    out: IntArray = full * k + np.clip(rest - j * k, 0, k)
+    return out
+
+
+def _undominated(points: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The points no other point reaches in every coordinate, sorted (a point that dominates another comes
+    before it in decreasing order, so one pass against those kept suffices)."""
+    kept: list[tuple[int, ...]] = []
+    for c in sorted(points, reverse=True):
+        if not any(all(x >= y for x, y in zip(d, c)) for d in kept):
+            kept.append(c)
+    return sorted(kept)
 
 
 def _line_ends(points: list[tuple[int, ...]]) -> list[tuple[int, ...]]:

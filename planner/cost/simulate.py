@@ -253,13 +253,25 @@ def rank_actions(schedule: str, p: int, m: int, v: int = 1) -> list[list[Action]
     violation = schedule_violation(schedule, p, m, v)
     if violation:
         raise ValueError(violation)
+    return [_rank_order(schedule, p, m, v, r) for r in range(p)]
+
+
+def rank_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[Action]:
+    """One rank's actions of `rank_actions`."""
+    violation = schedule_violation(schedule, p, m, v)
+    if violation:
+        raise ValueError(violation)
+    return _rank_order(schedule, p, m, v, rank)
+
+
+def _rank_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[Action]:
     if schedule == "gpipe":
-        return [_gpipe_order(p, m, r) for r in range(p)]
+        return _gpipe_order(p, m, rank)
     if schedule == "1f1b":
-        return [_1f1b_order(p, m, r) for r in range(p)]
+        return _1f1b_order(p, m, rank)
     if schedule == "interleaved-1f1b":
-        return [_interleaved_order(p, m, v, r) for r in range(p)]
-    return [_zbv_order(p, m, r) for r in range(p)]
+        return _interleaved_order(p, m, v, rank)
+    return _zbv_order(p, m, rank)
 
 
 @lru_cache(maxsize=16)

@@ -317,33 +317,39 @@ def _split_ranks(n_rank: list[int], mine: dict[int, list[_Stage]], stage_cap: Fl
 
 
 @functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=1024)
 def _min_in_flight(schedule: str, p: int, m: int, v: int) -> float:
-    """The least over ranks of `rank_hold`: every rank's activation peak is at least this times the sum of its
-    stages' activations per micro-batch, however they are split."""
-    return min(rank_hold(schedule, p, m, v, r) for r in range(p))
+    """A factor every rank's activation peak is at least, times the sum of its stages' activations per micro-batch
+    however they are split: the least over ranks of 1 / sum_j 1/k_j, k_j its stages' own peaks (closed forms,
+    `_harmonic`). One stage per rank: the least in-flight count."""
+    ranks: list[list[int]] = [[] for _ in range(p)]
+    for s in range(p * v):
+        ranks[stage_rank(schedule, p, v, s)].append(in_flight_microbatches(schedule, p, m, v, s))
+    return min(_harmonic(ks) for ks in ranks)
 
 
-_T = TypeVar("_T")
+def _harmonic(ks: list[int]) -> float:
+    """1 / sum_j 1/k_j (0 where a stage holds none): the largest h with max_j k_j a_j >= h sum_j a_j for every
+    a >= 0 (equality where every k_j a_j is the same)."""
+    return 0.0 if min(ks) == 0 else 1.0 / sum(1.0 / k for k in ks)
 
 
-def _by_position(rows: list[list[_T]]) -> list[list[_T]]:
-    """Column i of ragged rows, a row shorter than i giving its first item (each item of a row is a valid
-    alternative for that row)."""
-    return [[row[i] if i < len(row) else row[0] for row in rows] for i in range(max(len(row) for row in rows))]
-
-
-@functools.lru_cache(maxsize=4096)
-def rank_hold(schedule: str, p: int, m: int, v: int, rank: int) -> float:
-    """A factor h with rank peak >= h * sum_j a_j for any activations a_j >= 0 per micro-batch of the rank's
-    stages: at one peak instant c (`rank_stage_counts`) sum_j c_j a_j >= min_j c_j * sum_j a_j; and the peak is
-    at least each stage's own peak k_j a_j, so at least (1 / sum_j 1/k_j) * sum_j a_j. One stage per rank: its
-    in-flight count."""
-    counts = rank_stage_counts(schedule, p, m, v, rank)
-    pure = max(min(c) for c in counts)
-    own = [max(c[j] for c in counts) for j in range(v)]
-    harmonic = 0.0 if min(own) == 0 else 1.0 / sum(1.0 / k for k in own)
-    return float(max(pure, harmonic))
+@functools.lru_cache(maxsize=1024)
+def _rank_memory_forms(schedule: str, p: int, m: int, v: int) -> tuple[FloatArray, FloatArray]:
+    """Lower bounds on each rank's activation peak linear in its stages' activations a_j per micro-batch when
+    its blocks' part is known only as their sum A: (on_blocks f x p, on_ext f x p x v), form f of rank r being
+    on_blocks[f, r] * A + sum_j on_ext[f, r, j] * ext_j. Per rank: h (A + sum_j ext_j) with h the `_harmonic`
+    factor of its stages' own peaks, and at each peak instant c (`rank_stage_counts`) min_j c_j A + c . ext;
+    ranks with fewer forms repeat their first."""
+    forms: list[list[tuple[float, tuple[float, ...]]]] = []
+    for r in range(p):
+        counts = rank_stage_counts(schedule, p, m, v, r)
+        own = [max(c[j] for c in counts) for j in range(v)]
+        h = _harmonic(own)
+        forms.append([(h, (h,) * v)] + [(float(min(c)), tuple(map(float, c))) for c in counts])
+    n = max(len(f) for f in forms)
+    on_blocks = np.array([[f[i][0] if i < len(f) else f[0][0] for f in forms] for i in range(n)])
+    on_ext = np.array([[f[i][1] if i < len(f) else f[0][1] for f in forms] for i in range(n)])
+    return on_blocks, on_ext
 
 
 def tail_bound(pb: PartitionProblem) -> float:
@@ -737,13 +743,7 @@ def _block_bound(pb: PartitionProblem, joint: bool = True) -> BlockBounds | None
     out = BlockBounds(cand)
     ranks = range(p)
     mine = {r: sorted((st for st in stages if st.rank == r), key=lambda st: st.index) for r in ranks}
-    # a rank's peak activations are at least rank_hold times the sum of its stages' (whatever the split), and
-    # at each of its peak instants c at least c . ext + min_j c_j * its blocks' (`rank_stage_counts`)
-    forms: list[list[tuple[float, tuple[int, ...] | None]]] = [
-        [(rank_hold(cand.schedule, p, m, v, r), None)]
-        + [(float(min(c)), c) for c in rank_stage_counts(cand.schedule, p, m, v, r)]
-        for r in ranks
-    ]
+    on_blocks, on_ext = _rank_memory_forms(cand.schedule, p, m, v)
     rank_min = np.array([sum(st.min_blocks for st in mine[r]) for r in ranks], dtype=float)
     rank_fixed = np.array([sum(st.buffers + per_param * st.ext_params for st in mine[r]) for r in ranks])
     ext_f = np.array([st.ext_fwd for st in stages])
@@ -752,24 +752,12 @@ def _block_bound(pb: PartitionProblem, joint: bool = True) -> BlockBounds | None
         ext_t = np.array([st.ext_time[r_mode] for st in stages])
         rank_ext_t = np.array([sum(st.ext_time[r_mode] for st in mine[r]) for r in ranks])
         # memory: states + activations at least as each of the rank's forms counts them (the tightest cap)
-        ext_acts = [[st.ext_act[r_mode] for st in mine[r]] for r in ranks]
-        rank_mem = np.min(
-            [
-                per(
-                    budget,
-                    rank_fixed
-                    + np.array(
-                        [
-                            h * sum(ext_acts[r]) if c is None else sum(x * a for x, a in zip(c, ext_acts[r]))
-                            for r, (h, c) in enumerate(form)
-                        ]
-                    ),
-                    per_param * blk.params_local + np.array([h for h, _ in form]) * blk.act[r_mode],
-                )
-                for form in _by_position(forms)
-            ],
-            axis=0,
-        )
+        ext_acts = np.array([[st.ext_act[r_mode] for st in mine[r]] for r in ranks])
+        rank_mem = per(
+            budget,
+            rank_fixed[None, :] + np.einsum("fpv,pv->fp", on_ext, ext_acts),
+            per_param * blk.params_local + on_blocks * blk.act[r_mode],
+        ).min(axis=0)
 
         def stage_caps(Z: float, t: float = t, ext_t: FloatArray = ext_t) -> tuple[FloatArray, FloatArray]:
             return np.minimum(per(Z, ext_t, t), gather_cap(Z)), min_blocks
