@@ -544,3 +544,62 @@ def test_fake_run_casts_the_models_float_inputs_as_fsdp_mixed_precision_does() -
     none = cast(Any, None)  # what the fake run does not read
     case = CheckCase(none, none, Training(dtype="bf16"), None, example, 1, loss)
     assert _runs_on_fake_tensors(case, stage) is not None  # None: it did not run
+
+
+IN_PLACE_MODEL = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 64)
+        self.down = nn.Linear(64, 16)
+
+    def forward(self, x):
+        out = self.down(torch.relu(self.up(x)))
+        out += x  # the residual added in place into the row-parallel output
+        return out
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def build_model(**_):
+    return Net()
+
+
+def example_inputs(batch_size, **_):
+    return (torch.randn(batch_size, 16),)
+
+
+def loss_fn(output, x):
+    return output.float().pow(2).mean()
+"""
+
+
+def test_a_residual_added_in_place_into_a_row_parallel_output_is_refused_with_the_line(tmp_path):
+    # torch's RowwiseParallel hands its output over as DTensor.to_local's view; `out += x` on it is an autograd
+    # error deep in torch. The check names the model's line and the fix.
+    path = tmp_path / "net.py"
+    path.write_text(IN_PLACE_MODEL)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app,
+        ["plan", str(path), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "4",
+         "--tp", "2", "--out", str(out), "--quiet"],
+    )
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "changes a tensor-parallel Linear's output in place at" in text, text
+    line = next(i for i, text in enumerate(IN_PLACE_MODEL.splitlines(), 1) if "out += x" in text)
+    assert f"{path}:{line} " in text
+    assert "out = out + residual" in text
+    assert not out.exists() or not any(out.iterdir())

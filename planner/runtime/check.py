@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -104,12 +105,34 @@ def _failing_as(what: str) -> Iterator[None]:
         raise _run_error(what, e) from e
 
 
+# autograd's refusal of an in-place op on a tensor-parallel Linear's output (DTensor.to_local's view)
+_TP_OUTPUT_IN_PLACE = "Output 0 of _ToTorchTensor is a view and is being modified inplace"
+
+
 def _run_error(what: str, e: Exception) -> RunError:
     first = str(e).strip().splitlines()[0][:400] if str(e).strip() else ""
+    if _TP_OUTPUT_IN_PLACE in str(e):
+        return RunError(
+            f"{what} fails on one micro-batch: the model changes a tensor-parallel Linear's output in place"
+            f"{_model_frame(e)} (e.g. `out += residual`). torch's tensor parallelism returns that output as a view "
+            "of its sharded result, and autograd does not let a view made so be modified in place. Write it out "
+            "of place (`out = out + residual`), or re-plan with --tp 1."
+        )
     return RunError(
         f"{what} fails on one micro-batch ({type(e).__name__}: {first}). Fix the model file, or re-plan "
         "with other pins (e.g. another --pp, or --tp 1)."
     )
+
+
+def _model_frame(e: BaseException) -> str:
+    """' at FILE:LINE' of the innermost frame of `e` outside torch and the planner (the model's code), or ''."""
+    import traceback
+
+    skip = (os.sep + "torch" + os.sep, os.sep + "planner" + os.sep, os.sep + "planner_runtime" + os.sep)
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        if not any(part in frame.filename for part in skip) and not frame.filename.startswith("<"):
+            return f" at {frame.filename}:{frame.lineno}"
+    return ""
 
 
 class Prepared:
