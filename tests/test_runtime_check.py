@@ -104,18 +104,25 @@ def test_tp_that_does_not_divide_is_refused():
         check_plan_runs(plan)
 
 
-def test_planner_plan_exits_2_and_writes_nothing(tmp_path):
+def _refused_plan(tmp_path, source: str, *pins: str) -> str:
+    """`planner plan` of `source` (written as net.py) on 2 CPU ranks: it must exit 2 and write nothing; its
+    output on one line."""
     path = tmp_path / "net.py"
-    path.write_text(MODEL.format(broken=False, loss="output"))
+    path.write_text(source)
     out = tmp_path / "out"
     result = CliRunner().invoke(
         app,
         ["plan", str(path), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "4",
-         "--dp", "2", "--out", str(out), "--quiet"],
+         *pins, "--out", str(out), "--quiet"],
     )
     assert result.exit_code == 2, result.output
-    assert "The plan cannot run" in result.output and "floating-point scalar" in result.output
     assert not out.exists() or not any(out.iterdir())
+    return " ".join(result.output.split())
+
+
+def test_planner_plan_exits_2_and_writes_nothing(tmp_path):
+    text = _refused_plan(tmp_path, MODEL.format(broken=False, loss="output"), "--dp", "2")
+    assert "The plan cannot run" in text and "floating-point scalar" in text
 
 
 def test_tp_on_a_conv1d_the_plan_does_not_mark_transposed_is_refused_at_plan_time():
@@ -588,18 +595,8 @@ def loss_fn(output, x):
 def test_a_residual_added_in_place_into_a_row_parallel_output_is_refused_with_the_line(tmp_path):
     # torch's RowwiseParallel hands its output over as DTensor.to_local's view; `out += x` on it is an autograd
     # error deep in torch. The check names the model's line and the fix.
-    path = tmp_path / "net.py"
-    path.write_text(IN_PLACE_MODEL)
-    out = tmp_path / "out"
-    result = CliRunner().invoke(
-        app,
-        ["plan", str(path), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "4",
-         "--tp", "2", "--out", str(out), "--quiet"],
-    )
-    assert result.exit_code == 2, result.output
-    text = " ".join(result.output.split())
+    text = _refused_plan(tmp_path, IN_PLACE_MODEL, "--tp", "2")
     assert "changes a tensor-parallel Linear's output in place at" in text, text
-    line = next(i for i, text in enumerate(IN_PLACE_MODEL.splitlines(), 1) if "out += x" in text)
-    assert f"{path}:{line} " in text
+    line = next(i for i, row in enumerate(IN_PLACE_MODEL.splitlines(), 1) if "out += x" in row)
+    assert f"{tmp_path / 'net.py'}:{line} " in text
     assert "out = out + residual" in text
-    assert not out.exists() or not any(out.iterdir())
