@@ -217,6 +217,23 @@ def test_interleaved_instants_at_window_ends_equal_the_walked_order():
     assert checked > 1000
 
 
+def test_zero_bubble_instants_above_2p_micro_batches_equal_the_walked_order():
+    # rank_stage_counts reads ZBV's order at 2p micro-batches for any m above (each later micro-batch repeats the
+    # counts of the one before); walking the whole order must give the same.
+    from planner.cost.schedules import _line_ends, _undominated, _walked_instants
+
+    checked = 0
+    for p in (1, 2, 3, 4, 6, 8):
+        for m in range(1, 5 * p + 3):
+            if schedule_violation("zero-bubble", p, m, 2):
+                continue
+            for r in range(p):
+                walked = tuple(_line_ends(_undominated(_walked_instants("zero-bubble", p, m, 2, r))))
+                assert rank_stage_counts("zero-bubble", p, m, 2, r) == walked, (p, m, r)
+                checked += 1
+    assert checked > 300
+
+
 def test_rank_peak_activations_of_the_last_interleaved_rank_holds_the_loss_once():
     # Interleaved, p 16, v 2, 64 micro-batches: the last rank's first stage holds up to 17 micro-batches, its
     # last stage (the head and the loss) one. 17 x the largest stage would count the loss 17 times.

@@ -138,6 +138,13 @@ def rank_stage_counts(schedule: str, p: int, m: int, v: int, rank: int) -> tuple
         k = m // max(1, m // p)
         w = _interleaved_warmup(p, m, v, rank)
         return _interleaved_counts(k, v, w, min(m * v, w + k * v + 1))
+    # zero-bubble (ZBV): past its warm-up each micro-batch repeats the same counts, so every m above 2p has the
+    # instants of m = 2p (the test walks both)
+    return _walked_counts(schedule, p, min(m, 2 * p) if schedule == "zero-bubble" else m, v, rank)
+
+
+@functools.lru_cache(maxsize=4096)
+def _walked_counts(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[int, ...], ...]:
     return tuple(_line_ends(_undominated(_walked_instants(schedule, p, m, v, rank))))
 
 
@@ -173,7 +180,7 @@ def _interleaved_counts(k: int, v: int, w: int, end: int) -> tuple[tuple[int, ..
     j = np.arange(v)
     fwd = _windows_counts(i[:, None] + 1, k, v, j[None, :])
     bwd = _windows_counts(i[:, None] - w, k, v, v - 1 - j[None, :])
-    seen = {tuple(int(x) for x in row) for row in np.unique(fwd - bwd, axis=0)}
+    seen = set(map(tuple, (fwd - bwd).tolist()))
     return tuple(_line_ends(_undominated(seen)))
 
 
@@ -185,13 +192,20 @@ def _windows_counts(n: IntArray, k: int, v: int, j: IntArray) -> IntArray:
 
 
 def _undominated(points: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """The points no other point reaches in every coordinate, sorted (a point that dominates another comes
-    before it in decreasing order, so one pass against those kept suffices)."""
+    """The points no other point reaches in every coordinate, sorted. Two coordinates: a staircase, one pass in
+    decreasing order; more: every pair compared at once."""
     kept: list[tuple[int, ...]] = []
-    for c in sorted(points, reverse=True):
-        if not any(all(x >= y for x, y in zip(d, c)) for d in kept):
-            kept.append(c)
-    return sorted(kept)
+    if points and len(next(iter(points))) == 2:  # a staircase: in that order, each kept point raises the second
+        top = None
+        for c in sorted(points, reverse=True):
+            if top is None or c[1] > top:
+                kept.append(c)
+                top = c[1]
+        return sorted(kept)
+    pts = np.array(sorted(points), dtype=np.int64).reshape(len(points), -1)
+    covers = (pts[:, None, :] >= pts[None, :, :]).all(axis=2)  # [j, i]: j reaches i in every coordinate
+    alone = covers.sum(axis=0) == 1  # only i itself (the points are distinct)
+    return [tuple(int(x) for x in row) for row in pts[alone].tolist()]
 
 
 def _line_ends(points: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
