@@ -4,6 +4,7 @@ The plan-time check is skipped only when the same check passed before."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -130,3 +131,33 @@ def test_the_planners_own_cache_files_are_not_the_models_reads(model, tmp_path):
             analyse(_request(model))
         assert during.complete, during.why_incomplete
         assert not [f for f in during.files if f.startswith(str(tmp_path / "cache"))], during.files
+
+
+def test_a_module_loaded_from_its_cached_bytecode_is_recorded_as_its_source(tmp_path):
+    """tests/fixtures/models/finetune_gpt.py runs sample_models/gpt.py by spec_from_file_location and exec_module.
+    Where Python has cached that file's bytecode (__pycache__, written by any earlier run), the import opens the
+    .pyc and never the source; the source is what the model read, and what the copy beside the scripts needs
+    (a second plan in one process, where the module's name is not new, lost it: the e2e fine-tune run failed)."""
+    import py_compile
+
+    from planner.model.reads import recording
+    from planner.runtime.model import load_model_file
+
+    base = tmp_path / "lib" / "base_model.py"
+    base.parent.mkdir()
+    base.write_text("WIDTH = 8\n")
+    py_compile.compile(str(base), cfile=importlib.util.cache_from_source(str(base)), doraise=True)
+    model = tmp_path / "proj" / "net.py"
+    model.parent.mkdir()
+    model.write_text(
+        "import importlib.util, sys\n"
+        f"_spec = importlib.util.spec_from_file_location('reads_test_base', {str(base)!r})\n"
+        "base = importlib.util.module_from_spec(_spec)\n"
+        "sys.modules[_spec.name] = base\n"
+        "_spec.loader.exec_module(base)\n"
+    )
+    load_model_file(str(model))  # an earlier plan in this process: the base module's name is taken already
+    with recording(model.parent) as during:
+        load_model_file(str(model))
+    assert str(base) in during.files, sorted(during.files)
+    assert not [f for f in during.files if f.endswith(".pyc")], sorted(during.files)

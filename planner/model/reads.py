@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import os
 import site
 import sys
@@ -91,6 +92,15 @@ _MODULE_REAL: dict[str, str] = {}
 _FOLDER_REAL: dict[str, str] = {}  # a folder to its real path (`_real_file`)
 
 
+def _source_of(pyc: str) -> str | None:
+    """The source file a __pycache__ .pyc caches, where it exists."""
+    try:
+        source = importlib.util.source_from_cache(pyc)
+    except ValueError:  # not a PEP 3147 cache path
+        return None
+    return source if os.path.isfile(source) else None
+
+
 def _hook(event: str, args: tuple[Any, ...]) -> None:
     if event != "open" or not _active or _paused_depth():
         return
@@ -101,11 +111,14 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
         name = os.path.abspath(os.fsdecode(path))
     except (TypeError, ValueError):
         return
-    if not _relevant(name):
-        return
     writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
         isinstance(flags, int) and bool(flags & _WRITE_FLAGS)
     )
+    if not writes and name.endswith(".pyc") and "__pycache__" in name:
+        # an import that found its source's bytecode cached reads the .pyc, not the source: the source is read
+        name = _source_of(name) or name
+    if not _relevant(name):
+        return
     for reads in _active:
         if writes:
             if reads.complete:
