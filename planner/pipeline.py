@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner import __version__
 from planner.cost.memory import memory_report
-from planner.cost.model import CostOptions, Profile, full_block_units, rank_tail, rank_tail_parts
+from planner.cost.model import CostOptions, Profile, full_block_units, rank_tail, rank_tail_parts, stages_by_rank
 from planner.cost.simulate import SimResult
 from planner.cost.terms import comm_reserve_bytes, cp_kv_exchange_time, moe_alltoall_time
 from planner.errors import ConfigError, PlannerError
@@ -163,8 +163,8 @@ def _kept_experts(ev: Evaluated, graph: ModelGraph) -> dict[str, int]:
 def _optimizer_only(ev: Evaluated, cluster: ClusterSpec, graph: ModelGraph, options: CostOptions) -> float:
     """The slowest rank's optimizer step (the tail without its exposed gradient sync)."""
     return max(
-        rank_tail_parts([s for s in ev.stages if s.rank == r], ev.cand, options, cluster, graph.source.dtype)[1]
-        for r in range(ev.cand.pp)
+        rank_tail_parts(mine, ev.cand, options, cluster, graph.source.dtype)[1]
+        for mine in stages_by_rank(ev.stages, ev.cand.pp)
     )
 
 

@@ -511,6 +511,14 @@ def stage_costs(
     return out
 
 
+def stages_by_rank(stages: list[StageCost], pp: int) -> list[list[StageCost]]:
+    """Each pipeline rank's stages, in stage order."""
+    out: list[list[StageCost]] = [[] for _ in range(pp)]
+    for s in stages:
+        out[s.rank].append(s)
+    return out
+
+
 def rank_memory(stages: list[StageCost], cand: Candidate, options: CostOptions) -> dict[int, float]:
     """Peak bytes per pipeline rank: its stages' states and activations plus workspace and fragmentation.
 
@@ -520,10 +528,7 @@ def rank_memory(stages: list[StageCost], cand: Candidate, options: CostOptions) 
     total times its largest stage where the stages differ (the last stage's loss, held for one micro-batch).
     """
     per_rank: dict[int, float] = {}
-    by_rank: list[list[StageCost]] = [[] for _ in range(cand.pp)]
-    for s in stages:
-        by_rank[s.rank].append(s)
-    for r, mine in enumerate(by_rank):
+    for r, mine in enumerate(stages_by_rank(stages, cand.pp)):
         states = sum(held_states(s) for s in mine)
         if cand.virtual_stages > 1:
             p, m, v = cand.pp, cand.num_micro_batches, cand.virtual_stages
@@ -573,10 +578,7 @@ def rank_tail(
     stages: list[StageCost], cand: Candidate, options: CostOptions, cluster: ClusterSpec, dtype: str
 ) -> float:
     """max over ranks of (exposed data-parallel sync + optimizer step), paid after the pipeline drains."""
-    by_rank: list[list[StageCost]] = [[] for _ in range(cand.pp)]
-    for s in stages:
-        by_rank[s.rank].append(s)
-    return max(sum(rank_tail_parts(mine, cand, options, cluster, dtype)) for mine in by_rank)
+    return max(sum(rank_tail_parts(mine, cand, options, cluster, dtype)) for mine in stages_by_rank(stages, cand.pp))
 
 
 def stage_time_with_gathers(s: StageCost) -> float:

@@ -319,32 +319,31 @@ def _split_ranks(n_rank: list[int], mine: dict[int, list[_Stage]], stage_cap: Fl
 @functools.lru_cache(maxsize=4096)
 def _min_in_flight(schedule: str, p: int, m: int, v: int) -> float:
     """A factor every rank's activation peak is at least, times the sum of its stages' activations per micro-batch
-    however they are split: the least over ranks of 1 / sum_j 1/k_j, k_j its stages' own peaks (closed forms,
-    `_harmonic`). One stage per rank: the least in-flight count."""
+    however they are split: the least over ranks of `_rank_holds`. One stage per rank: the least in-flight count."""
+    return min(_rank_holds(schedule, p, m, v))
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_holds(schedule: str, p: int, m: int, v: int) -> tuple[float, ...]:
+    """Per rank, 1 / sum_j 1/k_j with k_j its stages' own peaks (`in_flight_microbatches`; 0 where a stage holds
+    none): the largest h with max_j k_j a_j >= h sum_j a_j for every a >= 0 (equality where every k_j a_j is the
+    same), so the rank's peak is at least h times the sum of its stages' activations per micro-batch."""
     ranks: list[list[int]] = [[] for _ in range(p)]
     for s in range(p * v):
         ranks[stage_rank(schedule, p, v, s)].append(in_flight_microbatches(schedule, p, m, v, s))
-    return min(_harmonic(ks) for ks in ranks)
-
-
-def _harmonic(ks: list[int]) -> float:
-    """1 / sum_j 1/k_j (0 where a stage holds none): the largest h with max_j k_j a_j >= h sum_j a_j for every
-    a >= 0 (equality where every k_j a_j is the same)."""
-    return 0.0 if min(ks) == 0 else 1.0 / sum(1.0 / k for k in ks)
+    return tuple(0.0 if min(ks) == 0 else 1.0 / sum(1.0 / k for k in ks) for ks in ranks)
 
 
 @functools.lru_cache(maxsize=1024)
 def _rank_memory_forms(schedule: str, p: int, m: int, v: int) -> tuple[FloatArray, FloatArray]:
     """Lower bounds on each rank's activation peak linear in its stages' activations a_j per micro-batch when
     its blocks' part is known only as their sum A: (on_blocks f x p, on_ext f x p x v), form f of rank r being
-    on_blocks[f, r] * A + sum_j on_ext[f, r, j] * ext_j. Per rank: h (A + sum_j ext_j) with h the `_harmonic`
-    factor of its stages' own peaks, and at each peak instant c (`rank_stage_counts`) min_j c_j A + c . ext;
-    ranks with fewer forms repeat their first."""
+    on_blocks[f, r] * A + sum_j on_ext[f, r, j] * ext_j. Per rank: h (A + sum_j ext_j) with h its `_rank_holds`
+    factor, and at each peak instant c (`rank_stage_counts`) min_j c_j A + c . ext; ranks with fewer forms repeat
+    their first."""
     forms: list[list[tuple[float, tuple[float, ...]]]] = []
-    for r in range(p):
+    for r, h in enumerate(_rank_holds(schedule, p, m, v)):
         counts = rank_stage_counts(schedule, p, m, v, r)
-        own = [max(c[j] for c in counts) for j in range(v)]
-        h = _harmonic(own)
         forms.append([(h, (h,) * v)] + [(float(min(c)), tuple(map(float, c))) for c in counts])
     n = max(len(f) for f in forms)
     on_blocks = np.array([[f[i][0] if i < len(f) else f[0][0] for f in forms] for i in range(n)])
