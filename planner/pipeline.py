@@ -423,6 +423,7 @@ def plan_model(
         request.max_nodes,
         on_best=on_best,
         block_recompute=True,
+        on_guess=on_best,
     )
     return build_plan(graph, cluster, request, result, options), graph, result
 

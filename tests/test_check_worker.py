@@ -173,6 +173,7 @@ def test_a_prepared_check_traces_nothing_more_and_answers_the_same(monkeypatch, 
     plan = make_plan("gpt", pp=2, micro_batch_size=micro_batch_size)
     scratch = check_plan_runs(plan)
     prepared = Prepared(model_file(plan.model), plan.training.seed)
+    prepared.trace_ahead()
     traces = _traces(monkeypatch)
     assert check_plan_runs(plan, prepared) == scratch == "fx"
     assert traces == []  # the graph traced ahead was taken
@@ -184,6 +185,7 @@ def test_a_prepared_check_of_another_seed_or_model_is_not_taken(monkeypatch):
     spec = model_file(plan.model)
     other_args = dataclasses.replace(spec, model_args={**spec.model_args, "layers": 6})
     for prepared in (Prepared(spec, plan.training.seed + 1), Prepared(other_args, plan.training.seed)):
+        prepared.trace_ahead()
         traces = _traces(monkeypatch)
         assert check_plan_runs(plan, prepared) == "fx"
         assert len(traces) == 1
@@ -326,3 +328,30 @@ def test_a_check_stops_at_its_next_checkpoint_once_its_caller_says_so_and_leaves
     assert len(calls) == 3
     assert check_runs(CheckInputs.of(plan), cancel=lambda: False) == "fx"
     assert check_plan_runs(plan) == "fx"
+
+
+def test_a_moe_trace_made_ahead_keeps_the_experts_as_calls_and_is_taken(tmp_path, monkeypatch):
+    """The worker traces ahead with the experts modules as calls (a traced pipeline's graph keeps them so: the
+    plan's `experts`), so a MoE pipeline's check takes that trace instead of tracing again (traced through,
+    transformers' experts loop over every expert: seconds at Qwen3-30B-A3B's 48 x 128)."""
+    from planner.codegen.worker import _experts_of
+    from planner.plan import load_plan
+
+    out = tmp_path / "plan"
+    done = _plan(out, "--pp", "2", "--dp", "2", "--ep", "2", model=ROOT / "tests" / "fixtures" / "models" /
+                 "deepseek_moe.py", worker=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan = load_plan(out / "plan.json")
+    assert plan.experts
+    prepared = Prepared(model_file(plan.model), plan.training.seed)
+    prepared.trace_ahead(_experts_of)
+    assert prepared.traced is not None
+    called = {n.target for n in prepared.traced.gm.graph.nodes if n.op == "call_module"}
+    assert set(plan.experts) <= called
+    traces = _traces(monkeypatch)
+    assert check_plan_runs(plan, prepared) == check_plan_runs(plan)
+    assert len(traces) == 1  # the second check's own: the first took the trace made ahead
+    through = Prepared(model_file(plan.model), plan.training.seed)
+    through.trace_ahead()  # the experts traced through: not the graph the check needs, which it traces itself
+    assert len(traces) == 2
+    assert check_plan_runs(plan, through) and len(traces) == 3

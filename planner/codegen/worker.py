@@ -6,7 +6,10 @@ meta and tracing it. `CheckWorker.start` forks the planner once the model file i
 transformers for a Hugging Face model, imported), before the model is analysed; the child does that work
 (`planner.runtime.check.warm_up`, `Prepared`) while the parent analyses and searches, then runs the same
 check on each plan the parent sends and answers with its result or the PlannerError it raised. The parent
-sends each plan that becomes the search's best so far at once (`CheckWorker.ahead`: the final plan is often
+sends the search's first guess before any candidate is solved (`Search.guess`: the plan of a candidate of
+least bound, its blocks spread evenly; a check's first run also warms the kernels every later check runs),
+and the child traces the model ahead only after it (a trace cannot be interrupted, and a plan without a
+pipeline does not read it). It sends each plan that becomes the search's best so far at once (`CheckWorker.ahead`: the final plan is often
 found long before the search has proven it best, so its check runs beside the rest of the search; one that
 a newer best replaces before the worker gets to it is dropped), then the final plan (its answer is the one
 to a plan sent ahead with the same `CheckInputs`), and runner-ups where the check refuses it. A worker not
@@ -372,10 +375,11 @@ def _serve(
         warm_up()
         # (the trace's values of a Mamba mixer are its output's shape, the same from the fused stand-in as from
         # its reference scan, which takes seconds on meta: any plan's check can take this trace)
-        with user_code(model_path, "Checking that the plan runs", None), each_scan_once(mixer_stand_in("cuda")):
+        with user_code(model_path, "Checking that the plan runs", None):
             prepared = Prepared(model_file(source), seed)
     except Exception as e:  # noqa: BLE001 - an optimisation: each check starts from scratch without it
         log.debug("plan-time check: worker could not prepare (%s)", e)
+    log.debug("plan-time check: worker ready (%s)", "prepared" if prepared is not None else "not prepared")
     channel.send(("ready",))
     channel.flush()
     # The TP runtime's import and first calls, while no plan is waiting (an import cannot be interrupted, so a
@@ -387,7 +391,23 @@ def _serve(
         except Exception as e:  # noqa: BLE001 - an optimisation: the check imports what it needs itself
             log.debug("plan-time check: worker could not warm up TP (%s)", e)
     pending: deque[Request] = deque()
+    served = False
     while True:
+        if served and not pending and prepared is not None and not channel.ready():
+            # The trace a traced pipeline's check takes, while no plan waits. It cannot be interrupted (a plan
+            # sent meanwhile waits for it), so it waits for the first plan, the search's first guess
+            # (planner.search's on_guess, sent before any candidate is solved): a guess without a pipeline is
+            # checked first (the trace is no use to it), one with a pipeline takes the prepared model and traces
+            # it itself.
+            # (the trace's values of a Mamba mixer are its output's shape, the same from the fused stand-in as
+            # from its reference scan, which takes seconds on meta: any plan's check can take this trace)
+            try:
+                with user_code(model_path, "Checking that the plan runs", None), each_scan_once(
+                    mixer_stand_in("cuda")
+                ):
+                    prepared.trace_ahead(_experts_of)
+            except Exception as e:  # noqa: BLE001 - an optimisation: the check traces itself without it
+                log.debug("plan-time check: worker could not trace ahead (%s)", e)
         if not pending:
             try:
                 pending.append(channel.receive())
@@ -396,11 +416,13 @@ def _serve(
         while channel.ready(AHEAD_SETTLE_S if pending[-1][2] else 0.0):
             pending.append(channel.receive())
         skipped, (number, inputs, ahead) = _next_request(pending)
+        served = True
         for n in skipped:
             channel.send((n, "skipped", None))
         answer: tuple[str, Any]
         # A plan sent ahead stops at the check's next step once a newer request comes (the search found a better
         # plan): dropped, as one that never started.
+        started = time.perf_counter()
         try:
             with user_code(model_path, "Checking that the plan runs", None):
                 answer = ("ok", check_runs(inputs, prepared, cancel=channel.ready if ahead else None))
@@ -410,11 +432,21 @@ def _serve(
             answer = ("error", e)
         except Exception as e:  # noqa: BLE001 - not the user's error: the parent reruns the check itself
             answer = ("failed", f"{type(e).__name__}: {e}")
+        took = time.perf_counter() - started
+        log.debug("plan-time check: worker checked plan %d (%s) in %.2f s", number, answer[0], took)
         try:
             channel.send((number, *answer))
         except Exception as e:  # noqa: BLE001 - an error that does not pickle: the parent reruns the check
             channel.send((number, "failed", f"unpicklable answer ({e})"))
         channel.flush()
+
+
+def _experts_of(model: Any) -> frozenset[str]:
+    """The experts modules a traced pipeline of `model` keeps as calls (the analysis' units' experts, which
+    the plan names: planner.pipeline._kept_experts)."""
+    from planner.model.moe import find_moe_layers
+
+    return frozenset(layer.experts for layer in find_moe_layers(model))
 
 
 def _next_request(pending: deque[Request]) -> tuple[list[int], Request]:

@@ -137,20 +137,30 @@ def _model_frame(e: BaseException) -> str:
 
 class Prepared:
     """The start of a check of any plan of one model, made ahead (the check worker makes it while the search
-    runs): the model file loaded, the model built on meta and traced for a micro-batch of one. Taken by the
-    first check of a traced pipeline (`uses_graph`) of the same model file and seed (it changes the model: TP
-    shards it), whole or not at all."""
+    runs): the model file loaded, the model built on meta and, once `trace_ahead` ran, traced for a
+    micro-batch of one. Taken by the first check of a traced pipeline (`uses_graph`) of the same model file and
+    seed (it changes the model: TP shards it), whole or not at all."""
 
     def __init__(self, spec: ModelFile, seed: int) -> None:
         self.spec, self.seed = spec, seed
         self.user = load_model_file(spec.path)
         self.meta_model = build_model(self.user, spec, seed, everything_on_meta=True)
-        example = micro_batch(self.user, spec, 1, seed, 0, 0)
-        inputs = tuple(t.to("meta") for t in example[: input_count(self.meta_model, len(example))])
         self.traced: Traced | None = None
-        with contextlib.suppress(Exception):  # the check traces (and reports a failure) as it would without this
-            self.traced = Traced(self.meta_model, inputs, frozenset(), trace(self.meta_model, inputs))
         self._taken = False
+
+    def trace_ahead(self, experts_of: Callable[[nn.Module], frozenset[str]] | None = None) -> None:
+        """Trace the built model for a micro-batch of one, as a traced pipeline's check would (a failure is left
+        to that check, which traces again and reports it). `experts_of`: the MoE experts modules of the model,
+        which a traced pipeline's graph keeps as calls (the plan's `experts`): traced so, the trace stands for
+        the check's, and is quick (transformers' experts loop over every expert when traced through: seconds
+        for Qwen3's 48 x 128)."""
+        if self._taken or self.traced is not None:
+            return
+        example = micro_batch(self.user, self.spec, 1, self.seed, 0, 0)
+        inputs = tuple(t.to("meta") for t in example[: input_count(self.meta_model, len(example))])
+        with contextlib.suppress(Exception):
+            leaves = experts_of(self.meta_model) if experts_of is not None else frozenset()
+            self.traced = Traced(self.meta_model, inputs, leaves, trace(self.meta_model, inputs, leaves=leaves))
 
     def take(self, spec: ModelFile, seed: int) -> Prepared | None:
         if self._taken or spec != self.spec or seed != self.seed:

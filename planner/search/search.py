@@ -49,7 +49,7 @@ from planner.search.bounds import (
     simple_bound,
     tail_bound,
 )
-from planner.search.evaluate import Evaluated, evaluate, simulate_evaluated
+from planner.search.evaluate import Evaluated, evaluate, evaluate_fitting, simulate_evaluated
 from planner.search.forked import fork_allowed, map_forked
 from planner.search.ilp import ILPResult, block_run, solve_partition
 from planner.search.pathbound import pipeline_bound
@@ -61,6 +61,9 @@ from planner.search.space import Pins, enumerate_space
 __all__ = ["Evaluated", "Search", "SearchResult", "evaluate", "search", "simulate_evaluated"]
 
 log = logging.getLogger(__name__)
+
+# Candidates `Search.guess` evaluates, at most, for a first guess at the plan (each one evaluation per mode).
+GUESS_TRIES = 16
 GiB = 2**30
 ILP_WORKERS = 2  # CBC processes at once
 # Nodes the branch and bound for several stages per rank (`ilp.ranks`) may expand over the whole search, and
@@ -180,6 +183,10 @@ class Search:
     on_best: called with each plan that becomes the best so far (the last call's is the result's best, where
     the search ends normally); the search itself does not depend on it.
 
+    on_guess: called once, before any candidate is solved, with a first guess (`Search.guess`: the candidate of
+    the least bound, its blocks spread evenly, no solver run), where one fits; `planner plan` hands it to the
+    plan-time check, which gets to work on it while the search runs. The search does not depend on it.
+
     block_recompute: each plan ranked gets its stages' block recomputation chosen where it fits and is faster
     (`planner.search.blocks.with_full_blocks`; `planner plan` turns it on). Off (the library's default), the
     result is the optimum over the all-or-nothing modes that the exactness tests compare with brute force; a
@@ -201,6 +208,7 @@ class Search:
         prefer_simulated: bool = True,
         on_best: Callable[[Evaluated], None] | None = None,
         block_recompute: bool = False,
+        on_guess: Callable[[Evaluated], None] | None = None,
     ) -> None:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
             raise ConfigError(
@@ -211,7 +219,7 @@ class Search:
         self.options = options if options is not None else CostOptions.for_cluster(cluster)
         self.graph, self.cluster, self.pins = graph, cluster, pins
         self.top_k, self.time_limit, self.max_nodes = top_k, time_limit, max_nodes
-        self.progress, self.on_best = progress, on_best
+        self.progress, self.on_best, self.on_guess = progress, on_best, on_guess
         self.block_recompute = block_recompute
         self.by_reported = prefer_simulated
         self.t0 = time.perf_counter()
@@ -255,6 +263,11 @@ class Search:
         if not self.space.candidates:
             raise InfeasibleError(_no_candidate(self.cluster, self.rejected))
         self.bound_all()
+        if self.on_guess is not None:
+            guess = self.guess()
+            if guess is not None:
+                log.debug("first guess, for the plan-time check: %s", guess.cand.label())
+                self.on_guess(guess)
         # The next ILP_WORKERS candidates in bound order are solved side by side (a fixed number, so that the
         # counts reported do not depend on the machine): in forked processes where fork_allowed and two of them
         # have several stages (the chain program and the branch and bound are Python, which threads run one at a
@@ -288,6 +301,24 @@ class Search:
         finally:
             pool.shutdown()
         return self.result()
+
+    def guess(self) -> Evaluated | None:
+        """The first of the GUESS_TRIES candidates of least bounds that fits memory with its blocks spread
+        evenly over its stages (Megatron-LM's layout, `even_partition`), in its first recomputation mode that
+        fits; None where none does. A guess at the plan the search will find, made in the time of a few
+        evaluations: neither ranked nor bounding anything."""
+        n = len(self.graph.units)
+        for item in heapq.nsmallest(GUESS_TRIES, self.heap):
+            cand = item.cand
+            partition = even_partition(self.graph, cand.stages) if cand.stages > 1 else [list(range(n))]
+            if partition is None:
+                continue
+            capacity = rank_capacity(self.cluster, cand)
+            for mode in item.pb.modes:
+                ev = evaluate_fitting(item.pb, partition, [mode] * len(partition), capacity)
+                if ev is not None:  # with the block recomputation a ranked plan gets (none pinned: no refusal)
+                    return self.with_blocks(ev) if self.pins.recompute_blocks is None else ev
+        return None
 
     def refuse(self, c: Candidate, why: str) -> None:
         self.refused.setdefault(c, why)

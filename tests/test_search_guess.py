@@ -1,0 +1,51 @@
+"""The search's first guess (Search.guess, handed to `on_guess` before any candidate is solved, for the
+plan-time check to work on while the search runs): one call, before any best; a plan that fits memory; and
+the search's result the same with or without it."""
+
+from __future__ import annotations
+
+from planner.cost.terms import rank_capacity
+from planner.hardware.load import load_cluster
+from planner.pipeline import PlanRequest, analyse
+from planner.search.blocks import even_partition
+from planner.search.search import search
+from planner.search.space import Pins
+
+
+def _mlp() -> tuple:
+    request = PlanRequest(
+        model_path="sample_models/mlp.py", model_args={"layers": 12, "width": 4096, "ffn_cycle": 5},
+        gpu="a100-sxm-80gb", nodes=1, global_batch_size=256,
+    )
+    return analyse(request, cache=False), load_cluster("a100-sxm-80gb", 1)
+
+
+def _figures(result) -> list[tuple]:
+    return [(e.cand, e.partition, e.recompute, e.reported) for e in result.ranked]
+
+
+def test_the_guess_comes_once_before_any_best_fits_and_changes_nothing():
+    graph, cluster = _mlp()
+    events: list[tuple[str, object]] = []
+    with_guess = search(
+        graph, cluster, 256, Pins(), on_best=lambda ev: events.append(("best", ev)),
+        on_guess=lambda ev: events.append(("guess", ev)), block_recompute=True,
+    )
+    kinds = [k for k, _ in events]
+    assert kinds[0] == "guess" and kinds.count("guess") == 1 and kinds.count("best") >= 1
+    guess = events[0][1]
+    assert max(guess.rank_memory.values()) <= rank_capacity(cluster, guess.cand)
+    assert sorted(u for stage in guess.partition for u in stage) == list(range(len(graph.units)))
+    assert events[-1][1] is with_guess.best
+    assert _figures(with_guess) == _figures(search(graph, cluster, 256, Pins(), block_recompute=True))
+
+
+def test_a_pinned_pipeline_guesses_its_blocks_spread_evenly():
+    graph, cluster = _mlp()
+    guesses = []
+    search(graph, cluster, 256, Pins(pp=4, tp=1), on_guess=guesses.append)
+    (guess,) = guesses
+    assert guess.cand.pp == 4
+    assert guess.partition == even_partition(graph, guess.cand.stages)  # Megatron-LM's layout
+    sizes = [len(stage) for stage in guess.partition]
+    assert len(sizes) == guess.cand.stages >= 4 and max(sizes) - min(sizes) <= 2
