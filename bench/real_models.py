@@ -8,6 +8,7 @@
                                            # + torchtitan llama3 70B and deepseek_v3 16B when installed
     python bench/real_models.py Mixtral    # only the models whose name contains the word
     python bench/real_models.py --warm     # a re-plan of each, from the analysis cache
+    python bench/real_models.py --repeat 3 # each planned 3 times: the medians, and the spread
     python bench/real_models.py --ep-search  # MoE models: also the search alone, ep searched and ep pinned to 1
 
 The configs are written from transformers' config classes with the published sizes (nothing downloads);
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -244,6 +246,8 @@ def describe(name: str, p: dict, wall: float, how: str, torch_s: float | None = 
 TIMES: dict[str, tuple[float, float, bool]] = {}  # name -> (plan s, import torch s, planned)
 WARM = False  # --warm: time a re-plan from the analysis cache
 EP_SEARCH = False  # --ep-search: MoE models' search alone, ep searched and ep pinned to 1
+REPEAT = 1  # --repeat N: each model planned N times (fresh processes), the median reported
+SPREAD: dict[str, tuple[float, float]] = {}  # name -> (least, most) plan s over the repeats
 
 
 def import_torch_s() -> float:
@@ -275,10 +279,16 @@ def plan(name: str, config: dict | str, work: Path) -> None:
     env = {**os.environ, "PLANNER_NO_CACHE": "0" if WARM else "1"}
     if WARM:  # prime the analysis cache and the remembered check, then time a re-plan
         subprocess.run([*cmd, "--force"], cwd=ROOT, capture_output=True, text=True, env=env)
-    torch_s = import_torch_s()
-    start = time.perf_counter()
-    done = subprocess.run([*cmd, "--force"], cwd=ROOT, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - start
+    walls, torches = [], []
+    for _ in range(REPEAT):  # each a fresh process; the median is reported (this machine's timings wander)
+        torches.append(import_torch_s())
+        start = time.perf_counter()
+        done = subprocess.run([*cmd, "--force"], cwd=ROOT, capture_output=True, text=True, env=env)
+        walls.append(time.perf_counter() - start)
+        if done.returncode != 0:
+            break
+    wall, torch_s = statistics.median(walls), statistics.median(torches)
+    SPREAD[name] = (min(walls), max(walls))
     if done.returncode == 0:
         describe(name, json.loads(done.stdout), wall, "planner plan", torch_s)
     else:
@@ -307,10 +317,15 @@ def main() -> None:
         return
     import importlib.util
 
-    global WARM, EP_SEARCH
+    global WARM, EP_SEARCH, REPEAT
     WARM = "--warm" in sys.argv
     EP_SEARCH = "--ep-search" in sys.argv
-    only = [a for a in sys.argv[1:] if a not in ("--warm", "--ep-search")]
+    args = sys.argv[1:]
+    if "--repeat" in args:
+        at = args.index("--repeat")
+        REPEAT = int(args[at + 1])
+        del args[at : at + 2]
+    only = [a for a in args if a not in ("--warm", "--ep-search")]
     models: dict[str, dict | str] = {**CONFIGS, **{name: "" for name in FILES}}
     if importlib.util.find_spec("torchtitan") is not None:
         models.update(TITAN)
@@ -319,10 +334,13 @@ def main() -> None:
             if only and not any(word in name for word in only):
                 continue
             plan(name, config, Path(tmp))
-    print(f"\n{'model':34} {'plan s':>7} {'import torch s':>15} {'ratio':>6}  within {BUDGET_S:g} s")
+    runs = f", median of {REPEAT} cold plans (min..max)" if REPEAT > 1 else ""
+    print(f"\n{'model':34} {'plan s':>7} {'import torch s':>15} {'ratio':>6}  within {BUDGET_S:g} s{runs}")
     for name, (wall, torch_s, ok) in TIMES.items():
         verdict = ("yes" if wall <= BUDGET_S else "no") if ok else "failed"
-        print(f"{name:34} {wall:7.1f} {torch_s:15.2f} {wall / torch_s:6.1f}  {verdict}")
+        lo, hi = SPREAD.get(name, (wall, wall))
+        spread = f"  ({lo:.1f}..{hi:.1f})" if REPEAT > 1 else ""
+        print(f"{name:34} {wall:7.1f} {torch_s:15.2f} {wall / torch_s:6.1f}  {verdict}{spread}")
 
 
 if __name__ == "__main__":
