@@ -9,10 +9,11 @@ check on each plan the parent sends and answers with its result or the PlannerEr
 sends the search's first guess before any candidate is solved (`Search.guess`: the plan of a candidate of
 least bound, its blocks spread evenly; a check's first run also warms the kernels every later check runs),
 and the child traces the model ahead only after it (a trace cannot be interrupted, and a plan without a
-pipeline does not read it). It sends each plan that becomes the search's best so far at once (`CheckWorker.ahead`: the final plan is often
-found long before the search has proven it best, so its check runs beside the rest of the search; one that
-a newer best replaces before the worker gets to it is dropped), then the final plan (its answer is the one
-to a plan sent ahead with the same `CheckInputs`), and runner-ups where the check refuses it. A worker not
+pipeline does not read it). It sends each plan that becomes the search's best so far at once
+(`CheckWorker.ahead`: the final plan is often found long before the search has proven it best, so its check
+runs beside the rest of the search; one that a newer best replaces before the worker gets to it is dropped),
+then the final plan (its answer is the one to a plan sent ahead with the same `CheckInputs`), and runner-ups
+where the check refuses it. A worker not
 ready when the search ends is waited for only where its preparation serves the plan's check
 (`prepared_serves`: then the rest of it is work the check would do in the planner's process too; a large
 model's preparation can outlast the search, and the check of a model run as written does not use it), else
