@@ -614,10 +614,10 @@ def apply_tp(
                 elif isinstance(holder, nn.Linear) and isinstance(source, nn.Embedding):
                     if layout.tp_plan.styles.get(styled_name) == "rowwise":
                         plan[mod_name] = parallel_style("colwise_gather", holder)
-        for name, style in plan.items():
+        for name, parallel in plan.items():
             # each module by itself: torch's plan dict matches every name by fnmatch against every child at
             # each level (0.1 s of an 80-layer model's check); a plain name is the one module either way
-            parallelize_module(piece.get_submodule(name) if name else piece, tp_mesh, style)
+            parallelize_module(piece.get_submodule(name) if name else piece, tp_mesh, parallel)
     retie(roots, tied)
 
 
