@@ -355,3 +355,26 @@ def test_a_moe_trace_made_ahead_keeps_the_experts_as_calls_and_is_taken(tmp_path
     through.trace_ahead()  # the experts traced through: not the graph the check needs, which it traces itself
     assert len(traces) == 2
     assert check_plan_runs(plan, through) and len(traces) == 3
+
+
+def test_a_stopped_display_thread_still_ending_is_waited_for_before_the_fork():
+    """rich's Live sets its refresh thread's `done` on stop without joining it; on a loaded machine that thread
+    can still be alive when the planner counts threads to decide whether it may fork (the worker was then not
+    started: a flaky miss of the progress-display test under the full suite). It is joined first."""
+    import time
+
+    import rich.live
+
+    from planner.codegen.worker import _join_stopped_display
+
+    class SlowToEnd(rich.live._RefreshThread):
+        def run(self) -> None:
+            self.done.wait()
+            time.sleep(0.3)
+
+    thread = SlowToEnd(None, 1.0)  # type: ignore[arg-type]
+    thread.start()
+    thread.stop()
+    assert thread.is_alive()
+    _join_stopped_display()
+    assert not thread.is_alive()

@@ -75,7 +75,21 @@ def worker_allowed() -> bool:
     if torch is not None and torch.cuda.is_initialized():
         return False  # CUDA cannot be used in a forked child (model code may touch it: --measure ran on the GPU)
     _stop_tqdm_monitor()
+    _join_stopped_display()
     return threading.active_count() == 1
+
+
+def _join_stopped_display() -> None:
+    """rich's Live display, once stopped, tells its refresh thread to end but does not wait for it: a loaded
+    machine may not have run it to its end yet when the planner asks whether it can fork. Such a thread (its
+    `done` event set) is waited for."""
+    live = sys.modules.get("rich.live")
+    refresh = getattr(live, "_RefreshThread", None)
+    if refresh is None:
+        return
+    for thread in threading.enumerate():
+        if isinstance(thread, refresh) and thread.done.is_set():
+            thread.join(timeout=5.0)
 
 
 def _stop_tqdm_monitor() -> None:
@@ -93,9 +107,10 @@ def _stop_tqdm_monitor() -> None:
 
 
 def prepared_serves(plan: Plan) -> bool:
-    """Whether the worker's preparation (the model built and traced for a micro-batch of one, without experts
-    kept as calls) stands for the build and trace of this plan's check: a traced graph (a pipeline, sequence
-    parallelism) from plain torch.fx, which holds no shape, or traced for a micro-batch of one."""
+    """Whether the worker's preparation (the model built on meta; traced for a micro-batch of one later, with
+    the experts kept as calls, `Prepared.trace_ahead`) stands for the build and trace of this plan's check: a
+    traced graph (a pipeline, sequence parallelism) from plain torch.fx, which holds no shape, or traced for a
+    micro-batch of one."""
     p = plan.parallel
     graph = runs_traced_graph(p.pp, p.tp, p.sequence_parallel, bool(plan.tp.head_attrs))
     convs = p.tp > 1 and bool(plan.tp.transposed)  # kept as calls under tp: a trace of its own

@@ -267,7 +267,11 @@ class Search:
             raise InfeasibleError(_no_candidate(self.cluster, self.rejected))
         self.bound_all()
         if self.on_guess is not None:
-            guess = self.guess()
+            try:
+                guess = self.guess()
+            except Exception as e:  # noqa: BLE001 - a head start for the check, not part of the search
+                log.debug("no first guess (%s: %s)", type(e).__name__, e)
+                guess = None
             if guess is not None:
                 log.debug("first guess, for the plan-time check: %s", guess.cand.label())
                 self.on_guess(guess)
