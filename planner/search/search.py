@@ -67,6 +67,7 @@ ONE_STAGE_NEAR = 1.5
 
 # Candidates `Search.guess` evaluates, at most, for a first guess at the plan (each one evaluation per mode).
 GUESS_TRIES = 16
+
 GiB = 2**30
 ILP_WORKERS = 2  # CBC processes at once
 # Nodes the branch and bound for several stages per rank (`ilp.ranks`) may expand over the whole search, and
