@@ -16,6 +16,7 @@ from planner.cost.model import (
     rank_memory,
     rank_tail,
     stage_costs,
+    stage_time_with_gathers,
 )
 from planner.cost.simulate import SimResult, simulate
 from planner.names import SearchStatus
@@ -82,7 +83,7 @@ def simulate_evaluated(ev: Evaluated) -> SimResult:
         return ev.sim
     c = ev.cand
     fwd = [st.fwd for st in ev.stages]
-    bwd = [max(st.compute, st.zero3_gather) - st.fwd for st in ev.stages]
+    bwd = [stage_time_with_gathers(st) - st.fwd for st in ev.stages]
     p2p = [st.p2p for st in ev.stages[:-1]] + [0.0]
     ev.sim = simulate(c.schedule, c.pp, c.num_micro_batches, c.virtual_stages, fwd, bwd, None, p2p)
     return ev.sim

@@ -17,7 +17,14 @@ import itertools
 import math
 from collections.abc import Iterator
 
-from planner.cost.model import Candidate, rank_memory, rank_tail_parts, stage_costs
+from planner.cost.model import (
+    Candidate,
+    rank_memory,
+    rank_tail_parts,
+    stage_costs,
+    stage_time_with_gathers,
+    stages_by_rank,
+)
 from planner.search.evaluate import Evaluated, evaluate_fitting
 from planner.search.problem import PartitionProblem
 
@@ -81,11 +88,8 @@ def brute_force_reported(pb: PartitionProblem) -> tuple[Evaluated, float] | None
 def busy_bound(ev: Evaluated) -> float:
     """A lower bound on `ev.reported` without simulating: the busiest rank runs each of its stages' forward
     and backward (`simulate_evaluated`'s times) for every micro-batch, one op at a time, before the tail."""
-    m = ev.cand.num_micro_batches
-    busy = [0.0] * ev.cand.pp
-    for st in ev.stages:
-        busy[st.rank] += m * max(st.compute, st.zero3_gather)
-    return max(busy) + ev.tail
+    busy = max(sum(stage_time_with_gathers(st) for st in mine) for mine in stages_by_rank(ev.stages, ev.cand.pp))
+    return ev.cand.num_micro_batches * busy + ev.tail
 
 
 def dp_partition(pb: PartitionProblem) -> ReferenceResult | None:
