@@ -423,19 +423,17 @@ def predicted_iteration_s(run: Run, plan: Plan) -> float:
 
 def rank0_memory_gib(plan: Plan) -> tuple[float, float]:
     """(model states, activations) in GiB of pipeline rank 0, as `planner.cost.model.rank_memory` counts them
-    (interleaved: the rank's own peak in-flight count), without the workspace, fragmentation and communication
-    buffers that published per-GPU figures leave out."""
-    from planner.cost.schedules import in_flight_microbatches, rank_in_flight_microbatches
+    (several stages per rank: the largest over the schedule's instants, `rank_peak_activations`), without the
+    workspace, fragmentation and communication buffers that published per-GPU figures leave out."""
+    from planner.cost.schedules import in_flight_microbatches, rank_peak_activations
 
-    mine = [s for s in plan.stages if s.pp_rank == 0]
+    mine = sorted((s for s in plan.stages if s.pp_rank == 0), key=lambda s: s.index)
     states = sum(s.memory.weights + s.memory.gradients + s.memory.optimizer for s in mine)
     par = plan.parallel
     p, m, v = par.pp, par.num_micro_batches, par.virtual_stages
     if v > 1:
-        per_mb = max(
-            s.memory.activations / max(1, in_flight_microbatches(par.schedule, p, m, v, s.index)) for s in mine
-        )
-        acts = per_mb * rank_in_flight_microbatches(par.schedule, p, m, v, 0)
+        per_mb = [s.memory.activations / max(1, in_flight_microbatches(par.schedule, p, m, v, s.index)) for s in mine]
+        acts = rank_peak_activations(par.schedule, p, m, v, 0, per_mb)
     else:
         acts = sum(s.memory.activations for s in mine)
     return states / 2**30, acts / 2**30
