@@ -71,9 +71,26 @@ def test_loss_parallelism_is_taken_for_the_next_token_loss_on_a_vocabulary_paral
 
 
 def _vocab_rank(rank: int, port: int, vocab: int) -> None:
+    import gc
     import os
 
     import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        _vocab_checks(rank, vocab)
+        # The mesh and the DTensors the checks made are gone (they returned) before the group goes, so no object
+        # holding the gloo group outlives it into the interpreter's teardown, and both ranks are done with every
+        # collective: one rank of this test aborted twice in full-suite runs ("terminate called without an
+        # active exception"), once with only the barrier.
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _vocab_checks(rank: int, vocab: int) -> None:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -82,46 +99,38 @@ def _vocab_rank(rank: int, port: int, vocab: int) -> None:
     from planner.runtime.parallel import parallel_style
     from planner.runtime.vocab import VocabParallelLoss, loss_context, with_loss_parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        torch.manual_seed(0)
-        whole = nn.Linear(8, vocab, bias=False)
-        x, tokens = torch.randn(2, 6, 8), torch.randint(0, vocab, (2, 6))
-        want = default_loss(whole(x), tokens)
-        want.backward()
-        layout = with_loss_parallel(_tp_layout(), None)
-        # An output the next-token loss does not fit (here: inputs that are not tokens) reaches the loss whole.
-        values = torch.randn(2, 6)
-        cases = ((default_loss, tokens, want), (lambda o, t: o.float().square().mean() + t.mean(), values, None))
-        for loss_fn, inputs, reference in cases:
-            head = nn.Linear(8, vocab, bias=False)
-            head.load_state_dict(whole.state_dict())
-            parallelize_module(head, mesh, parallel_style("colwise_gather", head, sharded=True))
-            with loss_context(layout):
-                logits = head(x)
-                # this rank's share of the vocabulary only: no rank holds the whole logits
-                share = -(-vocab // 2) - rank * (vocab % 2)  # torch.chunk's split: 17 is 9 + 8
-                assert isinstance(logits, DTensor) and logits.to_local().shape[-1] == share
-                loss = VocabParallelLoss(loss_fn)(logits, inputs)
-                assert not isinstance(loss, DTensor) and loss.dim() == 0
-                loss.backward()
-            if reference is None:  # the logits whole, as a gathered head gives them
-                plain = nn.Linear(8, vocab, bias=False)
-                plain.load_state_dict(whole.state_dict())
-                reference = loss_fn(plain(x), inputs)
-                reference.backward()
-                grad = plain.weight.grad
-            else:
-                grad = whole.weight.grad
-            torch.testing.assert_close(loss, reference.detach())
-            torch.testing.assert_close(head.weight.grad.full_tensor(), grad)
-        # Both ranks done with every collective before the group goes: without it rank 0 aborted in CI
-        # ("terminate called without an active exception"), as test_titan_tp._worker once did.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    whole = nn.Linear(8, vocab, bias=False)
+    x, tokens = torch.randn(2, 6, 8), torch.randint(0, vocab, (2, 6))
+    want = default_loss(whole(x), tokens)
+    want.backward()
+    layout = with_loss_parallel(_tp_layout(), None)
+    # An output the next-token loss does not fit (here: inputs that are not tokens) reaches the loss whole.
+    values = torch.randn(2, 6)
+    cases = ((default_loss, tokens, want), (lambda o, t: o.float().square().mean() + t.mean(), values, None))
+    for loss_fn, inputs, reference in cases:
+        head = nn.Linear(8, vocab, bias=False)
+        head.load_state_dict(whole.state_dict())
+        parallelize_module(head, mesh, parallel_style("colwise_gather", head, sharded=True))
+        with loss_context(layout):
+            logits = head(x)
+            # this rank's share of the vocabulary only: no rank holds the whole logits
+            share = -(-vocab // 2) - rank * (vocab % 2)  # torch.chunk's split: 17 is 9 + 8
+            assert isinstance(logits, DTensor) and logits.to_local().shape[-1] == share
+            loss = VocabParallelLoss(loss_fn)(logits, inputs)
+            assert not isinstance(loss, DTensor) and loss.dim() == 0
+            loss.backward()
+        if reference is None:  # the logits whole, as a gathered head gives them
+            plain = nn.Linear(8, vocab, bias=False)
+            plain.load_state_dict(whole.state_dict())
+            reference = loss_fn(plain(x), inputs)
+            reference.backward()
+            grad = plain.weight.grad
+        else:
+            grad = whole.weight.grad
+        torch.testing.assert_close(loss, reference.detach())
+        torch.testing.assert_close(head.weight.grad.full_tensor(), grad)
 
 
 @pytest.mark.parametrize("vocab", [16, 17])  # an odd vocabulary splits 9 + 8
