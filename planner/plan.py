@@ -36,7 +36,9 @@ SCHEMA_VERSION = 1
 #    a plan records minor 4, so plans without it stay as minor 3 wrote them).
 # 5: block recomputation (stages' recompute_full_blocks and recompute_full_modules, alternatives'
 #    recompute_full_blocks; written only where some stage recomputes blocks, and only such a plan records minor 5).
-SCHEMA_MINOR = 5
+# 6: tp_copied (row-parallel modules whose output the model changes in place, given as a copy); written only where
+#    there is one, and only such a plan records minor 6.
+SCHEMA_MINOR = 6
 # The minor a plan without context parallelism records (nothing of minor 4 in it).
 _MINOR_WITHOUT_CP = 3
 
@@ -340,6 +342,8 @@ class Plan(_Model):
         tp = out.pop("tp", None)
         if isinstance(tp, dict):
             out.update({key: tp[field] for key, field in TP_KEYS.items() if field in tp})
+            if not out.get("tp_copied"):  # written where there is one (schema minor 6): other plans as they were
+                out.pop("tp_copied", None)
         return out
 
     @model_validator(mode="after")
@@ -360,6 +364,8 @@ class Plan(_Model):
             self.schema_minor = max(self.schema_minor, 4)  # an older planner must refuse what it cannot read
         if any(s.recompute_full_blocks for s in self.stages) or any(a.recompute_full_blocks for a in self.alternatives):
             self.schema_minor = max(self.schema_minor, 5)
+        if self.tp.copied:
+            self.schema_minor = max(self.schema_minor, 6)
         indices = sorted(s.index for s in self.stages)
         if indices != list(range(len(self.stages))):
             raise ValueError(f"stage indices {indices} are not 0..{len(self.stages) - 1}, each once")

@@ -4,6 +4,7 @@ with the stage, module or rule named, and `planner plan` then exits 2 without wr
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -178,20 +179,24 @@ def example_inputs(batch_size=2):
 """
 
 
-def test_tp_refusal_names_linear_subclasses_the_trace_runs_through(tmp_path):
-    """Falcon's projections are FalconLinear (nn.Linear with a forward of its own, `x @ weight.T`): the trace runs
-    through them, so tp finds no pair; the refusal says which module and why, not that every Linear feeds a norm."""
+def test_falcon_plans_under_tp_with_its_linear_subclass_paired_and_its_in_place_output_copied(tmp_path):
+    """Falcon's projections are FalconLinear (nn.Linear with a forward of its own, `x @ weight.T`): kept as Linear
+    calls (runtime.linears), its MLP is a pair; `mlp_output += attention_output` changes the row-parallel output
+    in place, which the plan gives as a copy (TP_COPIED), and the plan-time check runs it so. Its multi-query
+    fused query_key_value (one k/v head) stays replicated, with the reason."""
     pytest.importorskip("transformers")
     path = tmp_path / "falcon.py"
     path.write_text(FALCON)
+    out = tmp_path / "out"
     args = ["plan", str(path), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "4",
-            "--tp", "2", "--out", str(tmp_path / "out"), "--quiet"]
+            "--tp", "2", "--out", str(out), "--quiet"]
     result = CliRunner().invoke(app, args)
-    assert result.exit_code == 2, result.output
-    message = " ".join(result.output.split())
-    assert "no Linear pairs" in message
-    assert "self_attention.query_key_value is not sharded: it is a FalconLinear" in message
-    assert not (tmp_path / "out").exists()
+    assert result.exit_code == 0, result.output
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["tp_plan"]["transformer.h.1.mlp.dense_h_to_4h"] == "colwise"
+    assert plan["tp_copied"] == ["transformer.h.0.mlp.dense_4h_to_h", "transformer.h.1.mlp.dense_4h_to_h"]
+    qkv = "transformer.h.0.self_attention.query_key_value is not sharded"
+    assert any(r.startswith(qkv) for r in plan["tp_refused"])
 
 
 REFUSED_SHARD_QUIETLY = """

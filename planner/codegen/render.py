@@ -185,6 +185,7 @@ def _constants(plan: Plan, layout_digest: str | None = None, model_path: str | N
         "EXPERTS": compress_mapping(dict(plan.experts)),
         "TP_FUSED": compress_mapping(dict(plan.tp.fused)),
         "TP_TRANSPOSED": compress_names(list(plan.tp.transposed)),
+        "TP_COPIED": compress_names(list(plan.tp.copied)),
         "SEED": t.seed,
         "LR": float(t.lr),
         "STEPS": t.steps,

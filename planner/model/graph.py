@@ -132,6 +132,10 @@ class Unit(_Model):
         default_factory=list, description="sharded modules whose weight is stored [in, out] (HF Conv1D): "
         "colwise shards weight dim 1 and the bias, rowwise weight dim 0"
     )
+    tp_copied: list[str] = Field(
+        default_factory=list, description="row-parallel modules whose output the unit's code changes in place "
+        "(Falcon's `mlp_output += attention_output`): the runtime gives their output as a copy"
+    )
     tp_refused: list[str] = Field(default_factory=list, description="projections left replicated, and why")
     tp_shards_attention: bool = Field(
         True, description="a TP pair covers the unit's attention, so its heads (and FLOPs) split by tp"

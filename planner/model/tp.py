@@ -665,6 +665,7 @@ class TPInfo:
     head_attrs: dict[str, list[str]] = field(default_factory=dict)  # module -> attributes to divide by tp
     fused: dict[str, int] = field(default_factory=dict)  # column -> chunks of a fused projection
     transposed: list[str] = field(default_factory=list)  # sharded Conv1D modules (weight stored [in, out])
+    copied: list[str] = field(default_factory=list)  # row-parallel modules whose output the model changes in place
     refused: list[str] = field(default_factory=list)  # why a pair through attention was not sharded
     attention: bool = False  # some pair's path runs attention: its FLOPs divide by tp
 
@@ -839,9 +840,31 @@ def tp_info(
         info.styles[name] = "rowwise"
         info.shard_params += cast("nn.Embedding", model.get_submodule(name)).weight.numel()
     info.refused.extend(_linears_traced_through(sub, names))
+    info.copied = _changed_in_place(sub, names, info.styles)
     info.transposed.sort()
     info.gemm_shapes = _gemm_shapes_of(sub, model, names, info.styles)
     return info
+
+
+def _changed_in_place(sub: torch.fx.GraphModule, names: ModuleNames, styles: dict[str, str]) -> list[str]:
+    """The unit's row-parallel modules whose output its code changes in place (Falcon's parallel attention:
+    `mlp_output += attention_output`, marked by the tracer: tracers.IN_PLACE; `out.add_(x)` as a method).
+    torch's RowwiseParallel returns that output as a view of its reduced DTensor, which autograd does not let be
+    modified in place: the runtime gives such a module's output as a copy (`parallel.apply_tp`), one tensor per
+    call, and only for these."""
+    from planner.runtime.tracers import IN_PLACE
+
+    out: set[str] = set()
+    for node in sub.graph.nodes:
+        name = _linear_module(node, sub, names)
+        if name is None or styles.get(name) != "rowwise":
+            continue
+        for user in node.users:
+            target = str(user.target)
+            method = user.op == "call_method" and target.endswith("_") and not target.startswith("_")  # y.add_(x)
+            if (user.meta.get(IN_PLACE) or method) and user.args and user.args[0] is node:
+                out.add(name)
+    return sorted(out)
 
 
 def _linears_traced_through(sub: torch.fx.GraphModule, names: ModuleNames) -> list[str]:

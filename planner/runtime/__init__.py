@@ -71,6 +71,9 @@ What the run does with the models people have:
   the sharded weight holds the reordered rows). Only equal chunks: a GQA qkv stays replicated.
 - TP_TRANSPOSED: HF's Conv1D (weight [in, out]) is replaced by parallel.ShardedConv1D, splitting weight
   dim 1 (colwise) or 0 (rowwise), parameters keeping their names; not in a traced stage (fx inlines it).
+- TP_COPIED: a row-parallel module whose output the model changes in place (Falcon's `mlp_output +=
+  attention_output`) gives that output as a copy: RowwiseParallel returns a view of its reduced DTensor, which
+  autograd does not let be modified in place. Only the modules the analysis found so (a copy per call).
 - Tied weights (GPT-2's wte / lm_head, both vocabulary-parallel) are one parameter again after sharding.
 """
 

@@ -55,7 +55,7 @@ def runs_traced_graph(pp: int, tp: int, sequence_parallel: bool, head_counts: bo
 
 # plan.json's keys for the TPPlan's fields: the plan holds one TPPlan, its file keeps the flat keys it always had
 TP_KEYS = {"tp_plan": "styles", "tp_head_attrs": "head_attrs", "tp_fused": "fused", "tp_transposed": "transposed",
-           "tp_refused": "refused"}
+           "tp_copied": "copied", "tp_refused": "refused"}
 
 
 class TPDecisions(Protocol):
@@ -70,16 +70,18 @@ class TPDecisions(Protocol):
     @property
     def tp_transposed(self) -> Sequence[str]: ...
     @property
+    def tp_copied(self) -> Sequence[str]: ...
+    @property
     def tp_refused(self) -> Sequence[str]: ...
 
 
 @dataclass(frozen=True)
 class TPPlan:
     """Which modules tensor parallelism shards, and how: the one home of that decision. Built once from the
-    analysis' units (`of`, `planner.model.graph.ModelGraph.tp`), carried by the Plan (plan.json keeps its five
-    flat keys, tp_plan ... tp_refused), and consumed whole by the runtime's `Layout`: train.py and
-    `parallelize` rebuild it from those keys. Module names may stand for runs of numbered blocks
-    ("blocks.{0-3}.attn", `expand_names`), as train.py writes them; the plan holds them expanded."""
+    analysis' units (`of`, `planner.model.graph.ModelGraph.tp`), carried by the Plan (plan.json keeps its flat
+    keys, tp_plan ... tp_refused; tp_copied only where some module is copied), and consumed whole by the
+    runtime's `Layout`: train.py and `parallelize` rebuild it from those keys. Module names may stand for runs of
+    numbered blocks ("blocks.{0-3}.attn", `expand_names`), as train.py writes them; the plan holds them expanded."""
 
     # the Plan (pydantic) validates this dataclass as one of its fields: no keys beyond these
     __pydantic_config__ = {"extra": "forbid"}
@@ -90,6 +92,8 @@ class TPPlan:
     head_attrs: dict[str, list[str]] = field(default_factory=dict)
     fused: dict[str, int] = field(default_factory=dict)  # colwise module -> chunks of its fused output (q, k, v)
     transposed: list[str] = field(default_factory=list)  # TP modules whose weight is stored [in, out] (HF Conv1D)
+    # row-parallel modules whose output the model changes in place (`out += residual`): given as a copy (TP_COPIED)
+    copied: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # projections TP leaves replicated, and why (plan only)
 
     def __post_init__(self) -> None:
@@ -98,6 +102,7 @@ class TPPlan:
         object.__setattr__(self, "head_attrs", heads)
         object.__setattr__(self, "fused", {n: c for k, c in self.fused.items() for n in expand_names(k)})
         object.__setattr__(self, "transposed", [n for k in self.transposed for n in expand_names(k)])
+        object.__setattr__(self, "copied", [n for k in self.copied for n in expand_names(k)])
         object.__setattr__(self, "refused", list(self.refused))
         for name, style in self.styles.items():
             if style not in TP_STYLES:
@@ -118,18 +123,21 @@ class TPPlan:
         head_attrs: dict[str, list[str]] = {}
         fused: dict[str, int] = {}
         transposed: set[str] = set()
+        copied: set[str] = set()
         refused: list[str] = []
         for u in units:
             styles.update(u.tp_styles)
             head_attrs.update(u.tp_head_attrs)
             fused.update(u.tp_fused)
             transposed.update(u.tp_transposed)
+            copied.update(u.tp_copied)
             refused.extend(r for r in u.tp_refused if r not in refused)
         return cls(
             styles=dict(sorted(styles.items())),
             head_attrs=dict(sorted(head_attrs.items())),
             fused=dict(sorted(fused.items())),
             transposed=sorted(transposed),
+            copied=sorted(copied),
             refused=refused,
         )
 

@@ -617,8 +617,17 @@ def apply_tp(
         for name, parallel in plan.items():
             # each module by itself: torch's plan dict matches every name by fnmatch against every child at
             # each level (0.1 s of an 80-layer model's check); a plain name is the one module either way
-            parallelize_module(piece.get_submodule(name) if name else piece, tp_mesh, parallel)
+            module = piece.get_submodule(name) if name else piece
+            parallelize_module(module, tp_mesh, parallel)
+            if name in layout.tp_plan.copied:
+                module.register_forward_hook(_output_copy)
     retie(roots, tied)
+
+
+def _output_copy(module: nn.Module, args: Any, output: Any) -> Any:
+    """A row-parallel module's output as a tensor of its own (TP_COPIED): RowwiseParallel returns a view of the
+    reduced DTensor's local tensor, which autograd does not let the model change in place (`out += residual`)."""
+    return output.clone() if isinstance(output, torch.Tensor) else output
 
 
 def tied_styles(root: nn.Module, tp_plan: Mapping[str, TPStyle]) -> dict[str, TPStyle]:

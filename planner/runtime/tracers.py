@@ -36,6 +36,7 @@ from torch.fx.node import Argument, map_aggregate
 from torch.utils import _pytree as pytree
 from torch.utils._device import _device_constructors
 
+from .linears import computes_linear
 from .memo import MetaMemo
 from .scans import is_ssm_mixer
 
@@ -68,6 +69,35 @@ TRACED_THROUGH = (nn.TransformerEncoder, nn.TransformerDecoder, nn.TransformerEn
                   nn.Transformer)
 
 
+# node.meta key set on an operator.add (sub, mul, truediv) node that the model's code wrote in place (`out += x`)
+IN_PLACE = "planner_in_place"
+
+
+class InPlaceProxy(fx.Proxy):
+    """fx's proxy, remembering where the model wrote an arithmetic update in place: fx has no in-place operators,
+    so Python runs `out += x` as `out = out + x`, recorded as operator.add; that node is marked (node.meta[IN_PLACE])
+    and the graph is the same. Tensor parallelism reads the mark (planner.model.tp: a row-parallel output the model
+    changes in place is given as a copy when the model runs as written)."""
+
+    def _in_place(self, op: Callable[[Any, Any], Any], other: Any) -> Any:
+        out = op(self, other)
+        if isinstance(out, fx.Proxy):
+            out.node.meta[IN_PLACE] = True
+        return out
+
+    def __iadd__(self, other: Any) -> Any:
+        return self._in_place(operator.add, other)
+
+    def __isub__(self, other: Any) -> Any:
+        return self._in_place(operator.sub, other)
+
+    def __imul__(self, other: Any) -> Any:
+        return self._in_place(operator.mul, other)
+
+    def __itruediv__(self, other: Any) -> Any:
+        return self._in_place(operator.truediv, other)
+
+
 class BufferTracer(fx.Tracer):
     """torch.fx's tracer, recording buffers as get_attr nodes like parameters (by default a buffer's value
     would be frozen into the graph as a constant: here, a meta tensor with no data), with a tensor-name cache.
@@ -83,6 +113,18 @@ class BufferTracer(fx.Tracer):
         self.leaves = leaves  # qualified names of modules kept as one call (expert-parallel experts)
         self.repeats = repeats  # trace each kind of repeated block once and replay it (RepeatedBlocks)
         self._blocks: RepeatedBlocks | None = None
+        self._linears: frozenset[int] | None = None  # ids of the root's Linear subclasses kept as calls
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return InPlaceProxy(node, self)
+
+    def scan_linears(self, root: nn.Module) -> None:
+        """Find the root's nn.Linear subclasses whose own forward computes the linear map (`computes_linear`),
+        before anything records torch's calls: the comparison runs torch ops, which a trace would record."""
+        self._linears = frozenset(
+            id(m) for m in root.modules()
+            if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward and computes_linear(m)
+        )
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaves:
@@ -93,6 +135,11 @@ class BufferTracer(fx.Tracer):
             return False
         if is_ssm_mixer(m):
             return True
+        # an nn.Linear subclass defined outside torch.nn whose own forward computes the linear map (Falcon's
+        # FalconLinear): one call, as nn.Linear is, so tensor parallelism pairs it
+        if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward:
+            if computes_linear(m) if self._linears is None else id(m) in self._linears:
+                return True
         return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
@@ -103,6 +150,8 @@ class BufferTracer(fx.Tracer):
             for n, p in root.named_parameters():
                 self._names.setdefault(id(p), n)
         self._blocks = RepeatedBlocks(root, self.leaves) if self.repeats and isinstance(root, nn.Module) else None
+        if self._linears is None and isinstance(root, nn.Module):
+            self.scan_linears(root)
         return super().trace(root, concrete_args)
 
     def call_module(
@@ -166,7 +215,7 @@ class BufferTracer(fx.Tracer):
         return parameter_proxy_cache[name]
 
 
-class MetaProxy(fx.Proxy):
+class MetaProxy(InPlaceProxy):
     """A proxy holding the meta value of what it stands for (``value``). Truth, length, iteration and keys are
     the value's (fx's Proxy would ask the tracer, which refuses)."""
 
@@ -364,6 +413,7 @@ def meta_trace(
     experts, whose code takes the GPU's path on meta: transformers' grouped_mm wants bf16 there)."""
     tracer = MetaTracer(tuple(inputs), leaves, shaped)
     tracer.repeats = repeats
+    tracer.scan_linears(model)
     with MetaMemo(), _recorded_factories(tracer):
         graph = tracer.trace(model)
     # A weight read only for its metadata (`self.wo.weight.dtype`, answered from its meta value) left a
@@ -545,6 +595,8 @@ class _Recording:
                 None,
                 node.type,
             )
+            if node.meta.get(IN_PLACE):
+                new.meta[IN_PLACE] = True
             stack = node.meta.get("nn_module_stack")
             if stack is not None:
                 new.meta["nn_module_stack"] = type(stack)(

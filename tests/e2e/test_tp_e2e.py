@@ -18,7 +18,9 @@ What each model adds to the sharding:
   under tp2 x pp2: repeat_kv's expand in each traced stage made the rank's;
 - nanogpt (karpathy's model.py): fused c_attn, `view(B, T, self.n_head, C // self.n_head)`, traced with meta
   values; tp2 x dp2, tp2 x pp2 and tp2 + sequence parallelism (its loss computed in forward on the gathered
-  sequence), each run on the traced graph with its sizes made the rank's (runtime.tp_graph).
+  sequence), each run on the traced graph with its sizes made the rank's (runtime.tp_graph);
+- falcon (tests/fixtures/models/hf_zoo.py): FalconLinear, an nn.Linear subclass with its own forward, kept as a
+  Linear call (runtime.linears); its MLP's row-parallel output, which the model adds to in place, given as a copy.
 ResNet and the sequential CNN have no column/row pair: `planner plan --tp 2` refuses before writing anything.
 
 Each case is one torchrun (~20 s on 2 cores) plus a single-process reference (~5 s, once per model and
@@ -80,6 +82,8 @@ def model_args(name: str, where: Path) -> list[str]:
         return [str(path), "--model-arg", f"arch={name!r}"]
     if name == "sample_mlp":
         return [str(MODELS.parents[2] / "sample_models" / "mlp.py")]
+    if name.startswith("zoo_"):  # tests/fixtures/models/hf_zoo.py: more architectures, configs as published
+        return [str(MODELS / "hf_zoo.py"), "--model-arg", f"arch={name.removeprefix('zoo_')!r}"]
     return [str(MODELS / f"{name}.py")]
 
 
@@ -107,6 +111,10 @@ CASES = {
     "sample_mlp_tp2_dp2": ("sample_mlp", ("--tp", "2", "--dp", "2")),
     # Qwen3's per-head q_norm / k_norm (norm_heads: their weights' gradients summed over tp).
     "qwen3_tp2_dp2": ("qwen3", ("--tp", "2", "--dp", "2")),
+    # Falcon: FalconLinear (an nn.Linear subclass computing `x @ weight.T`) kept as a Linear call, and its MLP's
+    # row-parallel output changed in place (`mlp_output += attention_output`), given as a copy (TP_COPIED); the
+    # multi-query fused query_key_value (one k/v head) stays replicated.
+    "falcon_tp2_dp2": ("zoo_falcon", ("--tp", "2", "--dp", "2")),
     "gpt2_odd_vocab_tp2_dp2_zero3": (
         "gpt2", ("--tp", "2", "--dp", "2", "--zero-stage", "3", "--model-arg", "vocab=127")
     ),
@@ -127,8 +135,9 @@ def reference_metrics(plan, tmp_path_factory) -> dict:
 
 
 # In CI: nanoGPT (fused qkv, heads read in forward) with dp and pp, GPT-2 (Conv1D) and Llama (GQA); the rest
-# (SP, MoE, per-head norms, odd vocabularies, other architectures) under the `corpus` marker.
-KEPT = {"nanogpt_tp2_dp2", "nanogpt_tp2_pp2", "gpt2_tp2_dp2", "llama_tp2_dp2"}
+# (SP, MoE, per-head norms, odd vocabularies, other architectures) under the `corpus` marker. Falcon: the one
+# model whose row-parallel output is changed in place.
+KEPT = {"nanogpt_tp2_dp2", "nanogpt_tp2_pp2", "gpt2_tp2_dp2", "llama_tp2_dp2", "falcon_tp2_dp2"}
 
 
 @pytest.mark.parametrize("case", ci_cases(CASES, KEPT))
@@ -144,6 +153,10 @@ def test_tensor_parallel_plan_trains_like_one_process(case, tmp_path, tmp_path_f
         assert plan.tp.transposed and plan.tp.fused  # Conv1D, and c_attn chunk by chunk
     if name in ("headcount_gpt", "nanogpt"):
         assert plan.tp.fused and plan.tp.head_attrs
+    if name == "zoo_falcon":
+        blocks = range(4)
+        assert plan.tp.copied == [f"transformer.h.{i}.mlp.dense_4h_to_h" for i in blocks]
+        assert all(plan.tp.styles[f"transformer.h.{i}.mlp.dense_h_to_4h"] == "colwise" for i in blocks)
     run(["bash", str(out / "launch.sh"), "--steps", str(STEPS)], tmp_path)
     metrics = json.loads((out / "metrics.json").read_text())
     expected = reference_metrics(plan, tmp_path_factory)
