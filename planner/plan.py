@@ -36,8 +36,8 @@ SCHEMA_VERSION = 1
 #    a plan records minor 4, so plans without it stay as minor 3 wrote them).
 # 5: block recomputation (stages' recompute_full_blocks and recompute_full_modules, alternatives'
 #    recompute_full_blocks; written only where some stage recomputes blocks, and only such a plan records minor 5).
-# 6: tp_copied (row-parallel modules whose output the model changes in place, given as a copy); written only where
-#    there is one, and only such a plan records minor 6.
+# 6: tp_copied (row-parallel modules whose output the model changes in place, given as a copy), and tp_fused values
+#    that list chunk widths (chunks taken at fixed offsets); only a plan holding either records minor 6.
 SCHEMA_MINOR = 6
 # The minor a plan without context parallelism records (nothing of minor 4 in it).
 _MINOR_WITHOUT_CP = 3
@@ -288,9 +288,14 @@ def _tp_plan_of(fields: dict[str, Any]) -> TPPlan:
     except TypeError as e:
         raise ValueError(f"the tp_* keys hold a value that is not JSON: {e}") from None
     except ValidationError as e:
-        err = e.errors()[0]
+        errs = e.errors()
+        err = errs[0]
         key = {f: k for k, f in TP_KEYS.items()}.get(str(err["loc"][0]), str(err["loc"][0])) if err["loc"] else "tp"
-        where = ".".join([key, *(str(x) for x in err["loc"][1:])])
+        # a union's member is not where the value is (tp_fused: a chunk count or a list of widths)
+        loc = [str(x) for x in err["loc"][1:] if str(x) not in ("int", "list[int]")]
+        where = ".".join([key, *loc])
+        if key == "tp_fused" and len(errs) > 1:
+            raise ValueError(f"{where}: a number of equal chunks or a list of chunk widths (numbers)") from None
         raise ValueError(f"{where}: {err['msg']}") from None
 
 
@@ -364,7 +369,7 @@ class Plan(_Model):
             self.schema_minor = max(self.schema_minor, 4)  # an older planner must refuse what it cannot read
         if any(s.recompute_full_blocks for s in self.stages) or any(a.recompute_full_blocks for a in self.alternatives):
             self.schema_minor = max(self.schema_minor, 5)
-        if self.tp.copied:
+        if self.tp.copied or any(isinstance(c, list) for c in self.tp.fused.values()):
             self.schema_minor = max(self.schema_minor, 6)
         indices = sorted(s.index for s in self.stages)
         if indices != list(range(len(self.stages))):

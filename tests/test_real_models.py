@@ -260,18 +260,17 @@ def test_a_fused_projection_of_unequal_chunks_stays_replicated_and_is_costed_so(
     assert u.tp_shardable_params == 64 * 128 + 128 + 128 * 64  # the MLP only
 
 
-def test_phi3_qkv_sliced_at_fixed_offsets_stays_replicated_and_its_mlp_shards():
+def test_phi3_qkv_sliced_at_fixed_offsets_shards_chunk_by_chunk():
     """Phi-3 takes q, k and v from its fused qkv_proj by slicing at offsets computed from the config
-    (`qkv[..., :heads * head_dim]`): split over ranks, those offsets would take the wrong columns (the
-    generated script failed at launch). The pair is refused with the reason; the fused gate_up_proj, chunked
-    in two equal halves, still shards."""
+    (`qkv[..., :heads * head_dim]`; 4 query heads, 2 key/value heads of 16): each chunk is split over tp on its
+    own (TP_FUSED gives their widths) and the run's traced graph takes them at offsets made the rank's; tp must
+    divide the key/value heads. The fused gate_up_proj, chunked in two equal halves, shards as before."""
     u = _block(graph_of("phi3"))
-    assert any("qkv_proj is not sharded: getitem takes part of it at fixed offsets" in r for r in u.tp_refused), (
-        u.tp_refused
-    )
-    assert not u.tp_shards_attention
-    assert f"{u.name}.self_attn.qkv_proj" not in u.tp_styles and f"{u.name}.self_attn.o_proj" not in u.tp_styles
-    assert u.tp_styles[f"{u.name}.mlp.gate_up_proj"] == "colwise" and u.tp_fused == {f"{u.name}.mlp.gate_up_proj": 2}
+    assert not u.tp_refused and u.tp_shards_attention and u.tp_granularity == 2
+    assert u.tp_styles[f"{u.name}.self_attn.qkv_proj"] == "colwise"
+    assert u.tp_styles[f"{u.name}.self_attn.o_proj"] == "rowwise"
+    assert u.tp_styles[f"{u.name}.mlp.gate_up_proj"] == "colwise"
+    assert u.tp_fused == {f"{u.name}.mlp.gate_up_proj": 2, f"{u.name}.self_attn.qkv_proj": [64, 32, 32]}
 
 
 def test_qwen3_head_norms_shard_with_attention_as_norm_heads():

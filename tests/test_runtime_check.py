@@ -154,15 +154,25 @@ def test_tp_on_a_conv1d_the_plan_does_not_mark_transposed_is_refused_at_plan_tim
 SLICED_QKV = Path(__file__).parent / "fixtures" / "models" / "attention_variants.py"  # variant sliced_qkv
 
 
-def test_tp_of_a_projection_sliced_at_fixed_offsets_is_not_planned(tmp_path):
+def test_tp_of_a_projection_sliced_at_fixed_offsets_is_planned_chunk_by_chunk(tmp_path):
+    """q (4 heads), k and v (2 each) taken out of one fused projection at fixed offsets, as Phi-3 does: each chunk
+    split over tp on its own (TP_FUSED gives their widths), run as a traced graph whose offsets are made the
+    rank's, which the plan-time check runs. tp 4 would leave k and v half a head: refused, with the reason."""
     path = SLICED_QKV
     out = tmp_path / "out"
     args = ["plan", str(path), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "4",
             "--tp", "2", "--out", str(out), "--quiet"]
     result = CliRunner().invoke(app, args)
-    assert result.exit_code == 2, result.output  # nothing to shard: tp 2 has no pair
-    message = " ".join(result.output.split())
-    assert "no Linear pairs" in message and "qkv is not sharded: getitem takes part of it at fixed offsets" in message
+    assert result.exit_code == 0, result.output
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["tp_fused"] == {"blocks.0.qkv": [32, 16, 16], "blocks.1.qkv": [32, 16, 16]}
+    assert plan["tp_plan"]["blocks.1.qkv"] == "colwise" and plan["tp_plan"]["blocks.1.o"] == "rowwise"
+    assert 'TP_FUSED = {"blocks.0.qkv": [32, 16, 16], "blocks.1.qkv": [32, 16, 16]}' in (out / "train.py").read_text()
+    args[args.index("--gpus-per-node") + 1] = args[args.index("--tp") + 1] = "4"
+    args[args.index("--out") + 1] = str(tmp_path / "tp4")
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "heads/hidden sizes split only into divisors of 2" in " ".join(result.output.split())
 
 
 FALCON = """
@@ -247,10 +257,10 @@ SHARD_LAYOUTS = {"module": (1, False), "sp": (1, True), "pp2": (2, False), "pp2_
 
 @pytest.mark.parametrize("layout", list(SHARD_LAYOUTS))
 def test_a_tp_plan_whose_shard_cannot_run_is_refused_and_leaves_no_process_group(tmp_path, layout):
-    """The planner does not pair a projection sliced at fixed offsets (above); a plan that shards it anyway
-    (an older planner, an edited plan.json) is refused by tp rank 0's sharded run on meta, with the shape
-    error the launch would hit, with or without a pipeline and sequence parallelism; the fake process group
-    is gone afterwards, pass or fail."""
+    """A plan that shards a projection sliced at fixed offsets without its chunks' widths (TP_FUSED; an older
+    planner, an edited plan.json), so that each rank's slices take the wrong columns, is refused by tp rank 0's
+    sharded run on meta, with the shape error the launch would hit, with or without a pipeline and sequence
+    parallelism; the fake process group is gone afterwards, pass or fail."""
     import torch.distributed as dist
 
     path = SLICED_QKV
@@ -597,11 +607,30 @@ def loss_fn(output, x):
 """
 
 
-def test_a_residual_added_in_place_into_a_row_parallel_output_is_refused_with_the_line(tmp_path):
+def test_a_residual_added_in_place_into_a_row_parallel_output_is_copied_and_without_the_copy_refused(tmp_path):
     # torch's RowwiseParallel hands its output over as DTensor.to_local's view; `out += x` on it is an autograd
-    # error deep in torch. The check names the model's line and the fix.
-    text = _refused_plan(tmp_path, IN_PLACE_MODEL, "--tp", "2")
+    # error deep in torch. The analysis finds the write (TP_COPIED: the output given as a copy); where a write
+    # escaped it, the check names the model's line and the fix.
+    from planner.codegen.check import check_plan_runs
+    from planner.errors import PlanError
+    from planner.plan import load_plan
+
+    path = tmp_path / "net.py"
+    path.write_text(IN_PLACE_MODEL)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app,
+        ["plan", str(path), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "4",
+         "--tp", "2", "--out", str(out), "--quiet"],
+    )
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    assert plan.tp.copied == ["blocks.0.down", "blocks.1.down"]
+    uncopied = plan.model_copy(update={"tp": dataclasses.replace(plan.tp, copied=[])})
+    with pytest.raises(PlanError) as e:
+        check_plan_runs(uncopied)
+    text = " ".join(str(e.value).split())
     assert "changes a tensor-parallel Linear's output in place at" in text, text
     line = next(i for i, row in enumerate(IN_PLACE_MODEL.splitlines(), 1) if "out += x" in row)
-    assert f"{tmp_path / 'net.py'}:{line} " in text
+    assert f"{path}:{line} " in text
     assert "out = out + residual" in text

@@ -171,3 +171,23 @@ def test_indexed_dim_reads_where_the_sharded_dimension_goes(index, rank, pos, ex
 def test_an_index_it_cannot_read_is_refused():
     with pytest.raises(ValueError):
         indexed_dim((S, torch.tensor([0, 1])), 3, 1)
+
+
+def test_chunks_of_any_widths_are_split_chunk_by_chunk_and_their_slices_made_the_ranks():
+    """A fused output of q (4 columns) | k (2) | v (2), at tp 2: each rank's rows hold half of each chunk in
+    order (q_r | k_r | v_r), and the slices that take the chunks at the model's offsets take them at half
+    those offsets; equal chunks give the order they always gave."""
+    from planner.runtime.parallel import chunk_shard_order
+    from planner.runtime.tp_graph import _local_slice
+
+    assert chunk_shard_order(8, [4, 2, 2], 2).tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
+    assert chunk_shard_order(6, 3, 2).tolist() == chunk_shard_order(6, [2, 2, 2], 2).tolist() == [0, 2, 4, 1, 3, 5]
+    with pytest.raises(ValueError, match="do not tile"):
+        chunk_shard_order(8, [4, 2], 2)
+    assert _local_slice((Ellipsis, slice(None, 4)), 3, 2, 2) == (Ellipsis, slice(None, 2))
+    assert _local_slice((Ellipsis, slice(4, 6)), 3, 2, 2) == (Ellipsis, slice(2, 3))
+    assert _local_slice((slice(None), slice(None), slice(-2, None)), 3, 2, 2) == (
+        slice(None), slice(None), slice(-1, None)
+    )
+    assert _local_slice((Ellipsis, slice(None, 4)), 3, 1, 2) is None  # another dimension: the model's own
+    assert _local_slice((Ellipsis, 3), 3, 2, 2) is None

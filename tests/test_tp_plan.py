@@ -59,5 +59,5 @@ def test_a_tp_key_of_the_wrong_type_is_refused_naming_the_key(tmp_path):
     data = json.loads(make_plan("gpt", tp=2).to_json())
     data["tp_fused"] = {"blocks.0.attn.qkv": "3"}  # a string where plan.json holds a number
     (tmp_path / "plan.json").write_text(json.dumps(data))
-    with pytest.raises(PlanError, match=r"tp_fused\.blocks\.0\.attn\.qkv: .*valid integer"):
+    with pytest.raises(PlanError, match=r"tp_fused\.blocks\.0\.attn\.qkv: a number of equal chunks or a list"):
         load_plan(tmp_path)

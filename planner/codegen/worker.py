@@ -45,7 +45,7 @@ from planner.codegen.check import CheckInputs
 from planner.errors import PlannerError
 from planner.model.graph import ModelSource
 from planner.plan import Plan
-from planner.runtime.layout import runs_traced_graph
+from planner.runtime.layout import runs_traced_graph, sizes_in_code
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def prepared_serves(plan: Plan) -> bool:
     traced graph (a pipeline, sequence parallelism) from plain torch.fx, which holds no shape, or traced for a
     micro-batch of one."""
     p = plan.parallel
-    graph = runs_traced_graph(p.pp, p.tp, p.sequence_parallel, bool(plan.tp.head_attrs))
+    graph = runs_traced_graph(p.pp, p.tp, p.sequence_parallel, sizes_in_code(plan.tp.head_attrs, plan.tp.fused))
     convs = p.tp > 1 and bool(plan.tp.transposed)  # kept as calls under tp: a trace of its own
     return graph and not plan.experts and not convs and (plan.trace_method == "fx" or p.micro_batch_size == 1)
 

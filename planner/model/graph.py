@@ -124,8 +124,9 @@ class Unit(_Model):
         description="module -> integer attributes (head counts, split widths) each rank divides by tp before "
         "its sharded projections run, e.g. {'h.0.attn': ['split_size']}",
     )
-    tp_fused: dict[str, int] = Field(
-        default_factory=dict, description="column module -> chunks of a fused projection (q, k, v): each is "
+    tp_fused: dict[str, int | list[int]] = Field(
+        default_factory=dict, description="column module -> chunks of a fused projection (q, k, v: their number, "
+        "or their widths where the model takes them at fixed offsets): each is "
         "sharded on its own so every rank keeps its heads of each"
     )
     tp_transposed: list[str] = Field(

@@ -300,6 +300,8 @@ class _Walk:
     # (node, value): absolute sizes on the sharded dimension
     literals: list[tuple[torch.fx.Node, int]] = field(default_factory=list)
     fused: int = 0  # chunks the column's width is split into before its heads (fused q/k/v)
+    widths: list[int] = field(default_factory=list)  # the chunks' widths where taken at fixed offsets (slices)
+    sliced: torch.fx.Node | None = None  # the tensor those slices take the chunks of
     attention: bool = False
     groups: int = 0  # how many pieces the sharded dimension holds where heads are split off (the head count)
     reported: bool = False  # a failure tp_refused lists (a fixed-offset slice, a weight on the sharded values)
@@ -368,8 +370,18 @@ def _walk_column(
                     new = _matching_dim(src_shape, out, pos)
                     taken = out[pos] if len(out) == rank else src_shape[pos]
                 if taken != src_shape[pos]:
-                    w.failure = f"{name} takes part of it at fixed offsets along the sharded dimension"
-                    w.reported = True
+                    # q, k and v of a fused projection taken at fixed offsets (`qkv[..., :q_width]`, Phi-3's
+                    # grouped-query qkv_proj): each chunk split over tp on its own, the offsets made the rank's in
+                    # the traced graph (tp_graph); anything else along the sharded dimension takes wrong columns
+                    first = w.sliced is None and pos == rank - 1 and not w.fused and not w.groups
+                    widths = _slice_chunks(src, pos, rank) if first else []
+                    if w.sliced is src:
+                        new = pos  # another chunk of the same slices
+                    elif widths:
+                        w.widths, w.sliced, new = widths, src, pos
+                    else:
+                        w.failure = f"{name} takes part of it at fixed offsets along the sharded dimension"
+                        w.reported = True
         elif name in _SPLITS:
             dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)
             if _norm_dim(dim, rank) == pos:
@@ -402,8 +414,9 @@ def _walk_column(
             new = pos  # a tuple (split) or a non-tensor: its items keep the dimension
         elif name in _RESHAPES or name == "expand":
             new = _reshaped_dim(src_shape, out, pos) if name in _RESHAPES else pos
-            if new is not None and not w.groups and len(out) > rank and new < len(out) - 1:
-                w.groups = out[new]
+            if new is not None and len(out) > rank and new < len(out) - 1:
+                # chunks taken at offsets may hold different head counts (q 32, k and v 8): tp divides each
+                w.groups = gcd(w.groups, out[new]) if w.widths else (w.groups or out[new])
             sizes = _size_args(n)
             if new is not None and len(sizes) == len(out) and isinstance(sizes[new], int) and sizes[new] != -1:
                 w.literals.append((n, sizes[new]))
@@ -465,6 +478,48 @@ def _walk_column(
     return w
 
 
+def _slice_chunks(src: torch.fx.Node, pos: int, rank: int) -> list[int]:
+    """The widths of the chunks that `src`'s users take of its dimension `pos` at fixed offsets, in order, where
+    every user is an index that slices that dimension alone (`src[..., a:b]`, step 1) and the slices tile it,
+    each offset a number (q, k and v of a fused projection); [] otherwise."""
+    shape = _shape(src)
+    if not shape:
+        return []
+    width = shape[pos]
+    spans = []
+    for user in src.users:
+        if _op_name(user) != "getitem" or len(user.args) < 2 or user.args[0] is not src:
+            return []
+        items = user.args[1] if isinstance(user.args[1], tuple) else (user.args[1],)
+        if sum(1 for i in items if i is Ellipsis) > 1 or any(i is None for i in items):
+            return []
+        named = [i for i in items if i is not Ellipsis]
+        if len(named) > rank:
+            return []
+        full: list[Any] = []
+        for i in items:
+            full.extend([slice(None)] * (rank - len(named)) if i is Ellipsis else [i])
+        full.extend([slice(None)] * (rank - len(full)))
+        if any(not isinstance(i, slice) for i in full) or any(i != slice(None) for d, i in enumerate(full) if d != pos):
+            return []
+        cut = full[pos]
+        ends = []
+        for v, default in ((cut.start, 0), (cut.stop, width)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                return []  # an offset computed in the graph
+            v = default if v is None else v
+            ends.append(min(width, max(0, v + width if v < 0 else v)))
+        if cut.step not in (None, 1) or ends[1] <= ends[0]:
+            return []
+        spans.append((ends[0], ends[1]))
+    spans.sort()
+    if len(spans) < 2 or spans[0][0] != 0 or spans[-1][1] != width:
+        return []
+    if any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+        return []
+    return [b - a for a, b in spans]
+
+
 def _matching_dim(src: tuple[int, ...], out: tuple[int, ...], pos: int) -> int | None:
     """After indexing, the output dimension that keeps the sharded one: same place from the right, or the
     only dimension of that size."""
@@ -518,7 +573,7 @@ class FoundPair:
     row: str
     row_node: torch.fx.Node
     literals: list[tuple[torch.fx.Node, int]]  # (node, value): absolute sizes on the sharded dimension (see tp_info)
-    fused: dict[str, int]  # column -> chunks of a fused projection (q, k, v in one Linear)
+    fused: dict[str, int | list[int]]  # column -> chunks of a fused projection (q, k, v in one Linear): count or widths
     attention: bool  # the pair's path runs attention (its FLOPs are split by heads too)
     groups: int  # gcd of the pieces TP splits (head counts, else widths): tp must divide it
     norms: set[str] = field(default_factory=set)  # norms over each head between the columns and attention
@@ -632,14 +687,14 @@ def detect_tp_pairs(
         for c in cols:
             w = walks[c]
             width = (_shape(c) or (0,))[-1]
-            groups = gcd(groups, w.groups or (width // max(1, w.fused or 1)))
+            groups = gcd(groups, w.groups or (gcd(*w.widths) if w.widths else width // max(1, w.fused or 1)))
         pairs.append(
             FoundPair(
                 columns=sorted(linears[c] for c in cols),
                 row=linears[r],
                 row_node=r,
                 literals=[lit for c in cols for lit in walks[c].literals],
-                fused={linears[c]: walks[c].fused for c in cols if walks[c].fused},
+                fused={linears[c]: chunks for c in cols if (chunks := walks[c].widths or walks[c].fused)},
                 attention=any(walks[c].attention for c in cols),
                 groups=groups,
                 norms=set().union(*(walks[c].norms for c in cols)),
@@ -663,7 +718,7 @@ class TPInfo:
     gather_bytes: int = 0
     unpaired_flops: float = 0.0  # forward FLOPs per sample of Linears that no TP pair covers
     head_attrs: dict[str, list[str]] = field(default_factory=dict)  # module -> attributes to divide by tp
-    fused: dict[str, int] = field(default_factory=dict)  # column -> chunks of a fused projection
+    fused: dict[str, int | list[int]] = field(default_factory=dict)  # column -> chunks of a fused projection
     transposed: list[str] = field(default_factory=list)  # sharded Conv1D modules (weight stored [in, out])
     copied: list[str] = field(default_factory=list)  # row-parallel modules whose output the model changes in place
     refused: list[str] = field(default_factory=list)  # why a pair through attention was not sharded
@@ -847,23 +902,25 @@ def tp_info(
 
 
 def _changed_in_place(sub: torch.fx.GraphModule, names: ModuleNames, styles: dict[str, str]) -> list[str]:
-    """The unit's row-parallel modules whose output its code changes in place (Falcon's parallel attention:
-    `mlp_output += attention_output`, marked by the tracer: tracers.IN_PLACE; `out.add_(x)` as a method).
-    torch's RowwiseParallel returns that output as a view of its reduced DTensor, which autograd does not let be
-    modified in place: the runtime gives such a module's output as a copy (`parallel.apply_tp`), one tensor per
-    call, and only for these."""
+    """The unit's row-parallel modules whose output its code changes in place, or a view of it (Falcon's parallel
+    attention: `mlp_output += attention_output`, which the tracer marks: tracers.IN_PLACE; `out.add_(x)`,
+    `out[..., :d] = y`). torch's RowwiseParallel returns that output as a view of its reduced DTensor, which
+    autograd does not let be modified in place: the runtime gives such a module's output as a copy
+    (`parallel.apply_tp`), one tensor per call, and only for these."""
+    import torch
+
     from planner.runtime.tracers import IN_PLACE
 
+    linears = {node: _linear_module(node, sub, names) for node in sub.graph.nodes}
+    rows = {node: name for node, name in linears.items() if name is not None and styles.get(name) == "rowwise"}
+    targets: list[Any] = list(_in_place_writes(sub.graph))
+    targets += [n.args[0] for n in sub.graph.nodes if n.meta.get(IN_PLACE) and n.args]
     out: set[str] = set()
-    for node in sub.graph.nodes:
-        name = _linear_module(node, sub, names)
-        if name is None or styles.get(name) != "rowwise":
-            continue
-        for user in node.users:
-            target = str(user.target)
-            method = user.op == "call_method" and target.endswith("_") and not target.startswith("_")  # y.add_(x)
-            if (user.meta.get(IN_PLACE) or method) and user.args and user.args[0] is node:
-                out.add(name)
+    for base in targets:
+        while isinstance(base, torch.fx.Node) and base not in rows and _op_name(base) in _VIEWS and base.args:
+            base = base.args[0]
+        if isinstance(base, torch.fx.Node) and base in rows:
+            out.add(rows[base])
     return sorted(out)
 
 

@@ -670,7 +670,7 @@ def _run_tp_stages(case: CheckCase, gm: fx.GraphModule, values: dict[fx.Node, An
         try:
             with _failing_as(f"Tensor parallelism for tp {layout.tp}"):
                 layout = with_tied_styles(layout, gm)
-                localise_tp_sizes(gm, values, layout.tp_plan.styles, layout.tp)
+                localise_tp_sizes(gm, values, layout.tp_plan.styles, layout.tp, layout.tp_plan.fused)
             with _failing_as(f"Sequence parallelism for tp {layout.tp}"):
                 sp_styles = sequence_parallel(gm, values, case.example, mesh, layout) if layout.sp_enabled else {}
                 case.checkpoint()

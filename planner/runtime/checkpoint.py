@@ -24,7 +24,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .errors import RunError
+from .layout import FusedChunks
 from .parallel import chunk_shard_order
 
 COMPLETE = "COMPLETE"  # the marker file: written last, by rank 0, once the whole checkpoint is on disk
@@ -54,11 +55,13 @@ _OPTIM_PREFIX = re.compile(r"^(state|param_groups)\.(?:pieces\.\d+|model)\.")
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def fused_params(tp: int, tp_fused: dict[str, int], tp_transposed: Sequence[str]) -> dict[str, tuple[int, int, int]]:
+def fused_params(
+    tp: int, tp_fused: Mapping[str, FusedChunks], tp_transposed: Sequence[str]
+) -> dict[str, tuple[int, FusedChunks, int]]:
     """Model parameter key -> (dim, chunks, tp) of each fused projection's tensors TP reorders (tp > 1)."""
     if tp <= 1:
         return {}
-    out: dict[str, tuple[int, int, int]] = {}
+    out: dict[str, tuple[int, FusedChunks, int]] = {}
     for module, chunks in tp_fused.items():
         out[f"{module}.weight"] = (1 if module in tp_transposed else 0, chunks, tp)
         out[f"{module}.bias"] = (0, chunks, tp)
@@ -157,7 +160,7 @@ class Checkpointer:
         device: torch.device,
         asynchronous: bool = True,
         log: Callable[[str], None] = lambda _: None,
-        fused: dict[str, tuple[int, int, int]] | None = None,
+        fused: dict[str, tuple[int, FusedChunks, int]] | None = None,
     ) -> None:
         self.folder = folder
         self.stages, self.optimizers, self.schedulers = list(stages), list(optimizers), list(schedulers)
@@ -183,7 +186,7 @@ class Checkpointer:
                 optim.setdefault(optimizer_key(k), v)
         return model, optim
 
-    def _reordered(self, key: str, value: Any) -> tuple[int, int, int] | None:
+    def _reordered(self, key: str, value: Any) -> tuple[int, FusedChunks, int] | None:
         spec = self.fused.get(_fqn(key))
         if spec is None or not isinstance(value, torch.Tensor) or value.dim() <= spec[0]:
             return None  # not a fused tensor (or an optimizer's step count)

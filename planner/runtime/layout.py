@@ -18,6 +18,28 @@ from .names import RECOMPUTE_MODES, SCHEDULES
 # colwise_gather: a column-parallel Linear whose output is all-gathered (the vocab-parallel LM head);
 # norm_heads: a norm over each head's features (Qwen3's q_norm), its input split by heads, its weight whole.
 TPStyle = Literal["colwise", "rowwise", "colwise_gather", "norm_heads"]
+# A fused projection's chunks (TP_FUSED): n equal ones (q | k | v split by `split(width)`), or the widths of its
+# chunks in the model's order where the model takes them at fixed offsets (`qkv[..., :q_width]`; Phi-3's q, k
+# and v of grouped-query attention, unequal): each chunk is split over tp on its own.
+FusedChunks = int | list[int]
+
+
+def chunk_widths(width: int, chunks: FusedChunks) -> list[int]:
+    """The widths of a fused output's chunks: `chunks` equal ones, or the widths given (which must sum to it)."""
+    if isinstance(chunks, list):
+        if sum(chunks) != width or any(w <= 0 for w in chunks):
+            raise ValueError(f"chunk widths {chunks} do not tile a width of {width}")
+        return list(chunks)
+    if chunks <= 0 or width % chunks:
+        raise ValueError(f"{chunks} equal chunks do not tile a width of {width}")
+    return [width // chunks] * chunks
+
+
+def sizes_in_code(head_attrs: Mapping[str, Any], fused: Mapping[str, FusedChunks]) -> bool:
+    """Whether the model's code holds sizes of the sharded dimension that a rank cannot take as they are: head
+    counts read in forward (`head_attrs`), or fused chunks taken at fixed offsets (widths in `fused`). Under tp
+    such a model runs as a traced graph whose sizes are made the rank's (tp_graph), never as written."""
+    return bool(head_attrs) or any(isinstance(c, list) for c in fused.values())
 TP_STYLES: tuple[str, ...] = get_args(TPStyle)
 DTYPES = ("fp32", "bf16", "fp16")
 LR_DECAYS = ("cosine", "linear", "constant")
@@ -66,7 +88,7 @@ class TPDecisions(Protocol):
     @property
     def tp_head_attrs(self) -> Mapping[str, list[str]]: ...
     @property
-    def tp_fused(self) -> Mapping[str, int]: ...
+    def tp_fused(self) -> Mapping[str, FusedChunks]: ...
     @property
     def tp_transposed(self) -> Sequence[str]: ...
     @property
@@ -90,7 +112,7 @@ class TPPlan:
     # module -> integer attributes (head counts, split widths) each rank divides by tp before sharding, because
     # its forward reshapes by them (view(b, s, self.num_heads, -1)) (TP_HEAD_ATTRS)
     head_attrs: dict[str, list[str]] = field(default_factory=dict)
-    fused: dict[str, int] = field(default_factory=dict)  # colwise module -> chunks of its fused output (q, k, v)
+    fused: dict[str, FusedChunks] = field(default_factory=dict)  # colwise module -> its fused output's chunks
     transposed: list[str] = field(default_factory=list)  # TP modules whose weight is stored [in, out] (HF Conv1D)
     # row-parallel modules whose output the model changes in place (`out += residual`): given as a copy (TP_COPIED)
     copied: list[str] = field(default_factory=list)
@@ -121,7 +143,7 @@ class TPPlan:
         reasons for a refusal in the order the units give them, each once."""
         styles: dict[str, TPStyle] = {}
         head_attrs: dict[str, list[str]] = {}
-        fused: dict[str, int] = {}
+        fused: dict[str, FusedChunks] = {}
         transposed: set[str] = set()
         copied: set[str] = set()
         refused: list[str] = []

@@ -257,7 +257,7 @@ def trace_and_cut(
     sp_styles: dict[str, ParallelStyle] = {}
     if layout.tp_enabled and tp_mesh is not None:
         layout = with_tied_styles(layout, gm)
-        localise_tp_sizes(gm, values, layout.tp_plan.styles, layout.tp)
+        localise_tp_sizes(gm, values, layout.tp_plan.styles, layout.tp, layout.tp_plan.fused)
     if layout.sp_enabled and tp_mesh is not None:
         sp_styles = sequence_parallel(gm, values, example, tp_mesh, layout)
     return gm, cut_into_pieces(gm, values, layout), sp_styles, method, layout

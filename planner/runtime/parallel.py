@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (
 
 from .errors import RunError
 from .experts import ExpertParallel
-from .layout import Layout, TPStyle
+from .layout import FusedChunks, Layout, TPStyle, chunk_widths
 from .recompute import apply_ac
 from .stages import SP_MODULE_PREFIX, LocalStage, ModelStage, contains_tensor, has_module, module_paths
 from .tp_rules import NORM_HEADS_DIM, check_tp, split_dim, splits_own_vocab
@@ -314,18 +314,22 @@ def parallel_style(style: str, module: nn.Module, sharded: bool = False) -> Para
     raise ValueError(f"Unknown TP style {style!r}: expected colwise, rowwise, colwise_gather or norm_heads.")
 
 
-def chunk_shard_order(width: int, chunks: int, tp: int) -> torch.Tensor:
-    """Indices that reorder a fused output of `chunks` equal parts (q | k | v) so that its contiguous tp
-    slices are [q_r | k_r | v_r] for each rank r: a plain Shard then gives every rank its own heads' slice
-    of each chunk, laid out as the model's split / view of the fused output expects."""
-    part = width // chunks
-    step = part // tp
-    order = [j * part + r * step + i for r in range(tp) for j in range(chunks) for i in range(step)]
+def chunk_shard_order(width: int, chunks: FusedChunks, tp: int) -> torch.Tensor:
+    """Indices that reorder a fused output of chunks (q | k | v: `chunks` equal ones, or the widths given) so
+    that its contiguous tp slices are [q_r | k_r | v_r] for each rank r: a plain Shard then gives every rank its
+    own heads' slice of each chunk, laid out as the model's split, or its slices at offsets made the rank's
+    (tp_graph), of the fused output expect."""
+    widths = chunk_widths(width, chunks)
+    starts = [sum(widths[:j]) for j in range(len(widths))]
+    order = [
+        start + r * (w // tp) + i for r in range(tp) for start, w in zip(starts, widths, strict=True)
+        for i in range(w // tp)
+    ]
     return torch.tensor(order, dtype=torch.long)
 
 
 @torch.no_grad()
-def interleave_fused(module: nn.Module, style: str, chunks: int, tp: int) -> None:
+def interleave_fused(module: nn.Module, style: str, chunks: FusedChunks, tp: int) -> None:
     """Reorder a fused column projection's output features in place (weight and bias) by chunk_shard_order.
 
     Every rank reorders the same initial values, so the sharded weight is the model's, chunk by chunk; the

@@ -19,7 +19,7 @@ from torch import fx, nn
 from torch.fx.graph import _PyTreeCodeGen
 
 from .errors import RefusedLayout, RunError
-from .layout import Layout, ModelFile, runs_traced_graph
+from .layout import Layout, ModelFile, runs_traced_graph, sizes_in_code
 from .memo import MetaMemo
 from .model import build_model, input_count, materialise
 from .tracers import BufferTracer
@@ -753,7 +753,8 @@ class AsWritten(RefusedLayout):
 def uses_graph(layout: Layout) -> bool:
     """Whether the run cuts a traced graph: for pipeline stages, or to rewrite it for sequence parallelism.
     Otherwise the one stage is the user's model itself (ModelStage), as written."""
-    return runs_traced_graph(layout.pp, layout.tp, layout.sequence_parallel, bool(layout.tp_plan.head_attrs))
+    tp = layout.tp_plan
+    return runs_traced_graph(layout.pp, layout.tp, layout.sequence_parallel, sizes_in_code(tp.head_attrs, tp.fused))
 
 
 def trace_for_plan(

@@ -8,15 +8,16 @@ from there to the row-parallel projection each tensor has 1/tp of one dimension 
 pair detection did (planner.model.tp), and rewrites the sizes given for it: a split's widths and a reshape's or
 expand's size there divided by tp (a size computed in the graph gets a `// tp` node), -1 left as is. The other
 sizes (the head dimension `C // n_head`, the batch, the sequence) are the model's own. A fused projection's
-output is split in equal chunks of the local width, each rank's weight holding its share of every chunk
-(parallel.interleave_fused): this rank's q, k and v heads.
+output is split in equal chunks of the local width, or sliced at offsets divided by tp (`qkv[..., :q_width]`, chunks
+of any widths), each rank's weight holding its share of every chunk (parallel.interleave_fused): this rank's q, k
+and v heads.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -100,6 +101,34 @@ def _local(graph: fx.Graph, user: fx.Node, size: Any, tp: int) -> Any:
     return size
 
 
+def _local_slice(index: Any, rank: int, pos: int, tp: int) -> Any:
+    """`index` with its slice of dimension `pos` at offsets divided by tp (`qkv[..., 32:48]` -> `[..., 16:24]` at
+    tp 2: each chunk of a fused projection holds 1/tp of its width on each rank, parallel.chunk_shard_order), or
+    None where it takes no part of that dimension at numbered offsets."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(i is None for i in items) or sum(1 for i in items if i is Ellipsis) > 1:
+        return None
+    named = sum(1 for i in items if i is not Ellipsis)
+    at, dim = None, 0
+    for k, i in enumerate(items):
+        if i is Ellipsis:
+            dim += rank - named
+            continue
+        if dim == pos:
+            at = k
+            break
+        dim += 1
+    cut = items[at] if at is not None else None
+    if not isinstance(cut, slice) or cut.step not in (None, 1) or (cut.start is None and cut.stop is None):
+        return None
+    ends = [cut.start, cut.stop]
+    if any(e is not None and (not isinstance(e, int) or isinstance(e, bool)) for e in ends):
+        return None
+    start, stop = (None if e is None else (e // tp if e >= 0 else -((-e) // tp)) for e in ends)
+    items[cast(int, at)] = slice(start, stop, cut.step)
+    return tuple(items) if isinstance(index, tuple) else items[0]
+
+
 def _rewrite_sizes(graph: fx.Graph, node: fx.Node, at: int, tp: int) -> None:
     """Divide the size a reshape / expand gives for output dimension `at` (given as *sizes or one sequence)."""
     args: list[Any] = list(node.args)
@@ -121,21 +150,27 @@ def _rewrite_sizes(graph: fx.Graph, node: fx.Node, at: int, tp: int) -> None:
     node.args = tuple(args)
 
 
-def localise_tp_sizes(gm: fx.GraphModule, values: dict[fx.Node, Any], tp_plan: Mapping[str, str], tp: int) -> int:
+def localise_tp_sizes(
+    gm: fx.GraphModule, values: dict[fx.Node, Any], tp_plan: Mapping[str, str], tp: int,
+    fused: Mapping[str, Any] | None = None,
+) -> int:
     """Rewrite the sizes of the sharded dimension between each colwise module's call and the row-parallel
-    projection it feeds to this rank's (see the module docstring). Returns how many sizes it rewrote."""
+    projection it feeds to this rank's (see the module docstring); the offsets of slices only after a module
+    whose fused chunks are given by widths (TP_FUSED), whose rows each rank holds chunk by chunk. Returns how
+    many sizes it rewrote."""
+    sliced = {name for name, chunks in (fused or {}).items() if isinstance(chunks, list)}
     graph = gm.graph
     rowwise = {n for n, s in tp_plan.items() if s == "rowwise"}
     starts = [n for n in graph.nodes if n.op == "call_module" and tp_plan.get(str(n.target)) == "colwise"]
     rewritten = 0
     seen: set[tuple[fx.Node, int]] = set()
-    stack: list[tuple[fx.Node, fx.Node, int]] = []
+    stack: list[tuple[fx.Node, fx.Node, int, bool]] = []
     for start in starts:
         shape = _shape(values, start)
         if shape:
-            stack.extend((u, start, len(shape) - 1) for u in start.users)
+            stack.extend((u, start, len(shape) - 1, str(start.target) in sliced) for u in start.users)
     while stack:
-        n, src, pos = stack.pop()
+        n, src, pos, chunks = stack.pop()
         if (n, pos) in seen:
             continue
         seen.add((n, pos))
@@ -153,6 +188,10 @@ def localise_tp_sizes(gm: fx.GraphModule, values: dict[fx.Node, Any], tp_plan: M
                 except ValueError:  # a tensor index: the old reading, new dimensions in front
                     if len(out) != len(src_shape):
                         new = None if len(out) < len(src_shape) else pos + len(out) - len(src_shape)
+                local = _local_slice(n.args[1], len(src_shape), pos, tp) if chunks else None
+                if local is not None:  # a fused projection's chunk taken at fixed offsets: the rank's offsets
+                    n.args = (n.args[0], local, *n.args[2:])
+                    rewritten += 1
         elif name in _SPLITS and n.args and n.args[0] is src:
             dim = _dim_arg(n, 2)
             if isinstance(dim, int) and (dim % max(1, len(src_shape))) == pos and name in ("split", "split_with_sizes"):
@@ -199,7 +238,7 @@ def localise_tp_sizes(gm: fx.GraphModule, values: dict[fx.Node, Any], tp_plan: M
         elif src_shape and len(out) != len(src_shape):
             new = pos + len(out) - len(src_shape) if len(out) > len(src_shape) else None
         if new is not None:
-            stack.extend((u, n, new) for u in n.users)
+            stack.extend((u, n, new, chunks) for u in n.users)
     if rewritten:
         graph.lint()
         gm.recompile()

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .errors import RefusedLayout, RunError
-from .layout import Layout
+from .layout import Layout, chunk_widths
 from .stages import has_module
 
 
@@ -120,14 +120,21 @@ def check_tp(roots: list[nn.Module], layout: Layout, heads: bool = True) -> None
             weight = module.weight
             assert isinstance(weight, torch.Tensor)
             size = weight.shape[split_dim(module, style)]
-            chunks = layout.tp_plan.fused.get(name, 1)
-            if chunks > 1 and (style != "colwise" or size % chunks):
+            fused = layout.tp_plan.fused.get(name, 1)
+            what = f"{fused} equal chunks" if isinstance(fused, int) else f"chunks of widths {fused}"
+            try:
+                widths = chunk_widths(size, fused)
+            except ValueError:
+                widths = []
+            if fused != 1 and (style != "colwise" or not widths):
                 raise RunError(
-                    f"TP_FUSED splits {name} ({style}, size {size}) into {chunks} equal chunks: only a colwise "
-                    "projection whose width the chunks divide can be. Re-plan the model."
+                    f"TP_FUSED splits {name} ({style}, size {size}) into {what}: only a colwise projection whose "
+                    "width the chunks tile can be. Re-plan the model."
                 )
-            if (size // chunks) % layout.tp and not splits_unevenly(module, style, size, layout.tp, chunks):
-                what = f"each of its {chunks} chunks (size {size // chunks})" if chunks > 1 else f"size {size}"
+            chunks = len(widths)
+            bad = [w for w in widths if w % layout.tp]
+            if bad and not splits_unevenly(module, style, size, layout.tp, chunks):
+                what = f"each of its {chunks} chunks (sizes {widths})" if chunks > 1 else f"size {size}"
                 raise RefusedLayout(
                     f"TP_PLAN splits {name} ({style}, {what}) over tp={layout.tp}: the size must divide. "
                     "Re-plan with a tp degree that divides it."

@@ -18,7 +18,7 @@ from planner.errors import ConfigError, InfeasibleError
 from planner.hardware.spec import ClusterSpec
 from planner.model.graph import ModelGraph
 from planner.names import SCHEDULES
-from planner.runtime.layout import runs_traced_graph
+from planner.runtime.layout import runs_traced_graph, sizes_in_code
 
 SCHEDULE_NAMES = SCHEDULES  # kept for callers of this module; defined in planner.names
 
@@ -213,7 +213,7 @@ def enumerate_space(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, 
     check_ep_pin(graph, pins)
     max_tp = tp_limit(graph)
     traced_tp_refusal = runtime_traced_tp_refusal(graph)
-    head_counts = any(u.tp_head_attrs for u in graph.units)
+    head_counts = any(sizes_in_code(u.tp_head_attrs, u.tp_fused) for u in graph.units)
     meta_traced = graph.trace_method == "fx-meta"
     has_tp = any(u.tp_pairs for u in graph.units)
     blocks = sum(1 for u in graph.units if u.kind == "block")

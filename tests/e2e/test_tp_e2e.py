@@ -19,6 +19,8 @@ What each model adds to the sharding:
 - nanogpt (karpathy's model.py): fused c_attn, `view(B, T, self.n_head, C // self.n_head)`, traced with meta
   values; tp2 x dp2, tp2 x pp2 and tp2 + sequence parallelism (its loss computed in forward on the gathered
   sequence), each run on the traced graph with its sizes made the rank's (runtime.tp_graph);
+- phi3: q, k and v sliced out of the fused qkv_proj at fixed offsets (grouped-query: widths 64, 32, 32), each
+  chunk split over tp, the slices' offsets made the rank's in the traced graph;
 - falcon (tests/fixtures/models/hf_zoo.py): FalconLinear, an nn.Linear subclass with its own forward, kept as a
   Linear call (runtime.linears); its MLP's row-parallel output, which the model adds to in place, given as a copy.
 ResNet and the sequential CNN have no column/row pair: `planner plan --tp 2` refuses before writing anything.
@@ -136,8 +138,8 @@ def reference_metrics(plan, tmp_path_factory) -> dict:
 
 # In CI: nanoGPT (fused qkv, heads read in forward) with dp and pp, GPT-2 (Conv1D) and Llama (GQA); the rest
 # (SP, MoE, per-head norms, odd vocabularies, other architectures) under the `corpus` marker. Falcon: the one
-# model whose row-parallel output is changed in place.
-KEPT = {"nanogpt_tp2_dp2", "nanogpt_tp2_pp2", "gpt2_tp2_dp2", "llama_tp2_dp2", "falcon_tp2_dp2"}
+# model whose row-parallel output is changed in place; Phi-3: q, k and v sliced out of qkv_proj at fixed offsets.
+KEPT = {"nanogpt_tp2_dp2", "nanogpt_tp2_pp2", "gpt2_tp2_dp2", "llama_tp2_dp2", "falcon_tp2_dp2", "phi3_tp2_dp2"}
 
 
 @pytest.mark.parametrize("case", ci_cases(CASES, KEPT))
@@ -153,6 +155,8 @@ def test_tensor_parallel_plan_trains_like_one_process(case, tmp_path, tmp_path_f
         assert plan.tp.transposed and plan.tp.fused  # Conv1D, and c_attn chunk by chunk
     if name in ("headcount_gpt", "nanogpt"):
         assert plan.tp.fused and plan.tp.head_attrs
+    if name == "phi3":  # q, k and v taken at fixed offsets, each split over tp (grouped-query: unequal widths)
+        assert plan.tp.fused["model.layers.0.self_attn.qkv_proj"] == [64, 32, 32]
     if name == "zoo_falcon":
         blocks = range(4)
         assert plan.tp.copied == [f"transformer.h.{i}.mlp.dense_4h_to_h" for i in blocks]
