@@ -522,3 +522,39 @@ def test_batch_norm_is_compared_with_one_process_over_micro_batches_of_four():
         return max(abs(a - b) for a, b in zip(losses(micro, False), losses(micro, True), strict=True))
 
     assert BATCHES["batchnorm_mlp"][1] == 4 and reordered(4) < LOSS_TOL / 10
+
+
+OUT_ARGUMENT = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            y = b(x)
+            x = torch.add(y, x, out=y)
+        return x
+
+
+def build_model(**_):
+    return Net()
+
+
+def example_inputs(batch_size, **_):
+    return (torch.randn(batch_size, 16),)
+"""
+
+
+def test_a_model_that_cannot_run_backward_is_refused_quoting_its_line(tmp_path):
+    """An op autograd refuses (out= on a tensor that requires grad) traces, then fails where the planner counts the
+    unit forward and backward: the message quotes the model's line and error, exit 2, not an internal error."""
+    path = tmp_path / "net.py"
+    path.write_text(OUT_ARGUMENT)
+    message = refused(dry_run(path, *LAYOUTS["dp4"]), "The model cannot train", "out=")
+    line = next(i for i, row in enumerate(OUT_ARGUMENT.splitlines(), 1) if "out=y" in row)
+    assert f"net.py, line {line}" in " ".join(message.split()) and "Internal error" not in message

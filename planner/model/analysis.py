@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, cast
 
+from planner.errors import PlannerError
 from planner.model.counting import Counts, analyse_callable, flatten_tensors, mixed_precision_mode, tensor_bytes
 from planner.model.graph import GemmShape, ModelGraph, TPPair, Unit
 from planner.model.grouping import (
@@ -25,7 +26,7 @@ from planner.model.kernels import fused_kernels
 from planner.model.load import DTYPE_BYTES, LoadedModel, build_meta_model, meta_inputs, torch_dtype
 from planner.model.moe import correct_counts, ep_granularity, expert_storages, unit_moe_layers
 from planner.model.tp import ModuleNames, TPInfo, constant_inputs, embeddings_read_elsewhere, renamer, tp_info
-from planner.model.trace import lazy_graph_modules, trace_model
+from planner.model.trace import lazy_graph_modules, trace_model, training_error
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -199,8 +200,13 @@ def _analyse(loaded: LoadedModel, model: nn.Module) -> ModelGraph:
                 analysed[sig] = Counts()
             else:
                 tagged = frozenset(expert_storages(model, moe))
-                with mixed_precision_mode(compute):
-                    counts = analyse_callable(sub, args, list(unit_params.values()), seq, buffers, tagged)
+                try:
+                    with mixed_precision_mode(compute):
+                        counts = analyse_callable(sub, args, list(unit_params.values()), seq, buffers, tagged)
+                except PlannerError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the model's own code failing under autograd, quoted
+                    raise training_error(model, inputs, loaded.source.path, group, e) from None
                 analysed[sig] = per_sample(counts, batch)
                 correct_counts(analysed[sig], moe, seq or 1)  # routed expert work, counted from the structure
                 tp_by_sig[sig] = (group, tp_per_sample(

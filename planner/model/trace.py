@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -177,6 +177,36 @@ def trace_model(
             "with tensor ops (torch.where) or move it out of forward()."
             + (f" Symbolic tracing had failed with {fx_error}." if fx_error else "")
         ) from e
+
+
+def training_error(
+    model: nn.Module, inputs: tuple[Any, ...], model_path: str, unit: Sequence[str], error: Exception
+) -> Exception:
+    """What to raise where counting a traced unit forward and backward failed with `error`: the model's own code
+    failing under autograd (`torch.add(out, x, out=out)` on a tensor that requires grad), quoted with the model's
+    line where running it as written on the example inputs with gradients fails too; else `error` itself (the
+    model runs, the planner's count does not: a bug to report)."""
+    import torch
+
+    try:
+        with torch.enable_grad():
+            out = model(*inputs)
+            leaves = torch.utils._pytree.tree_leaves(out)
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+    except PlannerError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the model's own error, quoted
+        where = _user_frame(e, Path(model_path))
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return TraceError(
+            f"The model cannot train: forward and backward on its example inputs fail in {', '.join(unit[:3])} "
+            f"({type(e).__name__}" + (f" at {where}" if where else "") + f"): {first[:300]} Fix the model so that "
+            "a forward and backward pass runs with gradients (an op with out= or one that changes a leaf in place "
+            "cannot)."
+        )
+    return error
 
 
 def _model_error(model: nn.Module, inputs: tuple[Any, ...], model_path: str) -> TraceError | None:
