@@ -541,7 +541,8 @@ def replace_module(root: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def apply_tp(
-    stage: LocalStage, tp_mesh: DeviceMesh, layout: Layout, sp_styles: dict[str, ParallelStyle]
+    stage: LocalStage, tp_mesh: DeviceMesh, layout: Layout, sp_styles: dict[str, ParallelStyle],
+    skip: frozenset[str] = frozenset(),
 ) -> None:
     """Shard the TP plan's modules: column-parallel projections (split outputs) feeding row-parallel ones
     (split inputs), vocabulary-parallel embeddings and LM head.
@@ -552,7 +553,8 @@ def apply_tp(
     of every chunk; a Conv1D (TP_TRANSPOSED) is replaced by ShardedConv1D, since torch's parallel styles
     take only nn.Linear / nn.Embedding. An Embedding that runs its own vocabulary-parallel lookup
     (torchtitan's, splits_own_vocab) gets its tp group and a sharded weight instead of RowwiseParallel. With
-    sequence parallelism the styles come from plan_sequence_parallel().
+    sequence parallelism the styles come from plan_sequence_parallel(). `skip`: modules left whole, with what
+    they hold (the plan-time check's repeats of a block, which never run: `repeats.repeated_units`).
     """
     roots = stage.tp_roots()
     # A traced stage's graph has its sizes made this rank's (tp_graph.localise_tp_sizes): the model as written
@@ -560,14 +562,14 @@ def apply_tp(
     as_written = isinstance(stage, ModelStage)
     check_tp(roots, layout, heads=as_written)
     if as_written:
-        apply_head_attrs(roots, layout)
+        apply_head_attrs(roots, layout, skip)
     # Tied weights across the stage's pieces too (nanoGPT's wte and lm_head, run by the first and the last piece
     # of a traced stage): (piece, module, attribute) of each parameter several modules hold.
     tied = tied_holders(roots)
     for i, piece in enumerate(roots):
         plan: dict[str, ParallelStyle] = {}
         for name, style in layout.tp_plan.styles.items():
-            if not has_module(piece, name):
+            if (skip and _within(name, skip)) or not has_module(piece, name):
                 continue
             module = piece.get_submodule(name)
             if name in layout.tp_plan.fused:
@@ -619,6 +621,8 @@ def apply_tp(
                     if layout.tp_plan.styles.get(styled_name) == "rowwise":
                         plan[mod_name] = parallel_style("colwise_gather", holder)
         for name, parallel in plan.items():
+            if skip and _within(name, skip):
+                continue
             # each module by itself: torch's plan dict matches every name by fnmatch against every child at
             # each level (0.1 s of an 80-layer model's check); a plain name is the one module either way
             module = piece.get_submodule(name) if name else piece
@@ -707,12 +711,22 @@ def retie(roots: list[nn.Module], tied: list[list[tuple[int, str, str]]]) -> Non
                 setattr(holder, name, first)
 
 
-def apply_head_attrs(roots: list[nn.Module], layout: Layout) -> None:
+def _within(name: str, modules: frozenset[str]) -> bool:
+    """Whether module `name` is one of `modules` or inside one."""
+    at = len(name)
+    while at > 0:
+        if name[:at] in modules:
+            return True
+        at = name.rfind(".", 0, at)
+    return False
+
+
+def apply_head_attrs(roots: list[nn.Module], layout: Layout, skip: frozenset[str] = frozenset()) -> None:
     """Divide the head-count attributes of TP_HEAD_ATTRS by tp (as torchtitan's parallelize does
-    `attn.n_heads //= tp`): code that reshapes by the head count then sees this rank's heads."""
+    `attn.n_heads //= tp`): code that reshapes by the head count then sees this rank's heads (not in `skip`)."""
     for root in roots:
         for name, attrs in layout.tp_plan.head_attrs.items():
-            if has_module(root, name):
+            if not _within(name, skip) and has_module(root, name):
                 module = root.get_submodule(name)
                 for attr in attrs:
                     setattr(module, attr, getattr(module, attr) // layout.tp)

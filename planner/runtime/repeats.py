@@ -72,25 +72,45 @@ def _tp_hook(hook: Any) -> bool:
     return code is not None and code.co_filename.replace("\\", "/").endswith("torch/distributed/tensor/_api.py")
 
 
+def unit_kinds(stage: ModelStage) -> dict[int, Any]:
+    """What tells the stage's units apart, by id (`blocks_once`): alike units are repeats of the first."""
+    from .tracers import describe_block
+
+    described: dict[int, Any] = {}
+    for u in stage.units():
+        try:  # what the analysis' tracing tells blocks apart by (attributes, hooks too), and the training state
+            described[id(u)] = (describe(u), describe_block(u, None, neutral=_tp_hook))
+        except Exception:  # noqa: BLE001 - a block with a hook, or one that cannot be described: it runs
+            described[id(u)] = id(u)
+    return described
+
+
+def repeated_units(stage: ModelStage, kinds: dict[int, Any]) -> frozenset[str]:
+    """The names of the stage's units that repeat an earlier one of the same kind (`unit_kinds`)."""
+    names = {id(m): n for n, m in stage.model.named_modules()}
+    seen: set[Any] = set()
+    out = set()
+    for u in stage.units():
+        key = kinds[id(u)]
+        if key in seen and id(u) in names:
+            out.add(names[id(u)])
+        seen.add(key)
+    return frozenset(out)
+
+
 @contextlib.contextmanager
-def blocks_once(stage: ModelStage) -> Iterator[None]:
+def blocks_once(stage: ModelStage, kinds: dict[int, Any] | None = None) -> Iterator[None]:
     """Within the block, each of the stage's units (its checkpoint/FSDP units: the model's blocks) runs once per
     distinct (module, call arguments' metadata); a repeat (the 79 later decoder layers of Llama-3-70B, given
     the same shapes) returns clones of the first's outputs, so forward, recomputation and backward run through
     one block of each kind, as `_run_stages` runs a pipeline's pieces. On meta a unit computes shapes only, and
     two units described alike (`describe`, and the analysis' `describe_block`: attributes too, but an index)
     compute the same shapes from inputs of the same metadata. For meta and fake runs only: a run on real values
-    must run every block."""
-    from .tracers import describe_block
-
+    must run every block. `kinds`: the units told apart before the run changed them (`unit_kinds`: the TP check
+    shards only the first of each kind, `repeated_units`), else now."""
     units = stage.units()
     counts: dict[Any, int] = {}
-    described: dict[int, Any] = {}
-    for u in units:
-        try:  # what the analysis' tracing tells blocks apart by (attributes, hooks too), and the training state
-            described[id(u)] = (describe(u), describe_block(u, None, neutral=_tp_hook))
-        except Exception:  # noqa: BLE001 - a block with a hook, or one that cannot be described: it runs
-            described[id(u)] = id(u)
+    described = kinds if kinds is not None else unit_kinds(stage)
     for key in described.values():
         counts[key] = counts.get(key, 0) + 1
     outputs: dict[Any, Any] = {}
