@@ -640,13 +640,14 @@ def test_the_tp_check_shards_the_first_block_of_each_kind_and_runs_it_for_the_re
     """On fake tensors each kind of block runs once (repeats.blocks_once), so the check shards only the first of
     each kind (parallelize_module of Llama-3-70B's 560 projections took 0.3 s of a 0.8 s check); the TP rules
     still read every module, and the first block's sharded run stands for its repeats."""
+    from torch.distributed.tensor import DTensor
+
     from planner.codegen.check import CheckInputs
     from planner.runtime.check import _fake_tp_mesh
     from planner.runtime.model import build_model, load_model_file
     from planner.runtime.parallel import apply_tp
     from planner.runtime.repeats import repeated_units, unit_kinds
     from planner.runtime.stages import ModelStage
-    from torch.distributed.tensor import DTensor
 
     plan = make_plan("gpt", tp=2)
     assert plan.tp.styles
