@@ -103,6 +103,8 @@ def plan_cli(name: str, out: Path, *pins: str):
 CASES = {
     **{f"{name}_tp2_dp2": (name, ("--tp", "2", "--dp", "2")) for name in (*HF_ARCHS, *FIXTURES)},
     "moduledict_llama_pp2_tp2": ("moduledict_llama", ("--tp", "2", "--pp", "2", "--schedule", "1f1b")),
+    # Phi-3's q, k and v sliced at fixed offsets, inside pipeline stages (each stage's graph localised)
+    "phi3_pp2_tp2": ("phi3", ("--tp", "2", "--pp", "2", "--schedule", "1f1b")),
     # nanoGPT as published: fused c_attn split by self.n_embd, heads by self.n_head and C // self.n_head (no
     # attribute a rank could divide), traced with meta values: the traced graph's sizes made each rank's.
     "nanogpt_tp2_dp2": ("nanogpt", ("--tp", "2", "--dp", "2", "--no-sequence-parallel")),
