@@ -105,9 +105,8 @@ def test_tp_that_does_not_divide_is_refused():
         check_plan_runs(plan)
 
 
-def _refused_plan(tmp_path, source: str, *pins: str) -> str:
-    """`planner plan` of `source` (written as net.py) on 2 CPU ranks: it must exit 2 and write nothing; its
-    output on one line."""
+def _plan_source(tmp_path, source: str, *pins: str):
+    """`planner plan` of `source` (written as net.py) on 2 CPU ranks: the result and the output folder."""
     path = tmp_path / "net.py"
     path.write_text(source)
     out = tmp_path / "out"
@@ -116,6 +115,12 @@ def _refused_plan(tmp_path, source: str, *pins: str) -> str:
         ["plan", str(path), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "4",
          *pins, "--out", str(out), "--quiet"],
     )
+    return result, out
+
+
+def _refused_plan(tmp_path, source: str, *pins: str) -> str:
+    """`_plan_source`, which must exit 2 and write nothing; its output on one line."""
+    result, out = _plan_source(tmp_path, source, *pins)
     assert result.exit_code == 2, result.output
     assert not out.exists() or not any(out.iterdir())
     return " ".join(result.output.split())
@@ -615,15 +620,9 @@ def test_a_residual_added_in_place_into_a_row_parallel_output_is_copied_and_with
     from planner.errors import PlanError
     from planner.plan import load_plan
 
-    path = tmp_path / "net.py"
-    path.write_text(IN_PLACE_MODEL)
-    out = tmp_path / "out"
-    result = CliRunner().invoke(
-        app,
-        ["plan", str(path), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "4",
-         "--tp", "2", "--out", str(out), "--quiet"],
-    )
+    result, out = _plan_source(tmp_path, IN_PLACE_MODEL, "--tp", "2")
     assert result.exit_code == 0, result.output
+    path = tmp_path / "net.py"
     plan = load_plan(out)
     assert plan.tp.copied == ["blocks.0.down", "blocks.1.down"]
     uncopied = plan.model_copy(update={"tp": dataclasses.replace(plan.tp, copied=[])})
