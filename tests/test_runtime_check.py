@@ -663,3 +663,19 @@ def test_the_tp_check_shards_the_first_block_of_each_kind_and_runs_it_for_the_re
     assert any(n.startswith("blocks.0.") for n in sharded)
     assert not any(n.startswith(tuple(f"{b}." for b in blocks[1:])) for n in sharded)
     check_plan_runs(plan)  # and the check passes with it
+
+
+def test_a_repeated_unit_holding_a_tied_weight_is_sharded_with_its_partner(tmp_path):
+    """BART's encoder and decoder embeddings are alike units, both tied to model.shared: the TP check shards the
+    first block of each kind only, but a unit holding a tied weight is sharded whatever it repeats, since its
+    split must follow its partner's (mBART tp2 x dp2 was refused for it)."""
+    pytest.importorskip("transformers")
+    models = Path(__file__).parent / "fixtures" / "models"
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, [
+        "plan", str(models / "hf_tiny.py"), "--model-arg", "arch='bart'", "--gpu", "cpu", "--nodes", "1",
+        "--gpus-per-node", "2", "--global-batch-size", "4", "--tp", "2", "--out", str(out), "--quiet",
+    ])
+    assert result.exit_code == 0, result.output
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["tp_plan"].get("model.shared") == "rowwise"

@@ -86,13 +86,19 @@ def unit_kinds(stage: ModelStage) -> dict[int, Any]:
 
 
 def repeated_units(stage: ModelStage, kinds: dict[int, Any]) -> frozenset[str]:
-    """The names of the stage's units that repeat an earlier one of the same kind (`unit_kinds`)."""
+    """The names of the stage's units that repeat an earlier one of the same kind (`unit_kinds`), but those
+    holding a weight tied to another module (mBART's decoder embedding is its shared one): its sharding must
+    follow its partner's."""
     names = {id(m): n for n, m in stage.model.named_modules()}
+    holders: dict[int, int] = {}
+    for _, p in stage.model.named_parameters(remove_duplicate=False):
+        holders[id(p)] = holders.get(id(p), 0) + 1
     seen: set[Any] = set()
     out = set()
     for u in stage.units():
         key = kinds[id(u)]
-        if key in seen and id(u) in names:
+        tied = any(holders.get(id(p), 0) > 1 for p in u.parameters())
+        if key in seen and id(u) in names and not tied:
             out.add(names[id(u)])
         seen.add(key)
     return frozenset(out)
