@@ -210,8 +210,8 @@ def test_falcon_plans_under_tp_with_its_linear_subclass_paired_and_its_in_place_
     plan = json.loads((out / "plan.json").read_text())
     assert plan["tp_plan"]["transformer.h.1.mlp.dense_h_to_4h"] == "colwise"
     assert plan["tp_copied"] == ["transformer.h.0.mlp.dense_4h_to_h", "transformer.h.1.mlp.dense_4h_to_h"]
-    qkv = "transformer.h.0.self_attention.query_key_value is not sharded"
-    assert any(r.startswith(qkv) for r in plan["tp_refused"])
+    qkv = "transformer.h.0.self_attention.query_key_value is not sharded: split takes groups of [4, 1, 1] heads"
+    assert any(r.startswith(qkv) and "a single key/value head (multi-query attention)" in r for r in plan["tp_refused"])
 
 
 REFUSED_SHARD_QUIETLY = """

@@ -385,7 +385,18 @@ def _walk_column(
         elif name in _SPLITS:
             dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)
             if _norm_dim(dim, rank) == pos:
-                if pos != rank - 1 or w.fused:
+                m = val_meta(n)
+                heads = [int(t.shape[pos]) for t in m] if isinstance(m, (list, tuple)) else []
+                if pos != rank - 1 and w.groups and heads and min(heads) < max(heads):
+                    # q, k and v taken out of one projection by head counts (Falcon's multi-query
+                    # `split([num_heads, 1, 1], dim=-2)`): the smallest group is what tp would have to split
+                    why = (
+                        "a single key/value head (multi-query attention) cannot be split over tensor-parallel ranks"
+                        if min(heads) == 1 else "groups taken by head count are not sharded"
+                    )
+                    w.failure = f"{name} takes groups of {heads} heads out of it (q, k and v of one projection): {why}"
+                    w.reported = True
+                elif pos != rank - 1 or w.fused:
                     w.failure = f"{name} splits it along the sharded dimension"
                 else:
                     m = val_meta(n)
