@@ -248,16 +248,18 @@ def example_inputs(batch_size, **_):
 """
 
 
-def test_a_fused_projection_of_unequal_chunks_stays_replicated_and_is_costed_so(tmp_path):
-    """The script shards a fused projection in equal chunks only: a GQA qkv (q wider than k, v) is refused
-    with the reason, and neither the plan's styles nor the costed shardable parameters count it."""
+def test_a_fused_projection_split_into_unequal_chunks_is_sharded_chunk_by_chunk(tmp_path):
+    """A GQA qkv split into q wider than k and v (`split([q_dim, kv_dim, kv_dim], dim=-1)`, as ChatGLM writes
+    it): TP_FUSED gives the chunks' widths, each split over tp on its own, and the 2 key/value heads set the
+    granularity; the costed shardable parameters count the attention with the MLP."""
     path = tmp_path / "gqa_fused.py"
     path.write_text(GQA_FUSED)
     u = _block(analyse_model(load_model_file(path, dtype="fp32")))
-    assert any("unequal chunks [64, 32, 32]" in r for r in u.tp_refused), u.tp_refused
-    assert not u.tp_fused and not u.tp_shards_attention
-    assert f"{u.name}.attn.qkv" not in u.tp_styles and f"{u.name}.attn.proj" not in u.tp_styles
-    assert u.tp_shardable_params == 64 * 128 + 128 + 128 * 64  # the MLP only
+    assert not u.tp_refused and u.tp_shards_attention and u.tp_granularity == 2
+    assert u.tp_fused == {f"{u.name}.attn.qkv": [64, 32, 32]}
+    assert u.tp_styles[f"{u.name}.attn.qkv"] == "colwise" and u.tp_styles[f"{u.name}.attn.proj"] == "rowwise"
+    mlp = 64 * 128 + 128 + 128 * 64
+    assert u.tp_shardable_params == mlp + 64 * 128 + 128 + 64 * 64  # qkv with its bias, proj without
 
 
 def test_phi3_qkv_sliced_at_fixed_offsets_shards_chunk_by_chunk():

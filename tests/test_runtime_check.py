@@ -159,14 +159,16 @@ def test_tp_on_a_conv1d_the_plan_does_not_mark_transposed_is_refused_at_plan_tim
 SLICED_QKV = Path(__file__).parent / "fixtures" / "models" / "attention_variants.py"  # variant sliced_qkv
 
 
-def test_tp_of_a_projection_sliced_at_fixed_offsets_is_planned_chunk_by_chunk(tmp_path):
-    """q (4 heads), k and v (2 each) taken out of one fused projection at fixed offsets, as Phi-3 does: each chunk
-    split over tp on its own (TP_FUSED gives their widths), run as a traced graph whose offsets are made the
-    rank's, which the plan-time check runs. tp 4 would leave k and v half a head: refused, with the reason."""
+@pytest.mark.parametrize("variant", ["sliced_qkv", "split_qkv"])
+def test_tp_of_a_projection_sliced_at_fixed_offsets_is_planned_chunk_by_chunk(tmp_path, variant):
+    """q (4 heads), k and v (2 each) taken out of one fused projection at fixed offsets, as Phi-3 does, or by a
+    split of unequal sizes, as ChatGLM does: each chunk split over tp on its own (TP_FUSED gives their widths),
+    run as a traced graph whose offsets or sizes are made the rank's, which the plan-time check runs. tp 4 would
+    leave k and v half a head: refused, with the reason."""
     path = SLICED_QKV
     out = tmp_path / "out"
-    args = ["plan", str(path), "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2", "--global-batch-size", "4",
-            "--tp", "2", "--out", str(out), "--quiet"]
+    args = ["plan", str(path), "--model-arg", f"variant={variant!r}", "--gpu", "cpu", "--nodes", "1",
+            "--gpus-per-node", "2", "--global-batch-size", "4", "--tp", "2", "--out", str(out), "--quiet"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     plan = json.loads((out / "plan.json").read_text())

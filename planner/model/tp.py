@@ -373,7 +373,7 @@ def _walk_column(
                     # q, k and v of a fused projection taken at fixed offsets (`qkv[..., :q_width]`, Phi-3's
                     # grouped-query qkv_proj): each chunk split over tp on its own, the offsets made the rank's in
                     # the traced graph (tp_graph); anything else along the sharded dimension takes wrong columns
-                    first = w.sliced is None and pos == rank - 1 and not w.fused and not w.groups
+                    first = w.sliced is None and pos == rank - 1 and not w.fused and not w.widths and not w.groups
                     widths = _slice_chunks(src, pos, rank) if first else []
                     if w.sliced is src:
                         new = pos  # another chunk of the same slices
@@ -396,18 +396,17 @@ def _walk_column(
                     )
                     w.failure = f"{name} takes groups of {heads} heads out of it (q, k and v of one projection): {why}"
                     w.reported = True
-                elif pos != rank - 1 or w.fused:
+                elif pos != rank - 1 or w.fused or w.widths:
                     w.failure = f"{name} splits it along the sharded dimension"
                 else:
-                    m = val_meta(n)
                     widths = [int(t.shape[pos]) for t in m] if isinstance(m, (list, tuple)) else []
                     if len(set(widths)) > 1:
-                        # The runtime shards a fused projection in equal chunks (each rank its share of each).
-                        w.failure = (
-                            f"{name} splits it into unequal chunks {widths} (a fused projection tp shards only "
-                            "in equal chunks, as q, k, v of the same width)"
-                        )
-                    w.fused = len(m) if isinstance(m, (list, tuple)) else 0
+                        # q, k and v of grouped-query attention split out of one projection (ChatGLM's
+                        # `split([q, kv, kv], dim=-1)`): each chunk split over tp on its own (TP_FUSED gives the
+                        # widths), the split's sizes made the rank's in the traced graph, as for slices
+                        w.widths = widths
+                    else:
+                        w.fused = len(m) if isinstance(m, (list, tuple)) else 0
                     size = n.args[1] if len(n.args) > 1 else None
                     if isinstance(size, int) and name == "split":
                         w.literals.append((n, size))

@@ -50,7 +50,7 @@ AUTHORED: dict[str, tuple[Path, list[str]]] = {
     "nanogpt": (MODELS / "nanogpt.py", []),
     "deepseek_moe": (MODELS / "deepseek_moe.py", []),
     **{f"attention_{v}": (MODELS / "attention_variants.py", ["--model-arg", f"variant={v!r}"])
-       for v in ("sliced_qkv", "head_scale")},
+       for v in ("sliced_qkv", "head_scale", "split_qkv")},
 }
 # Layouts for 4 CPU ranks; the global batch (8 = 4 micro-batches of 2) is the same for every layout, so one
 # single-process reference per model serves them all. tp2xdp2: trained by test_tp_e2e.py, by the bench here.
