@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from planner.model.counting import nbytes_of_meta, val_meta
 from planner.model.graph import TPPair
-from planner.runtime.tp_graph import indexed_dim
+from planner.runtime.tp_graph import index_at, indexed_dim
 from planner.runtime.tp_rules import NORM_HEADS_DIM, mha_shardable
 
 if TYPE_CHECKING:
@@ -500,19 +500,14 @@ def _slice_chunks(src: torch.fx.Node, pos: int, rank: int) -> list[int]:
     for user in src.users:
         if _op_name(user) != "getitem" or len(user.args) < 2 or user.args[0] is not src:
             return []
-        items = user.args[1] if isinstance(user.args[1], tuple) else (user.args[1],)
-        if sum(1 for i in items if i is Ellipsis) > 1 or any(i is None for i in items):
+        found = index_at(user.args[1], rank, pos)
+        if found is None or found[1] is None:
             return []
-        named = [i for i in items if i is not Ellipsis]
-        if len(named) > rank:
+        items, at = found[0], found[1]
+        others = items[:at] + items[at + 1 :]
+        cut = items[at]
+        if not isinstance(cut, slice) or any(i is not Ellipsis and i != slice(None) for i in others):
             return []
-        full: list[Any] = []
-        for i in items:
-            full.extend([slice(None)] * (rank - len(named)) if i is Ellipsis else [i])
-        full.extend([slice(None)] * (rank - len(full)))
-        if any(not isinstance(i, slice) for i in full) or any(i != slice(None) for d, i in enumerate(full) if d != pos):
-            return []
-        cut = full[pos]
         ends = []
         for v, default in ((cut.start, 0), (cut.stop, width)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):

@@ -198,15 +198,19 @@ def training_error(
     except PlannerError:
         raise
     except Exception as e:  # noqa: BLE001 - the model's own error, quoted
-        where = _user_frame(e, Path(model_path))
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return TraceError(
             f"The model cannot train: forward and backward on its example inputs fail in {', '.join(unit[:3])} "
-            f"({type(e).__name__}" + (f" at {where}" if where else "") + f"): {first[:300]} Fix the model so that "
-            "a forward and backward pass runs with gradients (an op with out= or one that changes a leaf in place "
-            "cannot)."
+            f"{_quoted(e, model_path)} Fix the model so that a forward and backward pass runs with gradients (an op "
+            "with out= or one that changes a leaf in place cannot)."
         )
     return error
+
+
+def _quoted(e: Exception, model_path: str) -> str:
+    """The model's own error as a message quotes it: `(Type at file, line N): the first line of its message`."""
+    where = _user_frame(e, Path(model_path))
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"({type(e).__name__}" + (f" at {where}" if where else "") + f"): {first[:300]}"
 
 
 def _model_error(model: nn.Module, inputs: tuple[Any, ...], model_path: str) -> TraceError | None:
@@ -221,12 +225,10 @@ def _model_error(model: nn.Module, inputs: tuple[Any, ...], model_path: str) -> 
     except PlannerError:
         raise
     except Exception as e:  # noqa: BLE001 - the model's own error, quoted
-        where = _user_frame(e, Path(model_path))
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         shapes = ", ".join(str(list(t.shape)) for t in inputs if isinstance(t, torch.Tensor))
         return TraceError(
             f"The model raises when run as written on its example inputs (shapes {shapes}), before any tracer is "
-            f"involved ({type(e).__name__}" + (f" at {where}" if where else "") + f"): {first[:300]}"
-            + " Fix the model or example_inputs() so that model(*example_inputs(batch)) runs in training mode."
+            f"involved {_quoted(e, model_path)} Fix the model or example_inputs() so that "
+            "model(*example_inputs(batch)) runs in training mode."
         )
     return None

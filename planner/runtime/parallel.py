@@ -713,12 +713,7 @@ def retie(roots: list[nn.Module], tied: list[list[tuple[int, str, str]]]) -> Non
 
 def _within(name: str, modules: frozenset[str]) -> bool:
     """Whether module `name` is one of `modules` or inside one."""
-    at = len(name)
-    while at > 0:
-        if name[:at] in modules:
-            return True
-        at = name.rfind(".", 0, at)
-    return False
+    return any(p in modules for p in _dotted_prefixes(name))
 
 
 def apply_head_attrs(roots: list[nn.Module], layout: Layout, skip: frozenset[str] = frozenset()) -> None:

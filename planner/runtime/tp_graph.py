@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import fx
@@ -101,31 +101,41 @@ def _local(graph: fx.Graph, user: fx.Node, size: Any, tp: int) -> Any:
     return size
 
 
-def _local_slice(index: Any, rank: int, pos: int, tp: int) -> Any:
-    """`index` with its slice of dimension `pos` at offsets divided by tp (`qkv[..., 32:48]` -> `[..., 16:24]` at
-    tp 2: each chunk of a fused projection holds 1/tp of its width on each rank, parallel.chunk_shard_order), or
-    None where it takes no part of that dimension at numbered offsets."""
+def index_at(index: Any, rank: int, pos: int) -> tuple[list[Any], int | None] | None:
+    """`index`'s items (a tuple's, or the one) and which of them takes dimension `pos` of a rank-`rank` tensor
+    (None where the Ellipsis or the implicit trailing slices take it); None where the index adds a dimension
+    (None), holds several Ellipsis or more items than the tensor has dimensions."""
     items = list(index) if isinstance(index, tuple) else [index]
-    if any(i is None for i in items) or sum(1 for i in items if i is Ellipsis) > 1:
-        return None
     named = sum(1 for i in items if i is not Ellipsis)
-    at, dim = None, 0
+    if any(i is None for i in items) or len(items) - named > 1 or named > rank:
+        return None
+    dim = 0
     for k, i in enumerate(items):
         if i is Ellipsis:
             dim += rank - named
             continue
         if dim == pos:
-            at = k
-            break
+            return items, k
         dim += 1
-    cut = items[at] if at is not None else None
+    return items, None
+
+
+def _local_slice(index: Any, rank: int, pos: int, tp: int) -> Any:
+    """`index` with its slice of dimension `pos` at offsets divided by tp (`qkv[..., 32:48]` -> `[..., 16:24]` at
+    tp 2: each chunk of a fused projection holds 1/tp of its width on each rank, parallel.chunk_shard_order), or
+    None where it takes no part of that dimension at numbered offsets."""
+    found = index_at(index, rank, pos)
+    if found is None or found[1] is None:
+        return None
+    items, at = found[0], found[1]
+    cut = items[at]
     if not isinstance(cut, slice) or cut.step not in (None, 1) or (cut.start is None and cut.stop is None):
         return None
     ends = [cut.start, cut.stop]
     if any(e is not None and (not isinstance(e, int) or isinstance(e, bool)) for e in ends):
         return None
     start, stop = (None if e is None else (e // tp if e >= 0 else -((-e) // tp)) for e in ends)
-    items[cast(int, at)] = slice(start, stop, cut.step)
+    items[at] = slice(start, stop, cut.step)
     return tuple(items) if isinstance(index, tuple) else items[0]
 
 
