@@ -438,3 +438,36 @@ def test_a_trace_made_ahead_stands_for_one_whose_extra_leaves_fx_keeps_as_calls_
     assert ahead.reuse(model, inputs, frozenset({"block"})) is None  # Block kept as a call: another graph
     kept = trace(model, inputs, leaves=frozenset({"block"}))[0]
     assert [n.target for n in kept.graph.nodes if n.op == "call_module"] == ["block", "head"]
+
+
+class WithRotaryTable(nn.Module):
+    """A block reading a buffer the model keeps out of its state dict (transformers' rotary inv_freq) and one it
+    keeps (a running statistic)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        self.register_buffer("table", torch.ones(4), persistent=False)
+        self.register_buffer("stat", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x * self.table + self.stat)
+        return x
+
+
+def test_a_pieces_buffers_are_as_persistent_as_the_models():
+    """fx registers every tensor a get_attr reads as a persistent buffer: a traced stage's checkpoint then held a
+    buffer the model as written leaves out (a Hugging Face rotary table), and a resume under another layout was
+    refused for it. The piece keeps the model's persistence."""
+    from planner.runtime.stages import piece_module
+
+    model = WithRotaryTable()
+    x = torch.randn(2, 4)
+    gm, values, _ = trace(model, x)
+    pieces = cut_into_pieces(gm, values, _layout([["blocks.0"], ["blocks.1"]]))
+    held = set()
+    for p in pieces:
+        held |= set(piece_module(p, model, gm, CPU).state_dict())
+    assert "stat" in held and "table" not in held
+    assert set(model.state_dict()) >= held

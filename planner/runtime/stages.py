@@ -514,6 +514,24 @@ def fetch(model: nn.Module, gm: fx.GraphModule, target: str, device: torch.devic
     raise RunError(f"internal error: {target} not found in the model")
 
 
+def piece_module(piece: Piece, model: nn.Module, gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """The piece's GraphModule, its buffers as persistent as the model's: fx registers every tensor a get_attr
+    reads as a persistent buffer, so a buffer the model keeps out of its state dict (transformers' rotary
+    `inv_freq`, persistent=False) would be in a traced stage's checkpoint and not in the model's as written, and
+    a resume under another layout was refused for it."""
+    module = fx.GraphModule(piece_attrs(piece, model, gm, device), piece.graph)
+    for node in piece.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        owner, _, field = str(node.target).rpartition(".")
+        if not has_module(model, owner) or not has_module(module, owner):
+            continue
+        theirs, ours = model.get_submodule(owner), module.get_submodule(owner)
+        if field in theirs._non_persistent_buffers_set and field in ours._buffers:
+            ours._non_persistent_buffers_set.add(field)
+    return module
+
+
 def piece_attrs(piece: Piece, model: nn.Module, gm: fx.GraphModule, device: torch.device) -> dict[str, Any]:
     """What each get_attr and call_module node of a piece's graph refers to (`fetch`), by target: the root of
     the piece's GraphModule."""
@@ -737,7 +755,7 @@ def build_local_stages(
         modules = []
         for p in mine:
             retarget_devices(p.graph, device)
-            modules.append(fx.GraphModule(piece_attrs(p, model, gm, device), p.graph))
+            modules.append(piece_module(p, model, gm, device))
         stages.append(
             StageModule(modules, [p.owner for p in mine], sends=i < last, receives=i > 0, copy_views=copy_views)
         )

@@ -235,15 +235,21 @@ def test_dataset_folder_run_resumes_on_the_same_next_batch(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "model", ["nanogpt", pytest.param("authored/transformer_encoder_lm", marks=pytest.mark.corpus)]
+    "model", [
+        "nanogpt",
+        pytest.param("authored/transformer_encoder_lm", marks=pytest.mark.corpus),
+        pytest.param("phi3", marks=pytest.mark.corpus),
+    ]
 )
 def test_a_fused_qkv_checkpoint_of_tp2_resumes_under_tp1(model, tmp_path):
-    """nanoGPT's fused c_attn, and nn.MultiheadAttention's packed in_proj_weight / in_proj_bias, which TP reorders
-    per rank (q | k | v of each rank's heads): a tp2 x dp2 checkpoint holds them in the model's order, so a dp4 plan
-    resumes from it on the tp2 run's trajectory (weights and AdamW moments put back in each layout's order)."""
+    """nanoGPT's fused c_attn, nn.MultiheadAttention's packed in_proj_weight / in_proj_bias, and Phi-3's qkv_proj
+    of unequal chunks (TP_FUSED widths), which TP reorders per rank (q | k | v of each rank's heads): a tp2 x dp2
+    checkpoint holds them in the model's order, so a dp4 plan resumes from it on the tp2 run's trajectory (weights
+    and AdamW moments put back in each layout's order)."""
     from e2e.test_tp_e2e import plan_cli
 
     tp2, dp4 = tmp_path / "tp2", tmp_path / "dp4"
+    tp2.mkdir(), dp4.mkdir()  # plan_cli writes a Hugging Face model's file beside the plan folder
     assert plan_cli(model, tp2 / "plan", "--tp", "2", "--dp", "2", "--no-sequence-parallel").exit_code == 0
     assert plan_cli(model, dp4 / "plan", "--dp", "4", "--zero-stage", "3").exit_code == 0
     assert json.loads((tp2 / "plan" / "plan.json").read_text())["tp_fused"]
