@@ -228,3 +228,33 @@ def test_the_check_runs_tp_sharded_blocks_once_but_not_blocks_with_other_hooks()
 
     assert run(user_hook=False) == [0]
     assert run(user_hook=True) == [0, 1, 2]
+
+
+def test_the_checks_pipeline_trace_replays_blocks_and_equals_the_runs() -> None:
+    """The plan-time check traces a pipeline's graph with each kind of block replayed (stages.trace, repeats):
+    node for node the graph the run traces block by block, with the same values (shapes) at every node."""
+    transformers = pytest.importorskip("transformers")
+    from planner.runtime.stages import trace
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, use_cache=False,
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    calls: list[int] = []
+    for layer in model.model.layers:
+        inner = layer.forward
+        layer.forward = lambda *a, _inner=inner, **k: (calls.append(1), _inner(*a, **k))[1]
+    full = trace(model, (ids,))
+    traced_calls = len(calls)
+    replayed = trace(model, (ids,), repeats=True)
+    assert traced_calls >= 4 and len(calls) - traced_calls < traced_calls  # the later layers are replayed
+    assert full[2] == replayed[2]
+    assert _nodes(full[0].graph) == _nodes(replayed[0].graph)
+
+    def shapes(traced: tuple) -> list:
+        return [getattr(traced[1][n], "shape", None) for n in traced[0].graph.nodes if n in traced[1]]
+
+    assert shapes(full) == shapes(replayed)

@@ -160,7 +160,9 @@ class Prepared:
         inputs = tuple(t.to("meta") for t in example[: input_count(self.meta_model, len(example))])
         with contextlib.suppress(Exception):
             leaves = experts_of(self.meta_model) if experts_of is not None else frozenset()
-            self.traced = Traced(self.meta_model, inputs, leaves, trace(self.meta_model, inputs, leaves=leaves))
+            self.traced = Traced(
+                self.meta_model, inputs, leaves, trace(self.meta_model, inputs, leaves=leaves, repeats=True)
+            )
 
     def take(self, spec: ModelFile, seed: int) -> Prepared | None:
         if self._taken or spec != self.spec or seed != self.seed:
@@ -205,7 +207,7 @@ def check_plan_runs(
             try:
                 traced = trace_for_plan(
                     user, spec, layout, training.seed, example, device_type=device_type, meta_model=meta_model,
-                    ahead=ready.traced if ready is not None else None,
+                    ahead=ready.traced if ready is not None else None, repeats=True,
                 )
             except AsWritten:
                 traced = None  # the run takes the model as written (its head attributes divided by tp)
@@ -234,7 +236,8 @@ def check_plan_runs(
         meta_model = build_model(user, spec, training.seed, everything_on_meta=True)
         with _failing_as("Tracing the model"):
             gm, values, method = trace_for_plan(
-                user, spec, layout, training.seed, example, device_type=device_type, meta_model=meta_model
+                user, spec, layout, training.seed, example, device_type=device_type, meta_model=meta_model,
+                repeats=True,
             )
     with _failing_as("Tracing the model"):
         pieces = cut_into_pieces(gm, values, layout)
@@ -246,7 +249,8 @@ def check_plan_runs(
         raise refused
     if layout.schedule == "zero-bubble":
         try:
-            _split_backward(case, gm, pieces, meta_model, stage_inputs)
+            with MetaMemo():  # as the stages' run: a repeated op's meta kernel runs once
+                _split_backward(case, gm, pieces, meta_model, stage_inputs)
         except RunError as e:
             raise RefusedLayout(str(e)) from e
     return method

@@ -155,6 +155,7 @@ def trace(
     leaves: frozenset[str] = frozenset(),
     ahead: Traced | None = None,
     fx_leaves: frozenset[str] = frozenset(),
+    repeats: bool = False,
 ) -> tuple[fx.GraphModule, dict[fx.Node, Any], str]:
     """Symbolic trace of forward(*inputs) (keeps module calls, so TP plan names apply); where that fails, the
     symbolic trace with meta values (`tracers.meta_trace`: Python reading shapes, as transformers' models do), and
@@ -166,7 +167,9 @@ def trace(
     modules; torch.export inlines every module, so there each is exported as one opaque op
     (`_export_keeping`) that is then turned back into a call of the module. `ahead`: this model's trace made
     before (`Traced.reuse`), used where it stands for this one. `fx_leaves`: more modules the fx traces keep as
-    calls (HF's Conv1D under TP), not torch.export."""
+    calls (HF's Conv1D under TP), not torch.export. `repeats`: each kind of repeated block traced once and
+    replayed for the others (tracers.RepeatedBlocks): the plan-time check's graphs, whose shapes and ops are a
+    full trace's; a run traces every block (a replayed block carries the first one's constants)."""
     from .tracers import meta_trace
 
     if isinstance(inputs, torch.Tensor):
@@ -177,7 +180,7 @@ def trace(
     try:
         forward_params = list(inspect.signature(model.forward).parameters.values())[len(inputs) :]
         concrete = {p.name: p.default for p in forward_params if p.default is not inspect.Parameter.empty}
-        graph = BufferTracer(leaves | fx_leaves).trace(model, concrete or None)
+        graph = BufferTracer(leaves | fx_leaves, repeats=repeats).trace(model, concrete or None)
         bind_defaults(graph, len(inputs))
         gm = _uncompiled_graph_module(model, graph, type(model).__name__)
         method = "fx"
@@ -187,7 +190,7 @@ def trace(
     except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
         log(f"torch.fx symbolic tracing failed ({type(e).__name__}: {e}); tracing with meta values")
     try:
-        graph = meta_trace(model, tuple(inputs), fx_leaves, shaped=leaves)
+        graph = meta_trace(model, tuple(inputs), fx_leaves, repeats=repeats, shaped=leaves)
         gm = _keep_shapes(_uncompiled_graph_module(model, graph, type(model).__name__), leaves)
         method = "fx-meta"
         recorder = ValueRecorder(gm)
@@ -785,11 +788,12 @@ def trace_for_plan(
     device_type: str = "cuda",
     meta_model: nn.Module | None = None,
     ahead: Traced | None = None,
+    repeats: bool = False,
 ) -> tuple[fx.GraphModule, dict[fx.Node, Any], str]:
     """Trace the model on the meta device for a run of the plan on `device_type`, and check that the graph is
     one the plan's stages, TP and experts can be cut from (loop.trace_and_cut cuts it; so does the plan-time
     check). `meta_model`: the model already built on meta (the plan-time check's), else it is built here;
-    `ahead`: its trace made before, where one was (`trace`)."""
+    `ahead`: its trace made before, where one was (`trace`); `repeats`: see `trace` (the check's)."""
     if meta_model is None:
         meta_model = build_model(user, spec, seed, everything_on_meta=True)
     inputs = tuple(t.to("meta") for t in example[: input_count(meta_model, len(example))])
@@ -803,7 +807,7 @@ def trace_for_plan(
     # experts (one shape each).
     tp = layout.tp_plan
     convs = frozenset(tp.styles) | frozenset(tp.transposed) if layout.tp_enabled else frozenset()
-    gm, values, method = trace(meta_model, inputs, log, leaves, ahead, fx_leaves=convs)
+    gm, values, method = trace(meta_model, inputs, log, leaves, ahead, fx_leaves=convs, repeats=repeats)
     why = unsupported_on(gm, values, device_type)
     if why is not None:
         raise RefusedLayout(
