@@ -307,6 +307,24 @@ def test_a_sharded_pipeline_of_the_sample_gpt_passes(sp):
     assert not dist.is_initialized()
 
 
+def test_a_sharded_zero_bubble_pipeline_checks_its_stages_as_written_on_a_copy_of_the_graph(monkeypatch):
+    """Zero-bubble's split backward runs on the stages as written, after the TP stages changed the model and
+    rewrote the graph: the check takes a copy of the graph made before (stages.GraphCopy), not a second trace."""
+    import planner.runtime.check as runtime_check
+
+    traced: list[int] = []
+    trace_for_plan = runtime_check.trace_for_plan
+    monkeypatch.setattr(
+        runtime_check, "trace_for_plan", lambda *a, **k: (traced.append(1), trace_for_plan(*a, **k))[1]
+    )
+    split: list[int] = []
+    split_backward = runtime_check._split_backward
+    monkeypatch.setattr(runtime_check, "_split_backward", lambda *a: (split.append(1), split_backward(*a))[1])
+    plan = make_plan("gpt", tp=2, pp=2, virtual_stages=2, schedule="zero-bubble", num_micro_batches=4)
+    assert check_plan_runs(plan) == "fx"
+    assert traced == [1] and split == [1]
+
+
 def _runs(monkeypatch) -> list[int]:
     """Record the owner of each piece the check runs."""
     from torch import fx

@@ -28,6 +28,7 @@ from .repeats import blocks_once, describe, repeated_units, unit_kinds
 from .stages import (
     SP_MODULE_PREFIX,
     AsWritten,
+    GraphCopy,
     ModelStage,
     Piece,
     StageModule,
@@ -225,6 +226,8 @@ def check_plan_runs(
         # op on a shard); where it fails, the stages as written tell a failing model (raised at once) from a
         # layout the model cannot take (the next runner-up may run).
         # (Zero-bubble's split backward is checked on the stages as written, below.)
+        # Zero-bubble's stages as written take a copy of the graph made before the TP rewrite changes it.
+        clean = GraphCopy(traced) if layout.schedule == "zero-bubble" and method in ("fx", "fx-meta") else None
         try:
             ran = _run_tp_stages(case, gm, values, meta_model)
         except RefusedLayout as e:
@@ -232,13 +235,16 @@ def check_plan_runs(
         if ran and layout.schedule != "zero-bubble":
             return method
         # The shard changed the model, and the TP rewrite the graph: the stages as written start afresh (rarely:
-        # a refused layout, or zero-bubble's split backward).
+        # a refused layout, or zero-bubble's split backward), on the model built again and its graph as traced.
         meta_model = build_model(user, spec, training.seed, everything_on_meta=True)
-        with _failing_as("Tracing the model"):
-            gm, values, method = trace_for_plan(
-                user, spec, layout, training.seed, example, device_type=device_type, meta_model=meta_model,
-                repeats=True,
-            )
+        if clean is not None:
+            gm, values, method = clean.over(meta_model, frozenset(layout.experts))
+        else:
+            with _failing_as("Tracing the model"):
+                gm, values, method = trace_for_plan(
+                    user, spec, layout, training.seed, example, device_type=device_type, meta_model=meta_model,
+                    repeats=True,
+                )
     with _failing_as("Tracing the model"):
         pieces = cut_into_pieces(gm, values, layout)
     case.checkpoint()

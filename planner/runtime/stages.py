@@ -771,6 +771,39 @@ class AsWritten(RefusedLayout):
     attributes divided by tp (parallel.apply_head_attrs), as the plan-time check does."""
 
 
+class GraphCopy:
+    """A copy of a torch.fx trace ("fx" or "fx-meta") made before something changes it (the TP rewrite): its
+    graph node for node (meta included) and each node's value as recorded. `over(model)` is what tracing
+    `model`, built again as the traced model was, returns, without the trace."""
+
+    def __init__(self, traced: tuple[fx.GraphModule, dict[fx.Node, Any], str]) -> None:
+        import copy
+
+        gm, values, self.method = traced
+        if self.method not in ("fx", "fx-meta"):
+            raise ValueError(f"GraphCopy copies torch.fx traces, not {self.method!r}")
+        # As Graph.__deepcopy__, but the code generator (the output's pytree structure, never changed) shared:
+        # deep-copying it warns that a pytree class is deprecated.
+        self.graph = fx.Graph(tracer_cls=gm.graph._tracer_cls)
+        copied: dict[fx.Node, fx.Node] = {}
+        out: Any = self.graph.graph_copy(gm.graph, copied, return_output_node=True)
+        self.graph._codegen = gm.graph._codegen
+        if out is not None:
+            value, old = out
+            node = self.graph.output(value, type_expr=getattr(old, "type", None))
+            node.meta = copy.copy(old.meta)
+            copied[old] = node
+        self.values = {copied[n]: v for n, v in values.items() if n in copied}
+
+    def over(self, model: nn.Module, leaves: frozenset[str]) -> tuple[fx.GraphModule, dict[fx.Node, Any], str]:
+        """The copy as `trace(model, leaves=leaves)` returns it (`leaves`: the experts, shape stand-ins in a
+        graph traced with meta values). Once: the graph is the returned module's."""
+        gm = _uncompiled_graph_module(model, self.graph, type(model).__name__)
+        if self.method == "fx-meta" and leaves:
+            gm = _keep_shapes(gm, leaves)
+        return gm, self.values, self.method
+
+
 def uses_graph(layout: Layout) -> bool:
     """Whether the run cuts a traced graph: for pipeline stages, or to rewrite it for sequence parallelism.
     Otherwise the one stage is the user's model itself (ModelStage), as written."""
