@@ -38,7 +38,9 @@ SCHEMA_VERSION = 1
 #    recompute_full_blocks; written only where some stage recomputes blocks, and only such a plan records minor 5).
 # 6: tp_copied (row-parallel modules whose output the model changes in place, given as a copy), and tp_fused values
 #    that list chunk widths (chunks taken at fixed offsets); only a plan holding either records minor 6.
-SCHEMA_MINOR = 6
+# 7: tp_summed (weights held whole, broadcast over the sharded heads, their gradient summed over tp); only a plan
+#    holding one records minor 7.
+SCHEMA_MINOR = 7
 # The minor a plan without context parallelism records (nothing of minor 4 in it).
 _MINOR_WITHOUT_CP = 3
 
@@ -349,6 +351,8 @@ class Plan(_Model):
             out.update({key: tp[field] for key, field in TP_KEYS.items() if field in tp})
             if not out.get("tp_copied"):  # written where there is one (schema minor 6): other plans as they were
                 out.pop("tp_copied", None)
+            if not out.get("tp_summed"):  # likewise (schema minor 7)
+                out.pop("tp_summed", None)
         return out
 
     @model_validator(mode="after")
@@ -371,6 +375,8 @@ class Plan(_Model):
             self.schema_minor = max(self.schema_minor, 5)
         if self.tp.copied or any(isinstance(c, list) for c in self.tp.fused.values()):
             self.schema_minor = max(self.schema_minor, 6)
+        if self.tp.summed:
+            self.schema_minor = max(self.schema_minor, 7)
         indices = sorted(s.index for s in self.stages)
         if indices != list(range(len(self.stages))):
             raise ValueError(f"stage indices {indices} are not 0..{len(self.stages) - 1}, each once")

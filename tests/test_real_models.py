@@ -288,12 +288,13 @@ def test_qwen3_head_norms_shard_with_attention_as_norm_heads():
 
 
 
-def test_a_weight_shared_by_all_heads_that_is_no_norm_keeps_attention_replicated():
+def test_a_weight_shared_by_all_heads_that_is_no_norm_shards_attention_and_has_its_gradient_summed():
+    """A learned vector over head_dim multiplying every head (no norm module): each rank computes its heads'
+    share of its gradient, which the run sums over tp (tp_summed); the attention is sharded."""
     loaded = load_model_file(MODELS / "attention_variants.py", {"variant": "head_scale"}, dtype="fp32")
     u = _block(analyse_model(loaded))
-    assert any("qkv is not sharded: mul applies blocks.0.scale to it, a weight every rank holds whole" in r
-               for r in u.tp_refused), u.tp_refused
-    assert not u.tp_shards_attention and not u.tp_pairs
+    assert u.tp_summed == [f"{u.name}.scale"] and not u.tp_refused
+    assert u.tp_shards_attention and [p.row for p in u.tp_pairs] == [f"{u.name}.o"]
 
 
 def test_gptj_attention_and_mlp_are_tp_pairs():

@@ -182,6 +182,69 @@ def test_tp_of_a_projection_sliced_at_fixed_offsets_is_planned_chunk_by_chunk(tm
     assert "heads/hidden sizes split only into divisors of 2" in " ".join(result.output.split())
 
 
+HEAD_SCALED = """
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.qkv = nn.Linear(32, 96)
+        self.scale = nn.Parameter(torch.ones(8))
+        self.o = nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, -1, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        if self.how == "weight":
+            q = q * self.scale
+        elif self.how == "derived":
+            q = q * self.scale.exp().view(1, 1, 1, -1)
+        else:  # a gate from the residual stream, broadcast over the heads
+            q = q * torch.sigmoid(x.mean(-1)).view(b, 1, s, 1)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def build_model(how="weight"):
+    return nn.Sequential(nn.Linear(16, 32), Attention(how), Attention(how), nn.Linear(32, 16))
+
+
+def example_inputs(batch_size=2, **_):
+    return (torch.randn(batch_size, 8, 16),)
+
+
+def loss_fn(output, x):
+    return output.pow(2).mean()
+"""
+
+
+@pytest.mark.parametrize("how", ["weight", "derived", "stream"])
+def test_a_weight_applied_alike_to_every_head_has_its_gradient_summed_over_tp(tmp_path, how):
+    """A weight every rank holds whole, applied to the sharded heads and broadcast over them (a learned scale over
+    head_dim, used as it is or through ops of its own: `scale.exp()`): each rank's backward computes its own heads'
+    share of its gradient, which the run sums over tp (plan.json tp_summed, TP_SUMMED). A factor computed from the
+    residual stream would send each rank's heads' share of its gradient into the stream, which no sum of
+    weights' gradients mends: that projection pair stays replicated, with the reason."""
+    model = tmp_path / "head_scaled.py"
+    model.write_text(HEAD_SCALED)
+    out = tmp_path / "out"
+    args = ["plan", str(model), "--model-arg", f"how={how!r}", "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "2",
+            "--global-batch-size", "4", "--tp", "2", "--out", str(out), "--quiet"]
+    result = CliRunner().invoke(app, args)
+    if how == "stream":
+        assert result.exit_code == 2, result.output
+        assert "no Linear pairs that tensor parallelism can shard" in " ".join(result.output.split())
+        return
+    assert result.exit_code == 0, result.output
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["tp_summed"] == ["1.scale", "2.scale"] and plan["schema_minor"] == 7
+    assert plan["tp_plan"]["1.qkv"] == "colwise" and plan["tp_plan"]["2.o"] == "rowwise"
+    assert 'TP_SUMMED = ["1.scale", "2.scale"]' in (out / "train.py").read_text()
+
+
 FALCON = """
 import torch
 from transformers import FalconConfig, FalconForCausalLM

@@ -39,8 +39,10 @@ def test_plan_json_keeps_the_flat_keys_and_reads_back_the_same_plan(tmp_path):
     plan = make_plan("gpt", tp=2, pp=2)
     assert plan.tp.styles
     data = json.loads(plan.to_json())
-    # every key, but tp_copied only where some row-parallel output is copied (schema minor 6)
-    assert "tp" not in data and set(TP_KEYS) - {"tp_copied"} <= set(data) and "tp_copied" not in data
+    # every key, but tp_copied only where some row-parallel output is copied (schema minor 6), tp_summed only
+    # where some weight held whole has its gradient summed over tp (minor 7)
+    assert "tp" not in data and set(TP_KEYS) - {"tp_copied", "tp_summed"} <= set(data)
+    assert "tp_copied" not in data and "tp_summed" not in data
     assert data["tp_plan"] == plan.tp.styles
     (tmp_path / "plan.json").write_text(plan.to_json())
     again = load_plan(tmp_path)

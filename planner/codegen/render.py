@@ -186,6 +186,7 @@ def _constants(plan: Plan, layout_digest: str | None = None, model_path: str | N
         "TP_FUSED": compress_mapping(dict(plan.tp.fused)),
         "TP_TRANSPOSED": compress_names(list(plan.tp.transposed)),
         "TP_COPIED": compress_names(list(plan.tp.copied)),
+        "TP_SUMMED": compress_names(list(plan.tp.summed)),
         "SEED": t.seed,
         "LR": float(t.lr),
         "STEPS": t.steps,

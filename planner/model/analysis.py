@@ -288,6 +288,7 @@ def _analyse(loaded: LoadedModel, model: nn.Module) -> ModelGraph:
                 tp_fused={rename(k): v for k, v in info.fused.items()},
                 tp_transposed=[rename(k) for k in info.transposed],
                 tp_copied=[rename(k) for k in info.copied],
+                tp_summed=[rename(k) for k in info.summed],
                 tp_refused=refused,
                 tp_shards_attention=bool(tp_pairs) and info.attention,
             )

@@ -137,6 +137,11 @@ class Unit(_Model):
         default_factory=list, description="row-parallel modules whose output the unit's code changes in place "
         "(Falcon's `mlp_output += attention_output`): the runtime gives their output as a copy"
     )
+    tp_summed: list[str] = Field(
+        default_factory=list, description="weights every tp rank holds whole that reach the heads' sharded values "
+        "broadcast over them (a learned scale over head_dim): each rank computes its own heads' share of their "
+        "gradient, which the runtime sums over tp"
+    )
     tp_refused: list[str] = Field(default_factory=list, description="projections left replicated, and why")
     tp_shards_attention: bool = Field(
         True, description="a TP pair covers the unit's attention, so its heads (and FLOPs) split by tp"

@@ -306,6 +306,9 @@ class _Walk:
     groups: int = 0  # how many pieces the sharded dimension holds where heads are split off (the head count)
     reported: bool = False  # a failure tp_refused lists (a fixed-offset slice, a weight on the sharded values)
     norms: set[str] = field(default_factory=set)  # norms over each head it passes (norm_heads: Qwen3's q_norm)
+    # weights held whole that reach the sharded values broadcast along the sharded dimension (a learned scale over
+    # head_dim shared by all heads): each rank computes its own heads' share of their gradient, summed over tp
+    summed: set[str] = field(default_factory=set)
 
 
 def _size_args(node: torch.fx.Node) -> list[Any]:
@@ -331,6 +334,7 @@ def _walk_column(
     (``norms``): the run gives it the norm_heads style, which sums its weight's gradient over tp."""
     w = _Walk()
     weights = weights or {}
+    streams: set[torch.fx.Node] | None = None  # the unit inputs the column reads, once a side input needs them
     stack = [(u, col, len(_shape(col) or ()) - 1) for u in col.users]
     seen: set[tuple[torch.fx.Node, torch.fx.Node, int]] = set()
     while stack and not w.failure:
@@ -478,11 +482,20 @@ def _walk_column(
             if norm is not None and w.groups and new == NORM_HEADS_DIM and out is not None and len(out) == 4:
                 w.norms.add(norm)
             else:
-                w.failure = (
-                    f"{name} applies {param} to it, a weight every rank holds whole, whose gradient each rank "
-                    "would compute from its own heads only"
-                )
-                w.reported = True
+                # A weight every rank holds whole, broadcast along the sharded dimension (a scale over head_dim
+                # shared by all heads): each rank computes its own heads' share of its gradient, which the run
+                # sums over tp (TP_SUMMED). One that spans the sharded dimension failed above (side input).
+                w.summed.add(param)
+        if not w.failure:
+            for side in n.all_input_nodes:
+                if side is src or side in from_columns or side in weights:
+                    continue
+                streams = streams if streams is not None else _ancestor_placeholders([col])
+                why = _side_weights(side, weights, linears, streams, w.summed)
+                if why:
+                    w.failure = f"{name} combines it with {side.name}, {why}"
+                    w.reported = True
+                    break
         if not w.failure:
             stack.extend((u, n, cast(int, new)) for u in n.users)  # not None: a lost dimension is a failure
     return w
@@ -535,6 +548,43 @@ def _matching_dim(src: tuple[int, ...], out: tuple[int, ...], pos: int) -> int |
     return same[0] if len(same) == 1 else None
 
 
+def _side_weights(
+    a: torch.fx.Node,
+    weights: dict[torch.fx.Node, tuple[str, str | None]],
+    linears: dict[torch.fx.Node, str],
+    streams: set[torch.fx.Node],
+    summed: set[str],
+) -> str:
+    """A side input `a` combined with the sharded values (broadcast along the sharded dimension) carries back to
+    what it is computed from only this rank's heads' share of its gradient. From trainable weights alone (a scale
+    over head_dim, `self.scale.exp()`), those weights' gradients are summed over tp (added to `summed`); from the
+    unit's input the columns read (`streams`) or a Linear's output that gradient would be wrong on every rank,
+    and no sum of weights' gradients mends it: the reason, else ""."""
+    found: set[str] = set()
+    stream: list[str] = []
+    seen: set[torch.fx.Node] = set()
+    stack = [a]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in weights:
+            found.add(weights[n][0])
+        elif n.op == "get_attr" or not (_is_tensor_node(n) or _holds_tensors(n)):
+            continue  # buffers and shape arithmetic carry no gradient (as the pairs' check of a row's inputs)
+        elif n in linears:
+            stream.append(linears[n])
+        elif n in streams:
+            stream.append(f"the unit's input {n.name}")
+        else:
+            stack.extend(n.all_input_nodes)
+    if stream:
+        return f"computed from {stream[0]}, whose gradient through it each rank would compute from its own heads only"
+    summed.update(found)
+    return ""
+
+
 def _side_input_conflict(
     n: torch.fx.Node, src: torch.fx.Node, out: tuple[int, ...], new: int | None, from_columns: set[torch.fx.Node]
 ) -> str:
@@ -582,6 +632,7 @@ class FoundPair:
     attention: bool  # the pair's path runs attention (its FLOPs are split by heads too)
     groups: int  # gcd of the pieces TP splits (head counts, else widths): tp must divide it
     norms: set[str] = field(default_factory=set)  # norms over each head between the columns and attention
+    summed: set[str] = field(default_factory=set)  # weights held whole, broadcast over the heads (_Walk.summed)
 
 
 def _embedding_indices_inside(node: torch.fx.Node, name: str) -> str:
@@ -703,6 +754,7 @@ def detect_tp_pairs(
                 attention=any(walks[c].attention for c in cols),
                 groups=groups,
                 norms=set().union(*(walks[c].norms for c in cols)),
+                summed=set().union(*(walks[c].summed for c in cols)),
             )
         )
     pairs.sort(key=lambda p: p.row)
@@ -726,6 +778,7 @@ class TPInfo:
     fused: dict[str, int | list[int]] = field(default_factory=dict)  # column -> chunks of a fused projection
     transposed: list[str] = field(default_factory=list)  # sharded Conv1D modules (weight stored [in, out])
     copied: list[str] = field(default_factory=list)  # row-parallel modules whose output the model changes in place
+    summed: list[str] = field(default_factory=list)  # weights held whole whose gradient the run sums over tp
     refused: list[str] = field(default_factory=list)  # why a pair through attention was not sharded
     attention: bool = False  # some pair's path runs attention: its FLOPs divide by tp
 
@@ -842,6 +895,7 @@ def tp_info(
             info.shard_flops += 2.0 * fin * fout * tokens
         for norm in sorted(pair.norms):
             info.styles[norm] = "norm_heads"  # its weight stays whole: nothing more to shard or count
+        info.summed = sorted(set(info.summed) | pair.summed)
         info.granularity = gcd(info.granularity, pair.groups)
     for name, node in _attention_modules(sub, names):
         # nn.MultiheadAttention kept as one call: its packed in_proj column-parallel in 3 chunks (q, k, v each by

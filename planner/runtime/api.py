@@ -35,6 +35,7 @@ from .layout import Layout, ModelFile, Stage, TPPlan, Training
 from .loop import accumulate, init_distributed, pipeline_step, trace_and_cut
 from .loss import default_loss
 from .model import build_model, input_count, load_model_file, make_batch, materialise
+from .parallel import SummedOverTP
 from .parallel import parallelize as parallelize_stage
 from .stages import (
     AsWritten,
@@ -102,6 +103,7 @@ class Parallelized:
     spec: ModelFile
     seed: int
     tied: TiedWeights | None = None
+    summed: SummedOverTP | None = None  # weights whose gradient is summed over tp (TP_SUMMED)
     _loss: Any = None
     _n_inputs: int = 1
 
@@ -144,6 +146,8 @@ class Parallelized:
                 )
         if self.tied is not None:
             self.tied.sum_gradients()
+        if self.summed is not None:
+            self.summed.sum_gradients()
         return loss
 
 
@@ -219,6 +223,8 @@ def parallelize(
     if weights is not None and traced is None and not layout.tp_plan.fused:
         load_sharded(model, weights, {n for n, _ in model.named_modules()})
     job = Parallelized(layout, mesh, dev, model, stages, None, loss_fn, user, spec, training.seed, tied)
+    if layout.tp_summed:
+        job.summed = SummedOverTP(stages, layout, mesh["tp"].get_group())
     job._n_inputs = input_count(model, len(example))
     if layout.pp_enabled:
         job._loss = MicroBatchLoss(loss_fn)

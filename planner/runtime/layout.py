@@ -77,7 +77,7 @@ def runs_traced_graph(pp: int, tp: int, sequence_parallel: bool, head_counts: bo
 
 # plan.json's keys for the TPPlan's fields: the plan holds one TPPlan, its file keeps the flat keys it always had
 TP_KEYS = {"tp_plan": "styles", "tp_head_attrs": "head_attrs", "tp_fused": "fused", "tp_transposed": "transposed",
-           "tp_copied": "copied", "tp_refused": "refused"}
+           "tp_copied": "copied", "tp_summed": "summed", "tp_refused": "refused"}
 
 
 class TPDecisions(Protocol):
@@ -93,6 +93,8 @@ class TPDecisions(Protocol):
     def tp_transposed(self) -> Sequence[str]: ...
     @property
     def tp_copied(self) -> Sequence[str]: ...
+    @property
+    def tp_summed(self) -> Sequence[str]: ...
     @property
     def tp_refused(self) -> Sequence[str]: ...
 
@@ -116,6 +118,9 @@ class TPPlan:
     transposed: list[str] = field(default_factory=list)  # TP modules whose weight is stored [in, out] (HF Conv1D)
     # row-parallel modules whose output the model changes in place (`out += residual`): given as a copy (TP_COPIED)
     copied: list[str] = field(default_factory=list)
+    # weights held whole, broadcast over the sharded heads (a learned scale over head_dim): their gradient, each
+    # rank's heads' share, is summed over tp after the backward (TP_SUMMED)
+    summed: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # projections TP leaves replicated, and why (plan only)
 
     def __post_init__(self) -> None:
@@ -125,6 +130,7 @@ class TPPlan:
         object.__setattr__(self, "fused", {n: c for k, c in self.fused.items() for n in expand_names(k)})
         object.__setattr__(self, "transposed", [n for k in self.transposed for n in expand_names(k)])
         object.__setattr__(self, "copied", [n for k in self.copied for n in expand_names(k)])
+        object.__setattr__(self, "summed", [n for k in self.summed for n in expand_names(k)])
         object.__setattr__(self, "refused", list(self.refused))
         for name, style in self.styles.items():
             if style not in TP_STYLES:
@@ -146,6 +152,7 @@ class TPPlan:
         fused: dict[str, FusedChunks] = {}
         transposed: set[str] = set()
         copied: set[str] = set()
+        summed: set[str] = set()
         refused: list[str] = []
         for u in units:
             styles.update(u.tp_styles)
@@ -153,6 +160,7 @@ class TPPlan:
             fused.update(u.tp_fused)
             transposed.update(u.tp_transposed)
             copied.update(u.tp_copied)
+            summed.update(u.tp_summed)
             refused.extend(r for r in u.tp_refused if r not in refused)
         return cls(
             styles=dict(sorted(styles.items())),
@@ -160,6 +168,7 @@ class TPPlan:
             fused=dict(sorted(fused.items())),
             transposed=sorted(transposed),
             copied=sorted(copied),
+            summed=sorted(summed),
             refused=refused,
         )
 
@@ -405,6 +414,11 @@ class Layout:
     @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
+
+    @property
+    def tp_summed(self) -> bool:
+        """Whether some weight's gradient is summed over tp after the backward (TPPlan.summed)."""
+        return self.tp_enabled and bool(self.tp_plan.summed)
 
     @property
     def sp_enabled(self) -> bool:

@@ -34,7 +34,7 @@ from .layout import Layout, ModelFile, Training
 from .loss import default_loss
 from .model import build_model, input_count, load_model_file, make_batch, materialise
 from .optim import LossScale, build_optimizers, clip_gradients
-from .parallel import parallelize, sequence_parallel, with_tied_styles
+from .parallel import SummedOverTP, parallelize, sequence_parallel, with_tied_styles
 from .stages import (
     AsWritten,
     LocalStage,
@@ -504,6 +504,7 @@ def run(
         ids = {id(p) for s in stages for m in s.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
         expert_params = (ids, ep_mesh["ep"].get_group())
     params = [p for stage in stages for p in stage.parameters()]
+    summed = SummedOverTP(stages, layout, mesh["tp"].get_group()) if layout.tp_summed else None
     optimizers, schedulers = build_optimizers(stages, training, args.steps)
     loss_scale = LossScale(training.dtype == "fp16")  # fp16 trains with dynamic loss scaling; bf16 needs none
     checkpoints = Checkpointer(
@@ -552,6 +553,8 @@ def run(
                 result = pipeline_step(schedule, layout, loss, batches, has_first, has_last, n_inputs)
         if tied is not None:
             tied.sum_gradients()
+        if summed is not None:
+            summed.sum_gradients()
         loss_scale.unscale_(params)  # fp16: gradients back to their size, an overflow on any rank found
         return result
 

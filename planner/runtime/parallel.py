@@ -874,3 +874,37 @@ def apply_async_tp(stage: LocalStage, tp_mesh: DeviceMesh, device: torch.device)
             enable(tp_mesh.get_group().group_name)
     for unit in stage.units():
         unit.compile()
+
+
+class SummedOverTP:
+    """This rank's weights of TP_SUMMED: held whole by every tp rank, applied alike to every head (a learned scale
+    over head_dim shared by all heads), so each rank's backward computes its own heads' share of their gradient.
+    `sum_gradients`, after the backward (and the data-parallel reduction, which sums over other ranks), makes
+    each the sum over the tp ranks: the whole model's gradient, the same on every tp rank. The parameters are
+    looked up by name in the stages as wrapped (FSDP replaces them)."""
+
+    def __init__(self, stages: Collection[LocalStage], layout: Layout, group: dist.ProcessGroup) -> None:
+        found: dict[int, nn.Parameter] = {}
+        for stage in stages:
+            for root in stage.tp_roots():
+                for name in layout.tp_plan.summed:
+                    try:
+                        param = root.get_parameter(name)
+                    except AttributeError:
+                        continue  # another stage's
+                    found[id(param)] = param
+        self.params = list(found.values())
+        self.group = group
+
+    def sum_gradients(self) -> None:
+        grads = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params if p.grad is not None
+        ]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one all-reduce for all of them
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
