@@ -239,6 +239,7 @@ def test_dataset_folder_run_resumes_on_the_same_next_batch(tmp_path):
         "nanogpt",
         pytest.param("authored/transformer_encoder_lm", marks=pytest.mark.corpus),
         pytest.param("phi3", marks=pytest.mark.corpus),
+        pytest.param("attention_head_scale", marks=pytest.mark.corpus),  # and a weight summed over tp
     ]
 )
 def test_a_fused_qkv_checkpoint_of_tp2_resumes_under_tp1(model, tmp_path):

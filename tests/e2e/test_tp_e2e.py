@@ -86,6 +86,8 @@ def model_args(name: str, where: Path) -> list[str]:
         return [str(MODELS.parents[2] / "sample_models" / "mlp.py")]
     if name.startswith("zoo_"):  # tests/fixtures/models/hf_zoo.py: more architectures, configs as published
         return [str(MODELS / "hf_zoo.py"), "--model-arg", f"arch={name.removeprefix('zoo_')!r}"]
+    if name.startswith("attention_"):  # tests/fixtures/models/attention_variants.py, by variant
+        return [str(MODELS / "attention_variants.py"), "--model-arg", f"variant={name.removeprefix('attention_')!r}"]
     return [str(MODELS / f"{name}.py")]
 
 
