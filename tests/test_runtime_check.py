@@ -236,7 +236,9 @@ def test_a_weight_applied_alike_to_every_head_has_its_gradient_summed_over_tp(tm
     result = CliRunner().invoke(app, args)
     if how == "stream":
         assert result.exit_code == 2, result.output
-        assert "no Linear pairs that tensor parallelism can shard" in " ".join(result.output.split())
+        text = " ".join(result.output.split())
+        assert "1.qkv is not sharded: mul combines it with" in text, text
+        assert "computed from the block's input (the stream its projections read), whose gradient" in text, text
         return
     assert result.exit_code == 0, result.output
     plan = json.loads((out / "plan.json").read_text())

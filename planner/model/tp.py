@@ -576,7 +576,7 @@ def _side_weights(
         elif n in linears:
             stream.append(linears[n])
         elif n in streams:
-            stream.append(f"the unit's input {n.name}")
+            stream.append("the block's input (the stream its projections read)")
         else:
             stack.extend(n.all_input_nodes)
     if stream:
