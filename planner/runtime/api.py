@@ -223,7 +223,7 @@ def parallelize(
     if weights is not None and traced is None and not layout.tp_plan.fused:
         load_sharded(model, weights, {n for n, _ in model.named_modules()})
     job = Parallelized(layout, mesh, dev, model, stages, None, loss_fn, user, spec, training.seed, tied)
-    if layout.tp_summed:
+    if layout.sums_over_tp:
         job.summed = SummedOverTP(stages, layout, mesh["tp"].get_group())
     job._n_inputs = input_count(model, len(example))
     if layout.pp_enabled:

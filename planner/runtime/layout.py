@@ -416,7 +416,7 @@ class Layout:
         return self.tp > 1
 
     @property
-    def tp_summed(self) -> bool:
+    def sums_over_tp(self) -> bool:
         """Whether some weight's gradient is summed over tp after the backward (TPPlan.summed)."""
         return self.tp_enabled and bool(self.tp_plan.summed)
 

@@ -504,7 +504,7 @@ def run(
         ids = {id(p) for s in stages for m in s.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
         expert_params = (ids, ep_mesh["ep"].get_group())
     params = [p for stage in stages for p in stage.parameters()]
-    summed = SummedOverTP(stages, layout, mesh["tp"].get_group()) if layout.tp_summed else None
+    summed = SummedOverTP(stages, layout, mesh["tp"].get_group()) if layout.sums_over_tp else None
     optimizers, schedulers = build_optimizers(stages, training, args.steps)
     loss_scale = LossScale(training.dtype == "fp16")  # fp16 trains with dynamic loss scaling; bf16 needs none
     checkpoints = Checkpointer(
