@@ -247,6 +247,24 @@ def test_a_weight_applied_alike_to_every_head_has_its_gradient_summed_over_tp(tm
     assert 'TP_SUMMED = ["1.scale", "2.scale"]' in (out / "train.py").read_text()
 
 
+def test_a_plan_summing_a_weight_the_model_lacks_or_tp_shards_is_refused_naming_it(tmp_path):
+    """A hand-edited TP_SUMMED: a name that is no parameter of the model, or a weight of a module TP_PLAN shards
+    (its gradient would be summed twice, or the wrong one), is refused at plan time (and by the run's apply_tp)."""
+    from planner.plan import load_plan
+
+    out = tmp_path / "out"
+    args = ["plan", str(SLICED_QKV), "--model-arg", "variant='head_scale'", "--gpu", "cpu", "--nodes", "1",
+            "--gpus-per-node", "2", "--global-batch-size", "4", "--tp", "2", "--out", str(out), "--quiet"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    assert check_plan_runs(plan)
+    for name, why in (("blocks.0.gain", "not a parameter of the model"), ("blocks.0.qkv.weight", "TP_PLAN shards")):
+        bad = plan.model_copy(update={"tp": dataclasses.replace(plan.tp, summed=[*plan.tp.summed, name])})
+        with pytest.raises(PlanError, match=why):
+            check_plan_runs(bad)
+
+
 FALCON = """
 import torch
 from transformers import FalconConfig, FalconForCausalLM

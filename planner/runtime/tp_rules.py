@@ -139,6 +139,24 @@ def check_tp(roots: list[nn.Module], layout: Layout, heads: bool = True) -> None
                     f"TP_PLAN splits {name} ({style}, {what}) over tp={layout.tp}: the size must divide. "
                     "Re-plan with a tp degree that divides it."
                 )
+        for name in layout.tp_plan.summed:
+            try:
+                root.get_parameter(name)
+            except AttributeError:
+                if heads:  # the whole model (a traced stage's pieces hold only their own weights)
+                    raise RunError(
+                        f"TP_SUMMED names {name}, which is not a parameter of the model: the weights whose "
+                        "gradient is summed over tp must be the model's own. Re-plan the model."
+                    ) from None
+                continue
+            owner = name.rpartition(".")[0]
+            styled = [m for m in layout.tp_plan.styles if owner == m or owner.startswith(m + ".")]
+            if styled:
+                raise RunError(
+                    f"TP_SUMMED names {name}, a weight of {styled[0]}, which TP_PLAN shards "
+                    f"({layout.tp_plan.styles[styled[0]]}): a weight summed over tp is one every rank holds "
+                    "whole. Re-plan the model."
+                )
         for name, attrs in layout.tp_plan.head_attrs.items() if heads else ():
             if not has_module(root, name):
                 continue
