@@ -349,10 +349,10 @@ class Plan(_Model):
         tp = out.pop("tp", None)
         if isinstance(tp, dict):
             out.update({key: tp[field] for key, field in TP_KEYS.items() if field in tp})
-            if not out.get("tp_copied"):  # written where there is one (schema minor 6): other plans as they were
-                out.pop("tp_copied", None)
-            if not out.get("tp_summed"):  # likewise (schema minor 7)
-                out.pop("tp_summed", None)
+            # written where there is one (schema minors 6 and 7): other plans as they were
+            for key in ("tp_copied", "tp_summed"):
+                if not out.get(key):
+                    out.pop(key, None)
         return out
 
     @model_validator(mode="after")

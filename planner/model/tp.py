@@ -491,7 +491,7 @@ def _walk_column(
                 if side is src or side in from_columns or side in weights:
                     continue
                 streams = streams if streams is not None else _ancestor_placeholders([col])
-                why = _side_weights(side, weights, linears, streams, w.summed)
+                why = _side_weights(side, weights, streams, w.summed)
                 if why:
                     w.failure = f"{name} combines it with {side.name}, {why}"
                     w.reported = True
@@ -551,17 +551,16 @@ def _matching_dim(src: tuple[int, ...], out: tuple[int, ...], pos: int) -> int |
 def _side_weights(
     a: torch.fx.Node,
     weights: dict[torch.fx.Node, tuple[str, str | None]],
-    linears: dict[torch.fx.Node, str],
     streams: set[torch.fx.Node],
     summed: set[str],
 ) -> str:
     """A side input `a` combined with the sharded values (broadcast along the sharded dimension) carries back to
     what it is computed from only this rank's heads' share of its gradient. From trainable weights alone (a scale
     over head_dim, `self.scale.exp()`), those weights' gradients are summed over tp (added to `summed`); from the
-    unit's input the columns read (`streams`) or a Linear's output that gradient would be wrong on every rank,
-    and no sum of weights' gradients mends it: the reason, else ""."""
+    unit's input the columns read (`streams`) that gradient would be wrong on every rank, and no sum of weights'
+    gradients mends it: the reason, else "". (A side input computed from a Linear's output is not one: the
+    caller leaves those to the pairs' check of the row's inputs.)"""
     found: set[str] = set()
-    stream: list[str] = []
     seen: set[torch.fx.Node] = set()
     stack = [a]
     while stack:
@@ -573,14 +572,13 @@ def _side_weights(
             found.add(weights[n][0])
         elif n.op == "get_attr" or not (_is_tensor_node(n) or _holds_tensors(n)):
             continue  # buffers and shape arithmetic carry no gradient (as the pairs' check of a row's inputs)
-        elif n in linears:
-            stream.append(linears[n])
         elif n in streams:
-            stream.append("the block's input (the stream its projections read)")
+            return (
+                "computed from the block's input (the stream its projections read), whose gradient through it each "
+                "rank would compute from its own heads only"
+            )
         else:
             stack.extend(n.all_input_nodes)
-    if stream:
-        return f"computed from {stream[0]}, whose gradient through it each rank would compute from its own heads only"
     summed.update(found)
     return ""
 

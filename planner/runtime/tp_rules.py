@@ -9,7 +9,7 @@ from torch import nn
 
 from .errors import RefusedLayout, RunError
 from .layout import Layout, chunk_widths
-from .stages import has_module
+from .stages import has_module, owner_of
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -149,12 +149,11 @@ def check_tp(roots: list[nn.Module], layout: Layout, heads: bool = True) -> None
                         "gradient is summed over tp must be the model's own. Re-plan the model."
                     ) from None
                 continue
-            owner = name.rpartition(".")[0]
-            styled = [m for m in layout.tp_plan.styles if owner == m or owner.startswith(m + ".")]
-            if styled:
+            styled = owner_of(name.rpartition(".")[0], layout.tp_plan.styles)
+            if styled is not None:
                 raise RunError(
-                    f"TP_SUMMED names {name}, a weight of {styled[0]}, which TP_PLAN shards "
-                    f"({layout.tp_plan.styles[styled[0]]}): a weight summed over tp is one every rank holds "
+                    f"TP_SUMMED names {name}, a weight of {styled}, which TP_PLAN shards "
+                    f"({layout.tp_plan.styles[styled]}): a weight summed over tp is one every rank holds "
                     "whole. Re-plan the model."
                 )
         for name, attrs in layout.tp_plan.head_attrs.items() if heads else ():
