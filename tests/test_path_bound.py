@@ -164,3 +164,34 @@ def test_solve_game_is_optimal():
             low, high = float((lam @ M).min()), float((M @ y).max())
             assert low <= high + 1e-12
             assert high - low <= 1e-9 * max(1.0, abs(high))
+
+
+def test_the_bound_is_remembered_by_its_whole_input(monkeypatch):
+    """`path_bound` answers a second call with the same schedule, oracle, link and target from its memo (the
+    ZeRO-1 and ZeRO-2 twins of one layout ask the same), without simulating; an oracle whose caps differ, or
+    another target, is bounded afresh."""
+    import planner.search.pathbound as pathbound
+
+    sims = []
+    real = pathbound.simulate
+
+    def counted(*args, **kwargs):
+        sims.append(args[:4])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pathbound, "simulate", counted)
+    monkeypatch.setattr(pathbound, "_MEMO", {})
+
+    def oracle(cap: float) -> CountOracle:
+        return CountOracle(np.array([[1.0, 2.0], [0.0, 0.0], [0.5, 1.0]]), (1.0, 2.0), [1, 1, 1], 12,
+                           [cap] * 3, [0, 1, 2], [np.inf] * 3)
+
+    first = pathbound.path_bound("1f1b", 3, 6, 1, oracle(8), 0.1, None)
+    n = len(sims)
+    assert n >= 2 and first > 0
+    assert pathbound.path_bound("1f1b", 3, 6, 1, oracle(8), 0.1, None) == first and len(sims) == n
+    pathbound.path_bound("1f1b", 3, 6, 1, oracle(5), 0.1, None)
+    assert len(sims) > n
+    m = len(sims)
+    pathbound.path_bound("1f1b", 3, 6, 1, oracle(8), 0.1, first / 2)
+    assert len(sims) > m

@@ -1,5 +1,6 @@
 """Batches of candidates solved side by side in forked processes (planner/search/forked.py): the same results as
-one after another, in order; a child that fails has its item solved in the planner's process."""
+one after another, in order; a child that fails has its item solved in the planner's process. `SideSolvers`
+keeps its children for every batch and sends the objects they hold already as references."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import pytest
 from planner.hardware.load import load_cluster
 from planner.pipeline import PlanRequest, analyse
 from planner.search import forked
-from planner.search import search as search_module
-from planner.search.forked import map_forked
+from planner.search.forked import SideSolvers, map_forked
 from planner.search.search import search
 from planner.search.space import Pins
 
@@ -74,12 +74,13 @@ def test_the_search_finds_the_same_with_the_solves_forked_or_threaded(monkeypatc
     graph = analyse(request, cache=False)
     cluster = load_cluster("a100-sxm-80gb", 1)
     batches: list[int] = []
+    side_map = SideSolvers.map
 
-    def counted(fn, items):
+    def counted(self, fn, items):
         batches.append(len(items))
-        return map_forked(fn, items)
+        return side_map(self, fn, items)
 
-    monkeypatch.setattr(search_module, "map_forked", counted)
+    monkeypatch.setattr(SideSolvers, "map", counted)
     results = []
     for setting in ("1", "0"):
         monkeypatch.setenv(forked.FORK_ENV, setting)
@@ -93,3 +94,67 @@ def test_the_search_finds_the_same_with_the_solves_forked_or_threaded(monkeypatc
     assert (a.rejected, a.status, a.gap, a.reported_gap, a.pruned_by_bound) == (
         b.rejected, b.status, b.gap, b.reported_gap, b.pruned_by_bound
     )
+
+
+BIG = {"weights": list(range(100_000))}  # held by the children as it is at their fork
+
+
+def _shared_and_pid(x: object) -> tuple[bool, int, int]:
+    return x is BIG, len(BIG["weights"]), os.getpid()
+
+
+def _pid(x: int) -> tuple[int, int]:
+    return x, os.getpid()
+
+
+@needs_fork
+def test_side_solvers_keep_one_child_per_slot_for_every_batch():
+    side = SideSolvers([])
+    try:
+        first = side.map(_pid, [1, 2, 3])
+        second = side.map(_pid, [4, 5, 6])
+        assert [v for v, _ in first + second] == [1, 2, 3, 4, 5, 6]
+        pids = [pid for _, pid in first], [pid for _, pid in second]
+        assert pids[0][0] == pids[1][0] == os.getpid()
+        assert pids[0][1:] == pids[1][1:] and len(set(pids[0])) == 3  # the same two children both times
+        assert side.map(_pid, []) == []
+    finally:
+        children = [c.pid for c in side.children]
+        side.close()
+    for pid in children:  # reaped
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+@needs_fork
+def test_shared_objects_travel_as_references_to_the_childs_copy():
+    side = SideSolvers([BIG])
+    try:
+        here, there = side.map(_shared_and_pid, [BIG, BIG])
+        assert here[:2] == (True, 100_000) and there[:2] == (True, 100_000) and there[2] != os.getpid()
+        # without sharing it, the child gets a pickled copy: equal, not its own object
+        unshared = SideSolvers([])
+        try:
+            _, copied = unshared.map(_shared_and_pid, [BIG, BIG])
+        finally:
+            unshared.close()
+        assert copied[:2] == (False, 100_000)
+    finally:
+        side.close()
+
+
+@needs_fork
+def test_side_solvers_solve_a_dead_childs_item_here_and_raise_errors_here():
+    side = SideSolvers([])
+    try:
+        assert side.map(_dies_in_a_child, [1, 2, 3]) == [-1, -2, -3]
+        assert side.failed and not side.children  # later batches fork per batch
+        assert side.map(_square, [2, 3])[1][0] == 9
+    finally:
+        side.close()
+    side = SideSolvers([])
+    try:
+        with pytest.raises(ValueError, match="no plan for 2"):
+            side.map(_fails_on, [1, 2, 3])
+    finally:
+        side.close()

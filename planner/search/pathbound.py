@@ -92,6 +92,11 @@ class CountOracle:
         self.rank_cap = np.array(rank_cap, dtype=float)
         self.stages = len(lo)
 
+    def key(self) -> tuple[object, ...]:
+        """Everything `best` and `start` read: equal keys, equal answers (`path_bound`'s memo)."""
+        arrays = (self.ext, self.blk, self.lo, self.stage_cap, self.rank_cap)
+        return ("count", self.L, tuple(self.rank_of), *(a.tobytes() for a in arrays))
+
     def start(self) -> FloatArray | None:
         """A fractional partition inside the caps with the blocks spread as evenly as they allow (the first
         query point), or None when the caps leave no partition."""
@@ -166,6 +171,10 @@ class IntervalOracle:
         self.span_f: FloatArray = self.F[None, :] - self.F[:, None]
         self.span_b: FloatArray = self.B[None, :] - self.B[:, None]
 
+    def key(self) -> tuple[object, ...]:
+        """Everything `best` and `start` read: equal keys, equal answers (`path_bound`'s memo)."""
+        return ("interval", self.stages, self.F.tobytes(), self.B.tobytes(), *(a.tobytes() for a in self.allowed))
+
     def start(self) -> FloatArray | None:
         """Every stage an equal share of the work (a fractional point, the first query)."""
         S = self.stages
@@ -236,6 +245,12 @@ def pipeline_bound(
     return path_bound(cand.schedule, p, cand.num_micro_batches, v, oracle, link, target, max_sims)
 
 
+# path_bound's answers by their whole input: the search bounds candidates that differ only where the bound
+# does not look (the ZeRO-1 and ZeRO-2 twins of one layout have the same stage times, caps and target).
+_MEMO: dict[tuple[object, ...], float] = {}
+MEMO_SIZE = 256
+
+
 def path_bound(
     schedule: str,
     p: int,
@@ -248,7 +263,28 @@ def path_bound(
 ) -> float:
     """A valid lower bound on the simulated pipeline time of every partition the oracle covers (module
     docstring); 0.0 when the oracle has none. With a `target`, stops once the bound reaches it or cannot;
-    None: as tight as `max_sims` simulations allow."""
+    None: as tight as `max_sims` simulations allow. A pure function of its arguments, remembered for the
+    last MEMO_SIZE of them."""
+    key = (schedule, p, m, v, oracle.key(), link, target, max_sims)
+    got = _MEMO.get(key)
+    if got is None:
+        got = _path_bound(schedule, p, m, v, oracle, link, target, max_sims)
+        if len(_MEMO) >= MEMO_SIZE:
+            del _MEMO[next(iter(_MEMO))]
+        _MEMO[key] = got
+    return got
+
+
+def _path_bound(
+    schedule: str,
+    p: int,
+    m: int,
+    v: int,
+    oracle: Oracle,
+    link: float,
+    target: float | None,
+    max_sims: int,
+) -> float:
     S = p * v
     zb = schedule == "zero-bubble"
     max_sims = min(max_sims, max(2, ACTIONS_PER_BOUND // (S * m * (3 if zb else 2))))

@@ -50,7 +50,7 @@ from planner.search.bounds import (
     tail_bound,
 )
 from planner.search.evaluate import Evaluated, evaluate, evaluate_fitting, simulate_evaluated
-from planner.search.forked import fork_allowed, map_forked
+from planner.search.forked import SideSolvers, fork_allowed
 from planner.search.ilp import ILPResult, block_run, solve_partition
 from planner.search.pathbound import pipeline_bound
 from planner.search.problem import PartitionProblem
@@ -283,7 +283,8 @@ class Search:
         # Every candidate whose optimum could enter the top k is still solved exactly, so the ranking is that of
         # one-by-one solving.
         pool = ThreadPoolExecutor(max_workers=ILP_WORKERS)
-        forked = fork_allowed()
+        # (the children hold the graph, cluster and options as the search does: they never change during it)
+        side = SideSolvers([self.graph, self.cluster, self.options]) if fork_allowed() else None
         try:
             self.one_stage_first()
             while self.heap:
@@ -296,8 +297,11 @@ class Search:
                     self.progress(self.done, self.total)
                 self.done += len(batch)
                 share = self.bb_share()
-                if forked and sum(it.cand.stages > 1 for it in batch) > 1:  # Python solvers: processes, not threads
-                    results = map_forked(functools.partial(self.solve, cutoff=cutoff, nodes=share), batch)
+                if side is not None and sum(it.cand.stages > 1 for it in batch) > 1:  # Python: processes, not threads
+                    solve = functools.partial(
+                        solve_item, time_limit=self.time_limit, max_nodes=self.max_nodes, cutoff=cutoff, nodes=share
+                    )
+                    results = side.map(solve, batch)
                 else:
                     results = list(pool.map(self.solve, batch, [cutoff] * len(batch), [share] * len(batch)))
                 self.solved += len(batch)
@@ -309,6 +313,8 @@ class Search:
                 self.settle_unsettled()
         finally:
             pool.shutdown()
+            if side is not None:
+                side.close()
         return self.result()
 
     def one_stage_first(self) -> None:
@@ -425,15 +431,8 @@ class Search:
         return min(self.max_nodes, max(BB_NODES_MIN, min(BB_NODES_MAX, self.bb_left // ILP_WORKERS)))
 
     def solve(self, item: QueueItem, cutoff: float | None, nodes: int | None) -> ILPResult:
-        """The item's ILP (a pure function of its arguments: `map_forked` runs it in a child)."""
-        return solve_partition(
-            item.pb,
-            time_limit=self.time_limit,
-            max_nodes=self.max_nodes,
-            cutoff=cutoff,
-            bounds=item.bounds,
-            bb_nodes=nodes,
-        )
+        """The item's ILP (`solve_item` with the search's limits)."""
+        return solve_item(item, self.time_limit, self.max_nodes, cutoff, nodes)
 
     def cutoff_now(self) -> float | None:
         """The k-th best plan's figure (no later candidate whose bound reaches it can enter the top k)."""
@@ -715,6 +714,15 @@ class Search:
             gap=max(self.gaps, default=0.0),
             reported_gap=max(0.0, (best_figure - least) / best_figure) if best_figure > 0 else 0.0,
         )
+
+
+def solve_item(
+    item: QueueItem, time_limit: float | None, max_nodes: int | None, cutoff: float | None, nodes: int | None
+) -> ILPResult:
+    """A queued candidate's ILP: a pure function of its arguments (`forked.SideSolvers` runs it in a child)."""
+    return solve_partition(
+        item.pb, time_limit=time_limit, max_nodes=max_nodes, cutoff=cutoff, bounds=item.bounds, bb_nodes=nodes
+    )
 
 
 _P = ParamSpec("_P")

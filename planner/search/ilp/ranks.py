@@ -198,6 +198,53 @@ class _Children:
     at: int = 0
 
 
+@dataclass
+class _Rows:
+    """A stage's table entries over its possible ends js (`_Search.rows`): time, fixed bytes and the
+    communication buffer, activations at each of its rank's peak instants, synced gradient time, parameters,
+    its window where it is its rank's first stage (else None), and what the suffix tables say of the units
+    left (``later``: the ranked and the synced tables, per rank); ``z`` the larger of the stage's Z and the
+    least largest Z left."""
+
+    js: IntArray
+    t: FloatArray
+    states: FloatArray
+    buf: FloatArray | float
+    act: FloatArray
+    sync: FloatArray
+    params: FloatArray
+    win: FloatArray | None
+    work_left: FloatArray
+    params_left: FloatArray
+    slow: FloatArray
+    later: FloatArray
+    tail_left: FloatArray
+    bwd_left: FloatArray
+    z: FloatArray
+    send: FloatArray | float
+
+    def only(self, keep: npt.NDArray[np.bool_] | slice) -> _Rows:
+        """The ends ``keep`` selects (a mask, or a slice of them)."""
+        return _Rows(
+            js=self.js[keep],
+            t=self.t[keep],
+            states=self.states[keep],
+            buf=self.buf if isinstance(self.buf, float) else self.buf[keep],
+            act=self.act[keep],
+            sync=self.sync[keep],
+            params=self.params[keep],
+            win=None if self.win is None else self.win[keep],
+            work_left=self.work_left[keep],
+            params_left=self.params_left[keep],
+            slow=self.slow[keep],
+            later=self.later[..., keep],
+            tail_left=self.tail_left[keep],
+            bwd_left=self.bwd_left[keep],
+            z=self.z[keep],
+            send=self.send if isinstance(self.send, float) else self.send[keep],
+        )
+
+
 class _Search:
     """The precomputed tables of one candidate (per mode where they depend on it) and the node expansion."""
 
@@ -260,6 +307,7 @@ class _Search:
         self.rank_stages = np.array([[st for st in range(S) if self.ranks[st] == r] for r in range(p)])
         self.placed_before = [np.array([self.first[x] < s for x in range(p)]) for s in range(S)]
         self.has_sync = cand.dp_shard > 1  # without data parallelism a rank's tail is its optimizer step
+        self.row_memo: dict[tuple[int, int, int], _Rows] = {}
         no_send = np.zeros(U + 1)
         for q in modes:
             T = np.where(valid, np.maximum(tables.t[q], gather), INF)
@@ -353,74 +401,116 @@ class _Search:
         z = np.zeros(self.p)
         return _Node(mode, 0, (0,), z, z, z, z, z, np.zeros((self.p, self.nc)), 0.0, 0.0, 0.0)
 
+    def rows(self, q: int, s: int, i: int) -> _Rows:
+        """The tables' entries for stage s starting at unit i in mode q, over its possible ends (`_Rows`),
+        indexed once: every node of that (mode, stage, start) reads the same ones."""
+        key = (q, s, i)
+        got = self.row_memo.get(key)
+        if got is None:
+            U, S = self.U, self.S
+            last = s == S - 1
+            js: IntArray = np.arange(i + 1, U - (S - 1 - s) + 1) if not last else np.array([U])
+            r = self.ranks[s]
+            first = self.first[r] == s
+            got = _Rows(
+                js=js,
+                t=self.T[q][i, js],
+                states=self.states[i, js],
+                buf=self.buf_last if last else self.buf_mid[js],
+                act=self.act[q][i, js][:, None] * self.stage_w[s][None, :],
+                sync=self.sync[i, js],
+                params=self.params[i, js],
+                win=self.win[q][i, js] if first else None,
+                work_left=self.work_left[q][js],
+                params_left=self.params_left[js],
+                slow=self.slow[q][s + 1, js],
+                later=np.stack([self.ranked[q][:, s + 1, js], self.synced[q][:, s + 1, js]]),
+                tail_left=self.tail_left[js] + (S - 1 - s) * self.c_sync_low,
+                bwd_left=self.bwd_left[q][js],
+                z=np.maximum(self.Z[q][i, js], self.zlow[q][s + 1, js]),
+                send=0.0 if last else self.send[js],
+            )
+            self.row_memo[key] = got
+        return got
+
     def expand(self, nd: _Node) -> _Children:
         """The node's children that fit memory, with their lower bounds (see the module docstring)."""
-        q, s, i = nd.mode, nd.s, nd.cuts[-1]
-        U, S, p, m, r = self.U, self.S, self.p, self.m, self.ranks[nd.s]
-        last = s == S - 1
-        js: IntArray = np.arange(i + 1, U - (S - 1 - s) + 1) if not last else np.array([U])
-        t_ij = self.T[q][i, js]
+        q, s = nd.mode, nd.s
+        p, m, r = self.p, self.m, self.ranks[nd.s]
+        row = self.rows(q, s, nd.cuts[-1])
         # the rank's memory row with this stage added (it only grows with the rank's later stages)
-        mem = (
-            nd.mem_s[r]
-            + self.states[i, js]
-            + (self.buf_last if last else self.buf_mid[js])
-            + (nd.mem_a[r][None, :] + self.act[q][i, js][:, None] * self.stage_w[s][None, :]).max(axis=1)
-        )
-        ok = np.isfinite(t_ij) & (mem <= self.budget)
-        js, t_ij = js[ok], t_ij[ok]
+        mem = nd.mem_s[r] + row.states + row.buf + (nd.mem_a[r][None, :] + row.act).max(axis=1)
+        ok = np.isfinite(row.t) & (mem <= self.budget)
+        kept = int(np.count_nonzero(ok))
+        if kept < len(ok):
+            # (most often the ends up to some unit fit and the later ones do not: then a slice, no copy)
+            row = row.only(slice(0, kept) if ok[:kept].all() else ok)
+        js, t_ij = row.js, row.t
         n = len(js)
-        sy_j = nd.sy[r] + self.sync[i, js]
-        par_j = nd.par[r] + self.params[i, js]
-        w_j = self.win[q][i, js] if self.first[r] == s else nd.win[r]
-        tau = np.maximum(0.0, sy_j - w_j) + np.where(par_j > 0, self.a_step * par_j + self.c_step, 0.0)
+        sy_j = nd.sy[r] + row.sync
+        par_j = nd.par[r] + row.params
+        w_j = row.win if row.win is not None else nd.win[r]
+        exposed_j = np.maximum(0.0, sy_j - w_j)
+        tau = exposed_j + np.where(par_j > 0, self.a_step * par_j + self.c_step, 0.0)
         tails = np.maximum(nd.tail, tau)
         load = np.repeat(nd.load[None, :], n, axis=0)
         load[:, r] += t_ij
         par = np.repeat(nd.par[None, :], n, axis=0)
         par[:, r] = par_j
         act_r = self.active[s + 1]
-        y = _round_up(_level(load, self.work_left[q][js], act_r), self.sums[q])
-        tail = np.maximum(tails, self.a_step * _level(par, self.params_left[js], act_r) + self.step_low)
-        slow = self.slow[q][s + 1, js]
+        # the water levels below, of the work, the parameters and (with data parallelism) the tails left, in one
+        # array (each row on its own: the same figures as one call each)
+        new, rem = [load, par], [row.work_left, row.params_left]
 
         def per_rank(base: FloatArray, col: FloatArray, later: FloatArray) -> FloatArray:
-            """max over ranks of base (the other ranks) or col (rank r), each plus its later share."""
-            others = base[:, None] + later
-            others[r] = -INF
-            out: FloatArray = np.maximum(others.max(axis=0), col + later[r])
+            """Per row k: max over ranks of base[k] (the other ranks) or col[k] (rank r), each plus its later
+            share later[k]; the largest over the rows."""
+            others = base[:, :, None] + later
+            others[:, r] = -INF
+            out: FloatArray = np.maximum(others.max(axis=1), col + later[:, r]).max(axis=0)
             return out
 
         # m R_r + tau_r >= m R_r + exposed sync so far + step_r, per rank plus what its later stages add
         placed = self.placed_before[s]
         exposed = np.where(placed, np.maximum(0.0, nd.sy - nd.win), 0.0)
-        own = m * (nd.load[r] + t_ij) + np.maximum(0.0, sy_j - w_j) + self.a_step * par_j
-        joint = per_rank(m * nd.load + exposed + self.a_step * nd.par, own, self.ranked[q][:, s + 1, js])
-        if self.has_sync:
+        time_j = m * (nd.load[r] + t_ij)
+        step_j = self.a_step * par_j
+        step = self.a_step * nd.par
+        load_m = m * nd.load
+        own = time_j + exposed_j + step_j
+        spread: FloatArray | None = None
+        if not self.has_sync:
+            joint = per_rank((load_m + exposed + step)[None], own[None], row.later[:1])
+        else:
             # m R_r + sync_r - window_r + step_r <= m R_r + tau_r, every part a sum over the rank's stages
             opened = np.where(placed, nd.win, 0.0)
-            base = nd.sy - opened + self.a_step * nd.par
-            col = sy_j - w_j + self.a_step * par_j
-            joint_sync = per_rank(m * nd.load + base, m * (nd.load[r] + t_ij) + col, self.synced[q][:, s + 1, js])
-            joint = np.maximum(joint, joint_sync)
+            base = nd.sy - opened + step
+            col = sy_j - w_j + step_j
+            mine = np.stack([own, time_j + col])
+            joint = per_rank(np.stack([load_m + exposed + step, load_m + base]), mine, row.later)
             # tail >= max_r (sync_r - window_r + step_r): the syncs and steps left add up to tail_left, the
             # windows of the first stages still to come to at most their backward (a water level once every
             # rank's window is known, which makes every addition non-negative; the mean over ranks before)
             x = np.repeat(base[None, :], n, axis=0)
             x[:, r] = col
             future = self.future_first[s]
-            rem = self.tail_left[js] + (S - 1 - s) * self.c_sync_low
+            rest = row.tail_left
             if future:
-                rem = rem - (self.a_win_up * self.bwd_left[q][js] + len(future) * self.c_win_up)
+                rest = rest - (self.a_win_up * row.bwd_left + len(future) * self.c_win_up)
                 known = x[:, self.placed_first[s]].max(axis=1)
-                spread = np.maximum(known, (x[:, act_r].sum(axis=1) + rem) / len(act_r))
+                spread = np.maximum(known, (x[:, act_r].sum(axis=1) + rest) / len(act_r))
             else:
-                spread = _level(x, rem, act_r)
-            tail = np.maximum(tail, spread + self.step_low)
+                new.append(x)
+                rem.append(rest)
+        levels = _level(np.concatenate(new), np.concatenate(rem), act_r)
+        y = _round_up(levels[:n], self.sums[q])
+        tail = np.maximum(tails, self.a_step * levels[n : 2 * n] + self.step_low)
+        if self.has_sync:
+            tail = np.maximum(tail, (spread if spread is not None else levels[2 * n :]) + self.step_low)
         joint = joint + self.step_low
-        z = np.maximum(np.maximum(nd.zc, self.Z[q][i, js]), self.zlow[q][s + 1, js])
-        here = nd.sc + (0.0 if last else self.send[js])
-        lows = np.maximum(m * y + slow + tail, joint) + here + (p - 1) * z
+        z = np.maximum(nd.zc, row.z)
+        here = nd.sc + row.send
+        lows = np.maximum(m * y + row.slow + tail, joint) + here + (p - 1) * z
         order = np.argsort(lows, kind="stable")
         return _Children(nd, js[order], lows[order], tails[order])
 
