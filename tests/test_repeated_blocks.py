@@ -101,45 +101,170 @@ def test_a_block_called_with_other_shapes_is_traced() -> None:
 
 
 # Corpus models: fx and fx-meta traces, an encoder-decoder, MoE, leaves in a ModuleList (the
-# recommender's embedding tables), a ModuleDict, a top-level Sequential, sliding-window layers (Gemma-2).
+# recommender's embedding tables), a ModuleDict, a top-level Sequential, sliding-window layers (Gemma-2); each with
+# a stack of at least three blocks where any, so that one is folded (neither the first of its kind nor the last).
 CORPUS = [
     (MODELS / "hf_tiny.py", {"arch": "llama"}),
-    (MODELS / "hf_tiny.py", {"arch": "bart"}),
+    (MODELS / "hf_tiny.py", {"arch": "bart", "layers": 3}),
     (MODELS / "hf_tiny.py", {"arch": "vit"}),
     (MODELS / "sequential_cnn.py", {}),
     (MODELS / "hf_zoo.py", {"arch": "gemma2"}),
     (MODELS / "moduledict_llama.py", {}),
-    (MODELS / "deepseek_moe.py", {}),
+    (MODELS / "deepseek_moe.py", {"layers": 4}),
     (MODELS / "authored" / "recommender.py", {}),
     (SAMPLES / "gpt.py", {}),
 ]
 
 
 @pytest.mark.parametrize(("path", "args"), CORPUS, ids=lambda v: v.stem if isinstance(v, Path) else str(v))
-def test_analysis_with_replayed_blocks_equals_the_full_analysis(
+def test_analysis_with_replayed_or_folded_blocks_equals_the_full_analysis(
     path: Path, args: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each block traced (no repeats), repeats replayed node for node, and repeats of the model's blocks kept as one
+    call each (the analysis' default): the same ModelGraph, field by field."""
     if "hf_" in path.stem:
         pytest.importorskip("transformers")
+    import planner.model.analysis as analysis
     import planner.runtime.tracers as tracers
 
-    replays: list[str] = []
-    replay = tracers._Recording.replay
+    seen: dict[str, list[str]] = {"replay": [], "fold": []}
+    replay, fold = tracers._Recording.replay, tracers._Recording.fold
+    templates: list[dict[int, int] | None] = []
+    fold_templates = analysis.fold_templates
 
-    def counted(self, tracer, path, args_, kwargs):  # type: ignore[no-untyped-def]
-        replays.append(path)
+    def kept(*a):  # type: ignore[no-untyped-def]
+        templates.append(fold_templates(*a))
+        return templates[-1]
+
+    def replayed(self, tracer, path, args_, kwargs):  # type: ignore[no-untyped-def]
+        seen["replay"].append(path)
         return replay(self, tracer, path, args_, kwargs)
 
-    monkeypatch.setattr(tracers._Recording, "replay", counted)
+    def folded(self, tracer, path, kind, args_, kwargs):  # type: ignore[no-untyped-def]
+        seen["fold"].append(path)
+        return fold(self, tracer, path, kind, args_, kwargs)
+
+    monkeypatch.setattr(tracers._Recording, "replay", replayed)
+    monkeypatch.setattr(tracers._Recording, "fold", folded)
+    monkeypatch.setattr(analysis, "fold_templates", kept)
     graphs = []
-    for repeats in (False, True):
+    for repeats, folding in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(model_trace, "REPLAY_REPEATED_BLOCKS", repeats)
+        monkeypatch.setattr(model_trace, "FOLD_REPEATED_BLOCKS", folding)
         graphs.append(analyse_model(load_model_file(path, args, dtype="fp32")).model_dump())
-    assert replays  # blocks were replayed (the planner's own input-check hooks do not prevent it)
-    full, replayed = graphs
-    assert full.keys() == replayed.keys()
-    for field in full:
-        assert full[field] == replayed[field], field
+        if repeats and not folding:
+            assert seen["replay"]  # blocks were replayed (the planner's own input-check hooks do not prevent it)
+            assert not seen["fold"]
+    if path.stem == "recommender":  # its repeated blocks are nn.Embedding tables, one call each already
+        assert not seen["fold"]
+    else:  # folded, each fold a unit repeating one before it (not traced again unfolded)
+        assert seen["fold"]
+        assert templates[-1] and set(templates[-1].values()) <= set(range(len(graphs[-1]["units"])))
+    full = graphs[0]
+    for other in graphs[1:]:
+        assert full.keys() == other.keys()
+        for field in full:
+            assert full[field] == other[field], field
+
+
+def test_a_folded_repeat_is_one_call_of_the_block() -> None:
+    """A repeat of a block named in `fold` is one call_module node on the block's own module stack; the first block
+    of its kind keeps its nodes; a block not named is replayed."""
+    with torch.device("meta"):
+        model = Stack((1.0, 1.0, 1.0, 1.0))
+    ids = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    graph = meta_trace(model, (ids,), repeats=True, fold=frozenset({"blocks.1", "blocks.2"}))
+    calls = [n for n in graph.nodes if n.op == "call_module"]
+    assert [str(n.target) for n in calls if n.target.startswith("blocks.") and n.target.count(".") == 1] == [
+        "blocks.1", "blocks.2"
+    ]
+    for n in calls:
+        if n.target in ("blocks.1", "blocks.2"):
+            assert list(n.meta["nn_module_stack"])[-1] == n.target
+    inner = {str(n.target) for n in calls}
+    assert "blocks.0.fc" in inner and "blocks.3.fc" in inner  # traced, and replayed
+    assert "blocks.1.fc" not in inner and "blocks.2.fc" not in inner
+    gm = torch.fx.GraphModule(model, graph)
+    assert gm(ids).shape == (2, 5, 32)
+
+
+_BETWEEN_BLOCKS = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, store=None):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.store = store
+
+    def forward(self, x):
+        y = torch.relu(self.fc(x))
+        if self.store is not None:  # a value the model computed before the blocks, read from a shared dict
+            y = y * self.store["gate"]
+        return x + y
+
+
+class Model(nn.Module):
+    def __init__(self, scale_between, stash):
+        super().__init__()
+        store = {} if stash else None
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList([Block(store) for _ in range(4)])
+        self.head = nn.Linear(8, 16)
+        self.scale_between = scale_between
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        if self.blocks[0].store is not None:
+            self.blocks[0].store["gate"] = torch.sigmoid(x.mean(-1, keepdim=True))
+        for block in self.blocks:
+            x = block(x)
+            if self.scale_between:  # the model's own op between blocks: it joins the block's unit
+                x = x * 2.0
+        return self.head(x)
+
+
+def build_model(scale_between=False, stash=False, **_):
+    return Model(scale_between, stash)
+
+
+def example_inputs(batch_size, **_):
+    return (torch.randint(0, 16, (batch_size, 4)),)
+"""
+
+
+@pytest.mark.parametrize("case", ["scale_between", "stash"])
+def test_blocks_that_cannot_be_folded_are_analysed_as_traced(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An op of the model's own after each block (it joins the block's unit: the analysis traces again, unfolded)
+    and blocks reading a value the model left on a shared object (not an argument: such a block is never folded)
+    give the analysis of the full trace."""
+    import planner.model.analysis as analysis
+
+    path = tmp_path / "between.py"
+    path.write_text(_BETWEEN_BLOCKS)
+    templates: list[dict[int, int] | None] = []
+    fold_templates = analysis.fold_templates
+
+    def kept(*a):  # type: ignore[no-untyped-def]
+        templates.append(fold_templates(*a))
+        return templates[-1]
+
+    monkeypatch.setattr(analysis, "fold_templates", kept)
+    graphs = []
+    for repeats, folding in ((False, False), (True, True)):
+        monkeypatch.setattr(model_trace, "REPLAY_REPEATED_BLOCKS", repeats)
+        monkeypatch.setattr(model_trace, "FOLD_REPEATED_BLOCKS", folding)
+        templates.clear()
+        graphs.append(analyse_model(load_model_file(path, {case: True}, dtype="fp32")).model_dump())
+    assert graphs[0] == graphs[1]
+    if case == "scale_between":
+        assert templates == [None, {}]  # folded, refused, traced again without folding
+    else:
+        assert templates == [{}]  # nothing folded
 
 
 def test_the_check_runs_each_kind_of_block_once() -> None:

@@ -16,6 +16,7 @@ from planner.model.counting import Counts, analyse_callable, flatten_tensors, mi
 from planner.model.graph import GemmShape, ModelGraph, TPPair, Unit
 from planner.model.grouping import (
     discover_structure,
+    fold_templates,
     group_units,
     model_input_count,
     run_units_once,
@@ -112,17 +113,23 @@ def _analyse(loaded: LoadedModel, model: nn.Module) -> ModelGraph:
     structure = discover_structure(model)
     roots, blocks = structure.roots, structure.blocks
 
-    def split_and_run(gm: torch.fx.GraphModule) -> _Split:
+    def split_and_run(gm: torch.fx.GraphModule) -> _Split | None:
         groups, node_unit = group_units(gm, roots, blocks, structure.stateless)
         with lazy_graph_modules():
             parts = split_module(gm, model, lambda n: node_unit[n], keep_original_order=True)
         keys = {i: structure_key(model, g, blocks) for i, g in enumerate(groups)}
+        templates = fold_templates(parts, groups, keys)
+        if templates is None:
+            return None  # a folded block that is not a unit repeating another: traced again, unfolded
         with mixed_precision_mode(compute):
-            out, captured, sigs = run_units_once(parts, inputs[:n_in], keys)
+            out, captured, sigs = run_units_once(parts, inputs[:n_in], keys, templates)
         return groups, node_unit, parts, out, captured, sigs
 
     with _batch_norm_inputs(model) as norm_inputs:
-        traced = trace_model(model, inputs[:n_in], loaded.source.path, check=split_and_run)
+        # Repeats of a block are one call each (trace.FOLD_REPEATED_BLOCKS): counted and sharded as the first.
+        traced = trace_model(model, inputs[:n_in], loaded.source.path, check=split_and_run, fold=frozenset(blocks))
+        if traced.checked is None:
+            traced = trace_model(model, inputs[:n_in], loaded.source.path, check=split_and_run)
     checked: _Split = traced.checked
     groups, node_unit, parts, out, captured, unit_sig = checked
     # A batch norm that sees one value per channel in a sample (BatchNorm1d on [batch, features]) refuses a

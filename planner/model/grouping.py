@@ -265,14 +265,63 @@ def returned_nodes(graph: torch.fx.Graph) -> str:
     return repr(torch.fx.graph.map_arg(out.args[0], lambda n: index[n]))
 
 
+def fold_templates(parts: torch.fx.GraphModule, groups: list[list[str]], keys: dict[int, str]) -> dict[int, int] | None:
+    """Unit index -> the index of the unit it repeats, for each unit that is a folded block (one call_module node
+    of a block traced before: tracers._Recording.fold), so that it takes that unit's signature (and its counts
+    and tensor-parallel layout); None where a folded block is not a unit of its own (nodes of the model's beside
+    it, or another block) or repeats none (the analysis then traces again without folding)."""
+    from planner.runtime.tracers import FOLD_MADE, FOLDED
+
+    index = {g[0]: i for i, g in enumerate(groups) if len(g) == 1}
+    templates: dict[int, int] = {}
+    for i, group in enumerate(groups):
+        sub = getattr(parts, f"submod_{i}", None)
+        if sub is None:
+            continue
+        # (split_module copies a node's meta to the placeholders that take its value: only the call counts)
+        calls = [n for n in sub.graph.nodes if n.op == "call_module" and FOLDED in n.meta]
+        if not calls:
+            continue
+        if len(calls) != 1 or group != [calls[0].meta[FOLDED][0]]:
+            return None
+        if any(n.op not in ("placeholder", "output") and FOLD_MADE not in n.meta for n in sub.graph.nodes):
+            return None  # nodes of the model's own beside the call (module-less ops after the block join its unit)
+        t = index.get(calls[0].meta[FOLDED][1])
+        if t is None or t >= i or keys[t] != keys[i] or t in templates:
+            return None
+        templates[i] = t
+    return templates
+
+
+def _run_folded(part: torch.fx.GraphModule, args: tuple[Any, ...]) -> Any:
+    """A folded block's unit run on meta with its call answered by the meta values the trace recorded (the block's
+    own Python need not run on meta: transformers' MoE takes a data-dependent path outside a trace)."""
+    import torch.fx
+
+    from planner.runtime.tracers import FOLDED
+
+    class Folded(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            if n.op == "call_module" and FOLDED in n.meta:
+                return meta_like(n.meta[FOLDED][2])
+            return super().run_node(n)
+
+    return Folded(part).run(*args)
+
+
 def run_units_once(
-    parts: torch.fx.GraphModule, inputs: tuple[Any, ...], keys: dict[int, str]
+    parts: torch.fx.GraphModule, inputs: tuple[Any, ...], keys: dict[int, str], templates: dict[int, int] | None = None
 ) -> tuple[Any, dict[int, tuple[Any, ...]], dict[int, str]]:
     """Run the split model on meta, executing each distinct (unit structure, input shapes) only once.
 
     Returns (model output, inputs captured per unit index, the unit index -> signature map). Identical
     blocks with identical input shapes have identical output shapes, so repeated ones are skipped.
+    `templates`: folded blocks (`fold_templates`), which take the signature of the unit they repeat and are run
+    with the meta values their trace recorded where it has them.
     """
+    from planner.runtime.tracers import FOLDED
+
+    templates = templates or {}
     import torch
     from torch.utils._pytree import tree_flatten
 
@@ -292,7 +341,10 @@ def run_units_once(
                 args = tuple(env[a] if isinstance(a, torch.fx.Node) else a for a in node.args)
                 flat, _ = tree_flatten(args)
                 shapes = tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t) for t in flat)
-                sig = hashlib.sha256(repr((keys[idx], shapes)).encode()).hexdigest()[:16]
+                if idx in templates:
+                    sig = sigs[templates[idx]]
+                else:
+                    sig = hashlib.sha256(repr((keys[idx], shapes)).encode()).hexdigest()[:16]
                 sigs[idx] = sig
                 captured[idx] = args
                 part = getattr(parts, target)
@@ -301,7 +353,11 @@ def run_units_once(
                 # its input, as made in the first block) is passed on by every block but the last.
                 run = (sig, returned_nodes(part.graph))
                 if run not in cache:
-                    cache[run] = part(*args)
+                    recorded = idx in templates and all(
+                        n.meta[FOLDED][2] is not None
+                        for n in part.graph.nodes if n.op == "call_module" and FOLDED in n.meta
+                    )
+                    cache[run] = _run_folded(part, args) if recorded else part(*args)
                 env[node] = meta_like(cache[run])
             elif node.op == "call_function":
                 args = tuple(env[a] if isinstance(a, torch.fx.Node) else a for a in node.args)

@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 # the same graph, node for node, at a fraction of the time (Llama-3-70B's 80 layers). False traces every block
 # (tests compare the two).
 REPLAY_REPEATED_BLOCKS = True
+# Of those, the repeats of the model's blocks (its units) kept as one call each: the analysis counts and shards
+# the first of each kind and reads only a unit's inputs and outputs from the graph (tracers._Recording.fold).
+# False replays them node for node (tests compare the analyses).
+FOLD_REPEATED_BLOCKS = True
 
 
 @dataclass
@@ -42,15 +46,16 @@ class Traced:
     checked: Any = None  # what trace_model's `check` returned
 
 
-def symbolic_trace(model: nn.Module) -> torch.fx.GraphModule:
-    """torch.fx.symbolic_trace with a tensor-name cache.
+def symbolic_trace(model: nn.Module, fold: frozenset[str] = frozenset()) -> torch.fx.GraphModule:
+    """torch.fx.symbolic_trace with a tensor-name cache; `fold`: blocks whose repeats are kept as one call each
+    (`trace_model`).
 
     The stock tracer looks up every tensor attribute it meets (a rotary table read in each block) by
     walking all of the model's buffers, which is quadratic in depth: minutes for an 80-layer model.
     """
     from planner.runtime.tracers import BufferTracer  # the generated script traces with the same tracer
 
-    tracer = BufferTracer(repeats=REPLAY_REPEATED_BLOCKS)
+    tracer = BufferTracer(repeats=REPLAY_REPEATED_BLOCKS, fold=fold if FOLD_REPEATED_BLOCKS else frozenset())
     graph = tracer.trace(model)
     with lazy_graph_modules():  # the analysis splits the graph and never runs the whole of it: no code to compile
         return _make_graph_module(tracer.root, graph, model.__class__.__name__)
@@ -91,11 +96,14 @@ def trace_model(
     inputs: tuple[Any, ...],
     model_path: str,
     check: Callable[[torch.fx.GraphModule], Any] | None = None,
+    fold: frozenset[str] = frozenset(),
 ) -> Traced:
     """Trace ``model`` called on ``inputs`` (meta tensors). Raises TraceError naming the offending line.
 
     ``check(gm)`` runs the traced graph on the meta inputs (by default all of it; the unit analysis
     passes a cheaper check that runs each distinct block once) and its result is kept in ``Traced.checked``.
+    ``fold``: the blocks (the analysis' units) whose repeats of an earlier block, called alike, are one
+    call_module node each rather than its nodes again (FOLD_REPEATED_BLOCKS; not torch.export's graph).
     """
     check = check or (lambda gm: _shape_check(gm, inputs))
     import torch
@@ -105,7 +113,7 @@ def trace_model(
 
     fx_error: str | None = None
     try:
-        gm = symbolic_trace(model)
+        gm = symbolic_trace(model, fold)
         return Traced(gm=gm, method="fx", checked=check(gm))
     except ModelLoadError:
         raise  # the model breaks the contract (e.g. int inputs into a Linear): no tracer will fix that
@@ -118,7 +126,9 @@ def trace_model(
         # answers it, at fx's speed, where torch.export takes ~1 ms per op (planner.runtime.tracers).
         from planner.runtime.tracers import meta_trace
 
-        graph = meta_trace(model, tuple(inputs), repeats=REPLAY_REPEATED_BLOCKS)
+        graph = meta_trace(
+            model, tuple(inputs), repeats=REPLAY_REPEATED_BLOCKS, fold=fold if FOLD_REPEATED_BLOCKS else frozenset()
+        )
         with lazy_graph_modules():
             gm = _make_graph_module(model, graph, model.__class__.__name__)
         return Traced(gm=gm, method="fx-meta", fx_error=fx_error, checked=check(gm))

@@ -108,10 +108,13 @@ class BufferTracer(fx.Tracer):
 
     proxy_buffer_attributes = True
 
-    def __init__(self, leaves: frozenset[str] = frozenset(), repeats: bool = False) -> None:
+    def __init__(
+        self, leaves: frozenset[str] = frozenset(), repeats: bool = False, fold: frozenset[str] = frozenset()
+    ) -> None:
         super().__init__()
         self.leaves = leaves  # qualified names of modules kept as one call (expert-parallel experts)
         self.repeats = repeats  # trace each kind of repeated block once and replay it (RepeatedBlocks)
+        self.fold = fold  # blocks whose repeats are kept as one call each instead of replayed (_Recording.fold)
         self._blocks: RepeatedBlocks | None = None
         self._linears: frozenset[int] | None = None  # ids of the root's Linear subclasses kept as calls
 
@@ -170,6 +173,8 @@ class BufferTracer(fx.Tracer):
             return super().call_module(m, forward, args, kwargs)
         recorded = blocks.recorded.get(key)
         if recorded is not None:
+            if path in self.fold and path not in blocks.last and recorded.access is not None:
+                return recorded.fold(self, path, type(m), args, kwargs)
             return recorded.replay(self, path, args, kwargs)
         before, calls, depth = len(self.graph.nodes), dict(self.num_calls), len(self.module_stack)
         out = super().call_module(m, forward, args, kwargs)
@@ -404,15 +409,17 @@ def _recorded_factories(tracer: MetaTracer) -> Iterator[None]:
 
 def meta_trace(
     model: nn.Module, inputs: tuple[torch.Tensor, ...], leaves: frozenset[str] = frozenset(), repeats: bool = False,
-    shaped: frozenset[str] = frozenset(),
+    shaped: frozenset[str] = frozenset(), fold: frozenset[str] = frozenset(),
 ) -> fx.Graph:
     """The graph of ``model(*inputs)`` (meta tensors), traced with meta values; raises (MetaTraceError, or the
     error of the op whose meta value cannot be computed) where it cannot follow the model. `repeats`: each kind
-    of repeated block traced once and replayed for the others (RepeatedBlocks). `shaped`: modules kept as calls
-    whose meta value is a tensor like their first tensor input, without running their code (the runtime's
+    of repeated block traced once and replayed for the others (RepeatedBlocks); `fold`: of those, the blocks
+    whose repeats are kept as one call each instead (the analysis': `_Recording.fold`). `shaped`: modules kept as
+    calls whose meta value is a tensor like their first tensor input, without running their code (the runtime's
     experts, whose code takes the GPU's path on meta: transformers' grouped_mm wants bf16 there)."""
     tracer = MetaTracer(tuple(inputs), leaves, shaped)
     tracer.repeats = repeats
+    tracer.fold = fold
     tracer.scan_linears(model)
     with MetaMemo(), _recorded_factories(tracer):
         graph = tracer.trace(model)
@@ -445,6 +452,12 @@ def _plain_key(v: Any) -> Any:
 # a block holding it can still be replayed. Any other hook makes its block traced.
 TRACE_NEUTRAL = "planner_trace_neutral"
 
+# On a folded block's call_module node (`_Recording.fold`): (its path, the path of the block it repeats, the meta
+# values it returns or None).
+FOLDED = "planner_folded"
+
+FOLD_MADE = "planner_fold_made"  # on every node a fold made (its call, outputs and stand-in arguments)
+
 # Integer attributes that hold a block's own index (transformers' `layer_idx`, used to index a KV cache that
 # training does not keep): left out of a block's description where they equal its position in its container.
 _INDEX_NAMES = ("idx", "index", "layer_id")
@@ -466,6 +479,9 @@ class RepeatedBlocks:
     def __init__(self, root: nn.Module, leaves: frozenset[str]) -> None:
         self.kinds: dict[int, Any] = {}  # id(block) -> its description
         self.recorded: dict[Any, _Recording] = {}
+        # The last block of each container: never folded (the model's own ops after a stack of blocks, CLIP's
+        # pooling slice of the last hidden state, join its unit, which then differs from the block it repeats)
+        self.last: set[str] = set()
         containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
         for name, mod in root.named_modules():
             if not isinstance(mod, containers):
@@ -473,6 +489,8 @@ class RepeatedBlocks:
             described: dict[int, Any] = {}
             for position, (child_name, child) in enumerate(mod.named_children()):
                 prefix = f"{name}.{child_name}" if name else child_name
+                if position == len(mod) - 1:
+                    self.last.add(prefix)
                 with contextlib.suppress(Exception):  # a module whose repr or attributes fail: traced
                     described[id(child)] = describe_block(child, position, prefix, leaves)
             counts: dict[Any, int] = {}
@@ -567,6 +585,10 @@ class _Recording:
         if any(not (k == path or k.startswith(path + ".")) for k in called):
             raise _Unkeyable  # it called a module of the model's outside itself: a replay would not count that call
         self.calls = {k[len(path) :]: n for k, n in called.items()}
+        self.inside = set(self.nodes)
+        foldable = _foldable(self.nodes, self.arguments, self.out_spec, isinstance(tracer, MetaTracer))
+        self.access: list[tuple[tuple[Any, Any], ...]] | None = foldable[0] if foldable is not None else None
+        self.used: frozenset[int] | None = foldable[1] if foldable is not None else None
 
     def replay(self, tracer: BufferTracer, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The recorded nodes again for the block at `path` called with `args` and `kwargs` (same key)."""
@@ -597,6 +619,11 @@ class _Recording:
             )
             if node.meta.get(IN_PLACE):
                 new.meta[IN_PLACE] = True
+            if FOLD_MADE in node.meta:  # a block folded inside the recorded one: folded here too, renamed
+                new.meta[FOLD_MADE] = True
+            if FOLDED in node.meta:
+                own, template, values = node.meta[FOLDED]
+                new.meta[FOLDED] = (rename(own), rename(template), values)
             stack = node.meta.get("nn_module_stack")
             if stack is not None:
                 new.meta["nn_module_stack"] = type(stack)(
@@ -618,3 +645,118 @@ class _Recording:
                 proxy.value = value  # type: ignore[attr-defined]
             leaves.append(proxy)
         return pytree.tree_unflatten(leaves, self.out_spec)
+
+    def fold(self, tracer: BufferTracer, path: str, kind: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The block at `path` (same key) as one call_module node, and a getitem/getattr node per tensor it
+        returns, on the block's module stack with the recorded meta values: what a leaf module's call records.
+        For the analysis only (`BufferTracer.fold`): it counts and shards the first block of each kind (traced)
+        and reads only a repeat's inputs and outputs from the graph, so a repeat's hundreds of nodes need not
+        exist (DeepSeek-V3's 58 MoE layers: 20,000 nodes, ~0.5 s to make and split). The call takes what the
+        traced block's nodes read: an argument they do not read (transformers' position_ids, passed to every
+        decoder layer for a KV cache) is made inside the unit as an empty meta tensor like it (a unit's inputs
+        are what its nodes read), and a value the block returns unchanged is the caller's own."""
+        assert self.access is not None and self.used is not None
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        tracer.module_stack[path] = (path, kind)  # as fx's call_module (the first call: the path is the key)
+        made: list[fx.Node] = []
+        try:
+            passed = []
+            for j, leaf in enumerate(flat):
+                if j in self.used or not isinstance(leaf, fx.Proxy):
+                    passed.append(leaf)
+                    continue
+                value = leaf.value  # (a MetaProxy: `used` has every proxy without a value)
+                if not isinstance(value, torch.Tensor):
+                    passed.append(value)
+                    continue
+                layout = (tuple(value.shape), tuple(value.stride()))
+                made.append(tracer.create_node(
+                    "call_function", _EMPTY_STRIDED, layout, {"dtype": value.dtype, "device": torch.device("meta")}
+                ))
+                passed.append(tracer.proxy(made[-1]))
+            call_args, call_kwargs = pytree.tree_unflatten(passed, spec)
+            call = tracer.create_node("call_module", path, tracer.create_arg(call_args), tracer.create_arg(call_kwargs))
+            made.append(call)
+            # what the analysis reads back (grouping.run_units_once): the block it repeats, and the meta values
+            # the call returns (None without them: a plain symbolic trace runs the block)
+            outs = [value if what == "node" else v for what, v, value in self.out]
+            known = isinstance(tracer, MetaTracer) and all(
+                value is not None for what, _, value in self.out if what == "node"
+            )
+            call.meta[FOLDED] = (path, self.path, pytree.tree_unflatten(outs, self.out_spec) if known else None)
+            routes: dict[tuple[tuple[Any, Any], ...], fx.Node] = {(): call}
+            positions = {node: j for j, node in enumerate(self.arguments) if node is not None}
+            leaves = []
+            for (what, v, value), route in zip(self.out, self.access, strict=True):
+                if what == "value":
+                    leaves.append(v)
+                    continue
+                if v in positions:  # an argument returned as it came: the caller's value
+                    leaves.append(flat[positions[v]])
+                    continue
+                if v.op == "get_attr" and v not in self.inside:  # a weight read before the block: the same node
+                    leaves.append(tracer.proxy(v))
+                    continue
+                node = call
+                for i in range(len(route)):
+                    if route[: i + 1] not in routes:
+                        fn, key = route[i]
+                        routes[route[: i + 1]] = tracer.create_node("call_function", fn, (node, key), {})
+                        made.append(routes[route[: i + 1]])
+                    node = routes[route[: i + 1]]
+                proxy = tracer.proxy(node)
+                if value is not None:
+                    proxy.value = value  # type: ignore[attr-defined]
+                leaves.append(proxy)
+        finally:
+            tracer.module_stack.popitem(last=True)
+        for node in made:
+            tracer.node_name_to_scope[node.name] = (path, kind)
+            node.meta[FOLD_MADE] = True
+        for rel, n in self.calls.items():
+            tracer.num_calls[path + rel] = tracer.num_calls.get(path + rel, 0) + n
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+_EMPTY_STRIDED = torch.empty_strided  # (the function itself: a trace records torch's factories by replacing them)
+
+
+def _foldable(
+    nodes: list[fx.Node], arguments: list[fx.Node | None], out_spec: pytree.TreeSpec, values: bool
+) -> tuple[list[tuple[tuple[Any, Any], ...]], frozenset[int]] | None:
+    """Where a recorded block's repeats can be kept as one call (`_Recording.fold`): how to reach each leaf it
+    returns from the call's output (a route of getitem/getattr steps), and the positions of the arguments its
+    nodes read. None where not (or where the block is one call already): a node of the block reads a value
+    computed outside it that is not an argument
+    (a tensor one block leaves on a shared module for the next: the call would hide that edge); the output's
+    structure has no such routes; or, without meta values (`values`: a plain symbolic trace), an argument its
+    nodes do not read (the call could not be given one like it)."""
+    if len(nodes) == 1 and nodes[0].op == "call_module":
+        return None  # a block kept as one call already (an nn.Embedding of a recommender's tables)
+    inside = set(nodes)
+    position = {a: j for j, a in enumerate(arguments) if a is not None}
+    used: set[int] = set()
+    for node in nodes:
+        for a in node.all_input_nodes:
+            if a in position:
+                used.add(position[a])
+            elif a not in inside and a.op != "get_attr":
+                return None
+    if not values and any(a is not None and j not in used for j, a in enumerate(arguments)):
+        return None
+    try:
+        count = out_spec.num_leaves
+        routes = []
+        for path, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(count)), out_spec))[0]:
+            route: list[tuple[Any, Any]] = []
+            for step in path:
+                if isinstance(step, (pytree.SequenceKey, pytree.MappingKey)):
+                    route.append((operator.getitem, step.idx if isinstance(step, pytree.SequenceKey) else step.key))
+                elif isinstance(step, pytree.GetAttrKey):
+                    route.append((getattr, step.name))
+                else:
+                    return None
+            routes.append(tuple(route))
+    except Exception:  # noqa: BLE001 - a structure without key paths: replayed
+        return None
+    return routes, frozenset(used)
