@@ -121,8 +121,15 @@ def _analyse(loaded: LoadedModel, model: nn.Module) -> ModelGraph:
         templates = fold_templates(parts, groups, keys)
         if templates is None:
             return None  # a folded block that is not a unit repeating another: traced again, unfolded
-        with mixed_precision_mode(compute):
-            out, captured, sigs = run_units_once(parts, inputs[:n_in], keys, templates)
+        try:
+            with mixed_precision_mode(compute):
+                out, captured, sigs = run_units_once(parts, inputs[:n_in], keys, templates)
+        except Exception:
+            if not templates:
+                raise
+            # (a plain symbolic trace's folded block runs as written on meta: where that fails, the unfolded
+            # trace's graph runs instead, and any error is the one it raises)
+            return None
         return groups, node_unit, parts, out, captured, sigs
 
     with _batch_norm_inputs(model) as norm_inputs:

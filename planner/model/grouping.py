@@ -319,11 +319,12 @@ def run_units_once(
     `templates`: folded blocks (`fold_templates`), which take the signature of the unit they repeat and are run
     with the meta values their trace recorded where it has them.
     """
+    import torch
+    from torch.utils._pytree import tree_flatten
+
     from planner.runtime.tracers import FOLDED
 
     templates = templates or {}
-    import torch
-    from torch.utils._pytree import tree_flatten
 
     env: dict[torch.fx.Node, Any] = {}
     captured: dict[int, tuple[Any, ...]] = {}
