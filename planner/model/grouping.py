@@ -265,6 +265,14 @@ def returned_nodes(graph: torch.fx.Graph) -> str:
     return repr(torch.fx.graph.map_arg(out.args[0], lambda n: index[n]))
 
 
+def folded_calls(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The call_module nodes of folded blocks in `graph` (tracers._Recording.fold). split_module copies a node's
+    meta to the placeholders that take its value: only the calls count."""
+    from planner.runtime.tracers import FOLDED
+
+    return [n for n in graph.nodes if n.op == "call_module" and FOLDED in n.meta]
+
+
 def fold_templates(parts: torch.fx.GraphModule, groups: list[list[str]], keys: dict[int, str]) -> dict[int, int] | None:
     """Unit index -> the index of the unit it repeats, for each unit that is a folded block (one call_module node
     of a block traced before: tracers._Recording.fold), so that it takes that unit's signature (and its counts
@@ -278,8 +286,7 @@ def fold_templates(parts: torch.fx.GraphModule, groups: list[list[str]], keys: d
         sub = getattr(parts, f"submod_{i}", None)
         if sub is None:
             continue
-        # (split_module copies a node's meta to the placeholders that take its value: only the call counts)
-        calls = [n for n in sub.graph.nodes if n.op == "call_module" and FOLDED in n.meta]
+        calls = folded_calls(sub.graph)
         if not calls:
             continue
         if len(calls) != 1 or group != [calls[0].meta[FOLDED][0]]:
@@ -300,9 +307,11 @@ def _run_folded(part: torch.fx.GraphModule, args: tuple[Any, ...]) -> Any:
 
     from planner.runtime.tracers import FOLDED
 
+    calls = set(folded_calls(part.graph))
+
     class Folded(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
-            if n.op == "call_module" and FOLDED in n.meta:
+            if n in calls:
                 return meta_like(n.meta[FOLDED][2])
             return super().run_node(n)
 
@@ -354,10 +363,7 @@ def run_units_once(
                 # its input, as made in the first block) is passed on by every block but the last.
                 run = (sig, returned_nodes(part.graph))
                 if run not in cache:
-                    recorded = idx in templates and all(
-                        n.meta[FOLDED][2] is not None
-                        for n in part.graph.nodes if n.op == "call_module" and FOLDED in n.meta
-                    )
+                    recorded = idx in templates and all(n.meta[FOLDED][2] is not None for n in folded_calls(part.graph))
                     cache[run] = _run_folded(part, args) if recorded else part(*args)
                 env[node] = meta_like(cache[run])
             elif node.op == "call_function":

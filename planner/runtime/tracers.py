@@ -586,7 +586,7 @@ class _Recording:
             raise _Unkeyable  # it called a module of the model's outside itself: a replay would not count that call
         self.calls = {k[len(path) :]: n for k, n in called.items()}
         self.inside = set(self.nodes)
-        foldable = _foldable(self.nodes, self.arguments, self.out_spec, isinstance(tracer, MetaTracer))
+        foldable = _foldable(self.nodes, self.inside, self.arguments, self.out_spec, isinstance(tracer, MetaTracer))
         self.access: list[tuple[tuple[Any, Any], ...]] | None = foldable[0] if foldable is not None else None
         self.used: frozenset[int] | None = foldable[1] if foldable is not None else None
 
@@ -722,7 +722,8 @@ _EMPTY_STRIDED = torch.empty_strided  # (the function itself: a trace records to
 
 
 def _foldable(
-    nodes: list[fx.Node], arguments: list[fx.Node | None], out_spec: pytree.TreeSpec, values: bool
+    nodes: list[fx.Node], inside: set[fx.Node], arguments: list[fx.Node | None], out_spec: pytree.TreeSpec,
+    values: bool,
 ) -> tuple[list[tuple[tuple[Any, Any], ...]], frozenset[int]] | None:
     """Where a recorded block's repeats can be kept as one call (`_Recording.fold`): how to reach each leaf it
     returns from the call's output (a route of getitem/getattr steps), and the positions of the arguments its
@@ -733,16 +734,16 @@ def _foldable(
     nodes do not read (the call could not be given one like it)."""
     if len(nodes) == 1 and nodes[0].op == "call_module":
         return None  # a block kept as one call already (an nn.Embedding of a recommender's tables)
-    inside = set(nodes)
-    position = {a: j for j, a in enumerate(arguments) if a is not None}
-    used: set[int] = set()
+    given = {a for a in arguments if a is not None}
+    read: set[fx.Node] = set()
     for node in nodes:
         for a in node.all_input_nodes:
-            if a in position:
-                used.add(position[a])
+            if a in given:
+                read.add(a)
             elif a not in inside and a.op != "get_attr":
                 return None
-    if not values and any(a is not None and j not in used for j, a in enumerate(arguments)):
+    used = frozenset(j for j, a in enumerate(arguments) if a is not None and a in read)
+    if not values and read != given:
         return None
     try:
         count = out_spec.num_leaves
@@ -759,4 +760,4 @@ def _foldable(
             routes.append(tuple(route))
     except Exception:  # noqa: BLE001 - a structure without key paths: replayed
         return None
-    return routes, frozenset(used)
+    return routes, used
