@@ -16,7 +16,9 @@ each plan runs `planner plan hf:NAME --hf-config ...` (or `planner plan FILE` fo
 the transformers class from its config: Whisper's mel input, CLIP's image and text towers) in a fresh
 process, so the time includes importing torch and transformers and tracing on the meta device. Before each
 plan, `python -c "import torch"` is timed in a fresh process too, and the plan's time is printed as a ratio to
-it: the machine's speed (and its load from other work) cancels out of the ratio. Cold by default
+it: the machine's speed (and its load from other work) cancels out of the ratio. So is a process that only
+imports what the plan must import of other people's code (torch, and transformers with the model's class, or
+torchtitan's model package: `floor_s`); the plan's time less that is printed as the planner's own. Cold by default
 (PLANNER_NO_CACHE=1: no analysis cache, no remembered check); `--warm` plans each model twice and times the
 second, from the cache. A benchmark, not a test: it prints, it asserts nothing (each cold plan is meant to take
 at most BUDGET_S seconds, issue 27).
@@ -248,12 +250,35 @@ WARM = False  # --warm: time a re-plan from the analysis cache
 EP_SEARCH = False  # --ep-search: MoE models' search alone, ep searched and ep pinned to 1
 REPEAT = 1  # --repeat N: each model planned N times (fresh processes), the median reported
 SPREAD: dict[str, tuple[float, float]] = {}  # name -> (least, most) plan s over the repeats
+FLOORS: dict[str, float] = {}  # name -> median s of importing torch and the model's library alone (floor_s)
+OWN: dict[str, float] = {}  # name -> median s of each plan less the floor measured just before it
 
 
 def import_torch_s() -> float:
     """Seconds `python -c "import torch"` takes in a fresh process now: the unit the plan times are given in."""
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import torch"], cwd=ROOT, check=True)
+    return time.perf_counter() - start
+
+
+def floor_code(name: str, config: dict | str) -> str:
+    """What a plan of `name` must import of other people's code, as a program: torch and the model's own library
+    (transformers and its class for the model; torchtitan's model package), ended as `planner` ends
+    (os._exit after its output: no interpreter teardown, which takes about a second after transformers)."""
+    if isinstance(config, dict):
+        what = f"import transformers; transformers.{config['architectures'][0]}"
+    elif name in FILES:
+        what = f"import transformers; transformers.{FILES[name]['config_class'].replace('Config', 'Model')}"
+    else:  # a torchtitan flavor
+        what = f"import importlib; importlib.import_module('torchtitan.models.{name.split(':', 1)[1]}')"
+    return f"import os, torch; {what}; os._exit(0)"
+
+
+def floor_s(name: str, config: dict | str) -> float:
+    """Seconds the imports of `floor_code` take in a fresh process now: the part of a plan's time that is
+    torch's and the model library's, which no planner can spend less on."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", floor_code(name, config)], cwd=ROOT, check=True)
     return time.perf_counter() - start
 
 # torchtitan's own registry (torchtitan:MODEL --flavor NAME), built on meta; skipped without the titan extra.
@@ -279,15 +304,18 @@ def plan(name: str, config: dict | str, work: Path) -> None:
     env = {**os.environ, "PLANNER_NO_CACHE": "0" if WARM else "1"}
     if WARM:  # prime the analysis cache and the remembered check, then time a re-plan
         subprocess.run([*cmd, "--force"], cwd=ROOT, capture_output=True, text=True, env=env)
-    walls, torches = [], []
+    walls, torches, floors = [], [], []
     for _ in range(REPEAT):  # each a fresh process; the median is reported (this machine's timings wander)
         torches.append(import_torch_s())
+        floors.append(floor_s(name, config))
         start = time.perf_counter()
         done = subprocess.run([*cmd, "--force"], cwd=ROOT, capture_output=True, text=True, env=env)
         walls.append(time.perf_counter() - start)
         if done.returncode != 0:
             break
     wall, torch_s = statistics.median(walls), statistics.median(torches)
+    FLOORS[name] = statistics.median(floors)
+    OWN[name] = statistics.median(w - f for w, f in zip(walls, floors, strict=False))
     SPREAD[name] = (min(walls), max(walls))
     if done.returncode == 0:
         describe(name, json.loads(done.stdout), wall, "planner plan", torch_s)
@@ -335,12 +363,16 @@ def main() -> None:
                 continue
             plan(name, config, Path(tmp))
     runs = f", median of {REPEAT} cold plans (min..max)" if REPEAT > 1 else ""
-    print(f"\n{'model':34} {'plan s':>7} {'import torch s':>15} {'ratio':>6}  within {BUDGET_S:g} s{runs}")
+    print(f"\n{'model':34} {'plan s':>7} {'import torch s':>15} {'ratio':>6} {'imports s':>10} {'planner s':>10}"
+          f"  within {BUDGET_S:g} s{runs}")
     for name, (wall, torch_s, ok) in TIMES.items():
         verdict = ("yes" if wall <= BUDGET_S else "no") if ok else "failed"
         lo, hi = SPREAD.get(name, (wall, wall))
         spread = f"  ({lo:.1f}..{hi:.1f})" if REPEAT > 1 else ""
-        print(f"{name:34} {wall:7.1f} {torch_s:15.2f} {wall / torch_s:6.1f}  {verdict}{spread}")
+        print(f"{name:34} {wall:7.1f} {torch_s:15.2f} {wall / torch_s:6.1f} {FLOORS[name]:10.2f} {OWN[name]:10.2f}"
+              f"  {verdict}{spread}")
+    print("imports s: a fresh process that imports torch and the model's library (its class) and ends as planner "
+          "does; planner s: each plan less the imports measured just before it (median)")
 
 
 if __name__ == "__main__":
