@@ -51,22 +51,34 @@ def test_a_pinned_pipeline_guesses_its_blocks_spread_evenly():
     assert len(sizes) == guess.cand.stages >= 4 and max(sizes) - min(sizes) <= 2
 
 
-def test_one_stage_candidates_near_the_least_bound_are_solved_first_until_a_cutoff_exists(monkeypatch):
-    """The sample GPT on 8 H100s (data parallelism wins): the one-stage candidates near the least bound are
-    solved before the queue's order, just until the k-th plan's figure exists, so that the pipelined candidates
-    meet a cutoff from their first node; the ranking is that of the search in bound order."""
+def test_one_stage_candidates_near_the_least_bound_are_solved_first_while_they_can_enter_the_top_k(monkeypatch):
+    """GPT-3 13B on 8 H100s: the one-stage candidates near the least bound are solved before the queue's order,
+    while their bounds are below the k-th plan's figure, so that the pipelined candidates meet a cutoff from
+    their first node and the best one-stage plan is the search's best before any pipelined candidate is solved
+    (where it is the final plan, as for most models, the plan-time check gets it at once); the ranking is that
+    of the search in bound order."""
     from planner.search import search as search_module
 
-    request = PlanRequest(model_path="sample_models/gpt.py", gpu="h100-sxm-80gb", nodes=1, global_batch_size=512)
+    request = PlanRequest(
+        model_path="sample_models/gpt.py", model_args={"preset": "gpt3-13b"}, gpu="h100-sxm-80gb", nodes=1,
+        global_batch_size=512,
+    )
     graph, cluster = analyse(request, cache=False), load_cluster("h100-sxm-80gb", 1)
     s = search_module.Search(graph, cluster, 512, Pins())
     s.bound_all()
     queued = len(s.heap)
     least = min(s.heap).bound
     s.one_stage_first()
-    assert s.cutoff_now() is not None and len(s.ranked) == s.top_k + 1
-    assert s.solved == queued - len(s.heap) >= s.top_k + 1
+    cutoff = s.cutoff_now()
+    assert cutoff is not None and len(s.ranked) == s.top_k + 1
+    assert s.solved == queued - len(s.heap) > s.top_k + 1
     assert all(e.cand.stages == 1 and e.objective >= least for e in s.ranked)
+    # every one-stage candidate left near the least bound is one that cannot enter the top k
+    near = [it for it in s.heap if it.cand.stages == 1 and it.bound <= least * search_module.ONE_STAGE_NEAR]
+    assert near and all(it.bound >= cutoff for it in near)
+    one_stage = search(graph, cluster, 512, Pins(pp=1)).best
+    assert one_stage.cand.stages == 1 and s.ranked[0].cand == one_stage.cand
+    assert s.ranked[0].reported == one_stage.reported
     first = search(graph, cluster, 512, Pins())
     monkeypatch.setattr(search_module.Search, "one_stage_first", lambda self: None)
     assert _figures(first) == _figures(search(graph, cluster, 512, Pins()))
