@@ -315,7 +315,7 @@ def plan(name: str, config: dict | str, work: Path) -> None:
             break
     wall, torch_s = statistics.median(walls), statistics.median(torches)
     FLOORS[name] = statistics.median(floors)
-    OWN[name] = statistics.median(w - f for w, f in zip(walls, floors, strict=False))
+    OWN[name] = statistics.median(w - f for w, f in zip(walls, floors, strict=True))
     SPREAD[name] = (min(walls), max(walls))
     if done.returncode == 0:
         describe(name, json.loads(done.stdout), wall, "planner plan", torch_s)

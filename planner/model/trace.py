@@ -55,7 +55,7 @@ def symbolic_trace(model: nn.Module, fold: frozenset[str] = frozenset()) -> torc
     """
     from planner.runtime.tracers import BufferTracer  # the generated script traces with the same tracer
 
-    tracer = BufferTracer(repeats=REPLAY_REPEATED_BLOCKS, fold=fold if FOLD_REPEATED_BLOCKS else frozenset())
+    tracer = BufferTracer(repeats=REPLAY_REPEATED_BLOCKS, fold=fold)
     graph = tracer.trace(model)
     with lazy_graph_modules():  # the analysis splits the graph and never runs the whole of it: no code to compile
         return _make_graph_module(tracer.root, graph, model.__class__.__name__)
@@ -106,6 +106,7 @@ def trace_model(
     call_module node each rather than its nodes again (FOLD_REPEATED_BLOCKS; not torch.export's graph).
     """
     check = check or (lambda gm: _shape_check(gm, inputs))
+    fold = fold if FOLD_REPEATED_BLOCKS else frozenset()
     import torch
     import torch.fx
 
@@ -126,9 +127,7 @@ def trace_model(
         # answers it, at fx's speed, where torch.export takes ~1 ms per op (planner.runtime.tracers).
         from planner.runtime.tracers import meta_trace
 
-        graph = meta_trace(
-            model, tuple(inputs), repeats=REPLAY_REPEATED_BLOCKS, fold=fold if FOLD_REPEATED_BLOCKS else frozenset()
-        )
+        graph = meta_trace(model, tuple(inputs), repeats=REPLAY_REPEATED_BLOCKS, fold=fold)
         with lazy_graph_modules():
             gm = _make_graph_module(model, graph, model.__class__.__name__)
         return Traced(gm=gm, method="fx-meta", fx_error=fx_error, checked=check(gm))

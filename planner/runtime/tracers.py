@@ -586,6 +586,7 @@ class _Recording:
             raise _Unkeyable  # it called a module of the model's outside itself: a replay would not count that call
         self.calls = {k[len(path) :]: n for k, n in called.items()}
         self.inside = set(self.nodes)
+        self.positions = {node: j for j, node in enumerate(self.arguments) if node is not None}
         foldable = _foldable(self.nodes, self.inside, self.arguments, self.out_spec, isinstance(tracer, MetaTracer))
         self.access: list[tuple[tuple[Any, Any], ...]] | None = foldable[0] if foldable is not None else None
         self.used: frozenset[int] | None = foldable[1] if foldable is not None else None
@@ -685,14 +686,13 @@ class _Recording:
             )
             call.meta[FOLDED] = (path, self.path, pytree.tree_unflatten(outs, self.out_spec) if known else None)
             routes: dict[tuple[tuple[Any, Any], ...], fx.Node] = {(): call}
-            positions = {node: j for j, node in enumerate(self.arguments) if node is not None}
             leaves = []
             for (what, v, value), route in zip(self.out, self.access, strict=True):
                 if what == "value":
                     leaves.append(v)
                     continue
-                if v in positions:  # an argument returned as it came: the caller's value
-                    leaves.append(flat[positions[v]])
+                if v in self.positions:  # an argument returned as it came: the caller's value
+                    leaves.append(flat[self.positions[v]])
                     continue
                 if v.op == "get_attr" and v not in self.inside:  # a weight read before the block: the same node
                     leaves.append(tracer.proxy(v))
