@@ -782,3 +782,97 @@ def test_a_repeated_unit_holding_a_tied_weight_is_sharded_with_its_partner(tmp_p
     assert result.exit_code == 0, result.output
     plan = json.loads((out / "plan.json").read_text())
     assert plan["tp_plan"].get("model.shared") == "rowwise"
+
+
+LARGE_TP = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(4096, 8192)
+        self.down = nn.Linear(8192, 4096)
+        self.calls = 0
+
+    def forward(self, h):
+        self.calls += 1
+        if {once} and self.calls > 1:
+            raise RuntimeError("this block cannot run twice")
+        u = self.up(h)
+        if {fixed}:
+            u = u.view(u.shape[0], 8192)  # the unsharded width, fixed: tp rank 0's half cannot take it
+        return h + self.down(torch.relu(u))
+
+
+class Net(nn.Module):
+    """268M parameters: checked on meta, above the check's SMALL."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj_in = nn.Linear(16, 4096)
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+        self.head = nn.Linear(4096, 1)
+
+    def forward(self, x):
+        h = self.proj_in(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def build_model(**kwargs):
+    return Net()
+
+
+def example_inputs(batch_size, **kwargs):
+    return (torch.randn(batch_size, 16),)
+
+
+def loss_fn(output, x):
+    return {loss}
+'''
+
+
+def _large_tp_plan(tmp_path, once=False, fixed=False, loss="output.mean()", recompute="none"):
+    path = tmp_path / f"large_tp_{once}_{fixed}_{loss.replace('.', '_').replace('()', '')}_{recompute}.py"
+    path.write_text(LARGE_TP.format(once=once, fixed=fixed, loss=loss))
+    plan = make_plan("mlp", recompute=recompute)
+    modules = ["proj_in", *(f"blocks.{i}" for i in range(4)), "head"]
+    return plan.model_copy(update={
+        "model": plan.model.model_copy(update={"path": str(path), "loss_fn": "loss_fn"}),
+        "parallel": plan.parallel.model_copy(update={"tp": 2}),
+        "tp": dataclasses.replace(plan.tp, styles={
+            f"blocks.{i}.{m}": style for i in range(4) for m, style in (("up", "colwise"), ("down", "rowwise"))
+        }),
+        "cluster": plan.cluster.model_copy(update={"gpus_per_node": 2}),
+        "stages": [plan.stages[0].model_copy(update={"modules": modules, "units": modules})],
+    })
+
+
+def test_a_large_model_under_tp_is_checked_by_its_shard_alone_and_a_failure_still_told_apart(tmp_path, monkeypatch):
+    """A large model (above SMALL) under TP without a pipeline: the run runs tp rank 0's shard, and nothing else
+    of the check's looks at that size, so the shard's run (checkpointed as the run checkpoints it) is the whole
+    check; the model as written runs only where the shard fails, to tell a model that fails as written (the plan
+    cannot run: PlanError) from a layout it cannot take (LayoutRefusedError: a runner-up may run)."""
+    import planner.runtime.check as runtime_check
+
+    as_written: list[object] = []
+    run_model = runtime_check._run_model
+    monkeypatch.setattr(runtime_check, "_run_model", lambda *a: as_written.append(a) or run_model(*a))
+    assert check_plan_runs(_large_tp_plan(tmp_path)) == "module"
+    assert check_plan_runs(_large_tp_plan(tmp_path, once=True)) == "module"
+    assert as_written == []
+    with pytest.raises(LayoutRefusedError, match=r"sharded for tp 2 \(rank 0's shard, TP_PLAN applied\)"):
+        check_plan_runs(_large_tp_plan(tmp_path, fixed=True))
+    assert len(as_written) == 1
+    # failing as written: under the run's recomputation (a block that cannot run twice), or its loss
+    for plan, error in [
+        (_large_tp_plan(tmp_path, once=True, recompute="full"), "cannot run twice"),
+        (_large_tp_plan(tmp_path, loss="output"), "floating-point scalar"),
+    ]:
+        with pytest.raises(PlanError, match=error) as failed:
+            check_plan_runs(plan)
+        assert not isinstance(failed.value, LayoutRefusedError)
+    assert len(as_written) == 3

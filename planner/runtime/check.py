@@ -213,9 +213,21 @@ def check_plan_runs(
             except AsWritten:
                 traced = None  # the run takes the model as written (its head attributes divided by tp)
     if traced is None:
+        small = sum(p.numel() for p in meta_model.parameters()) <= SMALL
+        if layout.tp_enabled and not small:
+            # A large model under TP: the run runs tp rank 0's shard (checkpointed as the run checkpoints it), and
+            # no data-parallel wrapping is checked at this size (_run_data_parallel), so the shard's run is the
+            # check. The model as written runs only where the shard fails: a model that fails as written raises
+            # its own error (the plan cannot run), else the layout is refused (a runner-up may run).
+            try:
+                _run_tp_shard(case, small=False)
+            except RefusedLayout:
+                _run_model(case, meta_model)
+                raise
+            return "module"
         outside = _run_model(case, meta_model)
         if layout.tp_enabled:
-            _run_tp_shard(case, small=sum(p.numel() for p in meta_model.parameters()) <= SMALL)
+            _run_tp_shard(case, small=small)
         case.checkpoint()
         _run_data_parallel(case, outside, meta_model)
         return "module"
@@ -740,6 +752,8 @@ def _tp_shard_step(case: CheckCase, mesh: Any, on_cpu: bool) -> None:
     # others never run (parallelize_module of Llama-3-70B's 560 projections took 0.3 s of the check)
     kinds = unit_kinds(stage)
     apply_tp(stage, mesh, layout, {}, skip=repeated_units(stage, kinds))
+    # then activation checkpointing, as the run's parallelize() does (checkpointed in place: the units keep ids)
+    with_recompute(stage, layout.stages[0].recompute, layout.schedule, layout.stages[0].full)
     compute_dtype = COMPUTE_DTYPES.get(training.dtype)
     if compute_dtype is not None:
         _cast_parameters(model, compute_dtype)
