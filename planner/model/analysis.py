@@ -175,6 +175,7 @@ def _analyse(loaded: LoadedModel, model: nn.Module) -> ModelGraph:
                 if isinstance(val, torch.Tensor):
                     sizes[arg] = tensor_bytes(val)
 
+    meets = grad_meets(traced.gm, node_unit, model, len(groups))
     params_by_name = dict(model.named_parameters())
     buffers = tuple(model.buffers())
     state_ids = {id(t) for t in (*params_by_name.values(), *buffers)}
@@ -292,6 +293,7 @@ def _analyse(loaded: LoadedModel, model: nn.Module) -> ModelGraph:
                 uses_flash_attention=c.flash,
                 expert_params=sum(m.expert_params for m in moe),
                 frozen_params=sum(p.numel() for p in unit_params.values() if not p.requires_grad),
+                grad_meet=meets.get(i, []),
                 experts={m.experts: m.num_experts for m in moe},
                 ep_granularity=ep_granularity(moe),
                 moe_dispatch_bytes=sum(m.dispatch_bytes(seq or 1, dtype_bytes) for m in moe),
@@ -328,6 +330,63 @@ def _analyse(loaded: LoadedModel, model: nn.Module) -> ModelGraph:
         source_settings=dict(getattr(loaded.module, "SETTINGS", {})) if _compiled(loaded) else loaded.settings,
         dtype_bytes=dtype_bytes,
     )
+
+
+def grad_meets(gm: torch.fx.GraphModule, node_unit: dict[Any, int], model: nn.Module, n: int) -> dict[int, list[int]]:
+    """`Unit.grad_meet` of each unit (but the first) with a trained weight whose gradient does not meet a value the
+    first unit computed at once: per stage end j = i+1..n, the first unit whose computed values the unit's weights
+    meet inside units i..j-1 (n: none), the largest over its weights.
+
+    Zero-bubble's weight step (torch's `stage_backward_weight`) gets a weight's gradient only where the weight's
+    part of the autograd graph meets the part that starts at the stage's inputs, the values earlier stages
+    computed (`get_param_groups`); model inputs and buffers need no gradient. A node meets the values of unit k
+    where it reads, transitively, a value computed in unit k. A weight is a trained parameter read by get_attr (its
+    readers use it) or held by a called module (the call uses it). Where a reader of a weight reads a value of the
+    first unit, every stage after the first meets it there (the usual case: a block's weights and its input);
+    otherwise the weight's descendants are walked (CLIP's text tower, whose embedding of token ids meets the image
+    tower only at the logits)."""
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    low: dict[Any, int] = {}  # the first unit whose computed values the node reads (n: none)
+    for node in gm.graph.nodes:
+        first = n
+        for arg in node.all_input_nodes:
+            if arg.op not in ("placeholder", "get_attr"):  # model inputs, weights and buffers: computed by no unit
+                first = min(first, node_unit.get(arg, n), low.get(arg, n))
+        low[node] = first
+    out: dict[int, list[int]] = {}
+    for node in gm.graph.nodes:
+        u = node_unit.get(node)
+        if not u:
+            continue  # the first unit's weights: in the first stage, whose backward is not split
+        if node.op == "get_attr" and str(node.target) in trained:
+            starts = list(node.users)
+        elif node.op == "call_module" and any(
+            p.requires_grad for p in model.get_submodule(str(node.target)).parameters()
+        ):
+            starts = [node]
+        else:
+            continue
+        if all(low[x] == 0 for x in starts):
+            continue
+        # the weight's descendants, by unit: the first unit whose values each unit's descendants read
+        by_unit = [n] * n
+        seen, todo = set(starts), list(starts)
+        while todo:
+            x = todo.pop()
+            w = node_unit.get(x)
+            if w is not None:
+                by_unit[w] = min(by_unit[w], low[x])
+            for y in x.users:
+                if y not in seen:
+                    seen.add(y)
+                    todo.append(y)
+        meet, row = n, []
+        for w in range(u, n):  # the stage ends after unit w: j = w + 1
+            meet = min(meet, by_unit[w])
+            row.append(meet)
+        old_row = out.get(u)
+        out[u] = row if old_row is None else [max(a, b) for a, b in zip(old_row, row, strict=True)]
+    return {u: row for u, row in out.items() if any(row)}
 
 
 def has_sequence(

@@ -157,6 +157,13 @@ class Unit(_Model):
         0, description="parameters that do not train (requires_grad=False: frozen embeddings, a LoRA model's base "
         "weights): no gradient and no optimizer state"
     )
+    grad_meet: list[int] = Field(
+        default_factory=list, description="zero-bubble's weight step: for each end j = i+1, ..., n of a stage that "
+        "starts at this unit i or before (n units), the first unit whose computed values the unit's trained "
+        "weights meet inside units i..j-1 (n: none), the largest over its weights; a stage after the first "
+        "that starts at s holds the unit only where that is below s (`planner.search.problem.zero_bubble_stages`). "
+        "Empty: every weight meets the first unit's values at once (no stage is refused for it)"
+    )
     experts: dict[str, int] = Field(
         default_factory=dict, description="MoE experts modules of the unit -> their number of experts (one "
         "all-to-all dispatch and combine each under expert parallelism)"

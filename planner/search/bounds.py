@@ -134,11 +134,14 @@ def interval_vars(pb: PartitionProblem, limit: float | None, rest: float) -> dic
             cap = (limit - rest) / coef
             cap += 1e-9 * max(abs(cap), abs(limit))
     out: dict[int, list[tuple[int, int, str]]] = {}
+    stage_ok = pb.stage_ok  # zero-bubble: the intervals a stage after the first may hold
     for s in range(S):
         firsts = [0] if s == 0 else range(s, U - S + s + 1)
         keep = []
         for i in firsts:
             for j in [U] if s == S - 1 else range(i + 1, U - S + s + 2):
+                if s > 0 and stage_ok is not None and not stage_ok[i, j]:
+                    continue
                 for r in modes:
                     size = tables.fwd[i, j] if cand.schedule == "zero-bubble" else tables.t[r][i, j]
                     if size > cap:
@@ -867,6 +870,7 @@ def interval_bound(pb: PartitionProblem) -> IntervalBounds | None:
     U, S = len(costs), cand.stages
     tb = pb.tables
     t, gather, valid, mem_ok = tb.t, tb.gather, tb.valid, tb.mem_ok
+    stage_ok = pb.stage_ok  # zero-bubble: the intervals a stage after the first may hold (None: any)
     values = np.unique(np.concatenate([np.maximum(t[r], gather)[valid] for r in modes]))
 
     def reach(Z: float, only: tuple[str, ...]) -> tuple[list[BoolArray], dict[int, BoolArray]]:
@@ -874,15 +878,17 @@ def interval_bound(pb: PartitionProblem) -> IntervalBounds | None:
         fits: dict[int, BoolArray] = {}
         under = {r: t[r] <= Z * (1 + 1e-12) for r in only}
         common = valid & (gather <= Z * (1 + 1e-12))
-        shared: BoolArray | None = None
+        later: BoolArray | None = None  # what fits a stage after the first
         for s in range(S):
-            if cand.virtual_stages > 1 and shared is not None:
-                fits[s] = shared  # no memory row per stage: the same intervals fit every stage
+            if cand.virtual_stages > 1 and later is not None:
+                fits[s] = later  # no memory row per stage: the same intervals fit every stage after the first
                 continue
             f = np.zeros_like(valid)
             for r in only:
                 f |= under[r] & mem_ok[s, r] if cand.virtual_stages == 1 else under[r]
-            fits[s] = shared = f & common
+            f &= common
+            later = f if stage_ok is None else f & stage_ok
+            fits[s] = f if s == 0 else later
         rows: list[BoolArray] = [np.zeros(U + 1, dtype=bool)]
         rows[0][0] = True
         for s in range(S):

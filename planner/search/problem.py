@@ -81,6 +81,19 @@ class PartitionProblem:
         return block_run(self.graph)
 
     @functools.cached_property
+    def stage_ok(self) -> BoolArray | None:
+        """[i, j]: whether units i..j-1 may form a stage after the first (`zero_bubble_stages`) under zero-bubble;
+        None where every interval may (any other schedule, one stage, or a model that needs no rule)."""
+        if self.cand.schedule != "zero-bubble" or self.cand.stages == 1:
+            return None
+        return zero_bubble_stages(self.graph)
+
+    def stages_ok(self, partition: list[list[int]]) -> bool:
+        """Whether every stage of a partition after the first may hold its units (`stage_ok`)."""
+        ok = self.stage_ok
+        return ok is None or all(bool(ok[units[0], units[-1] + 1]) for units in partition[1:] if units)
+
+    @functools.cached_property
     def ranks(self) -> list[int]:
         """The pp rank of each stage."""
         c = self.cand
@@ -173,6 +186,39 @@ class IntervalTables:
             mem_ok=mem_ok,
         )
 
+
+
+def zero_bubble_stages(graph: ModelGraph) -> BoolArray | None:
+    """[i, j]: whether units i..j-1 can form a pipeline stage after the first under zero-bubble; None where all
+    can (no unit records a `Unit.grad_meet`).
+
+    Zero-bubble splits the backward of each stage but the first in two, and its weight step (torch's
+    `stage_backward_weight`) gets a weight's gradient only where the weight's part of the autograd graph meets
+    the part that starts at the stage's inputs, the values earlier stages computed (`get_param_groups`). A stage
+    that starts at unit i and holds unit u up to unit j-1 gives u's weights their gradients where they meet the
+    values of a unit before i inside the stage: `grad_meet[j-1-u] < i`. Otherwise the weight is left without its
+    gradient (CLIP's text tower in a stage after the first, unless the stage reaches the logits that join it to
+    the image tower; T5's decoder embedding at a stage's end). The plan-time check runs torch's own split
+    backward and refuses such a stage (`planner.runtime.check`); this lets the search leave them out. It reads
+    the model per node of the traced graph and takes a read of an earlier unit's value as a meeting, so it
+    refuses no stage the check passes (the check refuses the rest)."""
+    key = tuple(tuple(u.grad_meet) for u in graph.units)
+    return _zero_bubble_stages(key) if any(key) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _zero_bubble_stages(key: tuple[tuple[int, ...], ...]) -> BoolArray:
+    U = len(key)
+    ok = np.ones((U + 1, U + 1), dtype=bool)
+    starts = np.arange(U + 1)
+    for u, row in enumerate(key):
+        if not row:
+            continue
+        meet = np.asarray(row)  # meet[j - 1 - u]: the stage ends before unit j (j = u+1..U)
+        # a stage [i, j) holds u where i <= u < j: refused where the weights meet nothing from before i
+        bad = meet[None, :] >= starts[: u + 1, None]  # [i, j - 1 - u]
+        ok[: u + 1, u + 1 :] &= ~bad
+    return ok
 
 
 def block_run(graph: ModelGraph) -> Run | None:

@@ -42,6 +42,8 @@ def _fitting(pb: PartitionProblem) -> Iterator[tuple[Evaluated, list[list[int]],
     """Every partition and recomputation that fits memory, evaluated, in lexicographic order of the cuts."""
     choices = _choices(pb.cand, pb.modes)
     for part in _partitions(len(pb.graph.units), pb.cand.stages):
+        if not pb.stages_ok(part):
+            continue  # zero-bubble's weight step would leave a weight of a later stage without its gradient
         for rec in choices:
             ev = evaluate_fitting(pb, part, list(rec), pb.capacity)
             if ev is not None:

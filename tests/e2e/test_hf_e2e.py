@@ -86,7 +86,7 @@ CASES = {
     [
         ("t5", 2, "backward through the graph a second time"),
         ("bart", 2, "backward through the graph a second time"),
-        ("t5", 4, "weight step would compute no gradient for decoder.embed_tokens.weight"),
+        ("t5", 4, "backward through the graph a second time"),
     ],
 )
 def test_a_stage_zero_bubble_cannot_split_is_refused_before_anything_is_written(tmp_path, arch, gpus, why):
@@ -94,7 +94,10 @@ def test_a_stage_zero_bubble_cannot_split_is_refused_before_anything_is_written(
     stage's weight step backwards through tensors its first group freed ("Trying to backward through the graph
     a second time" in action 2W0); T5 pp2 x dp2 ended the step without its decoder embedding's gradient on pp
     rank 1 (the weight step finds weights from the stage's inputs; token ids need no gradient), and the tied
-    sum waited for it. The plan-time check runs torch's own split backward on meta and refuses both."""
+    sum waited for it. The plan-time check runs torch's own split backward on meta and refuses both. The search
+    now leaves the second layout out (`zero_bubble_stages`: the decoder embedding alone at a stage's end;
+    tests/test_zero_bubble_stages.py checks the check's refusal of such a layout), and T5's next layout on 4
+    ranks fails as on 2."""
     out = tmp_path / arch
     result = CliRunner().invoke(
         app,

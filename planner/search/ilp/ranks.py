@@ -308,6 +308,7 @@ class _Search:
         self.placed_before = [np.array([self.first[x] < s for x in range(p)]) for s in range(S)]
         self.has_sync = cand.dp_shard > 1  # without data parallelism a rank's tail is its optimizer step
         self.row_memo: dict[tuple[int, int, int], _Rows] = {}
+        self.stage_ok = pb.stage_ok  # zero-bubble: the intervals a stage after the first may hold (or None: any)
         no_send = np.zeros(U + 1)
         for q in modes:
             T = np.where(valid, np.maximum(tables.t[q], gather), INF)
@@ -373,7 +374,10 @@ class _Search:
         acts = np.einsum("xrv,rvc->xrc", self.act[q][a, b][:, idx], self.counts).max(axis=2)
         mem = (self.states[a, b] + buf)[:, idx].sum(axis=2) + acts
         obj = self.m * R.max(axis=1) + (self.p - 1) * Z.max(axis=1) + send + tau.max(axis=1)
-        out: FloatArray = np.where((mem <= self.budget).all(axis=1), obj, INF)
+        fits = (mem <= self.budget).all(axis=1)
+        if self.stage_ok is not None:
+            fits &= self.stage_ok[a[:, 1:], b[:, 1:]].all(axis=1)
+        out: FloatArray = np.where(fits, obj, INF)
         return out
 
     def polish(self, q: int, cuts: list[int], steps: int = POLISH_STEPS) -> tuple[list[int], float]:
@@ -430,6 +434,10 @@ class _Search:
                 z=np.maximum(self.Z[q][i, js], self.zlow[q][s + 1, js]),
                 send=0.0 if last else self.send[js],
             )
+            if self.stage_ok is not None and s > 0:
+                allowed = self.stage_ok[i, js]
+                if not allowed.all():
+                    got = got.only(allowed)
             self.row_memo[key] = got
         return got
 

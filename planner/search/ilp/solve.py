@@ -140,7 +140,9 @@ def solve_partition(
                 "cutoff" if cutoff is not None else "infeasible", None, None, None, form=kind or "interval"
             )
         if kind is None:
-            kind = "interval" if sum(len(v) for v in ivars.values()) <= MAX_INTERVAL_VARS else "assign"
+            # (the assignment form cannot leave out zero-bubble's stages that `PartitionProblem.stage_ok` refuses)
+            few = sum(len(v) for v in ivars.values()) <= MAX_INTERVAL_VARS
+            kind = "interval" if few or pb.stage_ok is not None else "assign"
         form = IntervalForm(ivars) if kind == "interval" else AssignForm()
 
     bb = None
@@ -309,7 +311,7 @@ def _best_start(
     cand, cap = pb.cand, pb.capacity
     best: tuple[Partition, list[str], float] | None = None
     for part, rec in starts:
-        if cand.virtual_stages > 1 and len(set(rec)) > 1:
+        if (cand.virtual_stages > 1 and len(set(rec)) > 1) or not pb.stages_ok(part):
             continue
         ev = evaluate(pb, part, rec)
         if max(ev.rank_memory.values()) <= cap and (best is None or ev.objective < best[2]):
