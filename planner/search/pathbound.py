@@ -241,9 +241,10 @@ def pipeline_bound(
             allowed = [
                 np.logical_or.reduce([tables.mem_ok[s, r] for r in modes if (s, r) in tables.mem_ok]) for s in range(S)
             ]
-        if pb.stage_ok is not None:  # zero-bubble: the intervals a stage after the first may hold
-            every = np.ones_like(pb.stage_ok)
-            allowed = [a & (pb.stage_ok if s else every) for s, a in enumerate(allowed or [every] * S)]
+        ok = pb.stage_ok  # zero-bubble: the intervals a stage after the first may hold
+        if ok is not None:
+            given = allowed or [np.ones_like(ok)] * S
+            allowed = [a if s == 0 else a & ok for s, a in enumerate(given)]
         oracle = IntervalOracle(fwd, bwd, S, allowed)
     return path_bound(cand.schedule, p, cand.num_micro_batches, v, oracle, link, target, max_sims)
 
