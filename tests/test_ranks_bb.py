@@ -80,6 +80,42 @@ def test_branch_and_bound_equals_brute_force(units, shape, m_rounds, dp, zero, m
     assert ev.objective == pytest.approx(brute[0], rel=1e-9)
 
 
+def assert_bounds_below_every_plan(pb: PartitionProblem) -> int:
+    """Walk every partition that fits (`reference._fitting`) down the branch and bound's tree: the bound of
+    each of its prefixes is at most its objective (the bounds are valid for every completion, not only the
+    optimum's). Returns how many partitions were walked."""
+    from planner.search.reference import _fitting
+
+    plans = list(_fitting(pb))
+    if not plans:
+        return 0
+    bb = ranks._Search(pb)
+    bb.integral(pb.costs, min(ev.objective for ev, _, _ in plans) / pb.cand.num_micro_batches)
+    for ev, part, rec in plans:
+        cuts = [units[0] for units in part] + [len(pb.graph.units)]
+        node = bb.root(pb.modes.index(rec[0]))
+        for s in range(pb.cand.stages):
+            children = bb.expand(node)
+            c = int(np.flatnonzero(children.js == cuts[s + 1])[0])
+            assert children.lows[c] <= ev.objective * (1 + 1e-9), (part, rec, s)
+            if s < pb.cand.stages - 1:
+                node = bb.child(children, c)
+        assert children.lows[c] == pytest.approx(ev.objective, rel=1e-9)  # a leaf's bound is its objective
+    return len(plans)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**case)
+def test_every_bound_on_the_way_to_a_plan_is_at_most_its_objective(units, shape, m_rounds, dp, zero, memory):
+    """The lower bound of every node on the path to any partition that fits is at most that partition's
+    objective: the water levels, the per-rank tables (time, synced time, tail) and the sends."""
+    schedule, v = shape
+    if 2 * v > len(units):
+        units = units + units[: 2 * v - len(units)]
+    graph, cluster, cand, costs, tables = instance(units, schedule, v, m_rounds, dp, zero, memory)
+    assert_bounds_below_every_plan(PartitionProblem(graph, cluster, cand, costs, MODES, CostOptions()))
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**case, budget=st.integers(1, 12))
 def test_a_stopped_branch_and_bound_keeps_a_valid_bound(units, shape, m_rounds, dp, zero, memory, budget):

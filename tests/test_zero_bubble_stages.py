@@ -11,6 +11,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 from synthetic import make_graph, make_unit
+from test_ranks_bb import assert_bounds_below_every_plan
 from typer.testing import CliRunner
 
 from planner.cli.main import app
@@ -25,7 +26,7 @@ from planner.search.bounds import lower_bounds
 from planner.search.ilp import ranks
 from planner.search.problem import PartitionProblem, zero_bubble_stages
 from planner.search.reference import brute_force_partition
-from planner.search.search import CostTable, evaluate
+from planner.search.search import BB_NODES_MAX, CostTable, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO_TOWER = ROOT / "tests" / "fixtures" / "models" / "authored" / "clip_two_tower.py"
@@ -128,6 +129,7 @@ def test_the_branch_and_bound_and_brute_force_agree_under_the_rule(units, meets,
         return PartitionProblem(graph, cluster, cand, costs, MODES, CostOptions())
 
     brute = brute_force_partition(problem())
+    assert_bounds_below_every_plan(problem())  # the tables read the rule for every stage after the first
     got = ranks.solve_ranks(problem(), None, max_nodes=None)
     assert got.proven
     if brute is None:
@@ -139,3 +141,35 @@ def test_the_branch_and_bound_and_brute_force_agree_under_the_rule(units, meets,
     ev = evaluate(problem(), got.partition, got.recompute)
     assert ev.objective == pytest.approx(brute[0], rel=1e-9)
     assert lower_bounds(problem()).time <= brute[0] * (1 + 1e-9)
+
+
+def test_the_branch_and_bound_reads_the_rule_for_the_stages_of_other_ranks():
+    """CLIP-shaped at full size: 24 image layers, then a 12-layer text tower whose first unit meets the image
+    tower only at the logits, so under zero-bubble the last stage holds the whole text tower. The per-rank
+    tables of the branch and bound see that for every stage, not only the rank's own (the rank that gets the
+    last stage carries the tower's time and gradient sync, the others cannot take a share of it): below 90%
+    of the optimum of dp8 x pp8x2 it proves that no plan exists within the search's budget for one candidate
+    (BB_NODES_MAX; 18,976 nodes when other ranks' stages ignored the rule and the rank's tail had no table)."""
+    n_img, n_txt = 24, 12
+    us = [make_unit("patch", "p", 10**6, 1e11, 10**7, 10**7)]
+    us += [make_unit(f"img{i}", "img", 300_000_000, 2e13, 10**9, 5 * 10**7) for i in range(n_img)]
+    start = len(us)
+    us += [make_unit("tok", "tok", 40_000_000, 5e11, 10**8, 10**7)]
+    us += [make_unit(f"txt{i}", "txt", 85_000_000, 3e12, 3 * 10**8, 10**7) for i in range(n_txt)]
+    us += [make_unit("logits", "lg", 10**6, 1e10, 10**7, 10**6)]
+    U = len(us)
+    rows: list[list[int]] = [[] for _ in us]
+    rows[start] = [U] * (U - 1 - start) + [0]  # meets an earlier unit's values only once the stage ends at U
+    graph = make_graph([u.model_copy(update={"kind": "other", "grad_meet": r}) for u, r in zip(us, rows, strict=True)])
+    cluster = load_cluster("h100-sxm-80gb", 8)
+    cand = Candidate(8, 1, 8, 2, 1, 16, "zero-bubble", 1, False)
+    costs = CostTable(graph, cluster, None).units(cand)
+
+    def problem() -> PartitionProblem:
+        return PartitionProblem(graph, cluster, cand, costs, MODES, CostOptions())
+
+    best = ranks.solve_ranks(problem(), None, max_nodes=None)
+    assert best.proven and best.partition is not None
+    assert best.partition[-1] == list(range(start, U))
+    below = ranks.solve_ranks(problem(), 0.9 * best.objective, max_nodes=BB_NODES_MAX)
+    assert below.partition is None and below.proven

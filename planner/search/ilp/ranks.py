@@ -24,7 +24,13 @@ left (a bottleneck dynamic program, computed once), plus the sends so far, plus 
 - for each rank, m times its time plus its exposed sync and its optimizer step so far plus the least its
   later stages and every later send can add (a shortest path per rank: every stage holds at least one
   unit, which the water levels do not see), as m R_r + tau_r <= m max R + max tau; with data parallelism
-  also with the sync less the window unclipped, summed over the rank's stages.
+  also with the sync less the window unclipped, summed over the rank's stages;
+
+and m times the water level plus, for each rank, its tail alone (sync less window plus optimizer step so
+far, plus the least its later stages and every later send add: a third per-rank table), as
+m max R + tau_r <= m max R + max tau. Under zero-bubble's rule (`PartitionProblem.stage_ok`) every table
+keeps to it for each stage after the first, the rank's own and the other ranks' (CLIP: the rank of the last
+stage carries the whole text tower's time and sync, and no other rank can take a share of it).
 
 A rank's tail and memory only grow with its stages, and at a complete partition the bound is its
 objective. A rank whose memory row (`constraints.add_memory`, the ILP's own: states and buffers of its
@@ -296,6 +302,7 @@ class _Search:
         self.slow: list[FloatArray] = []
         self.ranked: list[FloatArray] = []
         self.synced: list[FloatArray] = []
+        self.tailed: list[FloatArray] = []
         self.work_left: list[FloatArray] = []
         self.params_left = np.where(valid, self.params, 0.0)[:, U]
         # the syncs (without their latency) and optimizer steps of units j..U-1, linear in their parameters
@@ -310,6 +317,8 @@ class _Search:
         self.row_memo: dict[tuple[int, int, int], _Rows] = {}
         self.stage_ok = pb.stage_ok  # zero-bubble: the intervals a stage after the first may hold (or None: any)
         no_send = np.zeros(U + 1)
+        # zero-bubble: INF where units i..j-1 may not form a stage after the first (or j <= i)
+        later_bar: FloatArray | None = None if self.stage_ok is None else np.where(np.triu(self.stage_ok, 1), 0.0, INF)
         for q in modes:
             T = np.where(valid, np.maximum(tables.t[q], gather), INF)
             Z = T if cand.schedule == "interleaved-1f1b" else np.where(valid, tables.fwd, INF)
@@ -324,20 +333,32 @@ class _Search:
             own = m * T + self.a_step * self.params
             # the same with the syncs of the rank's stages less its first stage's window (unclipped)
             synced_r = ranked.copy()
+            # and the rank's tail alone: its syncs less its first stage's window (with data parallelism) plus
+            # its optimizer step, plus the sends of every stage
+            tailed = ranked.copy()
             win_q = a_win * (tables.t[q] - tables.fwd) + c_win
             own_sync = own + self.sync
+            own_tail = np.where(np.isfinite(T), self.a_step * self.params + self.sync, INF)
             for s in range(S - 1, -1, -1):
                 out = self.send if s < S - 1 else no_send
-                zlow[s] = np.maximum(Z, zlow[s + 1][None, :]).min(axis=1)
+                # zero-bubble: INF on the intervals a stage after the first may not hold
+                bar = later_bar if s > 0 and later_bar is not None else 0.0
+                zlow[s] = np.maximum(Z + bar, zlow[s + 1][None, :]).min(axis=1)
                 # a stage of another rank adds only its send: min over j > i of out[j] + f[j], a suffix minimum
-                for tab in (slow[None], ranked, synced_r):
+                # (under zero-bubble's rule, over the ends j the stage may reach from i)
+                for tab in (slow[None], ranked, synced_r, tailed):
+                    if s > 0 and later_bar is not None:
+                        tab[:, s] = (out[None, None, :] + tab[:, s + 1][:, None, :] + later_bar[None]).min(axis=2)
+                        continue
                     later = np.minimum.accumulate((out[None, :] + tab[:, s + 1])[:, ::-1], axis=1)[:, ::-1]
                     tab[:, s, :U] = later[:, 1:]
                     tab[:, s, U] = INF
                 r = self.ranks[s]
-                ranked[r, s] = (own + out[None, :] + ranked[r, s + 1][None, :]).min(axis=1)
-                mine = own_sync - (win_q if self.first[r] == s else 0.0)
-                synced_r[r, s] = (mine + out[None, :] + synced_r[r, s + 1][None, :]).min(axis=1)
+                opens = win_q if self.first[r] == s else 0.0
+                ranked[r, s] = (own + bar + out[None, :] + ranked[r, s + 1][None, :]).min(axis=1)
+                synced_r[r, s] = (own_sync + bar - opens + out[None, :] + synced_r[r, s + 1][None, :]).min(axis=1)
+                mine = own_tail + bar - (opens if self.has_sync else 0.0)
+                tailed[r, s] = (mine + out[None, :] + tailed[r, s + 1][None, :]).min(axis=1)
             self.T.append(T)
             self.Z.append(Z)
             self.win.append(win_q)
@@ -346,6 +367,7 @@ class _Search:
             self.slow.append(slow)
             self.ranked.append(ranked)
             self.synced.append(synced_r)
+            self.tailed.append(tailed)
             self.work_left.append(np.where(valid, tables.t[q], 0.0)[:, U])
             self.bwd_left.append(np.where(valid, tables.t[q] - tables.fwd, 0.0)[:, U])
 
@@ -428,7 +450,7 @@ class _Search:
                 work_left=self.work_left[q][js],
                 params_left=self.params_left[js],
                 slow=self.slow[q][s + 1, js],
-                later=np.stack([self.ranked[q][:, s + 1, js], self.synced[q][:, s + 1, js]]),
+                later=np.stack([tab[q][:, s + 1, js] for tab in (self.ranked, self.synced, self.tailed)]),
                 tail_left=self.tail_left[js] + (S - 1 - s) * self.c_sync_low,
                 bwd_left=self.bwd_left[q][js],
                 z=np.maximum(self.Z[q][i, js], self.zlow[q][s + 1, js]),
@@ -489,13 +511,16 @@ class _Search:
         spread: FloatArray | None = None
         if not self.has_sync:
             joint = per_rank((load_m + exposed + step)[None], own[None], row.later[:1])
+            # max tau >= tau_r: per rank its optimizer step so far plus what its later stages add (and the sends)
+            tailed = per_rank(step[None], step_j[None], row.later[2:])
         else:
             # m R_r + sync_r - window_r + step_r <= m R_r + tau_r, every part a sum over the rank's stages
             opened = np.where(placed, nd.win, 0.0)
             base = nd.sy - opened + step
             col = sy_j - w_j + step_j
             mine = np.stack([own, time_j + col])
-            joint = per_rank(np.stack([load_m + exposed + step, load_m + base]), mine, row.later)
+            joint = per_rank(np.stack([load_m + exposed + step, load_m + base]), mine, row.later[:2])
+            tailed = per_rank(base[None], col[None], row.later[2:])
             # tail >= max_r (sync_r - window_r + step_r): the syncs and steps left add up to tail_left, the
             # windows of the first stages still to come to at most their backward (a water level once every
             # rank's window is known, which makes every addition non-negative; the mean over ranks before)
@@ -518,7 +543,7 @@ class _Search:
         joint = joint + self.step_low
         z = np.maximum(nd.zc, row.z)
         here = nd.sc + row.send
-        lows = np.maximum(m * y + row.slow + tail, joint) + here + (p - 1) * z
+        lows = np.maximum(m * y + np.maximum(row.slow + tail, tailed + self.step_low), joint) + here + (p - 1) * z
         order = np.argsort(lows, kind="stable")
         return _Children(nd, js[order], lows[order], tails[order])
 
