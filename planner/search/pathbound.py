@@ -298,6 +298,8 @@ def _path_bound(
     rows: list[PathRow] = []
     seen: set[tuple[object, ...]] = set()
     cols: list[FloatArray] = []
+    # the restricted game's matrix, rows x cols: each entry computed once, as the rows and columns arrive
+    grid: list[list[float]] = []
     lower, upper = 0.0, INF
     best_x: FloatArray | None = None
     query, inside = x0, isinstance(oracle, CountOracle)
@@ -313,8 +315,10 @@ def _path_bound(
                 seen.add(key)
                 rows.append(path)
         if cols:
-            M = np.array([[r.at(x) for x in cols] for r in rows])
-            lam, mix = solve_game(M)
+            for row, r in zip(grid, rows, strict=False):  # the newest column on the rows already there
+                row.extend(r.at(x) for x in cols[len(row) :])
+            grid.extend([r.at(x) for x in cols] for r in rows[len(grid) :])  # the new rows
+            lam, mix = solve_game(np.array(grid))
         else:
             lam, mix = np.full(len(rows), 1.0 / len(rows)), np.zeros(0)
         cf = sum((w * r.cf for w, r in zip(lam, rows, strict=True)), np.zeros(S))
