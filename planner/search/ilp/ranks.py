@@ -319,6 +319,8 @@ class _Search:
         no_send = np.zeros(U + 1)
         # zero-bubble: INF where units i..j-1 may not form a stage after the first (or j <= i)
         later_bar: FloatArray | None = None if self.stage_ok is None else np.where(np.triu(self.stage_ok, 1), 0.0, INF)
+        # (the starts i where it refuses some end j > i: elsewhere a suffix minimum is the same)
+        barred = [] if later_bar is None else [i for i in range(U) if np.isinf(later_bar[i, i + 1 :]).any()]
         for q in modes:
             T = np.where(valid, np.maximum(tables.t[q], gather), INF)
             Z = T if cand.schedule == "interleaved-1f1b" else np.where(valid, tables.fwd, INF)
@@ -347,12 +349,12 @@ class _Search:
                 # a stage of another rank adds only its send: min over j > i of out[j] + f[j], a suffix minimum
                 # (under zero-bubble's rule, over the ends j the stage may reach from i)
                 for tab in (slow[None], ranked, synced_r, tailed):
-                    if s > 0 and later_bar is not None:
-                        tab[:, s] = (out[None, None, :] + tab[:, s + 1][:, None, :] + later_bar[None]).min(axis=2)
-                        continue
                     later = np.minimum.accumulate((out[None, :] + tab[:, s + 1])[:, ::-1], axis=1)[:, ::-1]
                     tab[:, s, :U] = later[:, 1:]
                     tab[:, s, U] = INF
+                    if s > 0 and later_bar is not None:  # the starts whose ends the rule limits
+                        nxt = (out[None, :] + tab[:, s + 1])[:, None, :]
+                        tab[:, s, barred] = (nxt + later_bar[barred][None]).min(axis=2)
                 r = self.ranks[s]
                 opens = win_q if self.first[r] == s else 0.0
                 ranked[r, s] = (own + bar + out[None, :] + ranked[r, s + 1][None, :]).min(axis=1)
@@ -494,10 +496,10 @@ class _Search:
 
         def per_rank(base: FloatArray, col: FloatArray, later: FloatArray) -> FloatArray:
             """Per row k: max over ranks of base[k] (the other ranks) or col[k] (rank r), each plus its later
-            share later[k]; the largest over the rows."""
+            share later[k] (rows x children)."""
             others = base[:, :, None] + later
             others[:, r] = -INF
-            out: FloatArray = np.maximum(others.max(axis=1), col + later[:, r]).max(axis=0)
+            out: FloatArray = np.maximum(others.max(axis=1), col + later[:, r])
             return out
 
         # m R_r + tau_r >= m R_r + exposed sync so far + step_r, per rank plus what its later stages add
@@ -510,17 +512,18 @@ class _Search:
         own = time_j + exposed_j + step_j
         spread: FloatArray | None = None
         if not self.has_sync:
-            joint = per_rank((load_m + exposed + step)[None], own[None], row.later[:1])
-            # max tau >= tau_r: per rank its optimizer step so far plus what its later stages add (and the sends)
-            tailed = per_rank(step[None], step_j[None], row.later[2:])
+            # (and max tau >= tau_r: per rank its optimizer step so far plus what its later stages add, and the sends)
+            rows = per_rank(np.stack([load_m + exposed + step, step]), np.stack([own, step_j]), row.later[0::2])
+            joint, tailed = rows[0], rows[1]
         else:
             # m R_r + sync_r - window_r + step_r <= m R_r + tau_r, every part a sum over the rank's stages
             opened = np.where(placed, nd.win, 0.0)
             base = nd.sy - opened + step
             col = sy_j - w_j + step_j
-            mine = np.stack([own, time_j + col])
-            joint = per_rank(np.stack([load_m + exposed + step, load_m + base]), mine, row.later[:2])
-            tailed = per_rank(base[None], col[None], row.later[2:])
+            # (and the rank's tail alone, sync_r - window_r + step_r <= max tau, in the last row)
+            bases = np.stack([load_m + exposed + step, load_m + base, base])
+            rows = per_rank(bases, np.stack([own, time_j + col, col]), row.later)
+            joint, tailed = np.maximum(rows[0], rows[1]), rows[2]
             # tail >= max_r (sync_r - window_r + step_r): the syncs and steps left add up to tail_left, the
             # windows of the first stages still to come to at most their backward (a water level once every
             # rank's window is known, which makes every addition non-negative; the mean over ranks before)
