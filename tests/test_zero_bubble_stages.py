@@ -11,7 +11,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 from synthetic import make_graph, make_unit
-from test_ranks_bb import assert_bounds_below_every_plan
+from test_ranks_bb import MODES, assert_bounds_below_every_plan, unit_st
 from typer.testing import CliRunner
 
 from planner.cli.main import app
@@ -30,7 +30,6 @@ from planner.search.search import BB_NODES_MAX, CostTable, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO_TOWER = ROOT / "tests" / "fixtures" / "models" / "authored" / "clip_two_tower.py"
-MODES = ("none", "full")
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +88,6 @@ def test_a_pinned_zero_bubble_two_tower_plan_is_found_and_passes_the_check(tmp_p
     ]})
     with pytest.raises(PlannerError, match="weight step would compute no gradient for token.weight"):
         check_plan_runs(bad)
-
-
-unit_st = st.tuples(
-    st.integers(10_000_000, 2_000_000_000),  # params
-    st.floats(1e11, 5e13),  # fwd flops per sample
-    st.integers(10_000_000, 3_000_000_000),  # activation bytes per sample
-    st.integers(1_000_000, 200_000_000),  # boundary bytes per sample
-)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -319,8 +319,9 @@ class _Search:
         no_send = np.zeros(U + 1)
         # zero-bubble: INF where units i..j-1 may not form a stage after the first (or j <= i)
         later_bar: FloatArray | None = None if self.stage_ok is None else np.where(np.triu(self.stage_ok, 1), 0.0, INF)
-        # (the starts i where it refuses some end j > i: elsewhere a suffix minimum is the same)
+        # (the starts i where it refuses some end j > i, and their rows of it: elsewhere a suffix minimum is the same)
         barred = [] if later_bar is None else [i for i in range(U) if np.isinf(later_bar[i, i + 1 :]).any()]
+        barred_bar = None if later_bar is None else later_bar[barred][None]
         for q in modes:
             T = np.where(valid, np.maximum(tables.t[q], gather), INF)
             Z = T if cand.schedule == "interleaved-1f1b" else np.where(valid, tables.fwd, INF)
@@ -349,12 +350,12 @@ class _Search:
                 # a stage of another rank adds only its send: min over j > i of out[j] + f[j], a suffix minimum
                 # (under zero-bubble's rule, over the ends j the stage may reach from i)
                 for tab in (slow[None], ranked, synced_r, tailed):
-                    later = np.minimum.accumulate((out[None, :] + tab[:, s + 1])[:, ::-1], axis=1)[:, ::-1]
+                    nxt = out[None, :] + tab[:, s + 1]
+                    later = np.minimum.accumulate(nxt[:, ::-1], axis=1)[:, ::-1]
                     tab[:, s, :U] = later[:, 1:]
                     tab[:, s, U] = INF
-                    if s > 0 and later_bar is not None:  # the starts whose ends the rule limits
-                        nxt = (out[None, :] + tab[:, s + 1])[:, None, :]
-                        tab[:, s, barred] = (nxt + later_bar[barred][None]).min(axis=2)
+                    if s > 0 and barred_bar is not None:  # the starts whose ends the rule limits
+                        tab[:, s, barred] = (nxt[:, None, :] + barred_bar).min(axis=2)
                 r = self.ranks[s]
                 opens = win_q if self.first[r] == s else 0.0
                 ranked[r, s] = (own + bar + out[None, :] + ranked[r, s + 1][None, :]).min(axis=1)
