@@ -256,15 +256,14 @@ def _interleaved_stage_peak(p: int, m: int, v: int, stage: int) -> int:
 
     Rank r runs step i as: forward on local chunk (i // k) % v, then (once i >= warm-up w) backward on
     chunk v-1 - ((i - w) // k) % v, with k micro-batches per round. Chunk c's count of forwards minus
-    finished backwards only grows inside its forward windows, so its peak is at the end of one of them.
+    finished backwards only grows inside its forward windows, so its peak is at the end of one of them: of
+    the last. From one window's end to the next (v k steps, one whole cycle of the backward windows) the
+    chunk runs k more forwards and at most k more backwards (exactly k once its backwards have started), so
+    the count at the windows' ends never falls.
     """
     rounds = max(1, m // p)
     k = m // rounds
     chunk, rank = divmod(stage, p)
     warm = _interleaved_warmup(p, m, v, rank)
-    peak = 0
-    for q in range(rounds):
-        last_fwd = (q * v + chunk + 1) * k - 1  # step of this window's last forward on the chunk
-        backwards = _windows_count(last_fwd - warm, k, v, v - 1 - chunk)
-        peak = max(peak, (q + 1) * k - backwards)
-    return peak
+    last_fwd = ((rounds - 1) * v + chunk + 1) * k - 1  # step of the last window's last forward on the chunk
+    return rounds * k - _windows_count(last_fwd - warm, k, v, v - 1 - chunk)
