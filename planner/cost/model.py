@@ -18,6 +18,7 @@ from planner.cost.memory import activation_bytes, held_states, model_state_bytes
 from planner.cost.placement import stage_rank
 from planner.cost.schedules import in_flight_microbatches, rank_peak_activations
 from planner.cost.terms import (
+    Affine,
     comm_buffer_bytes,
     cp_kv_exchange_time,
     crosses_nodes,
@@ -451,64 +452,102 @@ def stage_costs(
     candidate, costs and options, by (stage index, units, recomputation, full blocks, last stage): a stage's
     figures depend on nothing else, so the partitions of one candidate that share a stage share its figures
     (`PartitionProblem.stage_memo`; never mutated)."""
-    dtype = graph.source.dtype
-    state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp_shard)
-    # Experts under ep: E/ep per rank, their gradients and ZeRO shards over the dp/ep replicas of that slice.
-    replica = model_state_bytes_per_param(dtype, cand.zero_stage, max(1, cand.dp // cand.ep))
-    largest_param: float | None = None
     out: list[StageCost] = []
     last = len(partition) - 1
+    largest: float | None = None
     for s, (units, mode) in enumerate(zip(partition, recompute)):
         k = full_blocks[s] if full_blocks is not None else 0
         key = (s, tuple(units), mode, k, s == last)
-        if memo is not None:
-            known = memo.get(key)
-            if known is not None:
-                out.append(known)
-                continue
-        rank = stage_rank(cand.schedule, cand.pp, cand.virtual_stages, s)
-        uc = [costs[u] for u in units]
-        params = sum(c.params_local for c in uc)
-        held = sum(c.experts_held for c in uc)
-        frozen = sum(c.frozen_local for c in uc)
-        # dense trainable parameters: what is neither an expert (split over the dp/ep replicas) nor frozen
-        trainable = params - sum(c.experts_counted for c in uc) - frozen_state_params(frozen, state)
-        full = set(full_block_units(graph, units, k)) if k else set()
-        modes = ["full" if u in full else mode for u in units]
-        fwd = sum(c.fwd for c in uc)
-        bwd = sum(c.bwd[r] for c, r in zip(uc, modes))
-        boundary = graph.units[units[-1]].output_bytes if s < len(partition) - 1 else 0
-        p2p = p2p_time(boundary, cand, cluster) if s < len(partition) - 1 else 0.0
-        inflight = in_flight_microbatches(cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, s)
-        act = inflight * sum(c.act[r] for c, r in zip(uc, modes))
-        sync, gather = dp_comm_time(sum(c.sync_params for c in uc), cand, cluster, dtype)
-        if largest_param is None:
-            largest_param = max(c.largest_param_bytes for c in costs)
-        buffers = comm_buffer_bytes(boundary, cand, options, largest_param)
-        stage = StageCost(
-            index=s,
-            rank=rank,
-            units=list(units),
-            recompute=mode,
-            fwd=fwd,
-            bwd=bwd,
-            p2p=p2p,
-            weights=(trainable + frozen) * state.weights + held * replica.weights,
-            gradients=trainable * state.gradients + held * replica.gradients,
-            optimizer=trainable * state.optimizer + held * replica.optimizer,
-            activations=act,
-            comm_buffers=buffers,
-            params_local=params,
-            dp_sync=sync,
-            zero3_gather=gather,
-            tp_comm=sum(c.tp_comm_fwd + c.tp_comm_bwd for c in uc),
-            source="measured" if uc and all(c.source == "measured" for c in uc) else "estimated",
-            full_blocks=k,
-        )
-        if memo is not None:
-            memo[key] = stage
-        out.append(stage)
+        known = memo.get(key) if memo is not None else None
+        if known is None:
+            if largest is None:
+                largest = largest_param_bytes(costs)
+            known = stage_cost(graph, cluster, cand, s, units, mode, costs, options, k, s == last, largest)
+            if memo is not None:
+                memo[key] = known
+        out.append(known)
     return out
+
+
+def largest_param_bytes(costs: list[UnitCost]) -> float:
+    """The largest parameter's bytes over the units: the size of the communication buffers (`stage_cost`)."""
+    return max(c.largest_param_bytes for c in costs)
+
+
+def stage_cost(
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    cand: Candidate,
+    s: int,
+    units: list[int],
+    mode: str,
+    costs: list[UnitCost],
+    options: CostOptions,
+    k: int = 0,
+    last: bool = False,
+    largest_param: float | None = None,
+) -> StageCost:
+    """Time and memory of stage `s` holding `units` in recomputation `mode`, its first `k` blocks recomputed
+    fully (`stage_costs`); `last`: the partition's last stage (no boundary to send on); `largest_param`:
+    `largest_param_bytes(costs)`, when the caller has it."""
+    dtype = graph.source.dtype
+    rank = stage_rank(cand.schedule, cand.pp, cand.virtual_stages, s)
+    uc = [costs[u] for u in units]
+    params = sum(c.params_local for c in uc)
+    weights, gradients, optimizer = stage_state_bytes(
+        cand, dtype, params, sum(c.experts_held for c in uc), sum(c.frozen_local for c in uc),
+        sum(c.experts_counted for c in uc),
+    )
+    full = set(full_block_units(graph, units, k)) if k else set()
+    modes = ["full" if u in full else mode for u in units]
+    fwd = sum(c.fwd for c in uc)
+    bwd = sum(c.bwd[r] for c, r in zip(uc, modes))
+    boundary = graph.units[units[-1]].output_bytes if not last else 0
+    p2p = p2p_time(boundary, cand, cluster) if not last else 0.0
+    inflight = in_flight_microbatches(cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, s)
+    act = inflight * sum(c.act[r] for c, r in zip(uc, modes))
+    sync, gather = dp_comm_time(sum(c.sync_params for c in uc), cand, cluster, dtype)
+    if largest_param is None:
+        largest_param = largest_param_bytes(costs)
+    buffers = comm_buffer_bytes(boundary, cand, options, largest_param)
+    return StageCost(
+        index=s,
+        rank=rank,
+        units=list(units),
+        recompute=mode,
+        fwd=fwd,
+        bwd=bwd,
+        p2p=p2p,
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer,
+        activations=act,
+        comm_buffers=buffers,
+        params_local=params,
+        dp_sync=sync,
+        zero3_gather=gather,
+        tp_comm=sum(c.tp_comm_fwd + c.tp_comm_bwd for c in uc),
+        source="measured" if uc and all(c.source == "measured" for c in uc) else "estimated",
+        full_blocks=k,
+    )
+
+
+def stage_state_bytes(
+    cand: Candidate, dtype: str, params: Affine, held: Affine, frozen: Affine, counted: Affine
+) -> tuple[Affine, Affine, Affine]:
+    """(weights, gradients, optimizer state) bytes of a stage whose units hold `params` parameters locally, of
+    which `held` experts' (`counted` as experts in `params`) and `frozen` frozen ones; floats, or arrays of
+    stages (the brute force's memory screen, `planner.search.reference`)."""
+    state = model_state_bytes_per_param(dtype, cand.zero_stage, cand.dp_shard)
+    # Experts under ep: E/ep per rank, their gradients and ZeRO shards over the dp/ep replicas of that slice.
+    replica = model_state_bytes_per_param(dtype, cand.zero_stage, max(1, cand.dp // cand.ep))
+    # dense trainable parameters: what is neither an expert (split over the dp/ep replicas) nor frozen
+    trainable = params - counted - frozen_state_params(frozen, state)
+    return (
+        (trainable + frozen) * state.weights + held * replica.weights,
+        trainable * state.gradients + held * replica.gradients,
+        trainable * state.optimizer + held * replica.optimizer,
+    )
 
 
 def stages_by_rank(stages: list[StageCost], pp: int) -> list[list[StageCost]]:

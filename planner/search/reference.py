@@ -17,16 +17,25 @@ import itertools
 import math
 from collections.abc import Iterator
 
+import numpy as np
+import numpy.typing as npt
+
 from planner.cost.model import (
     Candidate,
+    largest_param_bytes,
     rank_memory,
     rank_tail_parts,
     stage_costs,
+    stage_state_bytes,
     stage_time_with_gathers,
     stages_by_rank,
 )
+from planner.cost.schedules import in_flight_microbatches, rank_stage_counts, stage_rank
+from planner.cost.terms import comm_buffer_bytes, rank_peak_bytes
 from planner.search.evaluate import Evaluated, evaluate_fitting
-from planner.search.problem import PartitionProblem
+from planner.search.problem import BoolArray, FloatArray, PartitionProblem
+
+IntArray = npt.NDArray[np.int64]
 
 # (objective, partition, recompute per stage)
 ReferenceResult = tuple[float, list[list[int]], list[str]]
@@ -41,13 +50,83 @@ def _partitions(n_units: int, n_stages: int) -> Iterator[list[list[int]]]:
 def _fitting(pb: PartitionProblem) -> Iterator[tuple[Evaluated, list[list[int]], list[str]]]:
     """Every partition and recomputation that fits memory, evaluated, in lexicographic order of the cuts."""
     choices = _choices(pb.cand, pb.modes)
-    for part in _partitions(len(pb.graph.units), pb.cand.stages):
-        if not pb.stages_ok(part):
+    n_units, n_stages = len(pb.graph.units), pb.cand.stages
+    may_fit = _may_fit(pb, _bounds(n_units, n_stages), choices)
+    for i, part in enumerate(_partitions(n_units, n_stages)):
+        if not may_fit[i].any() or not pb.stages_ok(part):
             continue  # zero-bubble's weight step would leave a weight of a later stage without its gradient
-        for rec in choices:
+        for j, rec in enumerate(choices):
+            if not may_fit[i, j]:
+                continue  # a rank's memory is over the capacity (`_may_fit`): evaluate_fitting says None
             ev = evaluate_fitting(pb, part, list(rec), pb.capacity)
             if ev is not None:
                 yield ev, part, list(rec)
+
+
+def _bounds(n_units: int, n_stages: int) -> IntArray:
+    """`_partitions` as an array: row i the stage bounds (0, cuts..., n_units) of the i-th partition."""
+    cuts = list(itertools.combinations(range(1, n_units), n_stages - 1))
+    out = np.empty((len(cuts), n_stages + 1), dtype=np.int64)
+    out[:, 0], out[:, -1] = 0, n_units
+    if n_stages > 1:
+        out[:, 1:-1] = np.array(cuts, dtype=np.int64).reshape(len(cuts), n_stages - 1)
+    return out
+
+
+# A rank counts as over the capacity in `_may_fit` only this far above it: its sums run in another order than
+# `stage_costs`' and `rank_memory`'s (differences of prefix sums, a matrix product), so they may differ in the
+# last bits, and what is that near the capacity is left to `evaluate_fitting`, which decides.
+SCREEN_MARGIN = 1e-9
+
+
+def _may_fit(pb: PartitionProblem, bounds: IntArray, choices: list[tuple[str, ...]]) -> BoolArray:
+    """[partition, choice]: False where some rank's memory (`rank_memory`) is surely over the capacity. Most
+    partitions of a small candidate do not fit; their ranks' memory is computed here for every partition at
+    once, from the stages' memory terms as `stage_cost` computes them (`stage_state_bytes`, `comm_buffer_bytes`,
+    in-flight activations) on sums over unit intervals, so that only those that may fit are evaluated (their
+    times, one stage at a time, cost more than all of this)."""
+    cand, options, costs = pb.cand, pb.options, pb.costs
+    p, m, v, n_stages = cand.pp, cand.num_micro_batches, cand.virtual_stages, cand.stages
+    largest = largest_param_bytes(costs)
+    modes = sorted({r for rec in choices for r in rec})
+
+    def prefix(xs: list[float]) -> FloatArray:
+        return np.concatenate([[0.0], np.cumsum(np.asarray(xs, dtype=float))])
+
+    params, held, frozen, counted = (
+        prefix([getattr(c, f) for c in costs])
+        for f in ("params_local", "experts_held", "frozen_local", "experts_counted")
+    )
+    act = {r: prefix([c.act[r] for c in costs]) for r in modes}
+    out_bytes = np.array([u.output_bytes for u in pb.graph.units], dtype=float)
+    states: list[FloatArray] = []
+    acts: dict[tuple[int, str], FloatArray] = {}  # per stage and mode; per micro-batch where a rank holds several
+    for s in range(n_stages):
+        lo, hi = bounds[:, s], bounds[:, s + 1]
+        weights, gradients, optimizer = stage_state_bytes(
+            cand, pb.dtype, params[hi] - params[lo], held[hi] - held[lo], frozen[hi] - frozen[lo],
+            counted[hi] - counted[lo],
+        )
+        boundary = out_bytes[hi - 1] if s < n_stages - 1 else 0.0
+        states.append(weights + gradients + optimizer + comm_buffer_bytes(boundary, cand, options, largest))
+        inflight = in_flight_microbatches(cand.schedule, p, m, v, s)
+        for r in modes:
+            stage_acts = inflight * (act[r][hi] - act[r][lo])
+            acts[s, r] = stage_acts / max(1, inflight) if v > 1 else stage_acts
+    limit = pb.capacity * (1 + SCREEN_MARGIN)
+    out = np.ones((len(bounds), len(choices)), dtype=bool)
+    ranks = [[s for s in range(n_stages) if stage_rank(cand.schedule, p, v, s) == r] for r in range(p)]
+    for j, rec in enumerate(choices):
+        for rank, mine in enumerate(ranks):
+            held_bytes = sum(states[s] for s in mine)
+            if v > 1:
+                per_mb = np.stack([acts[s, rec[s]] for s in mine], axis=1)  # [partition, the rank's stages]
+                counts = np.array(rank_stage_counts(cand.schedule, p, m, v, rank), dtype=float)
+                peak = (per_mb @ counts.T).max(axis=1)
+            else:
+                peak = acts[mine[0], rec[mine[0]]]
+            out[:, j] &= rank_peak_bytes(held_bytes, peak, options) <= limit
+    return out
 
 
 def brute_force_partition(pb: PartitionProblem) -> ReferenceResult | None:
@@ -75,16 +154,26 @@ def choices_count(n_units: int, cand: Candidate, modes: tuple[str, ...]) -> int:
 def brute_force_reported(pb: PartitionProblem) -> tuple[Evaluated, float] | None:
     """(the evaluated partition with the least reported figure, the least linear objective), both over
     every partition and recomputation that fits memory; None if none fits. Ties keep the first found
-    (partitions in lexicographic order of their cuts), so the result is deterministic."""
+    (partitions in lexicographic order of their cuts), so the result is deterministic.
+
+    The reported figure needs a simulation; a partition whose `busy_bound` is above the best figure found
+    so far is not simulated. The partitions are simulated in the order of that bound (ties in the order
+    found), so that the best comes early and the rest end at once."""
+    fitting = [ev for ev, _, _ in _fitting(pb)]
+    if not fitting:
+        return None
+    least_linear = min(ev.objective for ev in fitting)
+    bounds = [busy_bound(ev) for ev in fitting]
     best: Evaluated | None = None
-    least_linear = float("inf")
-    for ev, _, _ in _fitting(pb):
-        least_linear = min(least_linear, ev.objective)
-        if best is not None and busy_bound(ev) > best.reported * (1 + 1e-9):
-            continue  # its figure is at least that bound (to float rounding): above the best, not simulated
-        if best is None or ev.reported < best.reported:
-            best = ev
-    return None if best is None else (best, least_linear)
+    best_at = -1
+    for i in sorted(range(len(fitting)), key=lambda i: (bounds[i], i)):
+        if best is not None and bounds[i] > best.reported * (1 + 1e-9):
+            break  # its figure is at least that bound (to float rounding): above the best, as are the rest
+        ev = fitting[i]
+        if best is None or (ev.reported, i) < (best.reported, best_at):
+            best, best_at = ev, i
+    assert best is not None
+    return best, least_linear
 
 
 def busy_bound(ev: Evaluated) -> float:
