@@ -109,6 +109,20 @@ def test_a_model_that_fails_the_check_is_reported_the_same_through_the_worker(tm
 
 
 @needs_fork
+def test_the_outputs_rendered_while_the_worker_checks_are_the_files_written(tmp_path):
+    """Where the worker's answer has not come when the search ends, the planner renders the plan's outputs
+    while it waits (`check_plan`'s meanwhile): the files are those of a plan checked in its own process."""
+    args = ("--pp", "2", "--loss-fn", "loss_fn")
+    slow = {"PROBE_LOSS": "slow"}
+    forked = _plan(tmp_path / "forked", *args, model=PROBE, probe=slow)
+    here = _plan(tmp_path / "here", *args, model=PROBE, probe=slow, worker=False)
+    assert forked.returncode == here.returncode == 0, forked.stderr[-3000:] + here.stderr[-3000:]
+    assert "outputs rendered while the worker checks" in forked.stderr
+    assert "the worker answered (ok)" in forked.stderr
+    assert _files(tmp_path / "forked") == _files(tmp_path / "here")
+
+
+@needs_fork
 def test_a_worker_that_dies_gives_way_to_the_check_in_process(tmp_path):
     args = ("--pp", "2", "--loss-fn", "loss_fn")
     forked = _plan(tmp_path / "forked", *args, model=PROBE, probe={"PROBE_LOSS": "kill"})

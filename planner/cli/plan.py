@@ -16,6 +16,8 @@ Usage:
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import sys
 from pathlib import Path
@@ -93,6 +95,8 @@ PLAN_EXAMPLES = [
     "planner plan sample_models/gpt.py -a preset=gpt3-175b --gpu dgx-h100 --nodes 16 --global-batch-size 1536",
     "planner plan sample_models/gpt.py --gpu a100-sxm4-80gb --nodes 2 --global-batch-size 64 --tp 4 --pp 2",
 ]
+
+log = logging.getLogger(__name__)
 
 TIMELINE_FILE = "timeline.svg"
 TRACE_FILE = "timeline.trace.json"  # the same iteration for Perfetto / chrome://tracing
@@ -189,6 +193,36 @@ def plan(
     from planner.model.reads import Reads
 
     reads = Reads()  # what the model's code read: inputs the output set must not replace
+
+    def outputs(result_plan: Plan, result: SearchResult) -> tuple[Plan, dict[str, tuple[str, bool]]]:
+        """The plan as written and every file of the output set, rendered in memory."""
+        if init_from is not None:
+            from planner.codegen.check import with_init_from
+
+            result_plan = with_init_from(result_plan, init_from)
+        if timestamp:
+            from datetime import datetime, timezone
+
+            created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            result_plan = result_plan.model_copy(update={"created_at": created})
+        source_files = compiled_source_files(model_file, request.model_path)
+        if source_files:  # hf:/module: sources: the compiled model file travels with the plan
+            from planner.model.sources import SOURCE_FILE
+
+            model = result_plan.model.model_copy(update={"path": str(out_dir / SOURCE_FILE)})
+            result_plan = result_plan.model_copy(update={"model": model})
+        return result_plan, {**source_files, **render_outputs(result_plan, result, reads.files)}
+
+    # The outputs of the plan being checked, rendered while the check worker runs its check: used where that
+    # plan passes (a refused plan's are dropped, and a rendering that fails is done again after, to raise).
+    ahead: list[tuple[Plan, SearchResult, tuple[Plan, dict[str, tuple[str, bool]]]]] = []
+
+    def rendering_ahead(plan: Plan, result: SearchResult) -> None:
+        try:
+            ahead[:] = [(plan, result, outputs(plan, result))]
+            log.debug("plan-time check: outputs rendered while the worker checks")
+        except Exception as e:  # noqa: BLE001 - rendered again once the check is done, where it raises
+            log.debug("outputs not rendered during the check (%s: %s)", type(e).__name__, e)
     try:
         result_plan, graph, result = run_search(
             request, show_progress=not quiet, load_timeout=load_timeout, before_analysis=start_worker, reads=reads
@@ -200,26 +234,14 @@ def plan(
         # prints kept off stdout) as the tracing.
         limit = DEFAULT_TIME_LIMIT_S if load_timeout is None else (load_timeout or None)
         with user_code(request.model_path, "Checking that the plan runs", limit):
-            result_plan, result = best_that_runs(request, result_plan, graph, result, worker)
+            result_plan, result = best_that_runs(request, result_plan, graph, result, worker, rendering_ahead)
     finally:
         if worker is not None:
             worker.close()
-    if init_from is not None:
-        from planner.codegen.check import with_init_from
-
-        result_plan = with_init_from(result_plan, init_from)
-    if timestamp:
-        from datetime import datetime, timezone
-
-        created = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        result_plan = result_plan.model_copy(update={"created_at": created})
-    source_files = compiled_source_files(model_file, request.model_path)
-    if source_files:  # hf:/module: sources: the compiled model file travels with the plan
-        from planner.model.sources import SOURCE_FILE
-
-        model = result_plan.model.model_copy(update={"path": str(out_dir / SOURCE_FILE)})
-        result_plan = result_plan.model_copy(update={"model": model})
-    files = {**source_files, **render_outputs(result_plan, result, reads.files)}
+    if ahead and ahead[0][0] is result_plan and ahead[0][1] is result:
+        result_plan, files = ahead[0][2]
+    else:
+        result_plan, files = outputs(result_plan, result)
     inputs = [Path(request.model_path), *map(Path, sorted(reads.files))]
     if hf_config is not None:
         inputs += [hf_config, hf_config / "config.json"]
@@ -248,14 +270,20 @@ def check_training_options(lr: float) -> None:
 
 
 def best_that_runs(
-    request: PlanRequest, plan: Plan, graph: ModelGraph, result: SearchResult, worker: CheckWorker | None = None
+    request: PlanRequest,
+    plan: Plan,
+    graph: ModelGraph,
+    result: SearchResult,
+    worker: CheckWorker | None = None,
+    meanwhile: Callable[[Plan, SearchResult], None] | None = None,
 ) -> tuple[Plan, SearchResult]:
     """The best ranked plan that passes the plan-time check. A plan the script cannot run for its layout (a
     TP degree a vocabulary or head count cannot take, a pipeline on a device the traced graph cannot run on)
     gives way to the next runner-up, and is listed under the rejected regions with the check's reason; when
     none of the ranked plans runs, the first failure is raised (exit 2, nothing written), naming how many
     were tried. A failure of the model itself (its loss, its code on the meta device) is raised at once: no
-    other layout fixes it. `worker`: the check's process, where one was started (else it runs here)."""
+    other layout fixes it. `worker`: the check's process, where one was started (else it runs here);
+    `meanwhile`: called with a plan and its search result while the worker checks that plan."""
     from planner.errors import LayoutRefusedError
     from planner.pipeline import without_best
 
@@ -263,7 +291,7 @@ def best_that_runs(
     tried = 0
     while True:
         try:
-            check_plan(plan, worker)
+            check_plan(plan, worker, None if meanwhile is None else functools.partial(meanwhile, plan, result))
             return plan, result
         except LayoutRefusedError as e:
             first = first or e
@@ -277,9 +305,10 @@ def best_that_runs(
             plan, result = nxt
 
 
-def check_plan(plan: Plan, worker: CheckWorker | None = None) -> None:
+def check_plan(plan: Plan, worker: CheckWorker | None = None, meanwhile: Callable[[], None] | None = None) -> None:
     """The plan-time check, skipped when the same check (this plan, model files, runtime) passed before; run by
-    `worker` where it answers, else in this process."""
+    `worker` where it answers, else in this process. `meanwhile`: called once while the worker checks, where
+    its answer has not come yet."""
     import hashlib
 
     import planner.codegen
@@ -288,7 +317,7 @@ def check_plan(plan: Plan, worker: CheckWorker | None = None) -> None:
     from planner.runtime.digest import digest_of, runtime_files
 
     def run_check() -> None:
-        if worker is None or worker.check(plan) is None:
+        if worker is None or worker.check(plan, meanwhile) is None:
             check_plan_runs(plan)
 
     analysis = analysis_key(plan.model) if cache_enabled() else None

@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from planner import processes
@@ -288,9 +289,11 @@ class CheckWorker:
             log.debug("plan-time check: worker gone (%s)", e)
             self.close()
 
-    def check(self, plan: Plan) -> str | None:
+    def check(self, plan: Plan, meanwhile: Callable[[], None] | None = None) -> str | None:
         """The check's result for `plan` from the worker: the method it would run ("module", "fx", ...); raises
-        the PlannerError the check raised; None where the worker gave no answer (it is closed then)."""
+        the PlannerError the check raised; None where the worker gave no answer (it is closed then).
+        `meanwhile`: called once before waiting for the answer, where it has not come yet (the planner renders
+        the plan's outputs then)."""
         if self._channel is None:
             return None
         inputs = CheckInputs.of(plan)
@@ -315,6 +318,10 @@ class CheckWorker:
             self._channel.flush()
             while True:
                 answer = self._answers.get(number)
+                if answer is None and meanwhile is not None and not self._channel.ready():
+                    meanwhile()
+                    meanwhile = None
+                    continue
                 if answer is None:
                     self._receive()
                 elif answer[0] == "skipped":  # replaced before the worker got to it: asked again
