@@ -392,3 +392,62 @@ def test_a_stopped_display_thread_still_ending_is_waited_for_before_the_fork():
     assert thread.is_alive()
     _join_stopped_display()
     assert not thread.is_alive()
+
+
+def _probe_check(monkeypatch, fails_on_meta: bool, *, item: bool = True, loss: str = "") -> tuple[str, int]:
+    """The runtime's check of a dp 2 plan of the probe model (counted as large), with a Prepared that says the
+    model fails on meta or not: (its answer or error, how many forward-loss-backward runs it made)."""
+    from planner.runtime import check
+    from planner.runtime.layout import Layout, ModelFile, Stage, Training
+
+    monkeypatch.setattr(check, "SMALL", 0)
+    monkeypatch.setenv("PROBE_ITEM", "1" if item else "")
+    monkeypatch.setenv("PROBE_LOSS", loss)
+    monkeypatch.setenv("TEST_PID", str(os.getppid()))  # this process is not the probe's worker
+    spec = ModelFile(str(PROBE), "build_model", "example_inputs", "loss_fn", None, {})
+    prepared = Prepared(spec, 0)
+    prepared.fails_on_meta = fails_on_meta
+    runs: list[int] = []
+    original = check.CheckCase.loss_backward
+    monkeypatch.setattr(check.CheckCase, "loss_backward", lambda *a, **k: runs.append(1) or original(*a, **k))
+    modules = ("proj_in", "layers.0", "layers.1", "layers.2", "layers.3", "out")
+    layout = Layout(pp=1, dp=2, tp=1, micro_batch_size=2, num_micro_batches=1, stages=(Stage(0, modules),))
+    try:
+        answer = check.check_plan_runs(layout, spec, Training(), "cpu", prepared)
+    except Exception as e:  # noqa: BLE001 - compared as text
+        answer = f"{type(e).__name__}: {e}"
+    return answer, len(runs)
+
+
+def test_the_meta_run_ahead_finds_a_model_that_fails_on_meta_and_stops_when_told(monkeypatch):
+    from planner.runtime import check
+    from planner.runtime.layout import ModelFile
+
+    monkeypatch.setenv("TEST_PID", str(os.getppid()))
+    spec = ModelFile(str(PROBE), "build_model", "example_inputs", "loss_fn", None, {})
+    for item, small, fails in [
+        ("1", 0, True),  # .item() on meta: noted
+        ("", 0, False),  # runs on meta
+        ("1", check.SMALL, False),  # a small model's check goes to the CPU, not to fake tensors: not probed
+    ]:
+        monkeypatch.setenv("PROBE_ITEM", item)
+        monkeypatch.setattr(check, "SMALL", small)
+        prepared = Prepared(spec, 0)
+        prepared.probe_meta(lambda: False)
+        assert prepared.fails_on_meta is fails, (item, small)
+    monkeypatch.setenv("PROBE_ITEM", "1")
+    monkeypatch.setattr(check, "SMALL", 0)
+    prepared = Prepared(spec, 0)
+    with pytest.raises(Cancelled):
+        prepared.probe_meta(lambda: True)  # stopped at the first module call
+    assert not prepared.fails_on_meta
+
+
+def test_a_check_of_a_model_known_to_fail_on_meta_answers_the_same_with_one_run(monkeypatch):
+    known, known_runs = _probe_check(monkeypatch, True)
+    assert (known, known_runs) == ("module", 1)  # on fake tensors at once
+    assert _probe_check(monkeypatch, False) == ("module", 2)  # on meta, failing, then on fake tensors
+    # A loss that is no scalar: the same error either way.
+    failing = _probe_check(monkeypatch, True, loss="vector")
+    assert failing[0] == _probe_check(monkeypatch, False, loss="vector")[0]
+    assert failing[0].startswith("RunError: The loss must be a floating-point scalar"), failing

@@ -413,6 +413,21 @@ def _serve(
             warm_up(tp=True)
         except Exception as e:  # noqa: BLE001 - an optimisation: the check imports what it needs itself
             log.debug("plan-time check: worker could not warm up TP (%s)", e)
+    # Whether the model runs on meta, found while no plan waits (`Prepared.probe_meta`): the checks of a model
+    # that does not (Hugging Face's, Whisper's 0.14 s of its 0.64) skip that run.
+    if prepared is not None and not channel.ready():
+        started = time.perf_counter()
+        try:
+            with user_code(model_path, "Checking that the plan runs", None), each_scan_once(mixer_stand_in("cuda")):
+                prepared.probe_meta(channel.ready)
+            log.debug(
+                "plan-time check: worker ran the model on meta ahead (%s) in %.2f s",
+                "fails" if prepared.fails_on_meta else "runs", time.perf_counter() - started,
+            )
+        except Cancelled:
+            log.debug("plan-time check: worker stopped its run on meta after %.2f s", time.perf_counter() - started)
+        except Exception as e:  # noqa: BLE001 - an optimisation: each check runs the model on meta itself
+            log.debug("plan-time check: worker could not run the model on meta ahead (%s)", e)
     pending: deque[Request] = deque()
     served = False
     while True:

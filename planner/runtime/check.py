@@ -18,7 +18,7 @@ import torch
 from torch import fx, nn
 
 from .errors import RefusedLayout, RunError
-from .layout import Layout, ModelFile, Training
+from .layout import Layout, ModelFile, Stage, Training
 from .loss import default_loss
 from .memo import MetaMemo
 from .meta import dtensor_on_meta, meta_without_dynamo
@@ -148,6 +148,42 @@ class Prepared:
         self.meta_model = build_model(self.user, spec, seed, everything_on_meta=True)
         self.traced: Traced | None = None
         self._taken = False
+        # Whether the model as written fails on the meta device (`probe_meta`): a check then runs it on fake
+        # tensors at once (`_run_model`), as it would after the meta run failed.
+        self.fails_on_meta = False
+
+    def probe_meta(self, cancel: Callable[[], bool]) -> None:
+        """Run the model's forward, loss and backward on meta as a check first runs it (`_run_model`), for a
+        micro-batch of one, on a model of its own, its blocks the children of its outermost ModuleLists, each
+        kind run once; where that fails (Hugging Face models call .item(), which the meta device cannot
+        answer), note it (`fails_on_meta`). Only for a model above SMALL (a smaller one's failure sends its
+        check to the CPU, not to fake tensors). It stops at the next module call once `cancel()` holds
+        (Cancelled). The check worker runs it while no plan waits."""
+        model = build_model(self.user, self.spec, self.seed, everything_on_meta=True)
+        if sum(p.numel() for p in model.parameters()) <= SMALL:
+            return
+        lists = [n for n, m in model.named_modules() if n and isinstance(m, nn.ModuleList) and len(m) > 1]
+        outer = [n for n in lists if not any(n.startswith(o + ".") for o in lists)]
+        names = [f"{n}.{c}" for n in outer for c, _ in model.get_submodule(n).named_children()] or [""]
+
+        def stop(*_: Any) -> None:
+            if cancel():
+                raise Cancelled
+
+        for module in model.modules():
+            module.register_forward_pre_hook(stop)
+        layout = Layout(pp=1, dp=1, tp=1, micro_batch_size=1, num_micro_batches=1, stages=(Stage(0, tuple(names)),))
+        example = make_batch(self.user, self.spec, layout, self.seed, 0, 0)
+        loss_fn = getattr(self.user, self.spec.loss_fn) if self.spec.loss_fn else default_loss
+        case = CheckCase(
+            layout, self.spec, Training(seed=self.seed), self.user, example, input_count(model, len(example)), loss_fn
+        )
+        stage = ModelStage(model, names)
+        try:
+            with MetaMemo(), blocks_once(stage):
+                case.loss_backward(model, tuple(t.to("meta") for t in case.example), units=stage.units())
+        except Exception:  # noqa: BLE001 - what a check of this model meets first on meta
+            self.fails_on_meta = True
 
     def trace_ahead(self, experts_of: Callable[[nn.Module], frozenset[str]] | None = None) -> None:
         """Trace the built model for a micro-batch of one, as a traced pipeline's check would (a failure is left
@@ -225,7 +261,9 @@ def check_plan_runs(
                 _run_model(case, meta_model)
                 raise
             return "module"
-        outside = _run_model(case, meta_model)
+        fails = prepared is not None and prepared.fails_on_meta
+        fails = fails and prepared is not None and (prepared.spec, prepared.seed) == (spec, training.seed)
+        outside = _run_model(case, meta_model, fails)
         if layout.tp_enabled:
             _run_tp_shard(case, small=small)
         case.checkpoint()
@@ -543,15 +581,22 @@ def value_key(values: Any) -> Any:
     return (type(values), repr(values))
 
 
-def _run_model(case: CheckCase, meta_model: nn.Module) -> list[str]:
+def _run_model(case: CheckCase, meta_model: nn.Module, fails_on_meta: bool = False) -> list[str]:
     """Forward, loss and backward of the model as written: on meta, or on the CPU for a small model that the
     meta device cannot run (data-dependent code). Its units are checkpointed as the run checkpoints them. Returns
     the names of its units whose weights the forward reads outside their own forward (`unit_reads`), which the
-    run leaves to the stage's FSDP unit."""
+    run leaves to the stage's FSDP unit. `fails_on_meta`: the model is known to fail on meta (`Prepared.
+    probe_meta`): it runs on fake tensors at once, and where that fails too, as if not known, on a model built
+    again (the meta run's error is the one reported)."""
     layout, training = case.layout, case.training
     recompute, full = layout.stages[0].recompute, layout.stages[0].full
     stage = ModelStage(meta_model, list(layout.stages[0].modules))
     with_recompute(stage, recompute, layout.schedule, full)
+    if fails_on_meta and sum(p.numel() for p in meta_model.parameters()) > SMALL:
+        outside = _runs_on_fake_tensors(case, stage)
+        if outside is not None:
+            return outside
+        return _run_model(case, build_model(case.user, case.spec, training.seed, everything_on_meta=True))
     try:
         # Each distinct op runs its meta kernel once, each distinct block once: repeated blocks cost one.
         with MetaMemo(), blocks_once(stage):
