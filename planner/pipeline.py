@@ -305,8 +305,9 @@ def pins_from(request: PlanRequest) -> Pins:
 def load_request_model(request: PlanRequest) -> LoadedModel:
     """Import the request's model file with its function names, arguments and dtype."""
     from planner.model.load import load_model_file
+    from planner.processes import model_loaded
 
-    return load_model_file(
+    loaded = load_model_file(
         request.model_path,
         request.model_args,
         request.build_fn,
@@ -315,6 +316,8 @@ def load_request_model(request: PlanRequest) -> LoadedModel:
         request.dtype,
         request.batch_fn,
     )
+    model_loaded()
+    return loaded
 
 
 def analyse(request: PlanRequest, cache: bool | None = None, model: LoadedModel | None = None) -> ModelGraph:

@@ -176,3 +176,38 @@ def test_the_planner_process_runs_no_full_garbage_collection(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "out" / "plan.json").exists()
     assert done.stdout.strip().splitlines()[-1] == "full collections 0"
+
+
+GC_LOAD = """
+import atexit, gc, json, sys
+stops = []
+gc.callbacks.append(lambda phase, info: stops.append(1) if phase == "stop" else None)
+import planner.processes as processes
+seen = {}
+loaded = processes.model_loaded
+def model_loaded():
+    seen.setdefault("before", [len(stops) - seen["start"], gc.isenabled()])
+    loaded()
+    seen.setdefault("after", [gc.isenabled(), gc.get_freeze_count() > 0])
+processes.model_loaded = model_loaded
+atexit.register(lambda: print(json.dumps(seen)))
+sys.argv = ["planner", *sys.argv[1:]]
+from planner.cli.main import main
+seen["start"] = len(stops)
+main()
+"""
+
+
+def test_no_collection_runs_while_the_model_is_imported_and_built_and_then_the_collector_is_back(tmp_path):
+    """planner.processes.defer_collection: the `planner` process collects nothing until the model file is
+    loaded; then what it holds is frozen and the collector runs again (the analysis and search make garbage)."""
+    args = ["plan", str(ROOT / "sample_models" / "gpt.py"), "--gpu", "a100-sxm-80gb", "--nodes", "1",
+            "--global-batch-size", "8", "--out", str(tmp_path / "out"), "--quiet"]
+    for arg in ("layers=2", "hidden=64", "heads=4", "seq=32", "vocab=128"):
+        args += ["--model-arg", arg]
+    env = {**os.environ, "PLANNER_NO_CACHE": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", GC_LOAD, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["before"] == [0, False]  # no collection from the command's start to the model's load
+    assert seen["after"] == [True, True]  # then frozen, and collecting again

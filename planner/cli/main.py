@@ -178,6 +178,9 @@ app.add_typer(hardware_app, name="hardware")
 def main() -> None:
     """Console-script entry point (`planner = "planner.cli.main:main"`)."""
     gc.set_threshold(*GC_THRESHOLDS)
+    from planner.processes import defer_collection
+
+    defer_collection()  # until the model is loaded (planner.processes.model_loaded)
     try:
         app(prog_name="planner")
         code: str | int | None = 0

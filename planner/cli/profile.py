@@ -73,6 +73,9 @@ def profile(
     from planner.model.load import load_model_file
 
     loaded = load_model_file(model_file, parse_model_args(model_arg), build_fn, inputs_fn, loss_fn, dtype.value)
+    from planner.processes import model_loaded
+
+    model_loaded()
     sizes = micro_batch_size or [1]
     console = stderr_console()
     if not is_quiet(ctx, quiet) and console.is_terminal:

@@ -120,10 +120,12 @@ def model_gemm_shapes(model_files: list[tuple[str, dict[str, Any]]], dtype: str)
     import torch
 
     from planner.model.load import build_meta_model, load_model_file, meta_inputs
+    from planner.processes import model_loaded
 
     shapes: set[tuple[int, int, int]] = set()
     for path, args in model_files:
         loaded = load_model_file(path, args, "build_model", "example_inputs", None, dtype, None)
+        model_loaded()
         model = build_meta_model(loaded)
         inputs = meta_inputs(loaded, 1)
         tokens = math.prod(inputs[0].shape[:2]) if inputs and inputs[0].dim() >= 2 else 1
