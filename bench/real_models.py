@@ -263,15 +263,16 @@ def import_torch_s() -> float:
 
 def floor_code(name: str, config: dict | str) -> str:
     """What a plan of `name` must import of other people's code, as a program: torch and the model's own library
-    (transformers and its class for the model; torchtitan's model package), ended as `planner` ends
-    (os._exit after its output: no interpreter teardown, which takes about a second after transformers)."""
+    (transformers and its class for the model; torchtitan's model package), imported as `planner` imports them
+    (no cyclic collection meanwhile: planner.processes.defer_collection) and ended as `planner` ends (os._exit
+    after its output: no interpreter teardown, which takes about a second after transformers)."""
     if isinstance(config, dict):
         what = f"import transformers; transformers.{config['architectures'][0]}"
     elif name in FILES:
         what = f"import transformers; transformers.{FILES[name]['config_class'].replace('Config', 'Model')}"
     else:  # a torchtitan flavor
         what = f"import importlib; importlib.import_module('torchtitan.models.{name.split(':', 1)[1]}')"
-    return f"import os, torch; {what}; os._exit(0)"
+    return f"import gc; gc.disable(); import os, torch; {what}; os._exit(0)"
 
 
 def floor_s(name: str, config: dict | str) -> float:
