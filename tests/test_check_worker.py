@@ -322,7 +322,8 @@ def test_the_answer_to_a_plan_sent_ahead_is_the_final_checks_and_a_dropped_one_i
     finally:
         worker.close()
         scripted.close()
-    with pytest.raises(ProcessLookupError):  # ended and reaped by close()
+    assert stand_in.wait(timeout=60) == -9  # ended by close() (killed; reaped once gone, here by its Popen)
+    with pytest.raises(ProcessLookupError):
         os.kill(stand_in.pid, 0)
 
 
@@ -451,3 +452,17 @@ def test_a_check_of_a_model_known_to_fail_on_meta_answers_the_same_with_one_run(
     failing = _probe_check(monkeypatch, True, loss="vector")
     assert failing[0] == _probe_check(monkeypatch, False, loss="vector")[0]
     assert failing[0].startswith("RunError: The loss must be a floating-point scalar"), failing
+
+
+def test_an_ended_process_not_waited_for_is_reaped_by_the_next_fork_or_end():
+    """processes.end(pid, wait=False) kills and leaves the reaping to the next fork or end (the check worker's
+    close: the kernel frees its memory while the planner writes its files)."""
+    from planner import processes
+
+    pids = [processes.fork(lambda: __import__("time").sleep(60)) for _ in range(2)]
+    processes.end(pids[0], wait=False)
+    processes.end(pids[1])  # waits: for both
+    for pid in pids:
+        with pytest.raises(ChildProcessError):  # reaped already
+            os.waitpid(pid, os.WNOHANG)
+    assert processes._unreaped == []

@@ -367,12 +367,12 @@ class CheckWorker:
         self._answers[number] = (kind, value)
 
     def close(self) -> None:
-        """End the worker (at once: it writes nothing) and reap it."""
+        """End the worker (at once: it writes nothing); it is reaped once gone (`processes.end`)."""
         if self._channel is None:
             return
         self._channel.close()
         self._channel = None
-        processes.end(self.pid)
+        processes.end(self.pid, wait=False)
 
 
 def _serve(
