@@ -31,8 +31,10 @@ def test_the_best_plan_that_runs_is_chosen_and_the_others_are_listed(tmp_path, m
     best = json.loads((free / "plan.json").read_text())
     refused: list[tuple] = []
 
-    def refuse_the_first_two(plan, worker=None) -> None:
+    def refuse_the_first_two(plan, worker=None, meanwhile=None) -> None:
         if len(refused) < 2:
+            if meanwhile is not None:
+                meanwhile()  # as while a worker checks it: the refused plan's files rendered ahead, then dropped
             refused.append(_layout(plan))
             raise LayoutRefusedError("The plan cannot run: a weight is held twice on one pp rank (test).")
 
@@ -50,7 +52,7 @@ def test_the_best_plan_that_runs_is_chosen_and_the_others_are_listed(tmp_path, m
 
 
 def test_when_no_ranked_plan_runs_nothing_is_written(tmp_path, monkeypatch):
-    def refuse(plan, worker=None) -> None:
+    def refuse(plan, worker=None, meanwhile=None) -> None:
         raise LayoutRefusedError("The plan cannot run: a stage sends a dict (test).")
 
     monkeypatch.setattr(planner.cli.plan, "check_plan", refuse)
@@ -72,7 +74,7 @@ def test_a_failure_of_the_model_itself_is_raised_at_once(tmp_path, monkeypatch):
     """A loss that fails, or model code that fails on meta, fails in every layout: no fallback, one check."""
     calls = []
 
-    def refuse(plan, worker=None) -> None:
+    def refuse(plan, worker=None, meanwhile=None) -> None:
         calls.append(plan)
         raise PlanError("The plan cannot run: the loss returns a vector (test).")
 
