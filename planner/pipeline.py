@@ -305,9 +305,8 @@ def pins_from(request: PlanRequest) -> Pins:
 def load_request_model(request: PlanRequest) -> LoadedModel:
     """Import the request's model file with its function names, arguments and dtype."""
     from planner.model.load import load_model_file
-    from planner.processes import model_loaded
 
-    loaded = load_model_file(
+    return load_model_file(
         request.model_path,
         request.model_args,
         request.build_fn,
@@ -316,8 +315,6 @@ def load_request_model(request: PlanRequest) -> LoadedModel:
         request.dtype,
         request.batch_fn,
     )
-    model_loaded()
-    return loaded
 
 
 def analyse(request: PlanRequest, cache: bool | None = None, model: LoadedModel | None = None) -> ModelGraph:
@@ -392,7 +389,9 @@ def plan_model(
     called during the search with the plan of each configuration that becomes the best so far (the plan as
     the result's would be built were the search to end there: its runners-up and search figures aside)."""
     from planner.hardware.load import load_cluster
+    from planner.processes import model_loaded
 
+    model_loaded()  # where the analysis came from the cache: the search makes garbage
     if request.global_batch_size < 1:
         raise ConfigError(f"--global-batch-size must be at least 1, got {request.global_batch_size}.")
     cluster = load_cluster(request.gpu, request.nodes, request.gpus_per_node).with_memory_reserve(

@@ -60,8 +60,9 @@ _deferred = False  # the cyclic collector is off until the model is loaded (`def
 
 
 def defer_collection() -> None:
-    """The command line's process: the cyclic collector off until the model is loaded (`model_loaded`). The
-    imports of torch's and transformers' modules and the model's build make hundreds of thousands of objects
+    """The command line's process: the cyclic collector off until the model is loaded and built (`model_loaded`:
+    a model file may reach transformers' class only in its build). The imports of torch's and transformers'
+    modules and the model's build make hundreds of thousands of objects
     that live as long as the process; each young collection of those walks them: 0.15 s of a DeepSeek-V3 plan
     (925 collections), all before its analysis. A short process (`planner.cli.main`) only: nothing else calls
     it."""
@@ -72,9 +73,9 @@ def defer_collection() -> None:
 
 
 def model_loaded() -> None:
-    """Once the model file is imported and its model built: what the process holds now out of the collector's
-    sight (gc.freeze: it lives as long as the process) and the collector on again, where `defer_collection`
-    turned it off."""
+    """Once the model file is imported and its model built (the analysis), or the search starts (an analysis from
+    the cache): what the process holds now out of the collector's sight (gc.freeze: it lives as long as the
+    process) and the collector on again, where `defer_collection` turned it off."""
     global _deferred
     if _deferred:
         _deferred = False

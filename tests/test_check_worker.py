@@ -322,7 +322,8 @@ def test_the_answer_to_a_plan_sent_ahead_is_the_final_checks_and_a_dropped_one_i
     finally:
         worker.close()
         scripted.close()
-    assert stand_in.wait(timeout=60) == -9  # ended by close() (killed; reaped once gone, here by its Popen)
+    # ended by close(): killed, and reaped once gone (by close itself where it is gone already, else here)
+    assert stand_in.wait(timeout=60) in (-9, 0)  # 0: Popen found it reaped already
     with pytest.raises(ProcessLookupError):
         os.kill(stand_in.pid, 0)
 

@@ -381,6 +381,7 @@ def _serve(
     """The child: warm up and prepare, then check each plan received until the parent closes the pipe; a plan
     sent ahead that a newer message follows is dropped (answered "skipped")."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends this process
+    gc.enable()  # forked before the model's build, where the planner collects nothing yet (processes.defer_collection)
     # Work ahead, on a CPU the planner leaves free: where the search runs solvers on every CPU (CBC's processes
     # beside the search thread) the worker yields to them; the parent waits for it only once it is done.
     os.nice(WORKER_NICENESS)

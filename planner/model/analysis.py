@@ -48,10 +48,12 @@ log = logging.getLogger(__name__)
 def analyse_model(loaded: LoadedModel) -> ModelGraph:
     """Build on meta, trace, group into units and analyse each distinct unit once."""
 
+    from planner.processes import model_loaded
     from planner.runtime.meta import meta_without_dynamo
 
     meta_without_dynamo()  # meta elementwise kernels would import torch._dynamo (planner.runtime.meta)
     model = build_meta_model(loaded)
+    model_loaded()  # what the build imported too (a model file may reach transformers' class only here)
     # Mamba mixers run as their fused GPU kernels while traced and counted (planner.model.kernels)
     with fused_kernels(model):
         return _analyse(loaded, model)
