@@ -422,6 +422,7 @@ def _probe_check(monkeypatch, fails_on_meta: bool, *, item: bool = True, loss: s
 
 
 def test_the_meta_run_ahead_finds_a_model_that_fails_on_meta_and_stops_when_told(monkeypatch):
+    from planner.model.grouping import discover_structure
     from planner.runtime import check
     from planner.runtime.layout import ModelFile
 
@@ -435,13 +436,13 @@ def test_the_meta_run_ahead_finds_a_model_that_fails_on_meta_and_stops_when_told
         monkeypatch.setenv("PROBE_ITEM", item)
         monkeypatch.setattr(check, "SMALL", small)
         prepared = Prepared(spec, 0)
-        prepared.probe_meta(lambda: False)
+        prepared.probe_meta(lambda: False, discover_structure(prepared.meta_model).roots)
         assert prepared.fails_on_meta is fails, (item, small)
     monkeypatch.setenv("PROBE_ITEM", "1")
     monkeypatch.setattr(check, "SMALL", 0)
     prepared = Prepared(spec, 0)
     with pytest.raises(Cancelled):
-        prepared.probe_meta(lambda: True)  # stopped at the first module call
+        prepared.probe_meta(lambda: True, discover_structure(prepared.meta_model).roots)  # at the first module call
     assert not prepared.fails_on_meta
 
 

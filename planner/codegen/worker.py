@@ -389,6 +389,7 @@ def _serve(
 
     from planner.codegen.check import check_runs, mixer_stand_in
     from planner.codegen.render import model_file
+    from planner.model.grouping import discover_structure
     from planner.model.guard import user_code
     from planner.runtime.check import Cancelled, Prepared, warm_up
     from planner.runtime.scans import each_scan_once
@@ -420,7 +421,7 @@ def _serve(
         started = time.perf_counter()
         try:
             with user_code(model_path, "Checking that the plan runs", None), each_scan_once(mixer_stand_in("cuda")):
-                prepared.probe_meta(channel.ready)
+                prepared.probe_meta(channel.ready, discover_structure(prepared.meta_model).roots)
             log.debug(
                 "plan-time check: worker ran the model on meta ahead (%s) in %.2f s",
                 "fails" if prepared.fails_on_meta else "runs", time.perf_counter() - started,

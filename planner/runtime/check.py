@@ -152,19 +152,17 @@ class Prepared:
         # tensors at once (`_run_model`), as it would after the meta run failed.
         self.fails_on_meta = False
 
-    def probe_meta(self, cancel: Callable[[], bool]) -> None:
+    def probe_meta(self, cancel: Callable[[], bool], modules: Sequence[str]) -> None:
         """Run the model's forward, loss and backward on meta as a check first runs it (`_run_model`), for a
-        micro-batch of one, on a model of its own, its blocks the children of its outermost ModuleLists, each
-        kind run once; where that fails (Hugging Face models call .item(), which the meta device cannot
-        answer), note it (`fails_on_meta`). Only for a model above SMALL (a smaller one's failure sends its
-        check to the CPU, not to fake tensors). It stops at the next module call once `cancel()` holds
-        (Cancelled). The check worker runs it while no plan waits."""
+        micro-batch of one, on a model of its own, `modules` its units (the planner's: its repeated blocks and
+        the modules around them), each kind run once; where that fails (Hugging Face models call .item(),
+        which the meta device cannot answer), note it (`fails_on_meta`). Only for a model above SMALL (a
+        smaller one's failure sends its check to the CPU, not to fake tensors). It stops at the next module
+        call once `cancel()` holds (Cancelled). The check worker runs it while no plan waits."""
         model = build_model(self.user, self.spec, self.seed, everything_on_meta=True)
         if sum(p.numel() for p in model.parameters()) <= SMALL:
             return
-        lists = [n for n, m in model.named_modules() if n and isinstance(m, nn.ModuleList) and len(m) > 1]
-        outer = [n for n in lists if not any(n.startswith(o + ".") for o in lists)]
-        names = [f"{n}.{c}" for n in outer for c, _ in model.get_submodule(n).named_children()] or [""]
+        names = list(modules)
 
         def stop(*_: Any) -> None:
             if cancel():
