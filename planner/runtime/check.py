@@ -199,6 +199,10 @@ class Prepared:
                 self.meta_model, inputs, leaves, trace(self.meta_model, inputs, leaves=leaves, repeats=True)
             )
 
+    def fails_for(self, spec: ModelFile, seed: int) -> bool:
+        """Whether `probe_meta` found this model file and seed to fail on meta."""
+        return self.fails_on_meta and (spec, seed) == (self.spec, self.seed)
+
     def take(self, spec: ModelFile, seed: int) -> Prepared | None:
         if self._taken or spec != self.spec or seed != self.seed:
             return None
@@ -259,8 +263,7 @@ def check_plan_runs(
                 _run_model(case, meta_model)
                 raise
             return "module"
-        fails = prepared is not None and prepared.fails_on_meta
-        fails = fails and prepared is not None and (prepared.spec, prepared.seed) == (spec, training.seed)
+        fails = not small and prepared is not None and prepared.fails_for(spec, training.seed)
         outside = _run_model(case, meta_model, fails)
         if layout.tp_enabled:
             _run_tp_shard(case, small=small)
@@ -583,14 +586,14 @@ def _run_model(case: CheckCase, meta_model: nn.Module, fails_on_meta: bool = Fal
     """Forward, loss and backward of the model as written: on meta, or on the CPU for a small model that the
     meta device cannot run (data-dependent code). Its units are checkpointed as the run checkpoints them. Returns
     the names of its units whose weights the forward reads outside their own forward (`unit_reads`), which the
-    run leaves to the stage's FSDP unit. `fails_on_meta`: the model is known to fail on meta (`Prepared.
-    probe_meta`): it runs on fake tensors at once, and where that fails too, as if not known, on a model built
-    again (the meta run's error is the one reported)."""
+    run leaves to the stage's FSDP unit. `fails_on_meta`: the model, above SMALL, is known to fail on meta
+    (`Prepared.probe_meta`): it runs on fake tensors at once, and where that fails too, as if not known, on a
+    model built again (the meta run's error is the one reported)."""
     layout, training = case.layout, case.training
     recompute, full = layout.stages[0].recompute, layout.stages[0].full
     stage = ModelStage(meta_model, list(layout.stages[0].modules))
     with_recompute(stage, recompute, layout.schedule, full)
-    if fails_on_meta and sum(p.numel() for p in meta_model.parameters()) > SMALL:
+    if fails_on_meta:
         outside = _runs_on_fake_tensors(case, stage)
         if outside is not None:
             return outside
