@@ -165,15 +165,21 @@ main()
 """
 
 
-def test_the_planner_process_runs_no_full_garbage_collection(tmp_path):
-    """With Python's default thresholds this plan (imports included) runs about five full collections."""
+def _plan_small_gpt(script: str, out: Path) -> subprocess.CompletedProcess[str]:
+    """`planner plan` of a small GPT into `out`, run by `script` (which calls planner.cli.main's main)."""
     args = ["plan", str(ROOT / "sample_models" / "gpt.py"), "--gpu", "a100-sxm-80gb", "--nodes", "1",
-            "--global-batch-size", "8", "--out", str(tmp_path / "out"), "--quiet"]
+            "--global-batch-size", "8", "--out", str(out), "--quiet"]
     for arg in ("layers=2", "hidden=64", "heads=4", "seq=32", "vocab=128"):
         args += ["--model-arg", arg]
     env = {**os.environ, "PLANNER_NO_CACHE": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", GC_COUNT, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def test_the_planner_process_runs_no_full_garbage_collection(tmp_path):
+    """With Python's default thresholds this plan (imports included) runs about five full collections."""
+    done = _plan_small_gpt(GC_COUNT, tmp_path / "out")
     assert (tmp_path / "out" / "plan.json").exists()
     assert done.stdout.strip().splitlines()[-1] == "full collections 0"
 
@@ -199,15 +205,8 @@ main()
 
 
 def test_no_collection_runs_while_the_model_is_imported_and_built_and_then_the_collector_is_back(tmp_path):
-    """planner.processes.defer_collection: the `planner` process collects nothing until the model file is
-    loaded; then what it holds is frozen and the collector runs again (the analysis and search make garbage)."""
-    args = ["plan", str(ROOT / "sample_models" / "gpt.py"), "--gpu", "a100-sxm-80gb", "--nodes", "1",
-            "--global-batch-size", "8", "--out", str(tmp_path / "out"), "--quiet"]
-    for arg in ("layers=2", "hidden=64", "heads=4", "seq=32", "vocab=128"):
-        args += ["--model-arg", arg]
-    env = {**os.environ, "PLANNER_NO_CACHE": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", GC_LOAD, *args], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    """planner.processes.defer_collection: the `planner` process collects nothing until the model is loaded and
+    built; then what it holds is frozen and the collector runs again (the analysis and search make garbage)."""
+    seen = json.loads(_plan_small_gpt(GC_LOAD, tmp_path / "out").stdout.strip().splitlines()[-1])
     assert seen["before"] == [0, False]  # no collection from the command's start to the model's load
     assert seen["after"] == [True, True]  # then frozen, and collecting again
