@@ -137,6 +137,11 @@ def gather_coefficients(cand: Candidate, cluster: ClusterSpec, dtype: str) -> tu
     return linear_form(lambda x: zero3_gather_time(x, cand, cluster, dtype))
 
 
+def prefix_sums(xs: list[float]) -> FloatArray:
+    """[0, x0, x0 + x1, ...]: the sum over units i..j-1 is out[j] - out[i]."""
+    out: FloatArray = np.concatenate([[0.0], np.cumsum(xs)])
+    return out
+
 
 @dataclass
 class IntervalTables:
@@ -155,17 +160,14 @@ class IntervalTables:
         U, S, p, m = len(costs), cand.stages, cand.pp, cand.num_micro_batches
         dtype = pb.dtype
 
-        def pre(xs: list[float]) -> FloatArray:
-            return np.concatenate([[0.0], np.cumsum(xs)])
-
         def span(c: FloatArray) -> FloatArray:  # span[i, j] = sum over units i..j-1
             out: FloatArray = c[None, :] - c[:, None]
             return out
 
-        params = span(pre([c.params_local for c in costs]))
-        act = {r: span(pre([c.act[r] for c in costs])) for r in modes}
+        params = span(prefix_sums([c.params_local for c in costs]))
+        act = {r: span(prefix_sums([c.act[r] for c in costs])) for r in modes}
         gc = gather_coefficients(cand, cluster, dtype)
-        synced = span(pre([c.sync_params for c in costs]))
+        synced = span(prefix_sums([c.sync_params for c in costs]))
         gather = gc[0] * synced + gc[1] if gc is not None else np.zeros_like(params)
         mem_ok: dict[tuple[int, str], BoolArray] = {}
         if cand.virtual_stages == 1:
@@ -179,8 +181,8 @@ class IntervalTables:
                 for r in modes:
                     mem_ok[s, r] = model_state_bytes(params, state) + buf + k * act[r] <= budget
         return cls(
-            t={r: span(pre([c.fwd + c.bwd[r] for c in costs])) for r in modes},
-            fwd=span(pre([c.fwd for c in costs])),
+            t={r: span(prefix_sums([c.fwd + c.bwd[r] for c in costs])) for r in modes},
+            fwd=span(prefix_sums([c.fwd for c in costs])),
             gather=gather,
             valid=np.triu(np.ones((U + 1, U + 1), dtype=bool), 1),
             mem_ok=mem_ok,

@@ -33,7 +33,7 @@ from planner.cost.model import (
 from planner.cost.schedules import in_flight_microbatches, rank_stage_counts, stage_rank
 from planner.cost.terms import comm_buffer_bytes, rank_peak_bytes
 from planner.search.evaluate import Evaluated, evaluate_fitting
-from planner.search.problem import BoolArray, FloatArray, PartitionProblem
+from planner.search.problem import BoolArray, FloatArray, PartitionProblem, prefix_sums
 
 IntArray = npt.NDArray[np.int64]
 
@@ -41,18 +41,21 @@ IntArray = npt.NDArray[np.int64]
 ReferenceResult = tuple[float, list[list[int]], list[str]]
 
 
-def _partitions(n_units: int, n_stages: int) -> Iterator[list[list[int]]]:
-    for cuts in itertools.combinations(range(1, n_units), n_stages - 1):
-        bounds = (0, *cuts, n_units)
-        yield [list(range(bounds[i], bounds[i + 1])) for i in range(n_stages)]
+def _partitions(n_units: int, n_stages: int, bounds: IntArray | None = None) -> Iterator[list[list[int]]]:
+    """Every contiguous partition, in lexicographic order of the cuts; `bounds`: `_bounds(n_units, n_stages)`,
+    where the caller has it."""
+    rows = _bounds(n_units, n_stages) if bounds is None else bounds
+    for row in rows.tolist():
+        yield [list(range(row[i], row[i + 1])) for i in range(n_stages)]
 
 
 def _fitting(pb: PartitionProblem) -> Iterator[tuple[Evaluated, list[list[int]], list[str]]]:
     """Every partition and recomputation that fits memory, evaluated, in lexicographic order of the cuts."""
     choices = _choices(pb.cand, pb.modes)
     n_units, n_stages = len(pb.graph.units), pb.cand.stages
-    may_fit = _may_fit(pb, _bounds(n_units, n_stages), choices)
-    for i, part in enumerate(_partitions(n_units, n_stages)):
+    bounds = _bounds(n_units, n_stages)
+    may_fit = _may_fit(pb, bounds, choices)
+    for i, part in enumerate(_partitions(n_units, n_stages, bounds)):
         if not may_fit[i].any() or not pb.stages_ok(part):
             continue  # zero-bubble's weight step would leave a weight of a later stage without its gradient
         for j, rec in enumerate(choices):
@@ -90,14 +93,11 @@ def _may_fit(pb: PartitionProblem, bounds: IntArray, choices: list[tuple[str, ..
     largest = largest_param_bytes(costs)
     modes = sorted({r for rec in choices for r in rec})
 
-    def prefix(xs: list[float]) -> FloatArray:
-        return np.concatenate([[0.0], np.cumsum(np.asarray(xs, dtype=float))])
-
     params, held, frozen, counted = (
-        prefix([getattr(c, f) for c in costs])
+        prefix_sums([getattr(c, f) for c in costs])
         for f in ("params_local", "experts_held", "frozen_local", "experts_counted")
     )
-    act = {r: prefix([c.act[r] for c in costs]) for r in modes}
+    act = {r: prefix_sums([c.act[r] for c in costs]) for r in modes}
     out_bytes = np.array([u.output_bytes for u in pb.graph.units], dtype=float)
     states: list[FloatArray] = []
     acts: dict[tuple[int, str], FloatArray] = {}  # per stage and mode; per micro-batch where a rank holds several
