@@ -483,13 +483,13 @@ def stage_cost(
     mode: str,
     costs: list[UnitCost],
     options: CostOptions,
-    k: int = 0,
-    last: bool = False,
-    largest_param: float | None = None,
+    k: int,
+    last: bool,
+    largest_param: float,
 ) -> StageCost:
     """Time and memory of stage `s` holding `units` in recomputation `mode`, its first `k` blocks recomputed
     fully (`stage_costs`); `last`: the partition's last stage (no boundary to send on); `largest_param`:
-    `largest_param_bytes(costs)`, when the caller has it."""
+    `largest_param_bytes(costs)` (the buffers' size), computed once by the caller."""
     dtype = graph.source.dtype
     rank = stage_rank(cand.schedule, cand.pp, cand.virtual_stages, s)
     uc = [costs[u] for u in units]
@@ -507,8 +507,6 @@ def stage_cost(
     inflight = in_flight_microbatches(cand.schedule, cand.pp, cand.num_micro_batches, cand.virtual_stages, s)
     act = inflight * sum(c.act[r] for c, r in zip(uc, modes))
     sync, gather = dp_comm_time(sum(c.sync_params for c in uc), cand, cluster, dtype)
-    if largest_param is None:
-        largest_param = largest_param_bytes(costs)
     buffers = comm_buffer_bytes(boundary, cand, options, largest_param)
     return StageCost(
         index=s,

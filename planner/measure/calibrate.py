@@ -125,8 +125,8 @@ def model_gemm_shapes(model_files: list[tuple[str, dict[str, Any]]], dtype: str)
     shapes: set[tuple[int, int, int]] = set()
     for path, args in model_files:
         loaded = load_model_file(path, args, "build_model", "example_inputs", None, dtype, None)
-        model_loaded()
         model = build_meta_model(loaded)
+        model_loaded()  # after the build, as the analysis calls it (the build may import the model's class)
         inputs = meta_inputs(loaded, 1)
         tokens = math.prod(inputs[0].shape[:2]) if inputs and inputs[0].dim() >= 2 else 1
         for mod in model.modules():
