@@ -50,6 +50,23 @@ def test_planning_and_checking_on_meta_imports_no_dynamo():
     assert imported == dict.fromkeys(HEAVY, False)
 
 
+def test_a_model_without_a_mamba_mixer_never_loads_the_fused_kernels():
+    """planner.model.kernels defines custom ops when imported: only a model with a Mamba mixer loads it (the
+    analysis, the count and the check reach it through planner.model.fused)."""
+    cases = [
+        [str(ROOT / "sample_models" / "gpt.py"), {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "vocab": 128},
+         {"pp": 2}],
+        [str(ROOT / "sample_models" / "mlp.py"), {"layers": 4, "width": 64}, {}],
+    ]
+    env = {**os.environ, "PLANNER_NO_CACHE": "1", "PYTHONPATH": str(ROOT)}
+    watched = ["planner.model.kernels", "planner.model.fused", "planner.runtime.stages"]
+    done = subprocess.run([sys.executable, "-c", PLAN, json.dumps(cases), json.dumps(watched)], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = json.loads(done.stdout.strip().splitlines()[-1])
+    assert imported == {"planner.model.kernels": False, "planner.model.fused": True, "planner.runtime.stages": True}
+
+
 def test_a_tensor_parallel_plan_is_checked_without_dynamo():
     """The TP check shards the stages with DTensor over a fake process group on meta: DTensor is imported, the
     compiler stack is not (planner.runtime.meta.dtensor_on_meta; 0.3 s of GPT-3 175B's plan)."""

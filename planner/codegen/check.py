@@ -64,7 +64,7 @@ def mixer_stand_in(device_type: str) -> Callable[[Any], Any] | None:
     scan, which the CPU run takes)."""
     if device_type == "cpu":
         return None
-    from planner.model.kernels import fused_mixer
+    from planner.model.fused import fused_mixer
 
     return fused_mixer
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from planner.errors import PlannerError
 from planner.model.counting import Counts, analyse_callable, flatten_tensors, mixed_precision_mode, tensor_bytes
+from planner.model.fused import fused_kernels
 from planner.model.graph import GemmShape, ModelGraph, TPPair, Unit
 from planner.model.grouping import (
     discover_structure,
@@ -23,7 +24,6 @@ from planner.model.grouping import (
     structure_key,
     unit_name,
 )
-from planner.model.kernels import fused_kernels
 from planner.model.load import DTYPE_BYTES, LoadedModel, build_meta_model, meta_inputs, torch_dtype
 from planner.model.moe import correct_counts, ep_granularity, expert_storages, unit_moe_layers
 from planner.model.tp import ModuleNames, TPInfo, constant_inputs, embeddings_read_elsewhere, renamer, tp_info

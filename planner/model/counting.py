@@ -124,8 +124,6 @@ def _make_counter(counts: Counts, tagged: frozenset[int] = frozenset()) -> _Phas
     from torch.utils._pytree import tree_flatten
     from torch.utils.flop_counter import flop_registry
 
-    from planner.model.kernels import KERNEL_COSTS
-
     live: dict[int, int] = {}  # storages the backward has allocated and that are still alive -> bytes
 
     def freed(key: int) -> None:
@@ -158,7 +156,11 @@ def _make_counter(counts: Counts, tagged: frozenset[int] = frozenset()) -> _Phas
                 track(out, (args, kwargs))
             packet = func._overloadpacket
             name = packet.__name__
-            kernel = KERNEL_COSTS.get(name) if packet.__module__ == "torch._ops.planner" else None
+            kernel = None
+            if packet.__module__ == "torch._ops.planner":  # loaded where a mixer runs as them (planner.model.fused)
+                from planner.model.kernels import KERNEL_COSTS
+
+                kernel = KERNEL_COSTS.get(name)
             if kernel is not None:  # a fused kernel's stand-in (planner.model.kernels): its own FLOPs and bytes
                 flops, nbytes, *core = kernel(args, out)
                 tensor_core = core[0] if core else 0.0  # timed as fused attention kernels are

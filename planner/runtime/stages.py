@@ -208,17 +208,24 @@ def trace(
     return gm, recorder.values, method
 
 
-@torch.library.custom_op("planner_runtime::module_call", mutates_args=())
-def _module_call(args: list[torch.Tensor], name: str) -> torch.Tensor:
-    """Stands for the module `name` called on tensors `args` returning the first one's shape (HF experts:
-    (hidden, top_k_index, top_k_weights); torchtitan's routed_experts: (x, scores, expert_ids, counts)),
-    while torch.export traces; `_export_keeping` replaces it by the module call. Never run."""
-    raise RunError(f"internal error: the placeholder for {name} was left in the graph")
+def _module_call_op() -> Any:
+    """The custom op that stands for a module call while torch.export traces (`_export_keeping`), defined on
+    first use: defining a custom op reads the source of every module loaded to name the caller's module (30 ms
+    once transformers is imported), and only the export of a model with kept modules needs it."""
+    if not hasattr(torch.ops.planner_runtime, "module_call"):
 
+        @torch.library.custom_op("planner_runtime::module_call", mutates_args=())
+        def _module_call(args: list[torch.Tensor], name: str) -> torch.Tensor:
+            """Stands for the module `name` called on tensors `args` returning the first one's shape (HF
+            experts: (hidden, top_k_index, top_k_weights); torchtitan's routed_experts: (x, scores, expert_ids,
+            counts)), while torch.export traces; `_export_keeping` replaces it by the module call. Never run."""
+            raise RunError(f"internal error: the placeholder for {name} was left in the graph")
 
-@_module_call.register_fake
-def _(args: list[torch.Tensor], name: str) -> torch.Tensor:
-    return torch.empty_like(args[0])
+        @_module_call.register_fake
+        def _(args: list[torch.Tensor], name: str) -> torch.Tensor:
+            return torch.empty_like(args[0])
+
+    return torch.ops.planner_runtime.module_call
 
 
 # Per exported graph, the stand-ins of the modules it keeps as calls (by name).
@@ -242,13 +249,14 @@ def _export_keeping(model: nn.Module, inputs: tuple[torch.Tensor, ...], leaves: 
     missing = sorted(leaves - owned.keys())
     if missing:
         raise RunError(f"EXPERTS names modules the model lacks: {missing[:5]}. Re-plan the model.")
+    module_call = _module_call_op()
     saved = {}
     for name in leaves:
         mod = owned[name]
         saved[name] = mod.__dict__.get("forward")
 
         def call(*args: torch.Tensor, _name: str = name) -> torch.Tensor:
-            out: torch.Tensor = torch.ops.planner_runtime.module_call(list(args), _name)
+            out: torch.Tensor = module_call(list(args), _name)
             return out
 
         mod.forward = call
@@ -260,7 +268,7 @@ def _export_keeping(model: nn.Module, inputs: tuple[torch.Tensor, ...], leaves: 
                 del owned[name].forward
             else:
                 owned[name].forward = forward
-    op = torch.ops.planner_runtime.module_call.default
+    op = module_call.default
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is op:
             args, name = node.args
