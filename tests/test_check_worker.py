@@ -456,6 +456,20 @@ def test_a_check_of_a_model_known_to_fail_on_meta_answers_the_same_with_one_run(
     assert failing[0].startswith("RunError: The loss must be a floating-point scalar"), failing
 
 
+def test_the_fake_tensor_run_makes_no_entries_in_torchs_fake_cache(monkeypatch):
+    """The check's fake-tensor run has MetaMemo for a cache: torch's own cache of fake results is off there
+    (its entries cost more to make than a one-off run gains), and the check answers as before."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    FakeTensorMode.cache_clear()
+    assert _probe_check(monkeypatch, True) == ("module", 1)  # the fake-tensor run, at once
+    assert not FakeTensorMode.cache, len(FakeTensorMode.cache)
+    with FakeTensorMode():  # where the cache is on, the same ops make entries: the test can tell
+        torch.ones(4, 8, device="meta") @ torch.ones(8, 2, device="meta")
+    assert FakeTensorMode.cache
+
+
 def test_an_ended_process_not_waited_for_is_reaped_by_the_next_fork_or_end():
     """processes.end(pid, wait=False) kills and leaves the reaping to the next fork or end (the check worker's
     close: the kernel frees its memory while the planner writes its files)."""
