@@ -470,6 +470,53 @@ def test_the_fake_tensor_run_makes_no_entries_in_torchs_fake_cache(monkeypatch):
     assert FakeTensorMode.cache
 
 
+def test_a_model_built_ahead_is_taken_once_by_a_check_of_the_model_as_written(monkeypatch):
+    """Prepared.build_spare: the check of a plan without a traced pipeline (a large model's) takes the model
+    built ahead instead of building one, once, for its own model file and seed only, and answers the same."""
+    from planner.runtime import check
+    from planner.runtime.layout import Layout, ModelFile, Stage, Training
+
+    monkeypatch.setattr(check, "SMALL", 0)  # the probe model counts as large
+    monkeypatch.setenv("PROBE_ITEM", "")
+    monkeypatch.setenv("PROBE_LOSS", "")
+    monkeypatch.setenv("TEST_PID", str(os.getppid()))
+    spec = ModelFile(str(PROBE), "build_model", "example_inputs", "loss_fn", None, {})
+    modules = ("proj_in", "layers.0", "layers.1", "layers.2", "layers.3", "out")
+    layout = Layout(pp=1, dp=2, tp=1, micro_batch_size=2, num_micro_batches=1, stages=(Stage(0, modules),))
+    builds: list[int] = []
+    original = check.build_model
+    monkeypatch.setattr(check, "build_model", lambda *a, **k: builds.append(1) or original(*a, **k))
+
+    scratch = check.check_plan_runs(layout, spec, Training(), "cpu")
+    built_from_scratch = len(builds)
+    assert built_from_scratch >= 1
+    prepared = Prepared(spec, 0)
+    prepared.build_spare()
+    spare = prepared.spare
+    assert spare is not None
+    builds.clear()
+    assert check.check_plan_runs(layout, spec, Training(), "cpu", prepared) == scratch == "module"
+    assert len(builds) == built_from_scratch - 1  # the one it would have built was the spare
+    assert prepared.spare is None  # taken
+    builds.clear()
+    assert check.check_plan_runs(layout, spec, Training(), "cpu", prepared) == scratch
+    assert len(builds) == built_from_scratch  # taken once: built again
+    prepared.build_spare()
+    assert prepared.take_spare(spec, 1) is None and prepared.take_spare(dataclasses.replace(spec, model_args={"x": 1}),
+                                                                        0) is None
+    assert prepared.take_spare(spec, 0) is not None and prepared.take_spare(spec, 0) is None
+
+
+def test_no_model_is_built_ahead_for_a_small_model():
+    """A small model's check may run it on the CPU, whose random draws follow its build: it builds its own."""
+    plan = make_plan("gpt", dp=2)
+    prepared = Prepared(model_file(plan.model), plan.training.seed)
+    prepared.build_spare()
+    assert prepared.spare is None
+    prepared.build_spare()  # and it is not built again to be dropped again
+    assert prepared.spare is None and not prepared._spares
+
+
 def test_an_ended_process_not_waited_for_is_reaped_by_the_next_fork_or_end():
     """processes.end(pid, wait=False) kills and leaves the reaping to the next fork or end (the check worker's
     close: the kernel frees its memory while the planner writes its files)."""

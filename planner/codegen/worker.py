@@ -433,6 +433,14 @@ def _serve(
     pending: deque[Request] = deque()
     served = False
     while True:
+        if not pending and prepared is not None and not channel.ready():
+            # The model as written, built on meta for the next check of a plan without a traced pipeline, while
+            # no plan waits (Prepared.build_spare: a large model's check takes it instead of building its own).
+            try:
+                with user_code(model_path, "Checking that the plan runs", None):
+                    prepared.build_spare()
+            except Exception as e:  # noqa: BLE001 - an optimisation: the check builds the model itself
+                log.debug("plan-time check: worker could not build the model ahead (%s)", e)
         if served and not pending and prepared is not None and not channel.ready():
             # The trace a traced pipeline's check takes, while no plan waits. It cannot be interrupted (a plan
             # sent meanwhile waits for it), so it waits for the first plan, the search's first guess
