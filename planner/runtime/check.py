@@ -148,8 +148,9 @@ class Prepared:
         self.meta_model = build_model(self.user, spec, seed, everything_on_meta=True)
         self.traced: Traced | None = None
         self._taken = False
-        # A model built on meta ahead for the next check of the model as written (`build_spare`, `take_spare`).
-        self.spare: nn.Module | None = None
+        # The model file loaded again and its model built on meta, ahead, for the next check of the model as
+        # written (`build_spare`, `take_spare`).
+        self.spare: tuple[Any, nn.Module] | None = None
         self._spares = True
         # Whether the model as written fails on the meta device (`probe_meta`): a check then runs it on fake
         # tensors at once (`_run_model`), as it would after the meta run failed.
@@ -203,23 +204,26 @@ class Prepared:
             )
 
     def build_spare(self) -> None:
-        """Build the model on meta for the next check of the model as written (a plan without a traced pipeline),
-        which takes it (`take_spare`) instead of building its own: the check worker builds it while no plan waits
-        (DeepSeek-V3 0.05 s, Whisper 0.04 s of a check on its critical path). Only for a model above SMALL: a
-        smaller one's check may run it on the CPU, whose random draws follow the build."""
+        """Load the model file again and build its model on meta for the next check of the model as written (a plan
+        without a traced pipeline), as that check would (a fresh module: a file counting its layers in a global
+        builds the same); the check takes both (`take_spare`) instead of making its own: the check worker makes
+        them while no plan waits (DeepSeek-V3 0.05 s, Whisper 0.04 s of a check on its critical path). Only for a
+        model above SMALL: a smaller one's check may run it on the CPU, whose random draws follow the build."""
         if self.spare is None and self._spares:
-            model = build_model(self.user, self.spec, self.seed, everything_on_meta=True)
+            user = load_model_file(self.spec.path)
+            model = build_model(user, self.spec, self.seed, everything_on_meta=True)
             if sum(p.numel() for p in model.parameters()) > SMALL:
-                self.spare = model
+                self.spare = (user, model)
             else:
                 self._spares = False  # a small model's checks build their own
 
-    def take_spare(self, spec: ModelFile, seed: int) -> nn.Module | None:
-        """The model `build_spare` built, once, for a check of this model file and seed; else None."""
+    def take_spare(self, spec: ModelFile, seed: int) -> tuple[Any, nn.Module] | None:
+        """The model file's module and model `build_spare` made, once, for a check of this model file and seed;
+        else None."""
         if self.spare is None or (spec, seed) != (self.spec, self.seed):
             return None
-        model, self.spare = self.spare, None
-        return model
+        spare, self.spare = self.spare, None
+        return spare
 
     def fails_for(self, spec: ModelFile, seed: int) -> bool:
         """Whether `probe_meta` found this model file and seed to fail on meta."""
@@ -247,11 +251,12 @@ def check_plan_runs(
     meta_without_dynamo()  # the check runs on meta: no torch._dynamo import for its elementwise kernels
     # (made for a traced pipeline: the model as written is built afresh, as its trace called its forward)
     ready = prepared.take(spec, training.seed) if prepared is not None and uses_graph(layout) else None
-    # (the model as written: the one built ahead, with the module it was built from, where there is one)
+    # (the model as written: the module loaded and the model built ahead, where the worker made them)
     spare = prepared.take_spare(spec, training.seed) if prepared is not None and not uses_graph(layout) else None
-    if ready is not None or spare is not None:
-        assert prepared is not None
-        user = prepared.user
+    if ready is not None:
+        user = ready.user
+    elif spare is not None:
+        user = spare[0]
     else:
         user = load_model_file(spec.path)
     loss_fn: Callable[..., torch.Tensor] = getattr(user, spec.loss_fn) if spec.loss_fn else default_loss
@@ -263,7 +268,7 @@ def check_plan_runs(
     if ready is not None:
         meta_model = ready.meta_model
     elif spare is not None:
-        meta_model = spare
+        meta_model = spare[1]
     else:
         meta_model = build_model(user, spec, training.seed, everything_on_meta=True)
     case = CheckCase(layout, spec, training, user, example, input_count(meta_model, len(example)), loss_fn, cancel)
