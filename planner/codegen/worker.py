@@ -441,21 +441,21 @@ def _serve(
                     prepared.build_spare()
             except Exception as e:  # noqa: BLE001 - an optimisation: the check builds the model itself
                 log.debug("plan-time check: worker could not build the model ahead (%s)", e)
-        if served and not pending and prepared is not None and not channel.ready():
-            # The trace a traced pipeline's check takes, while no plan waits. It cannot be interrupted (a plan
-            # sent meanwhile waits for it), so it waits for the first plan, the search's first guess
-            # (planner.search's on_guess, sent before any candidate is solved): a guess without a pipeline is
-            # checked first (the trace is no use to it), one with a pipeline takes the prepared model and traces
-            # it itself.
-            # (the trace's values of a Mamba mixer are its output's shape, the same from the fused stand-in as
-            # from its reference scan, which takes seconds on meta: any plan's check can take this trace)
-            try:
-                with user_code(model_path, "Checking that the plan runs", None), each_scan_once(
-                    mixer_stand_in("cuda")
-                ):
-                    prepared.trace_ahead(_experts_of)
-            except Exception as e:  # noqa: BLE001 - an optimisation: the check traces itself without it
-                log.debug("plan-time check: worker could not trace ahead (%s)", e)
+            if served and not channel.ready():
+                # The trace a traced pipeline's check takes, while no plan waits. It cannot be interrupted (a plan
+                # sent meanwhile waits for it), so it waits for the first plan, the search's first guess
+                # (planner.search's on_guess, sent before any candidate is solved): a guess without a pipeline is
+                # checked first (the trace is no use to it), one with a pipeline takes the prepared model and
+                # traces it itself.
+                # (the trace's values of a Mamba mixer are its output's shape, the same from the fused stand-in
+                # as from its reference scan, which takes seconds on meta: any plan's check can take this trace)
+                try:
+                    with user_code(model_path, "Checking that the plan runs", None), each_scan_once(
+                        mixer_stand_in("cuda")
+                    ):
+                        prepared.trace_ahead(_experts_of)
+                except Exception as e:  # noqa: BLE001 - an optimisation: the check traces itself without it
+                    log.debug("plan-time check: worker could not trace ahead (%s)", e)
         if not pending:
             try:
                 pending.append(channel.receive())

@@ -146,12 +146,13 @@ class Prepared:
         self.spec, self.seed = spec, seed
         self.user = load_model_file(spec.path)
         self.meta_model = build_model(self.user, spec, seed, everything_on_meta=True)
+        # Above SMALL: what `probe_meta` and `build_spare` work ahead for (a smaller model's check may go to the CPU)
+        self.large = sum(p.numel() for p in self.meta_model.parameters()) > SMALL
         self.traced: Traced | None = None
         self._taken = False
         # The model file loaded again and its model built on meta, ahead, for the next check of the model as
         # written (`build_spare`, `take_spare`).
         self.spare: tuple[Any, nn.Module] | None = None
-        self._spares = True
         # Whether the model as written fails on the meta device (`probe_meta`): a check then runs it on fake
         # tensors at once (`_run_model`), as it would after the meta run failed.
         self.fails_on_meta = False
@@ -163,9 +164,9 @@ class Prepared:
         which the meta device cannot answer), note it (`fails_on_meta`). Only for a model above SMALL (a
         smaller one's failure sends its check to the CPU, not to fake tensors). It stops at the next module
         call once `cancel()` holds (Cancelled). The check worker runs it while no plan waits."""
-        model = build_model(self.user, self.spec, self.seed, everything_on_meta=True)
-        if sum(p.numel() for p in model.parameters()) <= SMALL:
+        if not self.large:
             return
+        model = build_model(self.user, self.spec, self.seed, everything_on_meta=True)
         names = list(modules)
 
         def stop(*_: Any) -> None:
@@ -209,31 +210,31 @@ class Prepared:
         builds the same); the check takes both (`take_spare`) instead of making its own: the check worker makes
         them while no plan waits (DeepSeek-V3 0.05 s, Whisper 0.04 s of a check on its critical path). Only for a
         model above SMALL: a smaller one's check may run it on the CPU, whose random draws follow the build."""
-        if self.spare is None and self._spares:
+        if self.spare is None and self.large:
             user = load_model_file(self.spec.path)
-            model = build_model(user, self.spec, self.seed, everything_on_meta=True)
-            if sum(p.numel() for p in model.parameters()) > SMALL:
-                self.spare = (user, model)
-            else:
-                self._spares = False  # a small model's checks build their own
+            self.spare = (user, build_model(user, self.spec, self.seed, everything_on_meta=True))
 
     def take_spare(self, spec: ModelFile, seed: int) -> tuple[Any, nn.Module] | None:
         """The model file's module and model `build_spare` made, once, for a check of this model file and seed;
         else None."""
-        if self.spare is None or (spec, seed) != (self.spec, self.seed):
+        if self.spare is None or not self._serves(spec, seed):
             return None
         spare, self.spare = self.spare, None
         return spare
 
     def fails_for(self, spec: ModelFile, seed: int) -> bool:
         """Whether `probe_meta` found this model file and seed to fail on meta."""
-        return self.fails_on_meta and (spec, seed) == (self.spec, self.seed)
+        return self.fails_on_meta and self._serves(spec, seed)
 
     def take(self, spec: ModelFile, seed: int) -> Prepared | None:
-        if self._taken or spec != self.spec or seed != self.seed:
+        if self._taken or not self._serves(spec, seed):
             return None
         self._taken = True
         return self
+
+    def _serves(self, spec: ModelFile, seed: int) -> bool:
+        """Whether a check of this model file and seed is one this preparation was made for."""
+        return (spec, seed) == (self.spec, self.seed)
 
 
 def check_plan_runs(
